@@ -1,0 +1,23 @@
+"""pyembed: the transformer input layer (token lookup, scaling, positional addition)
+as one fused op, forward and backward, with a backward that touches only used rows.
+
+    out = fused_embedding(ids, weight, pos_weight, scale=math.sqrt(d))
+    layer = EmbeddingLayer(vocab_size, d, max_seq_len, pos_encoding="sinusoidal")
+    emb = FusedEmbedding(vocab_size, d)          # a drop-in nn.Embedding
+"""
+
+__version__ = "0.1.0"
+
+from .dispatch import available_backends
+from .functional import fused_embedding
+from .modules import EmbeddingLayer, FusedEmbedding, replace_embeddings
+from .reference import sinusoidal_table
+
+__all__ = [
+    "EmbeddingLayer",
+    "FusedEmbedding",
+    "available_backends",
+    "fused_embedding",
+    "replace_embeddings",
+    "sinusoidal_table",
+]

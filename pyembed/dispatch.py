@@ -1,0 +1,109 @@
+"""Backend choice: the ``backend=`` argument, ``PYEMBED_BACKEND``, and availability.
+
+A backend is a pair of ops with the schema of ``reference.embedding_forward`` /
+``reference.embedding_backward`` plus a function saying why it cannot run on a device
+(``None`` when it can). Adding a backend is one ``register_backend`` call.
+
+Auto (DESIGN §2): CUDA tensors -> cuda, else triton, else reference;
+CPU tensors -> cpu, else reference. Auto never raises for availability; an explicitly
+requested backend that cannot run raises RuntimeError saying why.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from . import reference
+
+BACKEND_NAMES = ("reference", "cpu", "cuda", "triton")
+_AUTO_ORDER = {"cuda": ("cuda", "triton", "reference"), "cpu": ("cpu", "reference")}
+ENV_VAR = "PYEMBED_BACKEND"
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    forward: Callable  # op with the schema of reference.embedding_forward
+    backward: Callable  # op with the schema of reference.embedding_backward
+    why_unavailable: Callable[[torch.device], Optional[str]]  # None when it can run there
+
+
+_registry: dict[str, Backend] = {}
+# Why a known backend is not registered at all (set by the code that tried to load it).
+_missing_reason: dict[str, str] = {
+    "cpu": "the pyembed._C extension was not built with CPU kernels",
+    "cuda": "the pyembed._C extension was not built with CUDA kernels",
+    "triton": "the Triton backend is not part of this build",
+}
+
+
+def register_backend(backend: Backend) -> None:
+    if backend.name not in BACKEND_NAMES:
+        raise ValueError(f"pyembed: unknown backend name {backend.name!r}")
+    _registry[backend.name] = backend
+    _missing_reason.pop(backend.name, None)
+
+
+def mark_missing(name: str, reason: str) -> None:
+    """Record why a known backend could not be loaded (shown when it is requested)."""
+    if name not in _registry:
+        _missing_reason[name] = reason
+
+
+def _why_unavailable(name: str, device: torch.device) -> Optional[str]:
+    if name not in _registry:
+        return _missing_reason.get(name, "it is not registered")
+    return _registry[name].why_unavailable(device)
+
+
+def get(name: str) -> Backend:
+    """The registered backend ``name`` (already resolved by ``resolve``)."""
+    return _registry[name]
+
+
+def backends_for(device) -> list[str]:
+    """Backends that can run on tensors of ``device``."""
+    device = torch.device(device)
+    return [n for n in BACKEND_NAMES if _why_unavailable(n, device) is None]
+
+
+def available_backends() -> list[str]:
+    """Backends that can run on at least one device present on this machine."""
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices.append(torch.device("cuda"))
+    return [n for n in BACKEND_NAMES if any(_why_unavailable(n, d) is None for d in devices)]
+
+
+def resolve(requested: str, device: torch.device) -> Backend:
+    """The backend to run for tensors on ``device``. ``requested`` is "auto" or a name;
+    under "auto", a set PYEMBED_BACKEND counts as an explicit request."""
+    if requested == "auto":
+        requested = os.environ.get(ENV_VAR, "") or "auto"
+    if requested == "auto":
+        for name in _AUTO_ORDER.get(device.type, ("reference",)):
+            if _why_unavailable(name, device) is None:
+                return _registry[name]
+        raise AssertionError("the reference backend runs everywhere")  # unreachable
+    if requested not in BACKEND_NAMES:
+        raise ValueError(
+            f"pyembed: unknown backend {requested!r}; expected 'auto' or one of {list(BACKEND_NAMES)}"
+        )
+    reason = _why_unavailable(requested, device)
+    if reason is not None:
+        raise RuntimeError(f"pyembed: backend {requested!r} cannot run on {device}: {reason}")
+    return _registry[requested]
+
+
+register_backend(
+    Backend(
+        name="reference",
+        forward=reference.reference_forward,
+        backward=reference.reference_backward,
+        why_unavailable=lambda device: None,
+    )
+)
