@@ -1,0 +1,1 @@
+"""pyembed's benchmark harness (``python -m bench`` / ``make bench``)."""

@@ -1,0 +1,113 @@
+"""Independent results the tests compare against: eager PyTorch (``nn.Embedding`` +
+mul + add, the way models do it today) and the float64 reference."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import pyembed
+from pyembed import dispatch
+from pyembed.reference import sinusoid, token_positions
+
+CPU_BACKENDS = dispatch.backends_for("cpu")
+WEIGHT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+ID_DTYPES = [torch.int32, torch.int64]
+FLOAT_EPS = {torch.float32: 2.0**-24, torch.float64: 2.0**-53}
+
+
+def backends_supporting(dtype: torch.dtype) -> list[str]:
+    """float64 runs on CPU backends only (not Triton)."""
+    if dtype == torch.float64:
+        return [b for b in CPU_BACKENDS if b != "triton"]
+    return CPU_BACKENDS
+
+
+def eager_embedding(ids, weight, pos_weight=None, *, pos_encoding=None, scale=1.0, position_ids=None,
+                    offset=0, padding_idx=None, scale_grad_by_freq=False, sparse=False):
+    """The unfused way: nn.Embedding lookups, a multiply and an add, each rounded."""
+    out = F.embedding(ids, weight, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
+    if scale != 1.0:
+        out = out * scale
+    if pos_encoding is None and pos_weight is not None:
+        pos_encoding = "learned"
+    if pos_encoding in (None, "none"):
+        return out
+    positions = token_positions(ids, position_ids, offset).reshape(ids.shape)
+    if pos_encoding == "learned":
+        return out + F.embedding(positions, pos_weight)
+    pe = sinusoid(positions.reshape(-1), weight.shape[1]).to(weight.dtype)
+    return out + pe.reshape(*ids.shape, -1)
+
+
+def sinusoid_atol(ids, position_ids=None, offset=0, embed_dim=None) -> torch.Tensor:
+    """DESIGN §7: a float32 sinusoid may be off by 8 * 2**-24 * (p + 1) per element,
+    since the angle p * w_i itself is rounded to float32. Broadcastable to the output."""
+    positions = token_positions(ids, position_ids, offset).reshape(*ids.shape, 1)
+    return 8 * 2.0**-24 * (positions.double() + 1)
+
+
+def max_abs_err(actual: torch.Tensor, exact: torch.Tensor) -> float:
+    return (actual.double() - exact.double()).abs().max().item() if actual.numel() else 0.0
+
+
+def assert_within(actual: torch.Tensor, expected: torch.Tensor, atol, rtol: float = 0.0, what: str = "") -> None:
+    """|actual - expected| <= atol + rtol * |expected| elementwise (atol may be a tensor);
+    on failure report the worst element, its index and the count of bad elements."""
+    diff = (actual.double() - expected.double()).abs()
+    bound = torch.as_tensor(atol, dtype=torch.float64) + rtol * expected.double().abs()
+    bad = diff > bound
+    if bad.any():
+        worst = torch.argmax((diff - bound).reshape(-1)).item()
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), diff.shape))
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {bad.numel()} elements out of tolerance; worst at {idx}: "
+            f"actual {actual[idx].item()!r}, expected {expected[idx].item()!r}, "
+            f"allowed {bound.broadcast_to(diff.shape)[idx].item():.3g}"
+        )
+
+
+def make_inputs(batch, seq_len, vocab, dim, dtype, id_dtype=torch.int64, pos_rows=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=g).to(id_dtype)
+    weight = torch.randn(vocab, dim, generator=g, dtype=torch.float64).to(dtype)
+    pos_weight = None
+    if pos_rows is not None:
+        pos_weight = (0.5 * torch.randn(pos_rows, dim, generator=g, dtype=torch.float64)).to(dtype)
+    dout = torch.randn(batch, seq_len, dim, generator=g, dtype=torch.float64).to(dtype)
+    return ids, weight, pos_weight, dout
+
+
+def run_with_grads(fn, ids, weight, pos_weight, dout, **kwargs):
+    """Run fn(ids, weight, pos_weight, **kwargs) on fresh leaf copies of the tables and
+    backpropagate dout; return (out, dW, dP)."""
+    w = weight.detach().clone().requires_grad_()
+    p = None if pos_weight is None else pos_weight.detach().clone().requires_grad_()
+    out = fn(ids, w, p, **kwargs)
+    out.backward(dout)
+    return out.detach(), w.grad, None if p is None else p.grad
+
+
+def fused(backend):
+    def run(ids, weight, pos_weight=None, **kwargs):
+        return pyembed.fused_embedding(ids, weight, pos_weight, backend=backend, **kwargs)
+    return run
+
+
+def accumulation_bound(keys, dout, num_rows, scale, dtype):
+    """A rule-based bound on a gradient row sum_k scale * dout_k computed by fp32 (fp64)
+    accumulation and rounded once to dtype: rounding u(dtype) * |exact| plus the
+    summation error eps * (count + 2) * scale * sum |dout_k| (Higham's bound).
+    Returns (exact float64 (num_rows, d), bound (num_rows, d))."""
+    acc_eps = FLOAT_EPS[torch.float64 if dtype == torch.float64 else torch.float32]
+    keys = keys.reshape(-1).long()
+    terms = dout.reshape(keys.numel(), -1).double()
+    exact = torch.zeros(num_rows, terms.shape[1], dtype=torch.float64).index_add_(0, keys, terms) * scale
+    abs_sum = torch.zeros_like(exact).index_add_(0, keys, terms.abs()) * abs(scale)
+    counts = torch.bincount(keys, minlength=num_rows).double()[:, None]
+    bound = UNIT_ROUNDOFF[dtype] * exact.abs() + acc_eps * (counts + 2) * abs_sum
+    return exact, bound
+
+
+# Relative error of one round-to-nearest into each dtype.
+UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}

@@ -1,0 +1,105 @@
+"""Backend choice (DESIGN §2), op registration (opcheck, torch.compile) and a
+property-based sweep of shapes against eager PyTorch."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import pyembed
+from pyembed import dispatch
+from helpers import CPU_BACKENDS, backends_supporting, eager_embedding, make_inputs, run_with_grads
+
+
+def test_available_backends_lists_reference_first():
+    names = pyembed.available_backends()
+    assert names[0] == "reference"
+    assert set(names) <= {"reference", "cpu", "cuda", "triton"}
+
+
+def test_import_and_print_backends_in_a_fresh_process():
+    out = subprocess.run([sys.executable, "-c", "import pyembed; print(pyembed.available_backends())"],
+                         capture_output=True, text=True, check=True)
+    assert "'reference'" in out.stdout
+
+
+def test_auto_picks_the_fastest_available_backend_for_cpu():
+    expected = "cpu" if "cpu" in CPU_BACKENDS else "reference"
+    assert dispatch.resolve("auto", torch.device("cpu")).name == expected
+
+
+def test_explicit_unavailable_backend_raises_runtime_error_saying_why():
+    missing = [n for n in dispatch.BACKEND_NAMES if n not in CPU_BACKENDS]
+    if not missing:
+        pytest.skip("every backend runs on CPU in this build")
+    ids, weight = torch.tensor([[1, 2]]), torch.randn(4, 8)
+    for name in missing:
+        with pytest.raises(RuntimeError, match=f"backend '{name}' cannot run on cpu: .+"):
+            pyembed.fused_embedding(ids, weight, backend=name)
+
+
+def test_unknown_backend_is_a_value_error():
+    with pytest.raises(ValueError, match="'fastest'"):
+        pyembed.fused_embedding(torch.tensor([1]), torch.randn(4, 8), backend="fastest")
+
+
+def test_environment_variable_overrides_auto(monkeypatch):
+    ids, weight = torch.tensor([[1, 2]]), torch.randn(4, 8)
+    monkeypatch.setenv("PYEMBED_BACKEND", "reference")
+    assert dispatch.resolve("auto", torch.device("cpu")).name == "reference"
+    assert dispatch.resolve("reference", torch.device("cpu")).name == "reference"
+    monkeypatch.setenv("PYEMBED_BACKEND", "nonsense")
+    with pytest.raises(ValueError, match="nonsense"):
+        pyembed.fused_embedding(ids, weight)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_reference_ops_pass_opcheck(sparse):
+    ids, weight, pos_weight, dout = make_inputs(2, 5, 7, 8, torch.float32, pos_rows=6)
+    position_ids = torch.randint(0, 6, ids.shape)
+    ops = torch.ops.pyembed
+    torch.library.opcheck(ops.reference_forward, (ids, weight, pos_weight, position_ids, "learned", 2.0, 0, True))
+    torch.library.opcheck(ops.reference_forward, (ids, weight, None, None, "sinusoidal", 1.0, 3, True))
+    torch.library.opcheck(ops.reference_backward, (dout, ids, None, 1, 7, 6, 2.0, 3, False, sparse, True, True))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_torch_compile_fullgraph_traces_the_layer(backend):
+    torch.manual_seed(0)
+    layer = pyembed.EmbeddingLayer(100, 16, 64, scale_embeddings=True, backend=backend)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    ids = torch.randint(0, 100, (2, 9))
+    out = compiled(ids)
+    out.pow(2).sum().backward()
+    grad = layer.token_embedding.weight.grad.clone()
+    layer.zero_grad()
+    expected = layer(ids)
+    expected.pow(2).sum().backward()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(grad, layer.token_embedding.weight.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@settings(max_examples=30, deadline=None)
+@given(
+    batch=st.integers(1, 4), seq_len=st.integers(0, 40), vocab=st.integers(1, 40), dim=st.integers(1, 40),
+    pos=st.sampled_from(["none", "learned", "sinusoidal"]), scale=st.floats(0.1, 10.0), seed=st.integers(0, 99),
+)
+def test_random_shapes_match_eager(backend, batch, seq_len, vocab, dim, pos, scale, seed):
+    if pos == "sinusoidal" and dim % 2:
+        dim += 1
+    # float64 where the backend takes it (exact comparison), else float32.
+    dtype = torch.float64 if backend in backends_supporting(torch.float64) else torch.float32
+    # float32: 1e-5 accumulation plus the sinusoid allowance 8 * 2**-24 * (p + 1) for p <= 40.
+    tol = 1e-12 if dtype == torch.float64 else 1e-5 + 8 * 2.0**-24 * 41
+    ids, weight, pos_weight, dout = make_inputs(batch, seq_len, vocab, dim, dtype,
+                                                pos_rows=seq_len + 1 if pos == "learned" else None, seed=seed)
+    kwargs = dict(pos_encoding=pos, scale=scale)
+    run = lambda i, w, p, **kw: pyembed.fused_embedding(i, w, p, backend=backend, **kw)  # noqa: E731
+    got = run_with_grads(run, ids, weight, pos_weight, dout, **kwargs)
+    want = run_with_grads(eager_embedding, ids, weight, pos_weight, dout, **kwargs)
+    for g, w in zip(got, want):
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=tol, atol=tol)

@@ -1,0 +1,83 @@
+"""Every row of DESIGN §3: the exception type, a message naming the values, and no
+change to any table."""
+
+import pytest
+import torch
+
+import pyembed
+from helpers import CPU_BACKENDS
+
+V, D, P = 10, 8, 6
+
+
+def _tables():
+    return torch.randn(V, D), torch.randn(P, D)
+
+
+CASES = [
+    # (id, kwargs builder, exception, message fragment)
+    ("float ids", lambda w, p: dict(ids=torch.zeros(2, 3), weight=w), TypeError, "torch.float32"),
+    ("bool ids", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.bool), weight=w), TypeError, "torch.bool"),
+    ("id too large", lambda w, p: dict(ids=torch.tensor([[1, 10, 3]]), weight=w), IndexError, "max id 10"),
+    ("negative id", lambda w, p: dict(ids=torch.tensor([[-1, 2]]), weight=w), IndexError, "min id -1"),
+    ("V in message", lambda w, p: dict(ids=torch.tensor([[12]]), weight=w), IndexError, "V=10"),
+    ("learned position past max", lambda w, p: dict(ids=torch.zeros(2, 7, dtype=torch.long), weight=w, pos_weight=p),
+     ValueError, "max_seq_len=6"),
+    ("offset past max", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=w, pos_weight=p, offset=4),
+     ValueError, "offset 4"),
+    ("position_ids past max", lambda w, p: dict(ids=torch.zeros(1, 3, dtype=torch.long), weight=w, pos_weight=p,
+                                                position_ids=torch.tensor([[0, 6, 1]])), ValueError, "position 6"),
+    ("position_ids shape", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=w, pos_weight=p,
+                                             position_ids=torch.zeros(2, 4, dtype=torch.long)), ValueError, "(2, 4)"),
+    ("negative position_ids", lambda w, p: dict(ids=torch.zeros(1, 3, dtype=torch.long), weight=w,
+                                                pos_encoding="sinusoidal", position_ids=torch.tensor([[0, -2, 1]])),
+     ValueError, "-2"),
+    ("dim mismatch", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=w, pos_weight=torch.randn(P, 4)),
+     ValueError, "embedding dimension mismatch"),
+    ("odd d sinusoidal", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=torch.randn(V, 7),
+                                           pos_encoding="sinusoidal"), ValueError, "d=7"),
+    ("rank 3 with PE", lambda w, p: dict(ids=torch.zeros(2, 3, 4, dtype=torch.long), weight=w,
+                                         pos_encoding="sinusoidal"), ValueError, "(2, 3, 4)"),
+    ("rank 0 with PE", lambda w, p: dict(ids=torch.tensor(1), weight=w, pos_weight=p), ValueError, "()"),
+    ("devices", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long, device="meta"), weight=w),
+     ValueError, "meta"),
+    ("negative offset", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=w, pos_weight=p, offset=-1),
+     ValueError, "offset"),
+    ("unknown pos_encoding", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=w,
+                                               pos_encoding="rotary"), ValueError, "rotary"),
+    ("padding_idx out of range", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=w, padding_idx=10),
+     ValueError, "padding_idx=10"),
+    ("integer weight", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=torch.ones(V, D, dtype=torch.long)),
+     TypeError, "torch.int64"),
+]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_raises_clear_error_and_corrupts_nothing(backend, case):
+    _, build, exc, fragment = case
+    weight, pos_weight = _tables()
+    kwargs = build(weight, pos_weight)
+    before = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.device.type != "meta"}
+    with pytest.raises(exc) as info:
+        pyembed.fused_embedding(backend=backend, **kwargs)
+    assert fragment in str(info.value), str(info.value)
+    for k, v in before.items():
+        assert torch.equal(kwargs[k], v), f"{k} changed"
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_any_shape_without_positional_encoding(backend):
+    weight = torch.randn(V, D)
+    ids = torch.randint(0, V, (2, 3, 4))
+    torch.testing.assert_close(pyembed.fused_embedding(ids, weight, backend=backend), weight[ids], rtol=0, atol=0)
+    scalar = torch.tensor(4)
+    torch.testing.assert_close(pyembed.fused_embedding(scalar, weight, backend=backend), weight[4], rtol=0, atol=0)
+
+
+def test_max_norm_checks_ids_before_renormalising():
+    emb = pyembed.FusedEmbedding(V, D, max_norm=0.1)
+    before = emb.weight.detach().clone()
+    with pytest.raises(IndexError, match="max id 10"):
+        emb(torch.tensor([1, 10]))
+    assert torch.equal(emb.weight, before)

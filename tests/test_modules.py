@@ -1,0 +1,198 @@
+"""The drop-in modules against nn.Embedding and against closed forms."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import pyembed
+from helpers import CPU_BACKENDS, assert_within, eager_embedding, run_with_grads, sinusoid_atol
+
+
+# --------------------------------------------------------------------------- FusedEmbedding
+def test_fused_embedding_is_an_nn_embedding_with_the_same_init_and_state_dict():
+    torch.manual_seed(0)
+    ref = nn.Embedding(50, 16, padding_idx=-2)
+    torch.manual_seed(0)
+    ours = pyembed.FusedEmbedding(50, 16, padding_idx=-2)
+    assert isinstance(ours, nn.Embedding)
+    assert (ours.num_embeddings, ours.embedding_dim, ours.padding_idx) == (50, 16, 48)
+    torch.testing.assert_close(ours.weight, ref.weight, rtol=0, atol=0)  # N(0, 1), padding row zeroed
+    assert torch.all(ours.weight[48] == 0)
+    assert list(ours.state_dict()) == ["weight"]
+    ref.load_state_dict(ours.state_dict())
+    ours.load_state_dict(ref.state_dict())
+    assert "padding_idx=48" in repr(ours)
+    assert "scale=2" in repr(pyembed.FusedEmbedding(5, 4, scale=2.0, backend="reference"))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("sparse", [False, True])
+def test_fused_embedding_matches_nn_embedding_forward_and_backward(backend, sparse):
+    torch.manual_seed(1)
+    by_freq = not sparse  # nn.Embedding refuses scale_grad_by_freq with sparse gradients
+    ref = nn.Embedding(30, 12, padding_idx=3, scale_grad_by_freq=by_freq, sparse=sparse)
+    ours = pyembed.FusedEmbedding(30, 12, padding_idx=3, scale_grad_by_freq=by_freq, sparse=sparse, backend=backend)
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 30, (4, 9))
+    ids[0, 0] = 3
+    dout = torch.randn(4, 9, 12)
+    ref(ids).backward(dout)
+    out = ours(ids)
+    out.backward(dout)
+    torch.testing.assert_close(out, ref(ids), rtol=0, atol=0)
+    assert ours.weight.grad.is_sparse == sparse
+    torch.testing.assert_close(ours.weight.grad.to_dense(), ref.weight.grad.to_dense(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_max_norm_renormalises_like_nn_embedding(backend):
+    torch.manual_seed(2)
+    ref = nn.Embedding(20, 6, max_norm=1.0, norm_type=1.5)
+    ours = pyembed.FusedEmbedding(20, 6, max_norm=1.0, norm_type=1.5, backend=backend)
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.tensor([[1, 2, 2, 7], [7, 0, 19, 1]])
+    torch.testing.assert_close(ours(ids), ref(ids), rtol=0, atol=0)
+    torch.testing.assert_close(ours.weight, ref.weight, rtol=0, atol=0)  # same rows renormed in place
+    assert torch.linalg.vector_norm(ours.weight[ids.unique()], ord=1.5, dim=1).max() <= 1.0 + 1e-6
+    assert torch.linalg.vector_norm(ours.weight[3], ord=1.5) > 1.0  # untouched rows untouched
+
+
+def test_from_pretrained_freezes_and_shares():
+    table = torch.randn(7, 4)
+    frozen = pyembed.FusedEmbedding.from_pretrained(table, padding_idx=0, scale=3.0)
+    assert not frozen.weight.requires_grad and frozen.padding_idx == 0
+    torch.testing.assert_close(frozen(torch.tensor([2, 5])), table[[2, 5]] * 3.0, rtol=0, atol=0)
+    trainable = pyembed.FusedEmbedding.from_pretrained(table, freeze=False)
+    assert trainable.weight.requires_grad and trainable.weight.data_ptr() == table.data_ptr()
+
+
+# --------------------------------------------------------------------------- EmbeddingLayer
+def test_embedding_layer_attributes_and_init():
+    torch.manual_seed(3)
+    layer = pyembed.EmbeddingLayer(1000, 64, max_seq_len=256, padding_idx=0)
+    assert layer.token_embedding.weight.shape == (1000, 64)
+    assert layer.pos_embedding.shape == (256, 64) and isinstance(layer.pos_embedding, nn.Parameter)
+    assert torch.all(layer.token_embedding.weight[0] == 0)
+    assert abs(layer.token_embedding.weight.std().item() - 1.0) < 0.05  # N(0, 1), as nn.Embedding
+    assert abs(layer.pos_embedding.std().item() - 0.02) < 0.002
+    assert set(dict(layer.named_parameters())) == {"token_embedding.weight", "pos_embedding"}
+    sinus = pyembed.EmbeddingLayer(100, 32, pos_encoding="sinusoidal")
+    assert sinus.pos_embedding is None and set(dict(sinus.named_parameters())) == {"token_embedding.weight"}
+    with pytest.raises(ValueError, match="d=7"):
+        pyembed.EmbeddingLayer(10, 7, pos_encoding="sinusoidal")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("pos_encoding", [None, "learned", "sinusoidal"])
+def test_embedding_layer_matches_the_unfused_seed_code(backend, pos_encoding):
+    torch.manual_seed(4)
+    layer = pyembed.EmbeddingLayer(300, 48, 64, pos_encoding=pos_encoding, scale_embeddings=True, backend=backend)
+    ids = torch.randint(0, 300, (3, 40))
+    dout = torch.randn(3, 40, 48)
+    weight = layer.token_embedding.weight
+    for offset in (0, 24):
+        kwargs = dict(pos_encoding=pos_encoding, scale=math.sqrt(48), offset=offset)
+        out, dw, dp = run_with_grads(lambda i, w, p, **kw: pyembed.fused_embedding(i, w, p, backend=backend, **kw),
+                                     ids, weight, layer.pos_embedding, dout, **kwargs)
+        layer.zero_grad()
+        got = layer(ids, offset=offset)
+        got.backward(dout)
+        torch.testing.assert_close(got, out, rtol=0, atol=0)
+        torch.testing.assert_close(weight.grad, dw, rtol=0, atol=0)
+        eager = eager_embedding(ids, weight, layer.pos_embedding, **kwargs)
+        atol = 1e-6 + (sinusoid_atol(ids, offset=offset) if pos_encoding == "sinusoidal" else 0)
+        assert_within(got, eager, atol, 1e-6, what="layer vs eager")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_embedding_layer_single_sequence_position_ids_and_dropout(backend):
+    torch.manual_seed(5)
+    layer = pyembed.EmbeddingLayer(50, 16, 32, dropout=0.5, backend=backend).eval()  # eval: dropout off
+    ids = torch.randint(0, 50, (10,))
+    single = layer(ids)
+    assert single.shape == (10, 16)
+    torch.testing.assert_close(single, layer(ids[None])[0], rtol=0, atol=0)
+    position_ids = torch.arange(5, 15)
+    torch.testing.assert_close(layer(ids, position_ids=position_ids), layer(ids, offset=5), rtol=0, atol=0)
+    layer.train()
+    dropped = layer(ids[None])
+    assert 0.2 < (dropped == 0).float().mean().item() < 0.8
+
+
+def test_sinusoidal_layer_accepts_any_length():
+    layer = pyembed.EmbeddingLayer(10, 8, max_seq_len=4, pos_encoding="sinusoidal")
+    assert layer(torch.zeros(1, 600, dtype=torch.long)).shape == (1, 600, 8)
+
+
+# --------------------------------------------------------------------------- sinusoid
+def _closed_form(positions, dim):
+    """PE(p, 2i) = sin(p w_i), PE(p, 2i+1) = cos(p w_i), w_i = 10000^(-2i/d), in numpy float64."""
+    p = np.asarray(positions, dtype=np.float64)[:, None]
+    w = 10000.0 ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    table = np.empty((p.shape[0], dim))
+    table[:, 0::2], table[:, 1::2] = np.sin(p * w), np.cos(p * w)
+    return torch.from_numpy(table)
+
+
+def test_sinusoidal_table_is_the_closed_form():
+    table = pyembed.sinusoidal_table(5001, 64, dtype=torch.float64)
+    torch.testing.assert_close(table, _closed_form(range(5001), 64), rtol=0, atol=1e-12)
+    assert torch.equal(table[0], torch.tensor([0.0, 1.0] * 32, dtype=torch.float64))
+    assert pyembed.sinusoidal_table(3, 10).dtype == torch.float32
+    with pytest.raises(ValueError):
+        pyembed.sinusoidal_table(3, 9)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_fused_sinusoid_values_up_to_position_5000(backend, dtype):
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("triton does not take float64 tables")
+    dim = 96
+    position_ids = torch.tensor([[0, 1, 2, 7, 100, 511, 512, 1000, 2047, 4095, 4999, 5000]])
+    ids = torch.zeros_like(position_ids)
+    zero_table = torch.zeros(1, dim, dtype=dtype)
+    out = pyembed.fused_embedding(ids, zero_table, pos_encoding="sinusoidal", position_ids=position_ids, backend=backend)
+    exact = _closed_form(position_ids[0].tolist(), dim)[None]
+    atol = sinusoid_atol(ids, position_ids=position_ids) if dtype == torch.float32 else 1e-12
+    assert_within(out, exact, atol, what=f"{backend} sinusoid")
+
+
+# --------------------------------------------------------------------------- replace_embeddings
+class TinyLM(nn.Module):
+    def __init__(self, vocab=64, dim=32, max_len=16):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim, padding_idx=0)
+        self.pos = nn.Embedding(max_len, dim)
+        layer = nn.TransformerEncoderLayer(dim, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied input/output embeddings
+
+    def forward(self, ids):
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+        return self.head(self.encoder(x))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_replace_embeddings_gives_identical_outputs_and_gradients(backend):
+    torch.manual_seed(6)
+    model = TinyLM()
+    swapped = TinyLM()
+    swapped.load_state_dict(model.state_dict())
+    tok_param = swapped.tok.weight
+    assert pyembed.replace_embeddings(swapped, backend=backend) is swapped
+    assert type(swapped.tok) is pyembed.FusedEmbedding and type(swapped.pos) is pyembed.FusedEmbedding
+    assert swapped.tok.weight is tok_param and swapped.head.weight is swapped.tok.weight  # still tied
+    assert swapped.tok.padding_idx == 0
+    assert list(swapped.state_dict()) == list(model.state_dict())
+
+    ids = torch.randint(0, 64, (3, 16))
+    for m in (model, swapped):
+        m(ids).pow(2).mean().backward()
+    torch.testing.assert_close(swapped(ids), model(ids), rtol=0, atol=0)
+    for (name, a), (_, b) in zip(model.named_parameters(), swapped.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)

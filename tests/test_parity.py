@@ -1,0 +1,229 @@
+"""Every backend that runs on CPU against independent results: eager PyTorch
+(nn.Embedding + mul + add) in the same precision and in float64, for outputs and
+gradients, over dtypes, id dtypes, positional encodings and awkward shapes."""
+
+import math
+
+import pytest
+import torch
+
+import pyembed
+from helpers import (
+    CPU_BACKENDS, ID_DTYPES, UNIT_ROUNDOFF, WEIGHT_DTYPES, accumulation_bound, assert_within,
+    backends_supporting, eager_embedding, fused, make_inputs, max_abs_err, run_with_grads,
+    sinusoid_atol,
+)
+
+# (B, T, V, d): a single token and a single-row table; 97 tokens with d=60; tiny vocab
+# (forced duplicates) with d=100; a plain power-of-two case.
+SHAPES = [(1, 1, 1, 8), (1, 97, 50, 60), (4, 33, 7, 100), (3, 17, 1000, 64)]
+POS_ENCODINGS = ["none", "learned", "sinusoidal"]
+
+
+def _case(shape, dtype, id_dtype, pos_encoding, seed=0):
+    batch, seq_len, vocab, dim = shape
+    offset = 3 if pos_encoding != "none" else 0
+    pos_rows = offset + seq_len + 2 if pos_encoding == "learned" else None
+    ids, weight, pos_weight, dout = make_inputs(batch, seq_len, vocab, dim, dtype, id_dtype, pos_rows, seed)
+    kwargs = dict(pos_encoding=pos_encoding, scale=math.sqrt(dim), offset=offset)
+    return ids, weight, pos_weight, dout, kwargs
+
+
+def _as_f64(t):
+    return None if t is None else t.double()
+
+
+def _forward_atol(dtype, pos_encoding, ids, offset):
+    """DESIGN §7: 1e-6 (fp32) / 1e-12 (fp64), plus the float32-sinusoid allowance."""
+    atol = 1e-6 if dtype == torch.float32 else 1e-12
+    if pos_encoding == "sinusoidal" and dtype == torch.float32:
+        return atol + sinusoid_atol(ids, offset=offset)
+    return atol
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("pos_encoding", POS_ENCODINGS)
+@pytest.mark.parametrize("id_dtype", ID_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
+def test_forward_matches_eager(backend, dtype, id_dtype, pos_encoding, shape):
+    if backend not in backends_supporting(dtype):
+        pytest.skip(f"{backend} does not take {dtype} tables")
+    ids, weight, pos_weight, _, kwargs = _case(shape, dtype, id_dtype, pos_encoding)
+    ours = fused(backend)(ids, weight, pos_weight, **kwargs)
+    assert ours.shape == (*ids.shape, weight.shape[1]) and ours.dtype == dtype
+    exact = eager_embedding(ids, weight.double(), _as_f64(pos_weight), **kwargs)
+    if dtype in (torch.float32, torch.float64):
+        atol = _forward_atol(dtype, pos_encoding, ids, kwargs["offset"])
+        rtol = 1e-6 if dtype == torch.float32 else 1e-12
+        assert_within(ours, exact, atol, rtol, what=f"{backend} forward vs float64")
+        assert_within(ours, eager_embedding(ids, weight, pos_weight, **kwargs), atol, rtol,
+                      what=f"{backend} forward vs eager")
+    else:
+        # DESIGN §7: at most 2x the error of the same-precision eager path.
+        eager = eager_embedding(ids, weight, pos_weight, **kwargs)
+        assert max_abs_err(ours, exact) <= 2 * max_abs_err(eager, exact)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("pos_encoding", POS_ENCODINGS)
+@pytest.mark.parametrize("id_dtype", ID_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
+def test_dense_gradients_accumulate_in_fp32(backend, dtype, id_dtype, pos_encoding, shape):
+    if backend not in backends_supporting(dtype):
+        pytest.skip(f"{backend} does not take {dtype} tables")
+    ids, weight, pos_weight, dout, kwargs = _case(shape, dtype, id_dtype, pos_encoding, seed=1)
+    _, dw, dp = run_with_grads(fused(backend), ids, weight, pos_weight, dout, **kwargs)
+    assert dw.dtype == dtype and dw.shape == weight.shape and not dw.is_sparse
+    # scale is applied in the compute dtype: float32, or float64 for float64 tables.
+    scale = float(torch.tensor(kwargs["scale"], dtype=torch.float64 if dtype == torch.float64 else torch.float32))
+    exact, bound = accumulation_bound(ids, dout, weight.shape[0], scale, dtype)
+    assert_within(dw, exact, bound, what=f"{backend} dW")
+    if pos_encoding == "learned":
+        positions = torch.arange(ids.shape[1]).expand_as(ids) + kwargs["offset"]
+        exact, bound = accumulation_bound(positions, dout, pos_weight.shape[0], 1.0, dtype)
+        assert_within(dp, exact, bound, what=f"{backend} dP")
+    else:
+        assert dp is None
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_padding_idx_and_scale_grad_by_freq_match_nn_embedding(backend, dtype):
+    ids, weight, _, dout = make_inputs(3, 40, 9, 24, dtype, seed=2)
+    ids[0, :5] = 8  # the padding row is used, and often
+    for padding_idx in (8, -1):
+        for by_freq in (False, True):
+            kwargs = dict(padding_idx=padding_idx, scale_grad_by_freq=by_freq)
+            out, dw, _ = run_with_grads(fused(backend), ids, weight, None, dout, **kwargs)
+            # Forward returns the padding row's content, as nn.Embedding does.
+            torch.testing.assert_close(out, torch.nn.functional.embedding(ids, weight), rtol=0, atol=0)
+            assert torch.all(dw[8] == 0)
+            counts = torch.bincount(ids.reshape(-1), minlength=9).double()
+            terms = dout.double() / (counts[ids][..., None] if by_freq else 1.0)
+            keep = (ids != 8)[..., None]
+            exact, bound = accumulation_bound(ids, terms * keep, 9, 1.0, dtype)
+            assert_within(dw, exact, bound, what=f"{backend} dW padding={padding_idx} freq={by_freq}")
+            _, eager_dw, _ = run_with_grads(eager_embedding, ids, weight.double(), None, dout.double(), **kwargs)
+            torch.testing.assert_close(exact, eager_dw)  # the closed form is nn.Embedding's
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_sparse_gradient_is_coalesced_and_equals_nn_embedding(backend, dtype):
+    ids, weight, _, dout = make_inputs(4, 25, 30, 16, dtype, seed=3)
+    w = weight.clone().requires_grad_()
+    out = pyembed.fused_embedding(ids, w, sparse=True, padding_idx=2, scale=1.5, backend=backend)
+    (grad,) = torch.autograd.grad(out, w, dout)
+    assert grad.is_sparse and grad.is_coalesced() and grad.dtype == dtype
+    indices = grad._indices()[0]
+    assert torch.all(indices[1:] > indices[:-1]), "indices must be sorted and unique"
+    assert 2 not in indices.tolist(), "the padding row must be absent"
+    assert set(indices.tolist()) == set(ids.reshape(-1).tolist()) - {2}, "exactly the touched rows"
+
+    e = torch.nn.Embedding.from_pretrained(weight.double(), freeze=False, padding_idx=2, sparse=True)
+    (e(ids) * 1.5).backward(dout.double())
+    eager = e.weight.grad.coalesce()
+    torch.testing.assert_close(indices, eager._indices()[0])
+    _, bound = accumulation_bound(ids, dout, 30, 1.5, dtype)
+    assert_within(grad.to_dense(), eager.to_dense(), bound, what=f"{backend} sparse dW")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_sparse_adam_step_equals_eager_step(backend):
+    ids, weight, _, dout = make_inputs(2, 50, 40, 12, torch.float32, seed=4)
+    ours = pyembed.FusedEmbedding.from_pretrained(weight.clone(), freeze=False, sparse=True, backend=backend)
+    eager = torch.nn.Embedding.from_pretrained(weight.clone(), freeze=False, sparse=True)
+    for module in (ours, eager):
+        opt = torch.optim.SparseAdam(module.parameters(), lr=0.1)
+        module(ids).backward(dout)
+        opt.step()
+    assert not torch.equal(ours.weight, weight), "the step must move the table"
+    torch.testing.assert_close(ours.weight, eager.weight, rtol=1e-6, atol=1e-6)
+    # .grad holds the sorted, unique rows (AccumulateGrad drops the coalesced flag, pytorch#105916).
+    grad = ours.weight.grad
+    torch.testing.assert_close(grad._indices(), grad.coalesce()._indices())
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_learned_positions_with_position_ids(backend):
+    ids, weight, pos_weight, dout = make_inputs(3, 20, 64, 32, torch.float32, pos_rows=50, seed=5)
+    g = torch.Generator().manual_seed(5)
+    position_ids = torch.randint(0, 50, ids.shape, generator=g)  # repeats: positions collide
+    kwargs = dict(position_ids=position_ids, scale=2.0)
+    out, dw, dp = run_with_grads(fused(backend), ids, weight, pos_weight, dout, **kwargs)
+    eout, edw, edp = run_with_grads(eager_embedding, ids, weight, pos_weight, dout, **kwargs)
+    assert_within(out, eout, 1e-6, 1e-6, what="forward")
+    exact, bound = accumulation_bound(position_ids, dout, 50, 1.0, torch.float32)
+    assert_within(dp, exact, bound, what=f"{backend} dP")
+    torch.testing.assert_close(dw, edw)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_one_hot_row_keeps_fp32_accumulation(backend, dtype):
+    # 4096 copies of one id: a bf16 accumulator stops absorbing +1 at 256.
+    ids = torch.full((4, 1024), 3)
+    weight = torch.randn(10, 64).to(dtype)
+    w = weight.clone().requires_grad_()
+    out = pyembed.fused_embedding(ids, w, backend=backend)
+    out.backward(torch.ones_like(out))
+    torch.testing.assert_close(w.grad[3].double(), torch.full((64,), 4096.0, dtype=torch.float64), rtol=0.01, atol=0)
+    assert torch.all(w.grad[torch.arange(10) != 3] == 0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("pos_encoding", POS_ENCODINGS)
+def test_empty_input_gives_empty_output_and_zero_grads(backend, pos_encoding):
+    ids = torch.empty(2, 0, dtype=torch.long)
+    weight = torch.randn(5, 8, requires_grad=True)
+    pos_weight = torch.randn(4, 8, requires_grad=True) if pos_encoding == "learned" else None
+    out = pyembed.fused_embedding(ids, weight, pos_weight, pos_encoding=pos_encoding, backend=backend)
+    assert out.shape == (2, 0, 8)
+    out.sum().backward()
+    assert torch.equal(weight.grad, torch.zeros(5, 8))
+    if pos_weight is not None:
+        assert torch.equal(pos_weight.grad, torch.zeros(4, 8))
+    w = weight.detach().requires_grad_()
+    (grad,) = torch.autograd.grad(pyembed.fused_embedding(ids, w, sparse=True, backend=backend).sum(), w)
+    assert grad.is_sparse and grad._nnz() == 0
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_non_contiguous_inputs(backend):
+    ids, weight, pos_weight, dout = make_inputs(6, 16, 20, 8, torch.float32, pos_rows=16, seed=6)
+    ids_t = ids.t()  # (16, 6), non-contiguous
+    weight_t = weight.t().contiguous().t()  # same values, column-major
+    out = pyembed.fused_embedding(ids_t, weight_t, pos_weight[:6], backend=backend)
+    expected = eager_embedding(ids_t.contiguous(), weight, pos_weight[:6])
+    assert_within(out, expected, 1e-6, 1e-6, what="non-contiguous")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_validate_false_gives_zero_rows_for_bad_ids(backend):
+    ids = torch.tensor([[0, 7, -3, 2, 100]])
+    weight = torch.randn(5, 8, requires_grad=True)
+    out = pyembed.fused_embedding(ids, weight, validate=False, backend=backend)
+    expected = torch.stack([weight[0], torch.zeros(8), torch.zeros(8), weight[2], torch.zeros(8)])[None]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    out.sum().backward()
+    expected_grad = torch.zeros(5, 8)
+    expected_grad[[0, 2]] = 1
+    torch.testing.assert_close(weight.grad, expected_grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", [b for b in CPU_BACKENDS if b != "triton"])
+def test_gradcheck_float64(backend):
+    ids, weight, pos_weight, _ = make_inputs(2, 6, 5, 4, torch.float64, pos_rows=9, seed=7)
+    w, p = weight.requires_grad_(), pos_weight.requires_grad_()
+
+    # padding_idx and scale_grad_by_freq deliberately depart from the true gradient, so
+    # gradcheck covers the differentiable part: lookup, scale and learned positions.
+    def fn(w, p):
+        return pyembed.fused_embedding(ids, w, p, scale=1.7, offset=2, backend=backend)
+
+    assert torch.autograd.gradcheck(fn, (w, p))
+    assert torch.autograd.gradcheck(
+        lambda w: pyembed.fused_embedding(ids, w, pos_encoding="sinusoidal", scale=0.3, backend=backend), (w,)
+    )
