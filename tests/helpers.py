@@ -37,7 +37,7 @@ def eager_embedding(ids, weight, pos_weight=None, *, pos_encoding=None, scale=1.
     if pos_encoding == "learned":
         return out + F.embedding(positions, pos_weight)
     pe = sinusoid(positions.reshape(-1), weight.shape[1]).to(weight.dtype)
-    return out + pe.reshape(*ids.shape, -1)
+    return out + pe.reshape(*ids.shape, weight.shape[1])
 
 
 def sinusoid_atol(ids, position_ids=None, offset=0, embed_dim=None) -> torch.Tensor:

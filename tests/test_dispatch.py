@@ -1,6 +1,7 @@
 """Backend choice (DESIGN §2), op registration (opcheck, torch.compile) and a
 property-based sweep of shapes against eager PyTorch."""
 
+import os
 import subprocess
 import sys
 
@@ -82,7 +83,7 @@ def test_torch_compile_fullgraph_traces_the_layer(backend):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=int(os.environ.get("PYEMBED_HYPOTHESIS_EXAMPLES", 30)), deadline=None)
 @given(
     batch=st.integers(1, 4), seq_len=st.integers(0, 40), vocab=st.integers(1, 40), dim=st.integers(1, 40),
     pos=st.sampled_from(["none", "learned", "sinusoidal"]), scale=st.floats(0.1, 10.0), seed=st.integers(0, 99),
