@@ -1,13 +1,80 @@
 """Build for pyembed-kernels (import name ``pyembed``).
 
 Metadata lives in pyproject.toml; this file adds what needs code: the package layout
-(top-level ``kernels/`` installed as ``pyembed.kernels``) and, later, the ``pyembed._C``
-extension.
+(top-level ``kernels/`` installed as ``pyembed.kernels``) and the ``pyembed._C``
+extension -- C++ CPU kernels always, CUDA kernels when a CUDA build of torch and a CUDA
+toolkit are found (a GPU is *not* needed to build them; DESIGN §5).
+
+Knobs: PYEMBED_BUILD_CUDA=0/1 (force off / on), TORCH_CUDA_ARCH_LIST (default
+"8.0;9.0+PTX" when no GPU is visible), MAX_JOBS (parallel compile jobs).
 """
+
+import glob
+import os
+import shutil
 
 from setuptools import setup
 
+
+def find_cuda_home():
+    """First candidate holding both bin/nvcc and lib64/libcudart.so. The nvcc on PATH
+    may be a wrapper script whose parent folder has no libraries (DESIGN §5)."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    for home in filter(None, candidates):
+        if os.path.exists(os.path.join(home, "bin", "nvcc")) and os.path.exists(
+            os.path.join(home, "lib64", "libcudart.so")
+        ):
+            return home
+    return None
+
+
+def want_cuda(torch, cuda_home):
+    forced = os.environ.get("PYEMBED_BUILD_CUDA")
+    if forced is not None:
+        if forced == "1" and not (torch.version.cuda and cuda_home):
+            raise RuntimeError("PYEMBED_BUILD_CUDA=1 but no CUDA build of torch or no CUDA toolkit was found")
+        return forced == "1"
+    return bool(torch.version.cuda and cuda_home)
+
+
+def extension_kwargs():
+    cuda_home = find_cuda_home()
+    if cuda_home:
+        os.environ["CUDA_HOME"] = cuda_home  # read when cpp_extension is imported
+    import torch
+    from torch.utils import cpp_extension
+
+    with_cuda = want_cuda(torch, cuda_home)
+    # -fopenmp: at::parallel_for runs serially in a translation unit built without it.
+    cxx = ["-O3", "-fopenmp"]  # the C++ standard is cpp_extension's (C++20 for torch 2.14)
+    sources = ["csrc/pyembed.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    if not with_cuda:
+        ext = cpp_extension.CppExtension("pyembed._C", sources, extra_compile_args={"cxx": cxx},
+                                         extra_link_args=["-fopenmp"])
+        return ext, cpp_extension
+
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0+PTX"
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "detected")
+    defines = ["-DPYEMBED_WITH_CUDA", f'-DPYEMBED_CUDA_ARCH_LIST="{arch_list}"',
+               f'-DPYEMBED_CUDA_VERSION="{torch.version.cuda}"']
+    nvcc = ["-O3", "-lineinfo", "-Xptxas", "-v"]  # -v: registers and spills in the build log
+    ext = cpp_extension.CUDAExtension(
+        "pyembed._C",
+        sources + sorted(glob.glob("csrc/cuda/*.cu")),
+        extra_compile_args={"cxx": cxx + defines, "nvcc": nvcc + defines},
+        extra_link_args=["-fopenmp"],
+    )
+    return ext, cpp_extension
+
+
+ext, cpp_extension = extension_kwargs()
 setup(
     packages=["pyembed", "pyembed.kernels"],
     package_dir={"pyembed": "pyembed", "pyembed.kernels": "kernels"},
+    ext_modules=[ext],
+    cmdclass={"build_ext": cpp_extension.BuildExtension},
 )

@@ -8,6 +8,7 @@ as one fused op, forward and backward, with a backward that touches only used ro
 
 __version__ = "0.1.0"
 
+from ._extension import build_info
 from .dispatch import available_backends
 from .functional import fused_embedding
 from .modules import EmbeddingLayer, FusedEmbedding, replace_embeddings
@@ -17,6 +18,7 @@ __all__ = [
     "EmbeddingLayer",
     "FusedEmbedding",
     "available_backends",
+    "build_info",
     "fused_embedding",
     "replace_embeddings",
     "sinusoidal_table",

@@ -1,0 +1,61 @@
+"""Loads the compiled ``pyembed._C`` extension and registers its backends.
+
+``import pyembed`` never fails because the extension is missing or broken: it warns
+once, says why, and the reference backend serves (DESIGN §5).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import dispatch, reference
+
+try:
+    from . import _C
+except Exception as exc:  # noqa: BLE001 - any load failure (missing .so, ABI, symbols)
+    _C = None
+    _load_error = f"{type(exc).__name__}: {exc}"
+    warnings.warn(
+        f"pyembed: the compiled extension pyembed._C could not be loaded ({_load_error}); "
+        "only the reference backend is available. Rebuild with `pip install --no-build-isolation -e .`.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    dispatch.mark_missing("cpu", f"pyembed._C could not be loaded ({_load_error})")
+    dispatch.mark_missing("cuda", f"pyembed._C could not be loaded ({_load_error})")
+
+
+def build_info() -> dict:
+    """What this installation was built with."""
+    return {
+        "torch": torch.__version__,
+        "cpu_built": _C is not None,
+        "cuda_built": bool(_C is not None and _C.cuda_built),
+        "cuda_version": (_C.cuda_version or None) if _C is not None else None,
+        "cuda_arch_list": (_C.cuda_arch_list or None) if _C is not None else None,
+    }
+
+
+def _why_cpu_unavailable(device: torch.device):
+    return None if device.type == "cpu" else f"the cpu backend takes CPU tensors, not {device.type}"
+
+
+def _why_cuda_unavailable(device: torch.device):
+    if device.type != "cuda":
+        return f"the cuda backend takes CUDA tensors, not {device.type}"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    return None
+
+
+if _C is not None:
+    _forward, _backward = torch.ops.pyembed.embedding_forward, torch.ops.pyembed.embedding_backward
+    torch.library.register_fake("pyembed::embedding_forward")(reference.forward_fake)
+    torch.library.register_fake("pyembed::embedding_backward")(reference.backward_fake)
+    dispatch.register_backend(dispatch.Backend("cpu", _forward, _backward, _why_cpu_unavailable))
+    if _C.cuda_built:
+        dispatch.register_backend(dispatch.Backend("cuda", _forward, _backward, _why_cuda_unavailable))
+    else:
+        dispatch.mark_missing("cuda", "pyembed._C was built without CUDA kernels (no CUDA toolkit at build time)")
