@@ -50,7 +50,10 @@ def extension_kwargs():
     with_cuda = want_cuda(torch, cuda_home)
     # -fopenmp: at::parallel_for runs serially in a translation unit built without it.
     cxx = ["-O3", "-fopenmp"]  # the C++ standard is cpp_extension's (C++20 for torch 2.14)
-    sources = ["csrc/pyembed.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    # Link order matters: the AVX2 object comes last so inline functions shared with the
+    # portable objects resolve to the portable copies (csrc/cpu/kernels_avx2.cpp).
+    sources = ["csrc/pyembed.cpp", "csrc/cpu/embedding_cpu.cpp", "csrc/cpu/kernels_base.cpp",
+               "csrc/cpu/kernels_avx2.cpp"]
     if not with_cuda:
         ext = cpp_extension.CppExtension("pyembed._C", sources, extra_compile_args={"cxx": cxx},
                                          extra_link_args=["-fopenmp"])

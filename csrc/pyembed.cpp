@@ -6,6 +6,8 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include "cpu/kernel_api.h"
+
 // Set by setup.py when the CUDA kernels are compiled in.
 #ifndef PYEMBED_CUDA_ARCH_LIST
 #define PYEMBED_CUDA_ARCH_LIST ""
@@ -33,4 +35,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.attr("cuda_version") = PYEMBED_CUDA_VERSION;
   m.attr("cuda_arch_list") = PYEMBED_CUDA_ARCH_LIST;
+  m.def("cpu_isa", [] { return pyembed::cpu::row_kernels().isa; },
+        "the instruction set of the CPU row kernels in use: 'avx2' or 'base'");
 }

@@ -32,6 +32,7 @@ def build_info() -> dict:
     return {
         "torch": torch.__version__,
         "cpu_built": _C is not None,
+        "cpu_isa": _C.cpu_isa() if _C is not None else None,
         "cuda_built": bool(_C is not None and _C.cuda_built),
         "cuda_version": (_C.cuda_version or None) if _C is not None else None,
         "cuda_arch_list": (_C.cuda_arch_list or None) if _C is not None else None,

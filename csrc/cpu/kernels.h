@@ -1,0 +1,288 @@
+// CPU row kernels, compiled once per instruction set (PYEMBED_ISA: base, avx2).
+//
+// Every kernel works row by row in the compute dtype (float32; float64 for float64
+// tables) with at::vec, and rounds once when it stores. Work is split with
+// at::parallel_for over rows or segments, never over the elements of one sum, so every
+// result is bitwise identical whatever the thread count.
+#pragma once
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kernel_api.h"
+
+#ifndef PYEMBED_ISA
+#error "define PYEMBED_ISA (the namespace of this instruction set) before including kernels.h"
+#endif
+
+namespace pyembed::cpu::PYEMBED_ISA {
+namespace {
+
+using at::vec::Vectorized;
+
+template <typename T>
+constexpr bool kReduced = std::is_same_v<T, at::Half> || std::is_same_v<T, at::BFloat16>;
+
+// float64 tables compute in float64, everything else in float32 (DESIGN §1).
+template <typename T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+constexpr int64_t kPartTokens = 256;  // the longest run of one segment summed by one task
+
+// At least ~64 KiB of row traffic per task, so waking a thread pays for itself.
+int64_t grain_for(int64_t bytes_per_item) {
+  return std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(bytes_per_item, 1));
+}
+
+// Vectorized<T>::size() elements of a row held in the compute dtype A: one vector for
+// float/double, two float vectors for half/bf16 (one Vectorized<Half> widens to two).
+template <typename T>
+struct Chunk {
+  using A = acc_t<T>;
+  using VA = Vectorized<A>;
+  static constexpr int64_t kSize = Vectorized<T>::size();
+  static constexpr int kParts = kReduced<T> ? 2 : 1;
+  VA v[kParts];
+
+  static Chunk zero() { return Chunk{}; }
+  static Chunk load(const T* p) {
+    Chunk c;
+    if constexpr (kReduced<T>) {
+      auto [lo, hi] = at::vec::convert_to_float<T>(Vectorized<T>::loadu(p));
+      c.v[0] = lo, c.v[1] = hi;
+    } else {
+      c.v[0] = VA::loadu(p);
+    }
+    return c;
+  }
+  static Chunk load_acc(const A* p) {  // from an accumulator row, already in A
+    Chunk c;
+    for (int i = 0; i < kParts; ++i) c.v[i] = VA::loadu(p + i * VA::size());
+    return c;
+  }
+  void store(T* p) const {  // the one rounding into T
+    if constexpr (kReduced<T>) {
+      at::vec::convert_from_float<T>(v[0], v[1]).store(p);
+    } else {
+      v[0].store(p);
+    }
+  }
+  void store_acc(A* p) const {
+    for (int i = 0; i < kParts; ++i) v[i].store(p + i * VA::size());
+  }
+  Chunk& operator+=(const Chunk& o) {
+    for (int i = 0; i < kParts; ++i) v[i] = v[i] + o.v[i];
+    return *this;
+  }
+  Chunk operator*(VA s) const {
+    Chunk c;
+    for (int i = 0; i < kParts; ++i) c.v[i] = v[i] * s;
+    return c;
+  }
+};
+
+// out = round(W_row * scale + pe). w_row == nullptr: a zero row (an out-of-range id under
+// validate=false). At most one of pe_row (learned, in T) / pe_acc (sinusoid, in A).
+template <typename T>
+void forward_row(T* out, const T* w_row, acc_t<T> scale, const T* pe_row, const acc_t<T>* pe_acc, int64_t dim) {
+  using A = acc_t<T>;
+  using C = Chunk<T>;
+  const Vectorized<A> vscale(scale);
+  int64_t j = 0;
+  for (; j + C::kSize <= dim; j += C::kSize) {
+    C c = w_row ? C::load(w_row + j) * vscale : C::zero();
+    if (pe_row) c += C::load(pe_row + j);
+    if (pe_acc) c += C::load_acc(pe_acc + j);
+    c.store(out + j);
+  }
+  for (; j < dim; ++j) {  // scalar tail: d not a multiple of the vector width
+    A x = w_row ? static_cast<A>(w_row[j]) * scale : A(0);
+    if (pe_row) x += static_cast<A>(pe_row[j]);
+    if (pe_acc) x += pe_acc[j];
+    out[j] = static_cast<T>(x);
+  }
+}
+
+// acc += src, where src is a row in T (a gradient) or in A (a partial sum).
+template <typename S>
+void accumulate_row(acc_t<S>* acc, const S* src, int64_t dim) {
+  using C = Chunk<S>;
+  int64_t j = 0;
+  for (; j + C::kSize <= dim; j += C::kSize) (C::load_acc(acc + j) += C::load(src + j)).store_acc(acc + j);
+  for (; j < dim; ++j) acc[j] += static_cast<acc_t<S>>(src[j]);
+}
+
+// out = round(acc * factor): the single rounding of a gradient row.
+template <typename T>
+void finalize_row(T* out, const acc_t<T>* acc, acc_t<T> factor, int64_t dim) {
+  using C = Chunk<T>;
+  const Vectorized<acc_t<T>> vfactor(factor);
+  int64_t j = 0;
+  for (; j + C::kSize <= dim; j += C::kSize) (C::load_acc(acc + j) * vfactor).store(out + j);
+  for (; j < dim; ++j) out[j] = static_cast<T>(acc[j] * factor);
+}
+
+// w_i = exp(-(2i) ln(10000) / d), i < d/2, in the compute dtype.
+template <typename A>
+std::vector<A> sinusoid_frequencies(int64_t dim) {
+  std::vector<A> w(dim / 2);
+  for (int64_t i = 0; i < dim / 2; ++i) w[i] = std::exp(-static_cast<A>(2 * i) * (std::log(A(10000)) / dim));
+  return w;
+}
+
+// out[2i] = sin(p w_i), out[2i+1] = cos(p w_i): the angle is rounded to A, as on the GPU.
+template <typename A>
+void sinusoid_row(A* out, int64_t position, const std::vector<A>& freqs) {
+  const A p = static_cast<A>(position);
+  for (size_t i = 0; i < freqs.size(); ++i) {
+    const A angle = p * freqs[i];
+    out[2 * i] = std::sin(angle);
+    out[2 * i + 1] = std::cos(angle);
+  }
+}
+
+template <typename T, typename index_t>
+void forward_typed(const ForwardArgs& a) {
+  using A = acc_t<T>;
+  const auto* ids = static_cast<const index_t*>(a.ids);
+  const auto* weight = static_cast<const T*>(a.weight);
+  const auto* pos_weight = static_cast<const T*>(a.pos_weight);
+  auto* out = static_cast<T*>(a.out);
+  const int64_t dim = a.dim;
+  const A scale = static_cast<A>(a.scale);  // sqrt(d) in float64, applied as float32
+  const auto freqs = a.mode == PosMode::kSinusoidal ? sinusoid_frequencies<A>(dim) : std::vector<A>{};
+
+  auto token_row = [&](int64_t token) -> const T* {
+    const int64_t id = static_cast<int64_t>(ids[token]);
+    return (id >= 0 && id < a.num_embeddings) ? weight + id * dim : nullptr;
+  };
+  // The positional term of position p: (learned row or nullptr, sinusoid row or nullptr).
+  auto positional = [&](int64_t p, std::vector<A>& buf) -> std::pair<const T*, const A*> {
+    if (a.mode == PosMode::kLearned) return {(p >= 0 && p < a.num_positions) ? pos_weight + p * dim : nullptr, nullptr};
+    if (a.mode == PosMode::kSinusoidal) {
+      sinusoid_row(buf.data(), p, freqs);
+      return {nullptr, buf.data()};
+    }
+    return {nullptr, nullptr};
+  };
+
+  if (a.mode != PosMode::kNone && a.position_ids == nullptr) {
+    // p = offset + t: step t's positional row serves the whole batch, so t is the outer
+    // loop -- a learned row stays in L1 and a sinusoid is computed once per step.
+    const int64_t batch = a.num_tokens / a.seq_len;
+    at::parallel_for(0, a.seq_len, grain_for(batch * dim * sizeof(T)), [&](int64_t t0, int64_t t1) {
+      std::vector<A> buf(a.mode == PosMode::kSinusoidal ? dim : 0);
+      for (int64_t t = t0; t < t1; ++t) {
+        auto [pe_row, pe_acc] = positional(a.offset + t, buf);
+        for (int64_t b = 0; b < batch; ++b) {
+          const int64_t token = b * a.seq_len + t;
+          forward_row<T>(out + token * dim, token_row(token), scale, pe_row, pe_acc, dim);
+        }
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, a.num_tokens, grain_for(dim * sizeof(T)), [&](int64_t n0, int64_t n1) {
+    std::vector<A> buf(a.mode == PosMode::kSinusoidal ? dim : 0);
+    for (int64_t token = n0; token < n1; ++token) {
+      std::pair<const T*, const A*> pe{nullptr, nullptr};
+      if (a.mode != PosMode::kNone) pe = positional(a.position_ids[token], buf);
+      forward_row<T>(out + token * dim, token_row(token), scale, pe.first, pe.second, dim);
+    }
+  });
+}
+
+template <typename T>
+void segment_sum_typed(const SegmentSumArgs& a) {
+  using A = acc_t<T>;
+  const Segments& seg = *a.segments;
+  const auto* dout = static_cast<const T*>(a.dout);
+  auto* out = static_cast<T*>(a.out);
+  const int64_t dim = a.dim;
+  auto dest = [&](int64_t s) { return out + (a.dest_rows ? a.dest_rows[s] : s) * dim; };
+  auto factor = [&](int64_t s) {  // scale (and 1/count) once per row, after the sum
+    const A scale = static_cast<A>(a.scale);
+    return a.divide_by_count ? scale / static_cast<A>(seg.count(s)) : scale;
+  };
+
+  // Parts of at most kPartTokens tokens. A segment of one part is summed and finalised by
+  // one task; a longer one (a hot row) sums each part into its own scratch row, and the
+  // parts are added in order afterwards. Scratch: (tokens / kPartTokens) x d at most.
+  std::vector<int64_t> part_segment, part_start, part_slot, long_segments, long_first_slot;
+  int64_t slots = 0;
+  for (int64_t s = 0; s < seg.size(); ++s) {
+    const bool is_long = seg.count(s) > kPartTokens;
+    if (is_long) long_segments.push_back(s), long_first_slot.push_back(slots);
+    for (int64_t i = seg.begin[s]; i < seg.begin[s + 1]; i += kPartTokens) {
+      part_segment.push_back(s), part_start.push_back(i), part_slot.push_back(is_long ? slots++ : -1);
+    }
+  }
+  std::vector<A> scratch(static_cast<size_t>(slots * dim));
+  const int64_t num_parts = static_cast<int64_t>(part_segment.size());
+  // grain: a part is 1..kPartTokens rows; aim for tasks of a few rows at least.
+  at::parallel_for(0, num_parts, grain_for(4 * dim * sizeof(T)), [&](int64_t p0, int64_t p1) {
+    std::vector<A> acc(dim);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t s = part_segment[p], end = std::min(part_start[p] + kPartTokens, seg.begin[s + 1]);
+      A* sum = part_slot[p] >= 0 ? scratch.data() + part_slot[p] * dim : acc.data();
+      std::fill(sum, sum + dim, A(0));
+      for (int64_t i = part_start[p]; i < end; ++i) accumulate_row<T>(sum, dout + seg.order[i] * dim, dim);
+      if (part_slot[p] < 0) finalize_row<T>(dest(s), sum, factor(s), dim);
+    }
+  });
+  at::parallel_for(0, static_cast<int64_t>(long_segments.size()), 1, [&](int64_t l0, int64_t l1) {
+    std::vector<A> acc(dim);
+    for (int64_t l = l0; l < l1; ++l) {
+      const int64_t s = long_segments[l], parts = (seg.count(s) + kPartTokens - 1) / kPartTokens;
+      std::fill(acc.begin(), acc.end(), A(0));
+      for (int64_t k = 0; k < parts; ++k) accumulate_row<A>(acc.data(), scratch.data() + (long_first_slot[l] + k) * dim, dim);
+      finalize_row<T>(dest(s), acc.data(), factor(s), dim);
+    }
+  });
+}
+
+template <typename T>
+void batch_sum_typed(const BatchSumArgs& a) {
+  using A = acc_t<T>;
+  const auto* dout = static_cast<const T*>(a.dout);
+  auto* out = static_cast<T*>(a.out);
+  const int64_t dim = a.dim;
+  at::parallel_for(0, a.steps, grain_for(a.batch * dim * sizeof(T)), [&](int64_t t0, int64_t t1) {
+    std::vector<A> acc(dim);
+    for (int64_t t = t0; t < t1; ++t) {
+      std::fill(acc.begin(), acc.end(), A(0));
+      for (int64_t b = 0; b < a.batch; ++b) accumulate_row<T>(acc.data(), dout + (b * a.seq_len + t) * dim, dim);
+      finalize_row<T>(out + (a.offset + t) * dim, acc.data(), A(1), dim);
+    }
+  });
+}
+
+void forward(const ForwardArgs& a) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.dtype, "pyembed_forward_cpu", [&] {
+    AT_DISPATCH_INDEX_TYPES(a.id_type, "pyembed_forward_cpu", [&] { forward_typed<scalar_t, index_t>(a); });
+  });
+}
+
+void segment_sum(const SegmentSumArgs& a) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.dtype, "pyembed_segment_sum_cpu",
+                                  [&] { segment_sum_typed<scalar_t>(a); });
+}
+
+void batch_sum(const BatchSumArgs& a) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.dtype, "pyembed_batch_sum_cpu",
+                                  [&] { batch_sum_typed<scalar_t>(a); });
+}
+
+}  // namespace
+
+#define PYEMBED_STR2(x) #x
+#define PYEMBED_STR(x) PYEMBED_STR2(x)
+const Kernels kKernels = {PYEMBED_STR(PYEMBED_ISA), &forward, &segment_sum, &batch_sum};
+
+}  // namespace pyembed::cpu::PYEMBED_ISA
