@@ -5,11 +5,11 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-# Stamps record finished steps so a second run skips them.
+# Stamps record finished steps so a second run skips them. The install is editable, so
+# Python edits need no reinstall; C++/CUDA edits rebuild incrementally (ninja).
 DEPS_STAMP    := $(VENV)/.deps-installed
 INSTALL_STAMP := $(VENV)/.pyembed-installed
-PACKAGE_SOURCES := setup.py pyproject.toml $(shell find pyembed kernels csrc -type f \
-                     \( -name '*.py' -o -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null)
+BUILD_INPUTS  := setup.py pyproject.toml pyembed/_cuda_home.py $(shell find csrc -type f 2>/dev/null)
 
 .PHONY: test bench install clean
 
@@ -28,7 +28,7 @@ $(DEPS_STAMP): requirements-dev.txt | $(PY)
 	$(PIP) install -r requirements-dev.txt
 	touch $@
 
-$(INSTALL_STAMP): $(DEPS_STAMP) $(PACKAGE_SOURCES)
+$(INSTALL_STAMP): $(DEPS_STAMP) $(BUILD_INPUTS)
 	$(PIP) install --no-build-isolation --no-deps -e .
 	touch $@
 

@@ -10,25 +10,19 @@ Knobs: PYEMBED_BUILD_CUDA=0/1 (force off / on), TORCH_CUDA_ARCH_LIST (default
 """
 
 import glob
+import importlib.util
 import os
-import shutil
 
 from setuptools import setup
 
 
 def find_cuda_home():
-    """First candidate holding both bin/nvcc and lib64/libcudart.so. The nvcc on PATH
-    may be a wrapper script whose parent folder has no libraries (DESIGN §5)."""
-    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
-    for home in filter(None, candidates):
-        if os.path.exists(os.path.join(home, "bin", "nvcc")) and os.path.exists(
-            os.path.join(home, "lib64", "libcudart.so")
-        ):
-            return home
-    return None
+    # pyembed/_cuda_home.py, loaded by path: the package itself is not built yet.
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pyembed", "_cuda_home.py")
+    spec = importlib.util.spec_from_file_location("_pyembed_cuda_home", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.find_cuda_home()
 
 
 def want_cuda(torch, cuda_home):

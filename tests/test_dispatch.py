@@ -104,3 +104,17 @@ def test_random_shapes_match_eager(backend, batch, seq_len, vocab, dim, pos, sca
     for g, w in zip(got, want):
         if w is not None:
             torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")
+def test_portable_cpu_kernels_pass_the_parity_suite():
+    """The AVX2 kernels serve this run; the portable build (any CPU) is checked here."""
+    env = dict(os.environ, PYEMBED_CPU_ISA="base")
+    isa = subprocess.run([sys.executable, "-c", "import pyembed; print(pyembed.build_info()['cpu_isa'])"],
+                         capture_output=True, text=True, env=env, check=True).stdout.strip()
+    assert isa == "base"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cpu",
+                           os.path.join(os.path.dirname(__file__), "test_parity.py")],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout

@@ -9,15 +9,19 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <string>
 
 #include "../checks.h"
 #include "kernel_api.h"
 
 namespace pyembed {
 
-// The AVX2 build of the row kernels when this CPU has AVX2+FMA+F16C, else the portable one.
+// The AVX2 build of the row kernels when this CPU has AVX2+FMA+F16C, else the portable
+// one; PYEMBED_CPU_ISA=base forces the portable build (the tests run both).
 const cpu::Kernels& cpu::row_kernels() {
   static const Kernels* chosen = [] {
+    const char* forced = std::getenv("PYEMBED_CPU_ISA");
+    if (forced != nullptr && std::string(forced) == "base") return &kernels_base();
 #if defined(__x86_64__) && defined(__GNUC__)
     if (kernels_avx2() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c")) {

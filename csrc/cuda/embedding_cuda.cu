@@ -1,0 +1,46 @@
+// CUDA backend registration: the kernels and their orchestration are in
+// embedding_kernels.cuh (shared with the host emulation the tests run); this file
+// launches them on the current stream of the tensors' device.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAException.h>
+#include <torch/library.h>
+
+#include "embedding_kernels.cuh"
+
+namespace pyembed::cuda {
+namespace {
+
+struct CudaLaunch {
+  template <typename Kernel, typename... Args>
+  static void run(dim3 grid, dim3 block, Kernel kernel, Args... args) {
+    kernel<<<grid, block, 0, c10::cuda::getCurrentCUDAStream()>>>(args...);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+};
+
+at::Tensor embedding_forward_cuda(const at::Tensor& ids, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& pos_weight,
+                                  const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
+                                  double scale, int64_t offset, bool validate) {
+  const c10::cuda::CUDAGuard guard(weight.device());
+  return forward_op<CudaLaunch>(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, validate);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> embedding_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& ids, const std::optional<at::Tensor>& position_ids, int64_t offset,
+    int64_t num_embeddings, int64_t num_positions, double scale, std::optional<int64_t> padding_idx,
+    bool scale_grad_by_freq, bool sparse, bool need_weight_grad, bool need_pos_grad) {
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  return backward_op<CudaLaunch>(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
+                                 scale_grad_by_freq, sparse, need_weight_grad, need_pos_grad);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pyembed, CUDA, m) {
+  m.impl("embedding_forward", &embedding_forward_cuda);
+  m.impl("embedding_backward", &embedding_backward_cuda);
+}
+
+}  // namespace pyembed::cuda

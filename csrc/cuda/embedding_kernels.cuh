@@ -1,0 +1,385 @@
+// CUDA backend: kernels and their host-side orchestration, compiled two ways:
+//   - by nvcc into pyembed._C (embedding_cuda.cu, Launch = CudaLaunch), and
+//   - by g++ with host_emulation.h into a test-only module (Launch = EmulatedLaunch),
+//     which runs these exact kernels serially on CPU tensors (DESIGN §6).
+// So the kernels use no shared memory and no block-level synchronisation: every thread
+// is independent. An embedding op is bandwidth-bound, so nothing is lost by that.
+//
+// Forward: one thread owns VEC elements of one output row (16-byte loads/stores when
+// rows are 16-byte multiples and aligned, else one element), reads the token's row,
+// scales it, adds the learned row or a sinusoid computed in registers, rounds once.
+// An out-of-range id (validate=false) reads nothing and yields a zero row.
+//
+// Backward: sort the (key, token) pairs (stable: the order then depends on the data
+// alone), cut the sorted tokens into segments of equal keys, split every segment into
+// parts of at most kPartRows rows summed in parallel (fp32), and repeat on the partial
+// sums until each segment has one part: a row used 100k times is reduced as a tree, not
+// by one thread. No atomics, so the result is bitwise deterministic.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+
+#include "../checks.h"
+
+namespace pyembed::cuda {
+
+constexpr int kThreadsPerBlock = 256;
+constexpr int64_t kPartRows = 32;  // rows summed by one thread group before a tree level
+
+template <typename T>
+using acc_t = acc_type<T>;
+
+// VEC elements moved as one aligned access (16 bytes for T, 16 or 32 for float partials).
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+  T val[VEC];
+};
+
+template <int VEC, typename S, typename A>
+__device__ __forceinline__ void load_pack(const S* p, A (&out)[VEC]) {
+  const Pack<S, VEC> pack = *reinterpret_cast<const Pack<S, VEC>*>(p);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) out[i] = static_cast<A>(pack.val[i]);
+}
+
+template <int VEC, typename D, typename A>
+__device__ __forceinline__ void store_pack(D* p, const A (&in)[VEC]) {
+  Pack<D, VEC> pack;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) pack.val[i] = static_cast<D>(in[i]);
+  *reinterpret_cast<Pack<D, VEC>*>(p) = pack;
+}
+
+__device__ __forceinline__ void sincos_acc(float x, float* s, float* c) { sincosf(x, s, c); }
+__device__ __forceinline__ void sincos_acc(double x, double* s, double* c) { sincos(x, s, c); }
+__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
+__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
+
+// out[token, :] = round(W[ids[token]] * scale + PE(p(token))). blockDim.y tokens per
+// block, blockDim.x threads striding over the row VEC elements at a time.
+template <typename T, typename index_t, int VEC>
+__global__ void embedding_forward_kernel(
+    const index_t* __restrict__ ids,             // (num_tokens,)
+    const T* __restrict__ weight,                // (num_embeddings, dim)
+    const T* __restrict__ pos_weight,            // (num_positions, dim), learned only
+    const int64_t* __restrict__ position_ids,    // (num_tokens,) or nullptr: p = offset + t
+    T* __restrict__ out,                         // (num_tokens, dim)
+    int64_t num_tokens, int64_t seq_len, int64_t num_embeddings, int64_t num_positions, int64_t dim,
+    int pos_mode, acc_t<T> scale, int64_t offset,
+    acc_t<T> neg_log_base_over_dim) {            // -ln(10000) / d: w_i = exp(2i * this)
+  using A = acc_t<T>;
+  const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (token >= num_tokens) return;
+  const int64_t id = static_cast<int64_t>(ids[token]);
+  const bool id_ok = id >= 0 && id < num_embeddings;
+  const int64_t p = position_ids != nullptr ? position_ids[token] : offset + token % seq_len;
+  const bool learned = pos_mode == static_cast<int>(PosEncoding::kLearned) && p >= 0 && p < num_positions;
+  const bool sinusoidal = pos_mode == static_cast<int>(PosEncoding::kSinusoidal);
+  // 64-bit row offsets: token * dim exceeds 2^31 on large batches.
+  const T* w_row = weight + (id_ok ? id : 0) * dim;
+  const T* p_row = learned ? pos_weight + p * dim : nullptr;
+  T* o_row = out + token * dim;
+
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
+    A x[VEC];
+    if (id_ok) {
+      load_pack<VEC>(w_row + j, x);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) x[i] *= scale;
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) x[i] = A(0);
+    }
+    if (learned) {
+      A pe[VEC];
+      load_pack<VEC>(p_row + j, pe);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) x[i] += pe[i];
+    } else if (sinusoidal) {
+      // Element e belongs to pair e / 2: sin for even e, cos for odd e (interleaved).
+      A s = A(0), c = A(0);
+      int64_t pair_done = -1;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const int64_t e = j + i, pair = e >> 1;
+        if (pair != pair_done) {
+          const A angle = static_cast<A>(p) * exp_acc(static_cast<A>(2 * pair) * neg_log_base_over_dim);
+          sincos_acc(angle, &s, &c);
+          pair_done = pair;
+        }
+        x[i] += (e & 1) ? c : s;
+      }
+    }
+    store_pack<VEC>(o_row + j, x);
+  }
+}
+
+// For each segment g: dst[dst_row(g)] = factor(g) * sum of src rows src_row(r) for r in
+// [begin[g], end[g]), summed in order in the compute dtype. S is T (the gradient) or A
+// (partial sums of a previous level); D is A (a partial) or T (the final, rounded row).
+template <typename S, typename D, typename A, int VEC>
+__global__ void segment_sum_kernel(
+    const S* __restrict__ src, const int64_t* __restrict__ src_rows,  // nullptr: row r itself
+    const int64_t* __restrict__ begin, const int64_t* __restrict__ end,
+    D* __restrict__ dst, const int64_t* __restrict__ dst_rows,        // nullptr: row g
+    const A* __restrict__ factors,                                    // nullptr: 1
+    int64_t num_segments, int64_t dim) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (g >= num_segments) return;
+  const int64_t r0 = begin[g], r1 = end[g];
+  D* d_row = dst + (dst_rows != nullptr ? dst_rows[g] : g) * dim;
+  const A factor = factors != nullptr ? factors[g] : A(1);
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
+    A acc[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] = A(0);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t row = src_rows != nullptr ? src_rows[r] : r;
+      A x[VEC];
+      load_pack<VEC>(src + row * dim + j, x);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] += x[i];
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] *= factor;
+    store_pack<VEC>(d_row + j, acc);
+  }
+}
+
+// Learned positions with p = offset + t: out[offset + t] = sum over b of dout[b, t].
+template <typename T, int VEC>
+__global__ void batch_sum_kernel(const T* __restrict__ dout, T* __restrict__ out, int64_t batch, int64_t seq_len,
+                                 int64_t steps, int64_t offset, int64_t dim) {
+  using A = acc_t<T>;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (t >= steps) return;
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
+    A acc[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] = A(0);
+    for (int64_t b = 0; b < batch; ++b) {
+      A x[VEC];
+      load_pack<VEC>(dout + (b * seq_len + t) * dim + j, x);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] += x[i];
+    }
+    store_pack<VEC>(out + (offset + t) * dim + j, acc);
+  }
+}
+
+// ------------------------------------------------------------------------- host side
+// Rows of `dim` elements of T: blockDim.x threads cover a row VEC at a time, blockDim.y
+// rows share a block.
+struct RowGrid {
+  dim3 grid, block;
+};
+
+inline RowGrid row_grid(int64_t rows, int64_t dim, int vec) {
+  const int64_t per_row = std::max<int64_t>(1, (dim + vec - 1) / vec);
+  int tx = 1;
+  while (tx < per_row && tx < kThreadsPerBlock) tx *= 2;
+  const int ty = kThreadsPerBlock / tx;
+  const int64_t blocks = std::max<int64_t>(1, (rows + ty - 1) / ty);
+  TORCH_CHECK(blocks < (int64_t(1) << 31), "pyembed: too many rows for one launch: ", rows);
+  return {dim3(static_cast<unsigned>(blocks)), dim3(tx, ty)};
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// 16 bytes per access when every row of every tensor involved starts 16-byte aligned.
+template <typename T>
+int vector_width(int64_t dim, std::initializer_list<const void*> pointers) {
+  constexpr int kVec = 16 / sizeof(T);
+  if (dim % kVec != 0) return 1;
+  for (const void* p : pointers) {
+    if (p != nullptr && !aligned16(p)) return 1;
+  }
+  return kVec;
+}
+
+template <class Launch, typename T, typename index_t>
+void launch_forward(const at::Tensor& ids, const at::Tensor& weight, const at::Tensor& pos_weight,
+                    const at::Tensor& position_ids, PosEncoding mode, double scale, int64_t offset, at::Tensor& out) {
+  const int64_t num_tokens = ids.numel(), dim = weight.size(1);
+  const T* pw = pos_weight.defined() ? pos_weight.data_ptr<T>() : nullptr;
+  const int vec = vector_width<T>(dim, {weight.data_ptr(), pw, out.data_ptr()});
+  const RowGrid g = row_grid(num_tokens, dim, vec);
+  const int64_t* pid = position_ids.defined() ? position_ids.data_ptr<int64_t>() : nullptr;
+  const auto neg_log_base_over_dim = static_cast<acc_t<T>>(-std::log(10000.0) / static_cast<double>(dim));
+  auto run = [&](auto kernel) {
+    Launch::run(g.grid, g.block, kernel, ids.data_ptr<index_t>(), weight.data_ptr<T>(), pw, pid, out.data_ptr<T>(),
+                num_tokens, ids.dim() > 0 ? ids.size(-1) : int64_t(1), weight.size(0),
+                pos_weight.defined() ? pos_weight.size(0) : int64_t(0), dim, static_cast<int>(mode),
+                static_cast<acc_t<T>>(scale), offset, neg_log_base_over_dim);
+  };
+  if (vec > 1) {
+    run(embedding_forward_kernel<T, index_t, 16 / sizeof(T)>);
+  } else {
+    run(embedding_forward_kernel<T, index_t, 1>);
+  }
+}
+
+template <class Launch>
+at::Tensor forward_op(const at::Tensor& ids_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& pos_weight_in,
+                      const std::optional<at::Tensor>& position_ids_in, std::string_view pos_encoding, double scale,
+                      int64_t offset, bool validate) {
+  const PosEncoding mode = parse_pos_encoding(std::string(pos_encoding));
+  check_forward_args(ids_in, weight_in, pos_weight_in, position_ids_in, mode);
+  const int64_t num_positions = mode == PosEncoding::kLearned ? pos_weight_in->size(0) : 0;
+  if (validate) validate_forward(ids_in, weight_in.size(0), position_ids_in, mode, num_positions);
+
+  const at::Tensor ids = ids_in.contiguous(), weight = weight_in.contiguous();
+  at::Tensor pos_weight, position_ids;
+  if (mode == PosEncoding::kLearned) pos_weight = pos_weight_in->contiguous();
+  if (mode != PosEncoding::kNone && position_ids_in) position_ids = position_ids_in->to(at::kLong).contiguous();
+  auto sizes = ids.sizes().vec();
+  sizes.push_back(weight.size(1));
+  at::Tensor out = at::empty(sizes, weight.options());
+  if (ids.numel() == 0 || weight.size(1) == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "pyembed_forward_cuda", [&] {
+    AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "pyembed_forward_cuda", [&] {
+      launch_forward<Launch, scalar_t, index_t>(ids, weight, pos_weight, position_ids, mode, scale, offset, out);
+    });
+  });
+  return out;
+}
+
+// One segment_sum_kernel launch over the ranges [begin, end) of src rows. vec is 1 or
+// 16 bytes of the gradient dtype T, in elements; S and D rows then move vec at a time too.
+template <class Launch, typename T, typename S, typename D, typename A>
+void launch_segment_sum(int vec, const S* src, const int64_t* src_rows, const at::Tensor& begin, const at::Tensor& end,
+                        D* dst, const int64_t* dst_rows, const A* factors, int64_t dim) {
+  const int64_t segments = begin.numel();
+  if (segments == 0) return;
+  const RowGrid g = row_grid(segments, dim, vec);
+  auto run = [&](auto kernel) {
+    Launch::run(g.grid, g.block, kernel, src, src_rows, begin.data_ptr<int64_t>(), end.data_ptr<int64_t>(), dst,
+                dst_rows, factors, segments, dim);
+  };
+  if (vec > 1) {
+    run(segment_sum_kernel<S, D, A, 16 / sizeof(T)>);
+  } else {
+    run(segment_sum_kernel<S, D, A, 1>);
+  }
+}
+
+// out rows dest[g] (or g) = factor[g] * sum of the dout rows whose key is rows[g], for
+// keys in [0, num_rows) other than `skip`. Returns the sorted unique keys (rows).
+template <class Launch, typename T>
+at::Tensor reduce_by_key(const at::Tensor& dout, const at::Tensor& keys_in, int64_t num_rows, int64_t skip, double scale,
+                         bool divide_by_count, bool dense, const std::function<at::Tensor(const at::Tensor&)>& make_out) {
+  using A = acc_t<T>;
+  const int64_t dim = dout.size(1);
+  const auto long_opts = keys_in.options().dtype(at::kLong);
+  const at::Tensor keys = keys_in.reshape(-1).to(at::kLong);
+  // Excluded keys become num_rows, which sorts after every real row and is then dropped.
+  const at::Tensor used = (keys >= 0) & (keys < num_rows) & (keys != skip);
+  const at::Tensor sort_keys = at::where(used, keys, at::full({}, num_rows, long_opts));
+  const auto [sorted, order] = sort_keys.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
+  auto [rows, inverse_unused, counts] = at::unique_consecutive(sorted, false, true);
+  if (rows.numel() > 0 && rows[-1].item<int64_t>() == num_rows) {
+    rows = rows.slice(0, 0, -1);
+    counts = counts.slice(0, 0, -1);
+  }
+  at::Tensor out = make_out(rows);
+  const int64_t segments = rows.numel();
+  if (segments == 0 || dim == 0) return rows;
+
+  const int vec = vector_width<T>(dim, {dout.data_ptr(), out.data_ptr()});
+  at::Tensor factors = at::full({segments}, static_cast<A>(scale), counts.options().dtype(c10::CppTypeToScalarType<A>::value));
+  if (divide_by_count) factors = factors / counts.to(factors.scalar_type());
+
+  // Level 0 sums tokens (via `order`) straight from dout; each further level sums the
+  // partial rows of the previous one, which are contiguous per segment.
+  at::Tensor end = counts.cumsum(0);
+  at::Tensor begin = end - counts;
+  at::Tensor partials;  // (parts, dim) in A, the current level's source once defined
+  const int64_t* dst_rows = dense ? rows.data_ptr<int64_t>() : nullptr;
+  while (true) {
+    const at::Tensor lengths = end - begin;
+    const at::Tensor parts = at::floor_divide(lengths + (kPartRows - 1), kPartRows);
+    const int64_t max_parts = parts.max().item<int64_t>();
+    if (max_parts <= 1) {  // one part per segment: sum, scale, round once, write
+      if (partials.defined()) {
+        launch_segment_sum<Launch, T>(vec, partials.data_ptr<A>(), nullptr, begin, end, out.data_ptr<T>(), dst_rows,
+                                   factors.data_ptr<A>(), dim);
+      } else {
+        launch_segment_sum<Launch, T>(vec, dout.data_ptr<T>(), order.data_ptr<int64_t>(), begin, end, out.data_ptr<T>(),
+                                   dst_rows, factors.data_ptr<A>(), dim);
+      }
+      return rows;
+    }
+    const at::Tensor first_part = parts.cumsum(0) - parts;
+    const int64_t total_parts = parts.sum().item<int64_t>();
+    const at::Tensor part_segment =
+        at::repeat_interleave(at::arange(segments, long_opts), parts, /*dim=*/0, /*output_size=*/total_parts);
+    const at::Tensor part_begin = begin.index_select(0, part_segment) +
+                                  (at::arange(total_parts, long_opts) - first_part.index_select(0, part_segment)) * kPartRows;
+    const at::Tensor part_end = at::minimum(part_begin + kPartRows, end.index_select(0, part_segment));
+    at::Tensor next = at::empty({total_parts, dim}, dout.options().dtype(c10::CppTypeToScalarType<A>::value));
+    if (partials.defined()) {
+      launch_segment_sum<Launch, T>(vec, partials.data_ptr<A>(), nullptr, part_begin, part_end, next.data_ptr<A>(), nullptr,
+                                 static_cast<const A*>(nullptr), dim);
+    } else {
+      launch_segment_sum<Launch, T>(vec, dout.data_ptr<T>(), order.data_ptr<int64_t>(), part_begin, part_end,
+                                 next.data_ptr<A>(), nullptr, static_cast<const A*>(nullptr), dim);
+    }
+    partials = next;
+    begin = first_part;
+    end = first_part + parts;
+  }
+}
+
+template <class Launch>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_op(
+    const at::Tensor& grad_out_in, const at::Tensor& ids_in, const std::optional<at::Tensor>& position_ids_in,
+    int64_t offset, int64_t num_embeddings, int64_t num_positions, double scale, std::optional<int64_t> padding_idx,
+    bool scale_grad_by_freq, bool sparse, bool need_weight_grad, bool need_pos_grad) {
+  const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
+  const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
+  const auto options = dout.options();
+  at::Tensor weight_rows = at::empty({0}, options.dtype(at::kLong));
+  at::Tensor weight_values = at::empty({0, dim}, options), pos_grad = at::empty({0, dim}, options);
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dout.scalar_type(), "pyembed_backward_cuda", [&] {
+    using T = scalar_t;
+    if (need_weight_grad) {
+      weight_rows = reduce_by_key<Launch, T>(
+          dout, ids_in, num_embeddings, padding_idx.value_or(-1), scale, scale_grad_by_freq, !sparse,
+          [&](const at::Tensor& rows) {
+            weight_values = sparse ? at::empty({rows.numel(), dim}, options) : at::zeros({num_embeddings, dim}, options);
+            return weight_values;
+          });
+      if (!sparse) weight_rows = at::empty({0}, options.dtype(at::kLong));
+    }
+    if (need_pos_grad) {
+      pos_grad = at::zeros({num_positions, dim}, options);
+      if (position_ids_in) {
+        reduce_by_key<Launch, T>(dout, *position_ids_in, num_positions, -1, 1.0, false, true,
+                                 [&](const at::Tensor&) { return pos_grad; });
+      } else if (num_tokens > 0 && dim > 0) {
+        const int64_t seq_len = ids_in.size(-1), steps = std::clamp<int64_t>(num_positions - offset, 0, seq_len);
+        if (steps > 0) {
+          const int vec = vector_width<T>(dim, {dout.data_ptr(), pos_grad.data_ptr()});
+          const RowGrid g = row_grid(steps, dim, vec);
+          auto run = [&](auto kernel) {
+            Launch::run(g.grid, g.block, kernel, dout.data_ptr<T>(), pos_grad.data_ptr<T>(), num_tokens / seq_len,
+                        seq_len, steps, offset, dim);
+          };
+          if (vec > 1) {
+            run(batch_sum_kernel<T, 16 / sizeof(T)>);
+          } else {
+            run(batch_sum_kernel<T, 1>);
+          }
+        }
+      }
+    }
+  });
+  return {weight_rows, weight_values, pos_grad};
+}
+
+}  // namespace pyembed::cuda

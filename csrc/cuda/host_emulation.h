@@ -1,0 +1,57 @@
+// Host emulation of the few CUDA constructs the kernels use, so that g++ compiles
+// embedding_kernels.cuh unchanged and runs every kernel on CPU tensors (DESIGN §6).
+//
+// A launch runs every block and every thread of the grid serially. That is faithful
+// because the kernels never synchronise threads or share memory: each thread's result
+// depends on its indices alone, so any execution order gives the same output. What it
+// checks is the real indexing, masking, vector-width and reduction code of the kernels.
+#pragma once
+
+#ifdef __CUDACC__
+#error "host_emulation.h is for host compilers only"
+#endif
+
+#include <cmath>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+namespace pyembed::emulation {
+inline thread_local dim3 thread_idx, block_idx, block_dim, grid_dim;
+}  // namespace pyembed::emulation
+
+#define threadIdx (::pyembed::emulation::thread_idx)
+#define blockIdx (::pyembed::emulation::block_idx)
+#define blockDim (::pyembed::emulation::block_dim)
+#define gridDim (::pyembed::emulation::grid_dim)
+
+// CUDA's sincosf / sincos are glibc's (GNU extensions, declared by <cmath> under g++).
+
+namespace pyembed::emulation {
+
+struct EmulatedLaunch {
+  template <typename Kernel, typename... Args>
+  static void run(dim3 grid, dim3 block, Kernel kernel, Args... args) {
+    grid_dim = grid;
+    block_dim = block;
+    for (unsigned bz = 0; bz < grid.z; ++bz)
+      for (unsigned by = 0; by < grid.y; ++by)
+        for (unsigned bx = 0; bx < grid.x; ++bx)
+          for (unsigned tz = 0; tz < block.z; ++tz)
+            for (unsigned ty = 0; ty < block.y; ++ty)
+              for (unsigned tx = 0; tx < block.x; ++tx) {
+                block_idx = dim3(bx, by, bz);
+                thread_idx = dim3(tx, ty, tz);
+                kernel(args...);
+              }
+  }
+};
+
+}  // namespace pyembed::emulation

@@ -1,0 +1,15 @@
+// Test-only module: the CUDA backend's kernels and host code (embedding_kernels.cuh),
+// compiled by g++ with the host emulation header and run on CPU tensors.
+#include <torch/extension.h>
+
+#include "cuda/host_emulation.h"
+#include "cuda/embedding_kernels.cuh"
+
+using pyembed::emulation::EmulatedLaunch;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("embedding_forward", &pyembed::cuda::forward_op<EmulatedLaunch>,
+        "the CUDA forward, emulated on CPU tensors (same arguments as torch.ops.pyembed.embedding_forward)");
+  m.def("embedding_backward", &pyembed::cuda::backward_op<EmulatedLaunch>,
+        "the CUDA backward, emulated on CPU tensors (same arguments as torch.ops.pyembed.embedding_backward)");
+}
