@@ -227,3 +227,30 @@ def test_gradcheck_float64(backend):
     assert torch.autograd.gradcheck(
         lambda w: pyembed.fused_embedding(ids, w, pos_encoding="sinusoidal", scale=0.3, backend=backend), (w,)
     )
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("vocab", [50, 300_000], ids=["counting-sort", "comparison-sort"])
+def test_backward_is_bitwise_identical_across_runs_and_thread_counts(backend, vocab):
+    # A small vocabulary with many duplicates, and a large one with few tokens (the CPU
+    # backend groups ids by a counting sort or a comparison sort accordingly).
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 50, (4, 700), generator=g) * (vocab // 50)
+    ids[0, :600] = 7  # a hot row: split into parts, summed in a fixed order
+    dout = torch.randn(4, 700, 40, generator=g)
+    weight = torch.randn(vocab, 40)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (threads, 1, threads):
+            torch.set_num_threads(n)
+            for sparse in (False, True):
+                w = weight.clone().requires_grad_()
+                (grad,) = torch.autograd.grad(pyembed.fused_embedding(ids, w, sparse=sparse, backend=backend), w, dout)
+                results.append(grad.to_dense())
+    finally:
+        torch.set_num_threads(threads)
+    for r in results[1:]:
+        assert torch.equal(r, results[0])
+    exact, bound = accumulation_bound(ids, dout, vocab, 1.0, torch.float32)
+    assert_within(results[0], exact, bound, what=f"{backend} dW")

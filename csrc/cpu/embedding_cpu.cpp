@@ -78,18 +78,39 @@ at::Tensor embedding_forward_cpu(const at::Tensor& ids_in, const at::Tensor& wei
 }
 
 // Keys outside [0, num_rows) (out-of-range ids under validate=false) and `skip` (the
-// padding row) are left out. Sorting (key, token) pairs fixes the summation order from
-// the data alone, so the backward is deterministic by construction.
+// padding row) are left out. Tokens are ordered by (key, token index), which fixes the
+// summation order from the data alone: the backward is deterministic by construction.
 template <typename key_t>
 Segments build_segments(const key_t* keys, int64_t num_tokens, int64_t num_rows, int64_t skip) {
+  auto used = [&](int64_t k) { return k >= 0 && k < num_rows && k != skip; };
+  Segments seg;
+  if (num_rows <= 16 * num_tokens + 65536) {
+    // Counting sort, O(tokens + rows): ~10x faster than a comparison sort at GPT-2 sizes,
+    // and stable (tokens are placed in increasing order within a key).
+    std::vector<int64_t> start(num_rows + 1, 0);
+    for (int64_t n = 0; n < num_tokens; ++n) {
+      const int64_t k = static_cast<int64_t>(keys[n]);
+      if (used(k)) ++start[k + 1];
+    }
+    for (int64_t k = 0; k < num_rows; ++k) {
+      if (start[k + 1] > 0) seg.rows.push_back(k), seg.begin.push_back(start[k]);
+      start[k + 1] += start[k];
+    }
+    seg.begin.push_back(start[num_rows]);
+    seg.order.resize(start[num_rows]);
+    for (int64_t n = 0; n < num_tokens; ++n) {
+      const int64_t k = static_cast<int64_t>(keys[n]);
+      if (used(k)) seg.order[start[k]++] = n;
+    }
+    return seg;
+  }
   std::vector<std::pair<int64_t, int64_t>> pairs;
   pairs.reserve(num_tokens);
   for (int64_t n = 0; n < num_tokens; ++n) {
     const int64_t k = static_cast<int64_t>(keys[n]);
-    if (k >= 0 && k < num_rows && k != skip) pairs.emplace_back(k, n);
+    if (used(k)) pairs.emplace_back(k, n);
   }
-  std::sort(pairs.begin(), pairs.end());
-  Segments seg;
+  std::sort(pairs.begin(), pairs.end());  // (key, token): tokens ascend within a key
   seg.order.reserve(pairs.size());
   for (size_t i = 0; i < pairs.size(); ++i) {
     if (i == 0 || pairs[i].first != pairs[i - 1].first) {

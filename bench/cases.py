@@ -1,0 +1,101 @@
+"""What the benchmark measures: shapes, token counts, modes, and the suites that
+combine them (DESIGN §8)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+# (vocab, dim) of real models' input layers.
+SHAPES = {
+    "gpt2": (50257, 768),
+    "bert": (30522, 768),
+    "llama2": (32000, 4096),
+    "llama3": (128256, 4096),
+    "tiny": (1000, 64),  # --quick and the harness test
+}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+MODES = ("fwd", "bwd", "fwd+bwd")
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: str
+    batch: int
+    seq_len: int
+    mode: str = "fwd+bwd"  # fwd | bwd | fwd+bwd
+    dtype: str = "fp32"
+    pos: str = "learned"  # learned | sinusoidal | none
+    dist: str = "uniform"  # uniform | zipf | onehot
+    grad: str = "dense"  # dense | sparse
+
+    @property
+    def vocab(self) -> int:
+        return SHAPES[self.shape][0]
+
+    @property
+    def dim(self) -> int:
+        return SHAPES[self.shape][1]
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq_len
+
+    @property
+    def scale(self) -> float:
+        return math.sqrt(self.dim)
+
+    def label(self) -> str:
+        extras = [x for x in (self.dtype, self.pos, self.dist, self.grad) if x not in ("fp32", "learned", "uniform", "dense")]
+        return f"{self.shape} {self.batch}x{self.seq_len} {self.mode}" + (f" [{', '.join(extras)}]" if extras else "")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_ids(case: Case, device, generator: torch.Generator) -> torch.Tensor:
+    """uniform ids; Zipf(1.1) (word frequencies); one-hot-row: 90% one id (padding/BOS)."""
+    n = case.tokens
+    if case.dist == "uniform":
+        ids = torch.randint(0, case.vocab, (n,), generator=generator)
+    elif case.dist == "zipf":
+        ranks = torch.arange(1, case.vocab + 1, dtype=torch.float64)
+        ids = torch.multinomial(ranks.pow(-1.1), n, replacement=True, generator=generator)
+    elif case.dist == "onehot":
+        ids = torch.randint(0, case.vocab, (n,), generator=generator)
+        ids[torch.rand(n, generator=generator) < 0.9] = 0
+    else:
+        raise ValueError(f"unknown id distribution {case.dist!r}")
+    return ids.reshape(case.batch, case.seq_len).to(device)
+
+
+TOKENS_DEFAULT = [(1, 1), (1, 128), (8, 128), (8, 512)]
+TOKENS_GPU = TOKENS_DEFAULT + [(8, 2048)]
+
+
+def suite(name: str) -> list[Case]:
+    """default: CPU-friendly -- the main grid (GPT-2 and BERT, 1x1 .. 8x512 tokens, every
+    mode, fp32, learned positions, uniform ids, dense grads) plus one-axis sweeps around
+    GPT-2 8x512. gpu: adds Llama-2/3 and 8x2048. full: the whole cross product. quick:
+    one tiny shape, every mode (seconds; used by the tests)."""
+    if name == "quick":
+        return [Case("tiny", 2, 16, mode) for mode in MODES] + [Case("tiny", 2, 16, "fwd+bwd", grad="sparse")]
+    shapes, tokens = (["gpt2", "bert"], TOKENS_DEFAULT) if name == "default" else (
+        ["gpt2", "bert", "llama2", "llama3"], TOKENS_GPU)
+    if name == "full":
+        return [Case(s, b, t, m, dt, p, di, g) for s, (b, t), m, dt, p, di, g in itertools.product(
+            shapes, tokens, MODES, DTYPES, ("learned", "sinusoidal", "none"), ("uniform", "zipf", "onehot"),
+            ("dense", "sparse"))]
+    if name not in ("default", "gpu"):
+        raise ValueError(f"unknown suite {name!r}")
+    cases = [Case(s, b, t, m) for s, (b, t), m in itertools.product(shapes, tokens, MODES)]
+    b, t = tokens[-1]
+    for mode in ("fwd", "fwd+bwd"):
+        cases += [Case("gpt2", b, t, mode, pos=p) for p in ("sinusoidal", "none")]
+        cases += [Case("gpt2", b, t, mode, dtype=d) for d in ("bf16", "fp16")]
+    cases += [Case("gpt2", b, t, "fwd+bwd", grad="sparse")]
+    cases += [Case("gpt2", b, t, "fwd+bwd", dist=d) for d in ("zipf", "onehot")]
+    return cases

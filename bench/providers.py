@@ -1,0 +1,75 @@
+"""The implementations being compared. Adding one is one entry in ``providers()``.
+
+- eager: the way models do it today -- nn.Embedding lookups, a multiply, an add (and a
+  sinusoid read from a precomputed table buffer).
+- compile: ``torch.compile`` of that same eager code.
+- pyembed-<backend>: ``pyembed.fused_embedding`` on each backend available here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+import pyembed
+from pyembed import dispatch
+
+from .cases import Case
+
+
+@dataclass
+class Tables:
+    weight: torch.Tensor  # (V, d), requires_grad
+    pos_weight: Optional[torch.Tensor]  # (max_seq_len, d) for learned positions
+    sinusoid: Optional[torch.Tensor]  # (seq_len, d) buffer, for the unfused providers only
+    positions: torch.Tensor  # (seq_len,) = arange
+
+
+def eager_input_layer(ids, tables: Tables, scale: float, sparse: bool):
+    out = F.embedding(ids, tables.weight, sparse=sparse) * scale
+    if tables.pos_weight is not None:
+        out = out + F.embedding(tables.positions, tables.pos_weight)
+    if tables.sinusoid is not None:
+        out = out + tables.sinusoid
+    return out
+
+
+_compiled = None
+
+
+def compiled_input_layer(ids, tables: Tables, scale: float, sparse: bool):
+    global _compiled
+    if _compiled is None:  # one compiled function; torch marks shapes dynamic as they vary
+        _compiled = torch.compile(eager_input_layer)
+    return _compiled(ids, tables, scale, sparse)
+
+
+def fused_input_layer(backend: str):
+    def run(ids, tables: Tables, scale: float, sparse: bool):
+        pos = "sinusoidal" if tables.sinusoid is not None else None
+        return pyembed.fused_embedding(ids, tables.weight, tables.pos_weight, pos_encoding=pos, scale=scale,
+                                       sparse=sparse, backend=backend)
+    return run
+
+
+@dataclass
+class Provider:
+    name: str
+    fn: Callable  # fn(ids, tables, scale, sparse) -> (B, T, d)
+    why_not: Callable[[Case], Optional[str]] = lambda case: None  # reason it cannot run a case
+
+
+def providers(device: torch.device, include_reference: bool = False) -> list[Provider]:
+    found = [
+        Provider("eager", eager_input_layer),
+        Provider("compile", compiled_input_layer,
+                 lambda case: "torch.compile does not trace sparse gradients" if case.grad == "sparse" else None),
+    ]
+    for backend in dispatch.backends_for(device):
+        if backend == "reference" and not include_reference:
+            continue  # the spec in code: slow by design, measured only on request
+        found.append(Provider(f"pyembed-{backend}", fused_input_layer(backend)))
+    return found

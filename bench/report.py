@@ -1,0 +1,81 @@
+"""Benchmark output: the CSV (appended, one row per case x provider), a markdown table
+and one PNG per mode."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+COLUMNS = [
+    "timestamp", "device", "torch", "pyembed", "suite", "shape", "batch", "seq_len", "tokens", "mode", "dtype", "pos",
+    "dist", "grad", "provider", "status", "median_ms", "p20_ms", "p80_ms", "gbps", "pct_of_copy", "copy_ms",
+    "min_bytes", "grad_bytes", "speedup_vs_eager", "speedup_vs_compile", "note",
+]
+
+
+def append_csv(rows: list[dict], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def _cell(row: dict) -> str:
+    if row["status"] != "ok":
+        return row["status"]
+    parts = [f"{row['median_ms']:.3g} ms"]
+    speedups = [f"{row[k]:.2f}x" for k in ("speedup_vs_eager", "speedup_vs_compile") if row.get(k)]
+    if row["provider"] not in ("eager", "compile") and speedups:
+        parts.append(" / ".join(speedups))
+    parts.append(f"{row['pct_of_copy']:.0f}% copy")
+    return " · ".join(parts)
+
+
+def markdown(rows: list[dict], providers: list[str]) -> str:
+    """One line per case; a cell holds median time, speedup vs eager / vs compile, and
+    effective bandwidth as a % of a plain copy of the same bytes."""
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    cells = {(r["label"], r["provider"]): _cell(r) for r in rows}
+    lines = ["| case | " + " | ".join(providers) + " |", "|---" * (len(providers) + 1) + "|"]
+    for label in labels:
+        lines.append(f"| {label} | " + " | ".join(cells.get((label, p), "") for p in providers) + " |")
+    return "\n".join(lines)
+
+
+def plots(rows: list[dict], out: Path, meta: dict) -> list[Path]:
+    """Per mode: median time vs tokens, per provider, one panel per shape (main grid only:
+    fp32, learned positions, uniform ids, dense gradients)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    main = [r for r in rows if r["status"] == "ok" and (r["dtype"], r["pos"], r["dist"], r["grad"]) ==
+            ("fp32", "learned", "uniform", "dense")]
+    paths = []
+    for mode in dict.fromkeys(r["mode"] for r in main):
+        shapes = list(dict.fromkeys(r["shape"] for r in main if r["mode"] == mode))
+        fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4), squeeze=False)
+        for ax, shape in zip(axes[0], shapes):
+            for provider in dict.fromkeys(r["provider"] for r in main):
+                pts = sorted((r["tokens"], r["median_ms"], r["p20_ms"], r["p80_ms"]) for r in main
+                             if r["mode"] == mode and r["shape"] == shape and r["provider"] == provider)
+                if pts:
+                    x, y, lo, hi = zip(*pts)
+                    ax.errorbar(x, y, yerr=[[a - b for a, b in zip(y, lo)], [b - a for a, b in zip(y, hi)]],
+                                marker="o", capsize=3, label=provider)
+            ax.set(xscale="log", yscale="log", xlabel="tokens (batch x seq_len)", ylabel="median ms (p20-p80)",
+                   title=f"{shape}, {mode}, fp32, learned PE")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend()
+        fig.suptitle(f"{meta['device']} · torch {meta['torch']} · {meta['timestamp']}", fontsize=8)
+        fig.tight_layout()
+        path = out / f"bench_{mode.replace('+', '_')}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -1,0 +1,254 @@
+"""``python -m bench``: every provider on every case of a suite, as CSV, markdown, PNG.
+
+Protocol (DESIGN §8):
+- correctness gate first: each provider's output and gradients are compared with the
+  float64 reference on that very case; a wrong provider is reported FAILED, never timed;
+- timing: on a GPU ``triton.testing.do_bench`` (median, p20, p80); on a CPU a warmed-up
+  ``time.perf_counter`` loop in which the providers and the copy baseline take turns
+  call by call, so a noisy machine slows them all alike; median, p20, p80;
+- the same rounds time a plain ``copy_`` moving the case's minimal bytes, and every row
+  reports its effective bandwidth as a percentage of that copy's.
+
+Minimal bytes (what an ideal kernel must move; ``es`` element size, ``U`` unique ids):
+  fwd = ids + U*d*es (rows read) + T*d*es (learned positions) + N*d*es (output written)
+  bwd = ids + N*d*es (grad read) + U*d*es (touched grad rows written) + T*d*es (learned)
+  fwd+bwd = fwd + bwd
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import pyembed
+
+from . import report
+from .cases import DTYPES, SHAPES, Case, make_ids, suite
+from .providers import Provider, Tables, providers
+
+GATE_TOL = {"fp32": 2e-3, "fp16": 1e-2, "bf16": 6e-2}  # relative to the case's largest value
+
+
+def build_tables(case: Case, device, generator) -> Tables:
+    dtype = DTYPES[case.dtype]
+    weight = torch.randn(case.vocab, case.dim, generator=generator).to(device=device, dtype=dtype).requires_grad_()
+    pos_weight = sinusoid = None
+    if case.pos == "learned":
+        pos_weight = (0.02 * torch.randn(max(case.seq_len, 1024), case.dim, generator=generator))
+        pos_weight = pos_weight.to(device=device, dtype=dtype).requires_grad_()
+    elif case.pos == "sinusoidal":
+        sinusoid = pyembed.sinusoidal_table(case.seq_len, case.dim, dtype=dtype, device=device)
+    positions = torch.arange(case.seq_len, device=device)
+    return Tables(weight, pos_weight, sinusoid, positions)
+
+
+def own_copy(tables: Tables) -> Tables:
+    def leaf(t):
+        return None if t is None else t.detach().clone().requires_grad_()
+    return Tables(leaf(tables.weight), leaf(tables.pos_weight), tables.sinusoid, tables.positions)
+
+
+def minimal_bytes(case: Case, ids: torch.Tensor) -> int:
+    es = torch.empty((), dtype=DTYPES[case.dtype]).element_size()
+    row = case.dim * es
+    unique = int(ids.unique().numel())
+    pos = case.seq_len * row if case.pos == "learned" else 0
+    ids_bytes = ids.numel() * ids.element_size()
+    fwd = ids_bytes + unique * row + pos + case.tokens * row
+    bwd = ids_bytes + case.tokens * row + unique * row + pos
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[case.mode]
+
+
+def grads_of(tables: Tables):
+    return [t.grad for t in (tables.weight, tables.pos_weight) if t is not None]
+
+
+def zero_grads(tables: Tables):
+    for t in (tables.weight, tables.pos_weight):
+        if t is not None:
+            t.grad = None
+
+
+def gate(provider: Provider, case: Case, ids, tables: Tables, dout) -> str | None:
+    """None when outputs and gradients match the float64 reference, else what is wrong."""
+    zero_grads(tables)
+    out = provider.fn(ids, tables, case.scale, case.grad == "sparse")
+    out.backward(dout)
+    got = [out] + grads_of(tables)
+    zero_grads(tables)
+    exact_tables = Tables(
+        tables.weight.detach().double().requires_grad_(),
+        None if tables.pos_weight is None else tables.pos_weight.detach().double().requires_grad_(),
+        None if tables.sinusoid is None else tables.sinusoid.double(),
+        tables.positions,
+    )
+    ref = pyembed.fused_embedding(ids, exact_tables.weight, exact_tables.pos_weight,
+                                  pos_encoding="sinusoidal" if case.pos == "sinusoidal" else None,
+                                  scale=case.scale, backend="reference")
+    ref.backward(dout.double())
+    expected = [ref] + grads_of(exact_tables)
+    for name, a, b in zip(("output", "weight grad", "pos grad"), got, expected):
+        a = a.to_dense().double() if a.is_sparse else a.double()
+        err = (a - b).abs().max().item() if a.numel() else 0.0
+        if err > GATE_TOL[case.dtype] * (1.0 + b.abs().max().item()):
+            return f"{name} differs from the float64 reference by {err:.3g}"
+    if case.grad == "sparse":
+        grad = torch.autograd.grad(provider.fn(ids, tables, case.scale, True), tables.weight, dout)[0]
+        if not grad.is_sparse:
+            return "sparse=True gave a dense gradient"
+    return None
+
+
+def step_fn(provider: Provider, case: Case, ids, tables: Tables, dout):
+    """A zero-argument callable doing one timed step of ``case.mode``."""
+    sparse = case.grad == "sparse"
+    if case.mode == "fwd":
+        return lambda: provider.fn(ids, tables, case.scale, sparse)
+    if case.mode == "fwd+bwd":
+        def fwd_bwd():
+            zero_grads(tables)
+            provider.fn(ids, tables, case.scale, sparse).backward(dout)
+        return fwd_bwd
+    out = provider.fn(ids, tables, case.scale, sparse)  # bwd: one forward, many backwards
+
+    def bwd():
+        zero_grads(tables)
+        out.backward(dout, retain_graph=True)
+    return bwd
+
+
+def time_cpu(fns: dict, budget_s: float, min_reps: int, max_reps: int) -> dict:
+    """Interleaved rounds: every callable once per round, until the budget is spent."""
+    for fn in fns.values():
+        for _ in range(2):
+            fn()
+    samples = {k: [] for k in fns}
+    start = time.perf_counter()
+    while True:
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[k].append(time.perf_counter() - t0)
+        reps = len(next(iter(samples.values())))
+        if reps >= max_reps or (reps >= min_reps and time.perf_counter() - start > budget_s):
+            break
+    return {k: [q * 1e3 for q in torch.tensor(v).quantile(torch.tensor([0.5, 0.2, 0.8]), interpolation="nearest").tolist()]
+            for k, v in samples.items()}
+
+
+def time_gpu(fns: dict) -> dict:
+    import triton.testing
+
+    return {k: list(triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])) for k, fn in fns.items()}
+
+
+def run_case(case: Case, device, provs: list[Provider], args) -> list[dict]:
+    generator = torch.Generator().manual_seed(0)
+    shared_tables = build_tables(case, device, generator)
+    ids = make_ids(case, device, generator)
+    dout = torch.randn(case.batch, case.seq_len, case.dim, generator=generator).to(device=device,
+                                                                                   dtype=DTYPES[case.dtype])
+    nbytes = minimal_bytes(case, ids)
+    rows, fns = [], {}
+    for p in provs:
+        # Each provider gets its own copy of the tables, so the gradient a step frees
+        # (set to None, as optimizer.zero_grad does) is the provider's own previous one.
+        tables = own_copy(shared_tables)
+        row = {**case.as_dict(), "label": case.label(), "tokens": case.tokens, "provider": p.name, "status": "ok"}
+        reason = p.why_not(case)
+        if reason is None:
+            try:
+                reason = gate(p, case, ids, tables, dout)
+                if reason is not None:
+                    row["status"] = "FAILED"
+            except Exception as exc:  # noqa: BLE001 - a crashing provider is a failed provider
+                row["status"], reason = "FAILED", f"{type(exc).__name__}: {exc}"
+        else:
+            row["status"] = "n/a"
+        row["note"] = reason or ""
+        if row["status"] == "ok":
+            fns[p.name] = step_fn(p, case, ids, tables, dout)
+            if case.mode != "fwd":
+                zero_grads(tables)
+                fns[p.name]()
+                row["grad_bytes"] = sum(g._values().nbytes + g._indices().nbytes if g.is_sparse else g.nbytes
+                                        for g in grads_of(tables))
+        rows.append(row)
+    # The copy baseline moves the same minimal bytes: half read, half written.
+    src = torch.empty(max(nbytes // 2 // 4, 1), dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    fns["copy"] = lambda: dst.copy_(src)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        timings = time_gpu(fns)
+    else:
+        timings = time_cpu(fns, args.budget, args.min_reps, args.max_reps)
+    copy_ms = timings["copy"][0]
+    for row in rows:
+        if row["provider"] in timings:
+            med, p20, p80 = timings[row["provider"]]
+            row.update(median_ms=med, p20_ms=p20, p80_ms=p80, gbps=nbytes / med / 1e6,
+                       pct_of_copy=100.0 * copy_ms / med)
+        row.update(copy_ms=copy_ms, min_bytes=nbytes)
+    by_name = {r["provider"]: r for r in rows}
+    for row in rows:
+        for base in ("eager", "compile"):
+            ref = by_name.get(base, {}).get("median_ms")
+            if ref and row.get("median_ms"):
+                row[f"speedup_vs_{base}"] = ref / row["median_ms"]
+    return rows
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--suite", default=None, choices=["quick", "default", "gpu", "full"],
+                    help="default on a CPU, gpu on a GPU")
+    ap.add_argument("--quick", action="store_true", help="the quick suite: one tiny shape, seconds")
+    ap.add_argument("--full", action="store_true", help="the whole cross product (long)")
+    ap.add_argument("--shape", nargs="*", choices=sorted(SHAPES), help="only these shapes")
+    ap.add_argument("--mode", nargs="*", choices=["fwd", "bwd", "fwd+bwd"], help="only these modes")
+    ap.add_argument("--provider", nargs="*", help="only these providers (eager, compile, pyembed-cpu, ...)")
+    ap.add_argument("--dtype", nargs="*", choices=sorted(DTYPES), help="only these dtypes")
+    ap.add_argument("--reference", action="store_true", help="also time the (slow) reference backend")
+    ap.add_argument("--budget", type=float, default=0.6, help="CPU: seconds of timing per case (default 0.6)")
+    ap.add_argument("--min-reps", type=int, default=10)
+    ap.add_argument("--max-reps", type=int, default=300)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
+                    help="folder for results.csv (appended) and the PNG plots")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = "quick" if args.quick else "full" if args.full else args.suite or ("gpu" if device.type == "cuda" else "default")
+    cases = [c for c in suite(name)
+             if (not args.shape or c.shape in args.shape) and (not args.mode or c.mode in args.mode)
+             and (not args.dtype or c.dtype in args.dtype)
+             and not (device.type == "cpu" and c.shape == "llama3")]  # 2 GB tables: GPU only
+    provs = [p for p in providers(device, args.reference) if not args.provider or p.name in args.provider]
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else (platform.processor() or platform.machine())
+    meta = {
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": f"{device.type}: {device_name}, {torch.get_num_threads()} threads" if device.type == "cpu"
+        else f"cuda: {device_name}",
+        "torch": torch.__version__,
+        "pyembed": pyembed.__version__,
+        "suite": name,
+    }
+    print(f"pyembed benchmark: suite {name}, {len(cases)} cases, providers {[p.name for p in provs]}, on {meta['device']}")
+    rows = []
+    for case in tqdm(cases, desc="cases", unit="case"):
+        rows += [{**meta, **r} for r in run_case(case, device, provs, args)]
+    out = Path(args.out)
+    csv_path = report.append_csv(rows, out / "results.csv")
+    print(report.markdown(rows, [p.name for p in provs]))
+    pngs = report.plots(rows, out, meta)
+    print(f"\nCSV appended to {csv_path}; plots: {', '.join(str(p) for p in pngs)}")
+    return rows
