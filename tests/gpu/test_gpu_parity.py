@@ -45,3 +45,42 @@ def test_cuda_backward_is_bitwise_deterministic():
             assert torch.equal(grads[0], grads[1]), backend
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_cuda_gradients_match_the_float64_reference(sparse):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (8, 300), generator=g)
+    ids[:, :100] = 5  # a hot row: several levels of the segment tree
+    weight = torch.randn(64, 96, generator=g)
+    pos_weight = torch.randn(400, 96, generator=g)
+    dout = torch.randn(8, 300, 96, generator=g)
+    w64, p64 = weight.double().requires_grad_(), pos_weight.double().requires_grad_()
+    pyembed.fused_embedding(ids, w64, p64, scale=2.0, offset=7, padding_idx=3, backend="reference").backward(dout.double())
+    for backend in _cuda_backends():
+        w, p = weight.cuda().requires_grad_(), pos_weight.cuda().requires_grad_()
+        out = pyembed.fused_embedding(ids.cuda(), w, p, scale=2.0, offset=7, padding_idx=3, sparse=sparse, backend=backend)
+        out.backward(dout.cuda())
+        torch.testing.assert_close(w.grad.to_dense().cpu().double(), w64.grad, rtol=1e-5, atol=1e-4, msg=backend)
+        torch.testing.assert_close(p.grad.cpu().double(), p64.grad, rtol=1e-5, atol=1e-4, msg=backend)
+
+
+def test_output_of_more_than_2_to_the_31_elements():
+    if torch.cuda.get_device_properties(0).total_memory < 12 * 2**30:
+        pytest.skip("needs a GPU with at least 12 GiB for a 4 GiB output")
+    dim = 1024
+    tokens = 2**31 // dim + 7  # the last rows sit past element 2^31
+    weight = torch.randn(100, dim, device="cuda", dtype=torch.float16)
+    ids = torch.arange(tokens, device="cuda") % 100
+    for backend in _cuda_backends():
+        out = pyembed.fused_embedding(ids, weight, validate=False, backend=backend)
+        for row in (0, tokens // 2, tokens - 1):
+            torch.testing.assert_close(out[row], weight[row % 100], rtol=0, atol=0, msg=backend)
+        del out
+
+
+def test_compiled_layer_has_no_graph_breaks_on_gpu():
+    layer = pyembed.EmbeddingLayer(1000, 128, 256, scale_embeddings=True).cuda()
+    compiled = torch.compile(layer, fullgraph=True)
+    ids = torch.randint(0, 1000, (4, 64), device="cuda")
+    torch.testing.assert_close(compiled(ids), layer(ids))
