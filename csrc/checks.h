@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <string_view>
 
 namespace pyembed {
 
@@ -73,6 +74,33 @@ inline void validate_forward(const at::Tensor& ids, int64_t num_embeddings,
   if (position_ids.has_value()) {
     check_position_ids(*position_ids, mode == PosEncoding::kLearned ? num_positions : -1);
   }
+}
+
+// The shared start of every forward op: checks (data checks when validate), contiguous
+// inputs, position_ids as int64, and the output, allocated (uninitialised).
+struct ForwardInputs {
+  PosEncoding mode;
+  at::Tensor ids, weight, pos_weight, position_ids, out;  // pos_weight / position_ids may be undefined
+  bool empty() const { return ids.numel() == 0 || weight.size(1) == 0; }
+};
+
+inline ForwardInputs prepare_forward(const at::Tensor& ids, const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& pos_weight,
+                                     const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
+                                     bool validate) {
+  ForwardInputs in;
+  in.mode = parse_pos_encoding(std::string(pos_encoding));
+  check_forward_args(ids, weight, pos_weight, position_ids, in.mode);
+  const int64_t num_positions = in.mode == PosEncoding::kLearned ? pos_weight->size(0) : 0;
+  if (validate) validate_forward(ids, weight.size(0), position_ids, in.mode, num_positions);
+  in.ids = ids.contiguous();
+  in.weight = weight.contiguous();
+  if (in.mode == PosEncoding::kLearned) in.pos_weight = pos_weight->contiguous();
+  if (in.mode != PosEncoding::kNone && position_ids) in.position_ids = position_ids->to(at::kLong).contiguous();
+  auto sizes = in.ids.sizes().vec();
+  sizes.push_back(in.weight.size(1));
+  in.out = at::empty(sizes, in.weight.options());
+  return in;
 }
 
 // A float64 table computes in float64; every other dtype in float32 (DESIGN §1).

@@ -118,3 +118,26 @@ def test_portable_cpu_kernels_pass_the_parity_suite():
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout
+
+
+def test_import_without_the_extension_warns_once_and_serves_reference():
+    code = (
+        "import sys, warnings\n"
+        "sys.modules['pyembed._C'] = None  # as if the extension were missing\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import pyembed, torch\n"
+        "print(len([w for w in caught if 'pyembed._C' in str(w.message)]))\n"
+        "print(pyembed.available_backends(), pyembed.build_info()['cpu_built'])\n"
+        "out = pyembed.fused_embedding(torch.tensor([[1, 2]]), torch.eye(3))\n"
+        "print(out.tolist())\n"
+        "try:\n"
+        "    pyembed.fused_embedding(torch.tensor([[1]]), torch.eye(3), backend='cpu')\n"
+        "except RuntimeError as e:\n"
+        "    print('RuntimeError', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == "1"
+    assert out[1] == "['reference'] False"
+    assert out[2] == "[[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]]"
+    assert out[3].startswith("RuntimeError pyembed: backend 'cpu' cannot run on cpu: pyembed._C could not be loaded")

@@ -20,6 +20,15 @@ SHAPES = [(1, 1, 1, 8), (1, 97, 50, 60), (4, 33, 7, 100), (3, 17, 1000, 64)]
 POS_ENCODINGS = ["none", "learned", "sinusoidal"]
 
 
+def parity_matrix(test):
+    """Every CPU backend x dtype x id dtype x positional encoding x shape."""
+    for name, values, ids in (("backend", CPU_BACKENDS, None), ("shape", SHAPES, str),
+                              ("pos_encoding", POS_ENCODINGS, None), ("id_dtype", ID_DTYPES, str),
+                              ("dtype", WEIGHT_DTYPES, str)):
+        test = pytest.mark.parametrize(name, values, ids=ids)(test)
+    return test
+
+
 def _case(shape, dtype, id_dtype, pos_encoding, seed=0):
     batch, seq_len, vocab, dim = shape
     offset = 3 if pos_encoding != "none" else 0
@@ -41,11 +50,7 @@ def _forward_atol(dtype, pos_encoding, ids, offset):
     return atol
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("pos_encoding", POS_ENCODINGS)
-@pytest.mark.parametrize("id_dtype", ID_DTYPES, ids=str)
-@pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
+@parity_matrix
 def test_forward_matches_eager(backend, dtype, id_dtype, pos_encoding, shape):
     if backend not in backends_supporting(dtype):
         pytest.skip(f"{backend} does not take {dtype} tables")
@@ -65,11 +70,7 @@ def test_forward_matches_eager(backend, dtype, id_dtype, pos_encoding, shape):
         assert max_abs_err(ours, exact) <= 2 * max_abs_err(eager, exact)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("pos_encoding", POS_ENCODINGS)
-@pytest.mark.parametrize("id_dtype", ID_DTYPES, ids=str)
-@pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
+@parity_matrix
 def test_dense_gradients_accumulate_in_fp32(backend, dtype, id_dtype, pos_encoding, shape):
     if backend not in backends_supporting(dtype):
         pytest.skip(f"{backend} does not take {dtype} tables")

@@ -42,20 +42,11 @@ at::Tensor embedding_forward_cpu(const at::Tensor& ids_in, const at::Tensor& wei
                                  const std::optional<at::Tensor>& pos_weight_in,
                                  const std::optional<at::Tensor>& position_ids_in, std::string_view pos_encoding,
                                  double scale, int64_t offset, bool validate) {
-  const PosEncoding mode = parse_pos_encoding(std::string(pos_encoding));
-  check_forward_args(ids_in, weight_in, pos_weight_in, position_ids_in, mode);
-  const int64_t num_positions = mode == PosEncoding::kLearned ? pos_weight_in->size(0) : 0;
-  if (validate) validate_forward(ids_in, weight_in.size(0), position_ids_in, mode, num_positions);
-
-  const at::Tensor ids = ids_in.contiguous(), weight = weight_in.contiguous();
-  at::Tensor pos_weight, position_ids;
-  if (mode == PosEncoding::kLearned) pos_weight = pos_weight_in->contiguous();
-  if (mode != PosEncoding::kNone && position_ids_in) position_ids = position_ids_in->to(at::kLong).contiguous();
-
-  auto out_sizes = ids.sizes().vec();
-  out_sizes.push_back(weight.size(1));
-  at::Tensor out = at::empty(out_sizes, weight.options());
-  if (ids.numel() == 0 || weight.size(1) == 0) return out;
+  const ForwardInputs in = prepare_forward(ids_in, weight_in, pos_weight_in, position_ids_in, pos_encoding, validate);
+  if (in.empty()) return in.out;
+  const at::Tensor &ids = in.ids, &weight = in.weight, &pos_weight = in.pos_weight, &position_ids = in.position_ids;
+  at::Tensor out = in.out;
+  const PosEncoding mode = in.mode;
 
   cpu::ForwardArgs args{};
   args.ids = ids.data_ptr();
@@ -70,7 +61,7 @@ at::Tensor embedding_forward_cpu(const at::Tensor& ids_in, const at::Tensor& wei
   args.num_tokens = ids.numel();
   args.seq_len = ids.dim() > 0 ? ids.size(-1) : 1;
   args.num_embeddings = weight.size(0);
-  args.num_positions = num_positions;
+  args.num_positions = pos_weight.defined() ? pos_weight.size(0) : 0;
   args.dim = weight.size(1);
   args.out = out.data_ptr();
   cpu::row_kernels().forward(args);

@@ -227,22 +227,14 @@ template <class Launch>
 at::Tensor forward_op(const at::Tensor& ids_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& pos_weight_in,
                       const std::optional<at::Tensor>& position_ids_in, std::string_view pos_encoding, double scale,
                       int64_t offset, bool validate) {
-  const PosEncoding mode = parse_pos_encoding(std::string(pos_encoding));
-  check_forward_args(ids_in, weight_in, pos_weight_in, position_ids_in, mode);
-  const int64_t num_positions = mode == PosEncoding::kLearned ? pos_weight_in->size(0) : 0;
-  if (validate) validate_forward(ids_in, weight_in.size(0), position_ids_in, mode, num_positions);
-
-  const at::Tensor ids = ids_in.contiguous(), weight = weight_in.contiguous();
-  at::Tensor pos_weight, position_ids;
-  if (mode == PosEncoding::kLearned) pos_weight = pos_weight_in->contiguous();
-  if (mode != PosEncoding::kNone && position_ids_in) position_ids = position_ids_in->to(at::kLong).contiguous();
-  auto sizes = ids.sizes().vec();
-  sizes.push_back(weight.size(1));
-  at::Tensor out = at::empty(sizes, weight.options());
-  if (ids.numel() == 0 || weight.size(1) == 0) return out;
+  ForwardInputs in = prepare_forward(ids_in, weight_in, pos_weight_in, position_ids_in, pos_encoding, validate);
+  if (in.empty()) return in.out;
+  const at::Tensor &ids = in.ids, &weight = in.weight;
+  at::Tensor& out = in.out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "pyembed_forward_cuda", [&] {
     AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "pyembed_forward_cuda", [&] {
-      launch_forward<Launch, scalar_t, index_t>(ids, weight, pos_weight, position_ids, mode, scale, offset, out);
+      launch_forward<Launch, scalar_t, index_t>(ids, weight, in.pos_weight, in.position_ids, in.mode, scale, offset,
+                                                  out);
     });
   });
   return out;
