@@ -9,6 +9,7 @@ as one fused op, forward and backward, with a backward that touches only used ro
 __version__ = "0.1.0"
 
 from ._extension import build_info
+from . import _triton  # noqa: F401  (registers the triton backend)
 from .dispatch import available_backends
 from .functional import fused_embedding
 from .modules import EmbeddingLayer, FusedEmbedding, replace_embeddings

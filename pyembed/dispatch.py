@@ -37,7 +37,7 @@ _registry: dict[str, Backend] = {}
 _missing_reason: dict[str, str] = {
     "cpu": "the pyembed._C extension was not built with CPU kernels",
     "cuda": "the pyembed._C extension was not built with CUDA kernels",
-    "triton": "the Triton backend is not part of this build",
+    "triton": "the triton package is not installed",
 }
 
 

@@ -149,8 +149,6 @@ def test_sinusoidal_table_is_the_closed_form():
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_fused_sinusoid_values_up_to_position_5000(backend, dtype):
-    if backend == "triton" and dtype == torch.float64:
-        pytest.skip("triton does not take float64 tables")
     dim = 96
     position_ids = torch.tensor([[0, 1, 2, 7, 100, 511, 512, 1000, 2047, 4095, 4999, 5000]])
     ids = torch.zeros_like(position_ids)

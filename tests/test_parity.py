@@ -214,7 +214,7 @@ def test_validate_false_gives_zero_rows_for_bad_ids(backend):
     torch.testing.assert_close(weight.grad, expected_grad, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("backend", [b for b in CPU_BACKENDS if b != "triton"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_gradcheck_float64(backend):
     ids, weight, pos_weight, _ = make_inputs(2, 6, 5, 4, torch.float64, pos_rows=9, seed=7)
     w, p = weight.requires_grad_(), pos_weight.requires_grad_()

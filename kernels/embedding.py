@@ -1,0 +1,217 @@
+"""Triton kernels of the fused embedding op (installed as ``pyembed.kernels.embedding``).
+
+Forward: a program owns a (BLOCK_T tokens x BLOCK_D features) tile; it gathers the
+tokens' rows, scales them, adds the learned row or a sinusoid computed in registers, and
+stores once -- fp32 math (fp64 for fp64 tables), one rounding, 64-bit offsets. An
+out-of-range id (validate=False) is masked: a zero row, no memory access.
+
+Backward: the (key, token) pairs are sorted with torch on the device (stable), cut into
+segments of equal keys, and every segment is summed by a tree of parts of at most
+PART_ROWS rows, in fp32, in a fixed order -- no atomics, so it is deterministic (this
+backend has no atomic fast path). The learned-PE gradient with p = offset + t is a
+batch reduction.
+
+Recompilation policy: ``dim`` is a runtime argument, so a new d only compiles anew when
+it changes BLOCK_D = min(next_pow2(d), 512) or Triton's divisibility-by-16 specialisation
+of d (which is what lets it emit 16-byte accesses); BLOCK_T follows from BLOCK_D.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+POS_NONE, POS_LEARNED, POS_SINUSOIDAL = 0, 1, 2
+PART_ROWS = 32  # rows one program sums before the next tree level
+MAX_BLOCK_D = 512
+TILE_ELEMENTS = 2048  # BLOCK_T * BLOCK_D: 16 fp32 registers per thread at 4 warps
+
+
+def _blocks(dim: int) -> tuple[int, int]:
+    block_d = min(triton.next_power_of_2(max(dim, 1)), MAX_BLOCK_D)
+    return max(1, TILE_ELEMENTS // block_d), block_d
+
+
+@triton.jit
+def _rounded(x, ptr):
+    """x converted to ptr's element type, rounding to nearest even. bf16 is rounded by
+    hand: on a GPU this is what cvt.rn does, and Triton's CPU interpreter truncates."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return tl.where(x != x, x.to(tl.bfloat16), bits.to(tl.uint16).to(tl.bfloat16, bitcast=True))
+    else:
+        return x.to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def _embedding_forward_kernel(
+    ids_ptr,  # (num_tokens,) int32/int64
+    weight_ptr,  # (num_embeddings, dim)
+    pos_weight_ptr,  # (num_positions, dim), learned only
+    position_ids_ptr,  # (num_tokens,) int64, when HAS_POSITION_IDS
+    out_ptr,  # (num_tokens, dim)
+    num_tokens, seq_len, num_embeddings, num_positions, dim, offset,
+    scale,  # multiplies the token rows, in the compute dtype
+    neg_log_base_over_dim,  # -ln(10000) / d: w_i = exp(2i * this)
+    POS_MODE: tl.constexpr, HAS_POSITION_IDS: tl.constexpr, COMPUTE_F64: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    tok_ok = tok < num_tokens
+    col_ok = cols < dim
+    ids = tl.load(ids_ptr + tok, mask=tok_ok, other=0).to(tl.int64)
+    id_ok = tok_ok & (ids >= 0) & (ids < num_embeddings)
+    x = tl.load(weight_ptr + ids[:, None] * dim + cols[None, :], mask=id_ok[:, None] & col_ok[None, :], other=0.0)
+    x = x.to(acc_dtype) * scale
+    if POS_MODE != 0:
+        if HAS_POSITION_IDS:
+            pos = tl.load(position_ids_ptr + tok, mask=tok_ok, other=0)
+        else:
+            pos = offset + tok % seq_len
+        if POS_MODE == 1:
+            pos_ok = tok_ok & (pos >= 0) & (pos < num_positions)
+            pe = tl.load(pos_weight_ptr + pos[:, None] * dim + cols[None, :], mask=pos_ok[:, None] & col_ok[None, :],
+                         other=0.0)
+            x += pe.to(acc_dtype)
+        else:
+            pair = (cols // 2).to(acc_dtype)
+            freq = tl.exp(2.0 * pair * neg_log_base_over_dim)
+            angle = pos.to(acc_dtype)[:, None] * freq[None, :]
+            x += tl.where((cols % 2 == 0)[None, :], tl.sin(angle), tl.cos(angle))
+    tl.store(out_ptr + tok[:, None] * dim + cols[None, :], _rounded(x, out_ptr),
+             mask=tok_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _segment_sum_kernel(
+    src_ptr,  # rows of dim: the gradient (level 0) or fp32 partial sums
+    src_rows_ptr,  # (rows,) int64 row of src for sorted position r, when HAS_SRC_ROWS
+    begin_ptr, end_ptr,  # (num_segments,) int64: segment g sums positions [begin, end)
+    dst_ptr,  # output rows of dim
+    dst_rows_ptr,  # (num_segments,) int64 destination row, when HAS_DST_ROWS (else g)
+    factors_ptr,  # (num_segments,) compute dtype, when HAS_FACTORS (else 1)
+    dim,
+    HAS_SRC_ROWS: tl.constexpr, HAS_DST_ROWS: tl.constexpr, HAS_FACTORS: tl.constexpr, COMPUTE_F64: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
+    g = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < dim
+    begin = tl.load(begin_ptr + g)
+    end = tl.load(end_ptr + g)
+    acc = tl.zeros([BLOCK_D], dtype=acc_dtype)
+    for r in range(begin, end):  # in order: the sum does not depend on scheduling
+        if HAS_SRC_ROWS:
+            row = tl.load(src_rows_ptr + r)
+        else:
+            row = r
+        acc += tl.load(src_ptr + row * dim + cols, mask=col_ok, other=0.0).to(acc_dtype)
+    if HAS_FACTORS:
+        acc = acc * tl.load(factors_ptr + g)
+    if HAS_DST_ROWS:
+        dst_row = tl.load(dst_rows_ptr + g)
+    else:
+        dst_row = g
+    tl.store(dst_ptr + dst_row * dim + cols, _rounded(acc, dst_ptr), mask=col_ok)
+
+
+@triton.jit
+def _batch_sum_kernel(
+    dout_ptr,  # (batch, seq_len, dim)
+    out_ptr,  # (num_positions, dim): row offset + t receives sum_b dout[b, t]
+    batch, seq_len, offset, dim,
+    COMPUTE_F64: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < dim
+    acc = tl.zeros([BLOCK_D], dtype=acc_dtype)
+    for b in range(0, batch):
+        acc += tl.load(dout_ptr + (b * seq_len + t) * dim + cols, mask=col_ok, other=0.0).to(acc_dtype)
+    tl.store(out_ptr + (offset + t) * dim + cols, _rounded(acc, out_ptr), mask=col_ok)
+
+
+# --------------------------------------------------------------------------- launchers
+def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scale: float, offset: int, out,
+                      launch=lambda kernel: kernel):
+    """Fill out (ids.numel(), d) in place. ``launch`` wraps the kernel (torch.library's
+    wrap_triton inside a triton_op)."""
+    num_tokens, dim = ids.numel(), weight.shape[1]
+    if num_tokens == 0 or dim == 0:
+        return
+    block_t, block_d = _blocks(dim)
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))
+    launch(_embedding_forward_kernel)[grid](
+        ids, weight, pos_weight if pos_weight is not None else weight,
+        position_ids if position_ids is not None else ids, out,
+        num_tokens, ids.shape[-1] if ids.dim() else 1, weight.shape[0],
+        pos_weight.shape[0] if pos_weight is not None else 0, dim, offset, scale, -math.log(10000.0) / dim,
+        POS_MODE=pos_mode, HAS_POSITION_IDS=position_ids is not None, COMPUTE_F64=weight.dtype == torch.float64,
+        BLOCK_T=block_t, BLOCK_D=block_d,
+    )
+
+
+def _segment_sum(src, src_rows, begin, end, dst, dst_rows, factors, dim):
+    if begin.numel() == 0 or dim == 0:
+        return
+    _, block_d = _blocks(dim)
+    _segment_sum_kernel[(begin.numel(), triton.cdiv(dim, block_d))](
+        src, src_rows if src_rows is not None else begin, begin, end, dst,
+        dst_rows if dst_rows is not None else begin, factors if factors is not None else begin, dim,
+        HAS_SRC_ROWS=src_rows is not None, HAS_DST_ROWS=dst_rows is not None, HAS_FACTORS=factors is not None,
+        COMPUTE_F64=dst.dtype == torch.float64 or src.dtype == torch.float64, BLOCK_D=block_d,
+    )
+
+
+def reduce_by_key(dout2d, keys, num_rows: int, skip: int, scale: float, divide_by_count: bool, make_out):
+    """Rows make_out(rows)[g or rows[g]] = factor * sum of dout rows whose key is rows[g],
+    for keys in [0, num_rows) other than skip. Returns rows (sorted unique keys)."""
+    dim = dout2d.shape[1]
+    acc = torch.float64 if dout2d.dtype == torch.float64 else torch.float32
+    keys = keys.reshape(-1).long()
+    used = (keys >= 0) & (keys < num_rows) & (keys != skip)
+    sorted_keys, order = torch.where(used, keys, num_rows).sort(stable=True)
+    rows, counts = torch.unique_consecutive(sorted_keys, return_counts=True)
+    if rows.numel() and int(rows[-1]) == num_rows:  # excluded keys sorted last
+        rows, counts = rows[:-1], counts[:-1]
+    out, dense = make_out(rows)
+    if rows.numel() == 0 or dim == 0:
+        return rows
+    factors = torch.full((rows.numel(),), scale, dtype=acc, device=dout2d.device)
+    if divide_by_count:
+        factors = factors / counts.to(acc)
+    end = counts.cumsum(0)
+    begin = end - counts
+    src, src_rows = dout2d, order
+    while True:
+        parts = (end - begin + PART_ROWS - 1) // PART_ROWS
+        if int(parts.max()) <= 1:  # one part per segment: scale, round once, write
+            _segment_sum(src, src_rows, begin, end, out, rows if dense else None, factors, dim)
+            return rows
+        first = parts.cumsum(0) - parts
+        total = int(parts.sum())
+        part_segment = torch.repeat_interleave(torch.arange(rows.numel(), device=rows.device), parts,
+                                               output_size=total)
+        part_begin = begin[part_segment] + (torch.arange(total, device=rows.device) - first[part_segment]) * PART_ROWS
+        part_end = torch.minimum(part_begin + PART_ROWS, end[part_segment])
+        partials = torch.empty(total, dim, dtype=acc, device=dout2d.device)
+        _segment_sum(src, src_rows, part_begin, part_end, partials, None, None, dim)
+        src, src_rows, begin, end = partials, None, first, first + parts
+
+
+def batch_sum(dout, out, batch: int, seq_len: int, steps: int, offset: int):
+    dim = dout.shape[-1]
+    if steps <= 0 or dim == 0:
+        return
+    _, block_d = _blocks(dim)
+    _batch_sum_kernel[(steps, triton.cdiv(dim, block_d))](
+        dout, out, batch, seq_len, offset, dim, COMPUTE_F64=dout.dtype == torch.float64, BLOCK_D=block_d,
+    )
