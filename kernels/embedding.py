@@ -30,9 +30,12 @@ MAX_BLOCK_D = 512
 TILE_ELEMENTS = 2048  # BLOCK_T * BLOCK_D: 16 fp32 registers per thread at 4 warps
 
 
-def _blocks(dim: int) -> tuple[int, int]:
+def _blocks(dim: int, pos_mode: int = POS_NONE) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_D). A sinusoid holds an angle, a sine and a cosine per element, so
+    its tiles are half as tall (without that the fp16 kernel spills on sm_80/sm_90)."""
     block_d = min(triton.next_power_of_2(max(dim, 1)), MAX_BLOCK_D)
-    return max(1, TILE_ELEMENTS // block_d), block_d
+    tile = TILE_ELEMENTS // 2 if pos_mode == POS_SINUSOIDAL else TILE_ELEMENTS
+    return max(1, tile // block_d), block_d
 
 
 @triton.jit
@@ -147,7 +150,7 @@ def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scal
     num_tokens, dim = ids.numel(), weight.shape[1]
     if num_tokens == 0 or dim == 0:
         return
-    block_t, block_d = _blocks(dim)
+    block_t, block_d = _blocks(dim, pos_mode)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))
     launch(_embedding_forward_kernel)[grid](
         ids, weight, pos_weight if pos_weight is not None else weight,

@@ -56,14 +56,24 @@ def test_environment_variable_overrides_auto(monkeypatch):
         pyembed.fused_embedding(ids, weight)
 
 
+# (forward op, backward op) of each backend that runs on CPU tensors here.
+_OPS = {"reference": ("reference_forward", "reference_backward"), "cpu": ("embedding_forward", "embedding_backward"),
+        "triton": ("triton_forward", "triton_backward")}
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("sparse", [False, True])
-def test_reference_ops_pass_opcheck(sparse):
+def test_ops_pass_opcheck(backend, sparse):
     ids, weight, pos_weight, dout = make_inputs(2, 5, 7, 8, torch.float32, pos_rows=6)
     position_ids = torch.randint(0, 6, ids.shape)
-    ops = torch.ops.pyembed
-    torch.library.opcheck(ops.reference_forward, (ids, weight, pos_weight, position_ids, "learned", 2.0, 0, True))
-    torch.library.opcheck(ops.reference_forward, (ids, weight, None, None, "sinusoidal", 1.0, 3, True))
-    torch.library.opcheck(ops.reference_backward, (dout, ids, None, 1, 7, 6, 2.0, 3, False, sparse, True, True))
+    fwd, bwd = (getattr(torch.ops.pyembed, name) for name in _OPS[backend])
+    extra = () if backend == "triton" else (True,)  # triton validates in its own op
+    torch.library.opcheck(fwd, (ids, weight, pos_weight, position_ids, "learned", 2.0, 0, *extra))
+    torch.library.opcheck(fwd, (ids, weight, None, None, "sinusoidal", 1.0, 3, *extra))
+    torch.library.opcheck(bwd, (dout, ids, None, 1, 7, 6, 2.0, 3, False, sparse, True, True))
+    torch.library.opcheck(bwd, (dout, ids, position_ids, 0, 7, 6, 1.0, None, True, sparse, True, True))
+    if backend == "triton":
+        torch.library.opcheck(torch.ops.pyembed.triton_validate_ids, (ids, 7, position_ids, 6))
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

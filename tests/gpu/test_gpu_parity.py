@@ -79,8 +79,19 @@ def test_output_of_more_than_2_to_the_31_elements():
         del out
 
 
-def test_compiled_layer_has_no_graph_breaks_on_gpu():
-    layer = pyembed.EmbeddingLayer(1000, 128, 256, scale_embeddings=True).cuda()
-    compiled = torch.compile(layer, fullgraph=True)
-    ids = torch.randint(0, 1000, (4, 64), device="cuda")
-    torch.testing.assert_close(compiled(ids), layer(ids))
+@pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal"])
+def test_compiled_layer_has_no_graph_breaks_on_gpu(pos_encoding):
+    for backend in _cuda_backends():
+        torch.manual_seed(0)
+        layer = pyembed.EmbeddingLayer(1000, 128, 256, pos_encoding=pos_encoding, scale_embeddings=True,
+                                       backend=backend).cuda()
+        compiled = torch.compile(layer, fullgraph=True)
+        ids = torch.randint(0, 1000, (4, 64), device="cuda")
+        out = compiled(ids)
+        out.sum().backward()
+        grad = layer.token_embedding.weight.grad.clone()
+        layer.zero_grad()
+        expected = layer(ids)
+        expected.sum().backward()
+        torch.testing.assert_close(out, expected, msg=backend)
+        torch.testing.assert_close(grad, layer.token_embedding.weight.grad, msg=backend)
