@@ -16,11 +16,6 @@ ID_DTYPES = [torch.int32, torch.int64]
 FLOAT_EPS = {torch.float32: 2.0**-24, torch.float64: 2.0**-53}
 
 
-def backends_supporting(dtype: torch.dtype) -> list[str]:
-    """Every backend takes every table dtype (float64 included, for gradcheck)."""
-    return CPU_BACKENDS
-
-
 def eager_embedding(ids, weight, pos_weight=None, *, pos_encoding=None, scale=1.0, position_ids=None,
                     offset=0, padding_idx=None, scale_grad_by_freq=False, sparse=False):
     """The unfused way: nn.Embedding lookups, a multiply and an add, each rounded."""

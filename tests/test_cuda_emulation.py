@@ -3,7 +3,6 @@ by g++ with the host emulation header and run on CPU tensors, against independen
 results: eager PyTorch in float64 and the accumulation bound (DESIGN §6)."""
 
 import math
-import os
 import pathlib
 
 import pytest
