@@ -8,13 +8,13 @@ registered as ops so ``torch.compile`` sees them:
   returning a copy of the ids, so validation never breaks a compiled graph;
 - ``pyembed::triton_backward``: an opaque custom op (sorting gives data-dependent sizes).
 
-Triton is imported on first use only, so ``import pyembed`` stays cheap. On CPU tensors
+Imported by pyembed/__init__.py only when the triton package exists; triton itself is
+imported on first use, so ``import pyembed`` stays cheap. On CPU tensors
 the backend runs only under ``TRITON_INTERPRET=1`` (how it is tested without a GPU).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Optional
 
@@ -124,7 +124,4 @@ def triton_backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Opt
 
 triton_backward.register_fake(reference.backward_fake)
 
-if importlib.util.find_spec("triton") is not None:
-    dispatch.register_backend(dispatch.Backend("triton", forward, torch.ops.pyembed.triton_backward, _why_unavailable))
-else:
-    dispatch.mark_missing("triton", "the triton package is not installed")
+dispatch.register_backend(dispatch.Backend("triton", forward, torch.ops.pyembed.triton_backward, _why_unavailable))
