@@ -130,6 +130,23 @@ class EmbeddingLayer(nn.Module):
             self.register_parameter("pos_embedding", None)
         self.dropout = nn.Dropout(dropout)
 
+    @classmethod
+    def from_modules(cls, token: nn.Embedding, position: Optional[nn.Embedding] = None, *, scale: float = 1.0,
+                     backend: str = "auto") -> "EmbeddingLayer":
+        """One fused layer over a model's existing tables (GPT-2's ``wte`` / ``wpe``),
+        sharing the *same* Parameters: ``token(ids) * scale + position(positions)``."""
+        if position is not None and position.embedding_dim != token.embedding_dim:
+            raise ValueError(f"pyembed: embedding dimension mismatch: token table has d={token.embedding_dim}, "
+                             f"position table d={position.embedding_dim}")
+        layer = cls(token.num_embeddings, token.embedding_dim,
+                    position.num_embeddings if position is not None else 0,
+                    "learned" if position is not None else None, device="meta", dtype=token.weight.dtype,
+                    backend=backend)
+        layer.token_embedding = _fused_from(token, backend)
+        layer.pos_embedding = position.weight if position is not None else None
+        layer.scale = scale
+        return layer
+
     def forward(self, ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, offset: int = 0) -> torch.Tensor:
         """ids: (B, T) or (T,) int32/int64 -> (B, T, d) / (T, d). position_ids: like ids;
         offset: first position when position_ids is None (incremental decoding)."""

@@ -194,3 +194,27 @@ def test_replace_embeddings_gives_identical_outputs_and_gradients(backend):
     torch.testing.assert_close(swapped(ids), model(ids), rtol=0, atol=0)
     for (name, a), (_, b) in zip(model.named_parameters(), swapped.named_parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_from_modules_fuses_a_models_own_tables(backend):
+    torch.manual_seed(7)
+    wte, wpe = nn.Embedding(100, 32), nn.Embedding(64, 32)
+    layer = pyembed.EmbeddingLayer.from_modules(wte, wpe, scale=2.0, backend=backend)
+    assert layer.token_embedding.weight is wte.weight and layer.pos_embedding is wpe.weight  # shared, not copied
+    ids = torch.randint(0, 100, (3, 20))
+    dout = torch.randn(3, 20, 32)
+    out = layer(ids, offset=5)
+    out.backward(dout)
+    grads = wte.weight.grad.clone(), wpe.weight.grad.clone()
+    wte.zero_grad(), wpe.zero_grad()
+    expected = wte(ids) * 2.0 + wpe(torch.arange(5, 25))
+    expected.backward(dout)
+    assert_within(out, expected.detach(), 1e-6, 1e-6, what="from_modules forward")
+    torch.testing.assert_close(grads[0], wte.weight.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grads[1], wpe.weight.grad, rtol=1e-6, atol=1e-6)
+    token_only = pyembed.EmbeddingLayer.from_modules(wte, backend=backend)
+    assert token_only.pos_embedding is None
+    torch.testing.assert_close(token_only(ids), wte(ids), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="dimension mismatch"):
+        pyembed.EmbeddingLayer.from_modules(wte, nn.Embedding(8, 16))
