@@ -149,3 +149,19 @@ def test_import_without_the_extension_warns_once_and_serves_reference():
     assert cpu_built == "False" and "'reference'" in backends and "'cpu'" not in backends
     assert out[2] == "[[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]]"
     assert out[3].startswith("RuntimeError pyembed: backend 'cpu' cannot run on cpu: pyembed._C could not be loaded")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_compiled_layer_takes_new_lengths_without_recompiling(backend):
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    layer = pyembed.EmbeddingLayer(100, 16, 64, pos_encoding="sinusoidal", backend=backend)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend="aot_eager")
+    first = torch.randint(0, 100, (2, 9))
+    compiled(first).sum().backward()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seq_len in (13, 40):
+            ids = torch.randint(0, 100, (2, seq_len))
+            out = compiled(ids)
+            out.sum().backward()
+            torch.testing.assert_close(out, layer(ids), rtol=0, atol=0)
