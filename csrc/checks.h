@@ -11,9 +11,9 @@
 #include <string>
 #include <string_view>
 
-namespace pyembed {
+#include "common.h"
 
-enum class PosEncoding : int { kNone = 0, kLearned = 1, kSinusoidal = 2 };
+namespace pyembed {
 
 inline PosEncoding parse_pos_encoding(const std::string& name) {
   if (name == "none") return PosEncoding::kNone;
@@ -102,9 +102,5 @@ inline ForwardInputs prepare_forward(const at::Tensor& ids, const at::Tensor& we
   in.out = at::empty(sizes, in.weight.options());
   return in;
 }
-
-// A float64 table computes in float64; every other dtype in float32 (DESIGN §1).
-template <typename scalar_t>
-using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
 }  // namespace pyembed

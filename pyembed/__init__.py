@@ -10,17 +10,14 @@ __version__ = "0.1.0"
 
 import importlib.util as _importlib_util
 
-from . import dispatch as _dispatch
 from ._extension import build_info
 from .dispatch import available_backends
 from .functional import fused_embedding
 from .modules import EmbeddingLayer, FusedEmbedding, replace_embeddings
 from .reference import sinusoidal_table
 
-if _importlib_util.find_spec("triton") is not None:
+if _importlib_util.find_spec("triton") is not None:  # else dispatch reports it as not installed
     from . import _triton  # noqa: F401  (registers the triton backend)
-else:
-    _dispatch.mark_missing("triton", "the triton package is not installed")
 
 __all__ = [
     "EmbeddingLayer",

@@ -36,7 +36,7 @@ def _why_unavailable(device: torch.device) -> Optional[str]:
     if device.type == "cuda":
         return None if torch.cuda.is_available() else "no CUDA device is visible"
     if device.type == "cpu":
-        if os.environ.get("TRITON_INTERPRET") == "1":
+        if _INTERPRETED:
             return None
         return "Triton runs on CPU tensors only under TRITON_INTERPRET=1 (set before triton is imported)"
     return f"the triton backend takes CUDA tensors, not {device.type}"

@@ -46,7 +46,6 @@ at::Tensor embedding_forward_cpu(const at::Tensor& ids_in, const at::Tensor& wei
   if (in.empty()) return in.out;
   const at::Tensor &ids = in.ids, &weight = in.weight, &pos_weight = in.pos_weight, &position_ids = in.position_ids;
   at::Tensor out = in.out;
-  const PosEncoding mode = in.mode;
 
   cpu::ForwardArgs args{};
   args.ids = ids.data_ptr();
@@ -55,7 +54,7 @@ at::Tensor embedding_forward_cpu(const at::Tensor& ids_in, const at::Tensor& wei
   args.pos_weight = pos_weight.defined() ? pos_weight.data_ptr() : nullptr;
   args.position_ids = position_ids.defined() ? position_ids.data_ptr<int64_t>() : nullptr;
   args.dtype = weight.scalar_type();
-  args.mode = static_cast<cpu::PosMode>(mode);
+  args.mode = in.mode;
   args.scale = scale;
   args.offset = offset;
   args.num_tokens = ids.numel();

@@ -9,9 +9,9 @@
 #include <cstdint>
 #include <vector>
 
-namespace pyembed::cpu {
+#include "../common.h"
 
-enum class PosMode : int { kNone = 0, kLearned = 1, kSinusoidal = 2 };
+namespace pyembed::cpu {
 
 // Tokens grouped by key (an id, or a position): segment s holds the token indices
 // order[begin[s] .. begin[s+1]), in increasing order, all with key rows[s]; rows ascend.
@@ -28,7 +28,7 @@ struct ForwardArgs {
   const void* pos_weight;       // (num_positions, dim) of dtype, learned mode only
   const int64_t* position_ids;  // (num_tokens,) or nullptr: p = offset + t
   c10::ScalarType dtype;
-  PosMode mode;
+  PosEncoding mode;
   double scale;
   int64_t offset, num_tokens, seq_len, num_embeddings, num_positions, dim;
   void* out;                    // (num_tokens, dim) of dtype

@@ -29,9 +29,8 @@ using at::vec::Vectorized;
 template <typename T>
 constexpr bool kReduced = std::is_same_v<T, at::Half> || std::is_same_v<T, at::BFloat16>;
 
-// float64 tables compute in float64, everything else in float32 (DESIGN §1).
 template <typename T>
-using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+using acc_t = acc_type<T>;
 
 constexpr int64_t kPartTokens = 256;  // the longest run of one segment summed by one task
 
@@ -156,7 +155,7 @@ void forward_typed(const ForwardArgs& a) {
   auto* out = static_cast<T*>(a.out);
   const int64_t dim = a.dim;
   const A scale = static_cast<A>(a.scale);  // sqrt(d) in float64, applied as float32
-  const auto freqs = a.mode == PosMode::kSinusoidal ? sinusoid_frequencies<A>(dim) : std::vector<A>{};
+  const auto freqs = a.mode == PosEncoding::kSinusoidal ? sinusoid_frequencies<A>(dim) : std::vector<A>{};
 
   auto token_row = [&](int64_t token) -> const T* {
     const int64_t id = static_cast<int64_t>(ids[token]);
@@ -164,20 +163,20 @@ void forward_typed(const ForwardArgs& a) {
   };
   // The positional term of position p: (learned row or nullptr, sinusoid row or nullptr).
   auto positional = [&](int64_t p, std::vector<A>& buf) -> std::pair<const T*, const A*> {
-    if (a.mode == PosMode::kLearned) return {(p >= 0 && p < a.num_positions) ? pos_weight + p * dim : nullptr, nullptr};
-    if (a.mode == PosMode::kSinusoidal) {
+    if (a.mode == PosEncoding::kLearned) return {(p >= 0 && p < a.num_positions) ? pos_weight + p * dim : nullptr, nullptr};
+    if (a.mode == PosEncoding::kSinusoidal) {
       sinusoid_row(buf.data(), p, freqs);
       return {nullptr, buf.data()};
     }
     return {nullptr, nullptr};
   };
 
-  if (a.mode != PosMode::kNone && a.position_ids == nullptr) {
+  if (a.mode != PosEncoding::kNone && a.position_ids == nullptr) {
     // p = offset + t: step t's positional row serves the whole batch, so t is the outer
     // loop -- a learned row stays in L1 and a sinusoid is computed once per step.
     const int64_t batch = a.num_tokens / a.seq_len;
     at::parallel_for(0, a.seq_len, grain_for(batch * dim * sizeof(T)), [&](int64_t t0, int64_t t1) {
-      std::vector<A> buf(a.mode == PosMode::kSinusoidal ? dim : 0);
+      std::vector<A> buf(a.mode == PosEncoding::kSinusoidal ? dim : 0);
       for (int64_t t = t0; t < t1; ++t) {
         auto [pe_row, pe_acc] = positional(a.offset + t, buf);
         for (int64_t b = 0; b < batch; ++b) {
@@ -189,10 +188,10 @@ void forward_typed(const ForwardArgs& a) {
     return;
   }
   at::parallel_for(0, a.num_tokens, grain_for(dim * sizeof(T)), [&](int64_t n0, int64_t n1) {
-    std::vector<A> buf(a.mode == PosMode::kSinusoidal ? dim : 0);
+    std::vector<A> buf(a.mode == PosEncoding::kSinusoidal ? dim : 0);
     for (int64_t token = n0; token < n1; ++token) {
       std::pair<const T*, const A*> pe{nullptr, nullptr};
-      if (a.mode != PosMode::kNone) pe = positional(a.position_ids[token], buf);
+      if (a.mode != PosEncoding::kNone) pe = positional(a.position_ids[token], buf);
       forward_row<T>(out + token * dim, token_row(token), scale, pe.first, pe.second, dim);
     }
   });
