@@ -77,19 +77,33 @@ def fused_embedding(
         bool(sparse),
         bool(validate),
         chosen.name,
+        True,
+        None,
     )
 
 
 class FusedEmbeddingFunction(torch.autograd.Function):
     """Forward and backward are each one op of the chosen backend. Only the ids and
-    positions are saved for backward: never the table or the output."""
+    positions are saved for backward: never the table or the output.
+
+    Two arguments serve the vocab-parallel layer (pyembed.parallel), where each rank
+    holds some rows and the ranks' partial outputs are summed over ``reduce_group``
+    (all-reduce). The backward is unchanged by that sum (every rank holds the whole
+    output gradient, as the layers after it are replicated). ``add_positions=False``
+    leaves the positional term out of a rank's part, so it is added once, but the rank
+    still returns its gradient."""
 
     @staticmethod
     def forward(ctx, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
-                padding_idx, scale_grad_by_freq, sparse, validate, backend):
-        out = dispatch.get(backend).forward(
-            ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, validate
-        )
+                padding_idx, scale_grad_by_freq, sparse, validate, backend, add_positions, reduce_group):
+        if add_positions:
+            out = dispatch.get(backend).forward(
+                ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, validate
+            )
+        else:
+            out = dispatch.get(backend).forward(ids, weight, None, None, "none", scale, offset, validate)
+        if reduce_group is not None:
+            torch.distributed.all_reduce(out, group=reduce_group)
         ctx.save_for_backward(ids, position_ids)
         ctx.backend, ctx.pos_encoding, ctx.scale, ctx.offset = backend, pos_encoding, scale, offset
         ctx.padding_idx, ctx.scale_grad_by_freq, ctx.sparse = padding_idx, scale_grad_by_freq, sparse
@@ -114,7 +128,7 @@ class FusedEmbeddingFunction(torch.autograd.Function):
                 grad_weight = torch.sparse_coo_tensor(
                     rows[None], values, tuple(ctx.weight_shape), is_coalesced=True, check_invariants=False
                 )
-        return (None, grad_weight, pos_grad if need_pos_grad else None) + (None,) * 9
+        return (None, grad_weight, pos_grad if need_pos_grad else None) + (None,) * 11
 
 
 def _check_integer_tensor(name: str, t) -> None:

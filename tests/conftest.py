@@ -6,7 +6,9 @@ test imports it: with no GPU, Triton kernels run on CPU tensors under the interp
 """
 
 import os
+import pathlib
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -19,3 +21,24 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def emulated():
+    """The CUDA backend's kernels and host code compiled by g++ with the host emulation
+    header (csrc/cuda/host_emulation.h), as a module for CPU tensors with the ops' schema.
+    Built once; ninja keeps build/cuda_emulation up to date."""
+    from torch.utils.cpp_extension import load
+
+    build_dir = ROOT / "build" / "cuda_emulation"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return load(
+        "pyembed_cuda_emulated",
+        [str(ROOT / "tests" / "emulation" / "cuda_emulated.cpp")],
+        extra_include_paths=[str(ROOT / "csrc")],
+        extra_cflags=["-O2"],
+        build_directory=str(build_dir),
+    )

@@ -3,7 +3,6 @@ by g++ with the host emulation header and run on CPU tensors, against independen
 results: eager PyTorch in float64 and the accumulation bound (DESIGN §6)."""
 
 import math
-import pathlib
 
 import pytest
 import torch
@@ -12,24 +11,6 @@ from helpers import (
     ID_DTYPES, WEIGHT_DTYPES, accumulation_bound, assert_within, eager_embedding, make_inputs, max_abs_err,
     sinusoid_atol,
 )
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def emulated():
-    """Build (once; ninja keeps it up to date) and load the emulated CUDA module."""
-    from torch.utils.cpp_extension import load
-
-    build_dir = ROOT / "build" / "cuda_emulation"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    return load(
-        "pyembed_cuda_emulated",
-        [str(ROOT / "tests" / "emulation" / "cuda_emulated.cpp")],
-        extra_include_paths=[str(ROOT / "csrc")],
-        extra_cflags=["-O2"],
-        build_directory=str(build_dir),
-    )
 
 
 def forward(mod, ids, weight, pos_weight=None, *, pos_encoding="none", scale=1.0, position_ids=None, offset=0,

@@ -1,0 +1,209 @@
+"""A vocab-parallel ``EmbeddingLayer`` on ``torch.distributed`` (tensor parallelism, as
+Megatron-LM's ``VocabParallelEmbedding``).
+
+Each rank of the process group holds a contiguous range of token rows. A forward is
+
+    partial_r = fused_embedding(ids - vocab_start_r, shard_r)   # ids outside the shard: zero rows
+              (+ PE(positions) on the group's first rank only)
+    out       = all_reduce_sum(partial_r)                       # every rank gets the whole output
+
+Ids outside a rank's shard are out of range for its local table, which every backend
+already skips inside the kernel (a zero row, no memory access; no gradient): no
+redirection to row 0, so no hot row serialises the backward. Exactly one rank holds each
+id, so the sum adds zeros to the one real row and the output is bitwise the
+single-device layer's. Backward is the identity through the reduce (the layers after
+this one are replicated, so every rank already holds the whole output gradient); each
+rank computes the gradient of its own rows only, and every rank computes the same
+learned-positions gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import dispatch, reference
+from .functional import FusedEmbeddingFunction, _check_inputs
+from .modules import _INIT_POS_STD, EmbeddingLayer, FusedEmbedding
+
+
+def shard_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The rows ``[start, end)`` held by ``rank``: contiguous, the first
+    ``vocab_size % world_size`` ranks hold one row more (50257 over 3: 16753, 16752, 16752)."""
+    base, extra = divmod(vocab_size, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+class VocabParallelEmbeddingLayer(nn.Module):
+    """``EmbeddingLayer`` with its token table split by rows over a process group.
+
+    Same arguments and forward as ``EmbeddingLayer`` (no dropout: apply it after, with an
+    RNG seeded alike on every rank), plus ``process_group`` (default: the whole world).
+    ``token_embedding.weight`` is this rank's shard, rows ``vocab_start:vocab_end`` of the
+    full table; ``pos_embedding`` is replicated (broadcast from the group's first rank at
+    construction). ``padding_idx`` is a global row id. Every rank of the group must call
+    the constructor and ``forward`` together, with the same ids.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        embed_dim: int,
+        max_seq_len: int = 512,
+        pos_encoding: Optional[str] = "learned",
+        scale_embeddings: bool = False,
+        *,
+        padding_idx: Optional[int] = None,
+        sparse: bool = False,
+        process_group: Optional[dist.ProcessGroup] = None,
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("pyembed: VocabParallelEmbeddingLayer needs torch.distributed.init_process_group() first")
+        if pos_encoding not in (None, "learned", "sinusoidal"):
+            raise ValueError(f"pyembed: pos_encoding must be None, 'learned' or 'sinusoidal', got {pos_encoding!r}")
+        if pos_encoding == "sinusoidal" and embed_dim % 2:
+            raise ValueError(f"pyembed: sinusoidal encoding requires an even embedding dim, got d={embed_dim}")
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        if vocab_size < self.world_size:
+            raise ValueError(f"pyembed: cannot split V={vocab_size} rows over {self.world_size} ranks")
+        self.vocab_size, self.embed_dim, self.max_seq_len = vocab_size, embed_dim, max_seq_len
+        self.pos_encoding, self.scale_embeddings = pos_encoding, scale_embeddings
+        self.scale = math.sqrt(embed_dim) if scale_embeddings else 1.0
+        self.backend = backend
+        self.vocab_start, self.vocab_end = shard_range(vocab_size, self.rank, self.world_size)
+
+        if padding_idx is not None:
+            if not -vocab_size <= padding_idx < vocab_size:
+                raise ValueError(f"pyembed: padding_idx={padding_idx} is out of range for V={vocab_size}")
+            padding_idx %= vocab_size
+        self.padding_idx = padding_idx
+        local_padding = padding_idx - self.vocab_start if self.vocab_start <= (padding_idx or -1) < self.vocab_end \
+            else None
+        self.token_embedding = FusedEmbedding(
+            self.vocab_end - self.vocab_start, embed_dim, padding_idx=local_padding, sparse=sparse,
+            device=device, dtype=dtype, backend=backend,
+        )
+        if pos_encoding == "learned":
+            self.pos_embedding = nn.Parameter(torch.empty(max_seq_len, embed_dim, device=device, dtype=dtype))
+            nn.init.normal_(self.pos_embedding, std=_INIT_POS_STD)
+            with torch.no_grad():  # one table for all ranks, whatever each rank's RNG
+                dist.broadcast(self.pos_embedding, dist.get_global_rank(self._group, 0), group=process_group)
+        else:
+            self.register_parameter("pos_embedding", None)
+
+    @property
+    def _group(self) -> dist.ProcessGroup:
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    @classmethod
+    def from_full(cls, layer: EmbeddingLayer, process_group: Optional[dist.ProcessGroup] = None
+                  ) -> "VocabParallelEmbeddingLayer":
+        """This rank's shard of a single-device ``layer`` (which every rank holds, e.g.
+        built from one seed or loaded from one checkpoint). Parameters are copied."""
+        if layer.dropout.p != 0:
+            raise ValueError("pyembed: VocabParallelEmbeddingLayer has no dropout; apply it after the layer")
+        token = layer.token_embedding
+        if token.scale_grad_by_freq:
+            raise ValueError("pyembed: scale_grad_by_freq is not supported by VocabParallelEmbeddingLayer")
+        new = cls(layer.vocab_size, layer.embed_dim, layer.max_seq_len, layer.pos_encoding, layer.scale_embeddings,
+                  padding_idx=token.padding_idx, sparse=token.sparse, process_group=process_group,
+                  backend=layer.backend, device=token.weight.device, dtype=token.weight.dtype)
+        new.scale = layer.scale  # from_modules layers carry any scale
+        with torch.no_grad():
+            new.token_embedding.weight.copy_(token.weight[new.vocab_start:new.vocab_end])
+            if layer.pos_embedding is not None:
+                new.pos_embedding.copy_(layer.pos_embedding)
+        return new
+
+    def forward(self, ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, offset: int = 0) -> torch.Tensor:
+        """ids: (B, T) or (T,) global token ids, the same on every rank -> (B, T, d) / (T, d),
+        the whole output on every rank."""
+        weight = self.token_embedding.weight
+        pos_encoding = _check_inputs(ids, weight, self.pos_embedding, self.pos_encoding, position_ids, offset)
+        self._check_ranges_together(ids, position_ids)
+        chosen = dispatch.resolve(self.backend, weight.device)
+        return FusedEmbeddingFunction.apply(
+            (ids - self.vocab_start).contiguous(),  # local row ids; other shards' ids fall outside
+            weight.contiguous(),
+            None if self.pos_embedding is None else self.pos_embedding.contiguous(),
+            None if position_ids is None else position_ids.contiguous(),
+            pos_encoding,
+            float(self.scale),
+            int(offset),
+            self.token_embedding.padding_idx,
+            False,  # scale_grad_by_freq
+            self.token_embedding.sparse,
+            False,  # validate: ids outside the shard are expected; the global check ran above
+            chosen.name,
+            self.rank == 0,  # the positional term is added once, by the first rank
+            self._group,  # the ranks' parts are summed (all-reduce)
+        )
+
+    def _check_ranges_together(self, ids: torch.Tensor, position_ids: Optional[torch.Tensor]) -> None:
+        """The data checks of the single-device layer (the same IndexError / ValueError),
+        on the extremes over every rank: all ranks raise together or none does, so no
+        rank is left waiting in the all-reduce for one that raised."""
+        none = -(2**62)  # "no value" for a max; real ids are far from it
+        extremes = torch.full((4,), none, dtype=torch.long, device=ids.device)  # -min id, max id, -min pos, max pos
+        for i, t in ((0, ids), (2, position_ids)):
+            if t is not None and t.numel() > 0:
+                lo, hi = torch.aminmax(t)
+                extremes[i], extremes[i + 1] = -lo, hi
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.process_group)
+        lo_id, hi_id, lo_pos, hi_pos = extremes.tolist()
+        if hi_id != none:
+            reference.check_ids_in_range(torch.tensor([-lo_id, hi_id]), self.vocab_size)
+        if hi_pos != none:
+            max_positions = self.max_seq_len if self.pos_encoding == "learned" else None
+            reference.check_position_ids(torch.tensor([-lo_pos, hi_pos]), max_positions)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The single-device ``EmbeddingLayer``'s state_dict, gathered on the group's
+        first rank (an empty dict on the others). Every rank must call it."""
+        shard = self.token_embedding.weight.detach()
+        ranges = [shard_range(self.vocab_size, r, self.world_size) for r in range(self.world_size)]
+        rows = max(end - start for start, end in ranges)
+        # gather needs equal sizes: pad every shard to the largest, trim after.
+        padded = shard.new_zeros(rows, self.embed_dim)
+        padded[: shard.shape[0]] = shard
+        first = dist.get_global_rank(self._group, 0)
+        pieces = [torch.empty_like(padded) for _ in ranges] if self.rank == 0 else None
+        dist.gather(padded, pieces, dst=first, group=self.process_group)
+        if self.rank != 0:
+            return {}
+        state = {"token_embedding.weight": torch.cat([p[: end - start] for p, (start, end) in zip(pieces, ranges)])}
+        if self.pos_embedding is not None:
+            state["pos_embedding"] = self.pos_embedding.detach().clone()
+        return state
+
+    # The shard's place in the table travels with a per-rank state_dict, so loading it
+    # into a layer that holds other rows fails loudly instead of scrambling the table.
+    def get_extra_state(self) -> dict[str, int]:
+        return {"vocab_size": self.vocab_size, "vocab_start": self.vocab_start, "vocab_end": self.vocab_end}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        mine = self.get_extra_state()
+        if state != mine:
+            raise ValueError(f"pyembed: this checkpoint shard holds rows {state['vocab_start']}..{state['vocab_end']} "
+                             f"of V={state['vocab_size']}, but this rank holds rows "
+                             f"{self.vocab_start}..{self.vocab_end} of V={self.vocab_size}")
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.vocab_size}, {self.embed_dim}, max_seq_len={self.max_seq_len}, "
+            f"pos_encoding={self.pos_encoding!r}, scale_embeddings={self.scale_embeddings}, "
+            f"rows={self.vocab_start}..{self.vocab_end} (rank {self.rank} of {self.world_size}), "
+            f"backend={self.backend!r}"
+        )
+

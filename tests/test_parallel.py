@@ -1,0 +1,58 @@
+"""pyembed.parallel.VocabParallelEmbeddingLayer across 2 and 3 processes on this machine
+(gloo over loopback, CPU tensors), against the single-process EmbeddingLayer: outputs,
+each rank's slice of the weight gradient, the learned-positions gradient, padding, a bad
+id raising on every rank without a hang, and sharded / gathered checkpoints. The checks
+themselves are in vocab_parallel_worker.py; each world size is one launch of processes
+(bounded in time, always cleaned up)."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import vocab_parallel_worker
+from helpers import CPU_BACKENDS
+from pyembed.parallel import VocabParallelEmbeddingLayer, shard_range
+
+TIMEOUT_S = 120
+
+
+def launch(world_size: int, store_dir: str) -> None:
+    """Run vocab_parallel_worker.run on world_size spawned processes. A rank's exception
+    fails the test with its traceback; a hang fails it after TIMEOUT_S; no process outlives it."""
+    context = mp.start_processes(vocab_parallel_worker.run, args=(world_size, store_dir, CPU_BACKENDS),
+                                 nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the {world_size} ranks did not finish within {TIMEOUT_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_vocab_parallel_matches_single_process(world_size, tmp_path):
+    launch(world_size, str(tmp_path))
+
+
+def test_shard_ranges_cover_the_vocabulary_contiguously():
+    for vocab, world in [(50257, 3), (50, 3), (50, 2), (7, 7), (128256, 8)]:
+        ranges = [shard_range(vocab, r, world) for r in range(world)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == vocab
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        sizes = [end - start for start, end in ranges]
+        assert max(sizes) - min(sizes) <= 1
+    assert [end - start for start, end in (shard_range(50257, r, 3) for r in range(3))] == [16753, 16752, 16752]
+
+
+def test_needs_an_initialised_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        VocabParallelEmbeddingLayer(10, 4)
