@@ -3,7 +3,8 @@
 Forward: a program owns a (BLOCK_T tokens x BLOCK_D features) tile; it gathers the
 tokens' rows, scales them, adds the learned row or a sinusoid computed in registers, and
 stores once -- fp32 math (fp64 for fp64 tables), one rounding, 64-bit offsets. An
-out-of-range id (validate=False) is masked: a zero row, no memory access.
+out-of-range id (validate=False) is masked: a zero row (no positional term either: the
+vocab-parallel layer sums ranks' rows), no memory access.
 
 Backward: the (key, token) pairs are sorted with torch on the device (stable), cut into
 segments of equal keys, and every segment is summed by a tree of parts of at most
@@ -78,7 +79,7 @@ def _embedding_forward_kernel(
         else:
             pos = offset + tok % seq_len
         if POS_MODE == 1:
-            pos_ok = tok_ok & (pos >= 0) & (pos < num_positions)
+            pos_ok = id_ok & (pos >= 0) & (pos < num_positions)
             pe = tl.load(pos_weight_ptr + pos[:, None] * dim + cols[None, :], mask=pos_ok[:, None] & col_ok[None, :],
                          other=0.0)
             x += pe.to(acc_dtype)
@@ -86,7 +87,8 @@ def _embedding_forward_kernel(
             pair = (cols // 2).to(acc_dtype)
             freq = tl.exp(2.0 * pair * neg_log_base_over_dim)
             angle = pos.to(acc_dtype)[:, None] * freq[None, :]
-            x += tl.where((cols % 2 == 0)[None, :], tl.sin(angle), tl.cos(angle))
+            pe = tl.where((cols % 2 == 0)[None, :], tl.sin(angle), tl.cos(angle))
+            x += tl.where(id_ok[:, None], pe, 0.0)
     tl.store(out_ptr + tok[:, None] * dim + cols[None, :], _rounded(x, out_ptr),
              mask=tok_ok[:, None] & col_ok[None, :])
 

@@ -77,7 +77,6 @@ def fused_embedding(
         bool(sparse),
         bool(validate),
         chosen.name,
-        True,
         None,
     )
 
@@ -86,22 +85,18 @@ class FusedEmbeddingFunction(torch.autograd.Function):
     """Forward and backward are each one op of the chosen backend. Only the ids and
     positions are saved for backward: never the table or the output.
 
-    Two arguments serve the vocab-parallel layer (pyembed.parallel), where each rank
-    holds some rows and the ranks' partial outputs are summed over ``reduce_group``
-    (all-reduce). The backward is unchanged by that sum (every rank holds the whole
-    output gradient, as the layers after it are replicated). ``add_positions=False``
-    leaves the positional term out of a rank's part, so it is added once, but the rank
-    still returns its gradient."""
+    ``reduce_group`` serves the vocab-parallel layer (pyembed.parallel): each rank holds
+    some rows, looks up the ids it holds (the others give zero rows) and the ranks'
+    outputs are summed over the group (all-reduce). The backward is unchanged by that
+    sum: every rank holds the whole output gradient (the layers after it are replicated).
+    """
 
     @staticmethod
     def forward(ctx, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
-                padding_idx, scale_grad_by_freq, sparse, validate, backend, add_positions, reduce_group):
-        if add_positions:
-            out = dispatch.get(backend).forward(
-                ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, validate
-            )
-        else:
-            out = dispatch.get(backend).forward(ids, weight, None, None, "none", scale, offset, validate)
+                padding_idx, scale_grad_by_freq, sparse, validate, backend, reduce_group):
+        out = dispatch.get(backend).forward(
+            ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, validate
+        )
         if reduce_group is not None:
             torch.distributed.all_reduce(out, group=reduce_group)
         ctx.save_for_backward(ids, position_ids)
@@ -128,7 +123,7 @@ class FusedEmbeddingFunction(torch.autograd.Function):
                 grad_weight = torch.sparse_coo_tensor(
                     rows[None], values, tuple(ctx.weight_shape), is_coalesced=True, check_invariants=False
                 )
-        return (None, grad_weight, pos_grad if need_pos_grad else None) + (None,) * 11
+        return (None, grad_weight, pos_grad if need_pos_grad else None) + (None,) * 10
 
 
 def _check_integer_tensor(name: str, t) -> None:

@@ -3,18 +3,18 @@ Megatron-LM's ``VocabParallelEmbedding``).
 
 Each rank of the process group holds a contiguous range of token rows. A forward is
 
-    partial_r = fused_embedding(ids - vocab_start_r, shard_r)   # ids outside the shard: zero rows
-              (+ PE(positions) on the group's first rank only)
-    out       = all_reduce_sum(partial_r)                       # every rank gets the whole output
+    partial_r = fused_embedding(ids - vocab_start_r, shard_r, PE)   # one fused pass per rank
+    out       = all_reduce_sum(partial_r)                           # the whole output, every rank
 
 Ids outside a rank's shard are out of range for its local table, which every backend
-already skips inside the kernel (a zero row, no memory access; no gradient): no
-redirection to row 0, so no hot row serialises the backward. Exactly one rank holds each
-id, so the sum adds zeros to the one real row and the output is bitwise the
-single-device layer's. Backward is the identity through the reduce (the layers after
-this one are replicated, so every rank already holds the whole output gradient); each
-rank computes the gradient of its own rows only, and every rank computes the same
-learned-positions gradient.
+skips inside the kernel: the whole row is zero, positional term included, with no memory
+access and no gradient -- no redirection to row 0, so no hot row serialises the
+backward. Exactly one rank holds each id and computes round(W[id] * scale + PE) for it,
+the others add exact zeros, so the output is bitwise the single-device layer's and the
+positional term is added once. Backward is the identity through the reduce (the layers
+after this one are replicated, so every rank holds the whole output gradient): each rank
+computes the gradient of its own rows only, and every rank the same learned-positions
+gradient (from every token).
 """
 
 from __future__ import annotations
@@ -146,7 +146,6 @@ class VocabParallelEmbeddingLayer(nn.Module):
             self.token_embedding.sparse,
             False,  # validate: ids outside the shard are expected; the global check ran above
             chosen.name,
-            self.rank == 0,  # the positional term is added once, by the first rank
             self._group,  # the ranks' parts are summed (all-reduce)
         )
 

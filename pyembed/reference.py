@@ -91,7 +91,8 @@ def embedding_forward(
     """ids: (B, T) or (T,) int32/int64 (any shape when pos_encoding == "none");
     weight: (V, d); pos_weight: (max_seq_len, d) for "learned"; position_ids: like ids.
     Returns ids.shape + (d,) in weight.dtype. With validate=False, an out-of-range id
-    (or learned position) contributes a zero row instead of raising."""
+    gives a zero output row (positional term included) and an out-of-range learned
+    position a zero positional term, instead of raising."""
     num_embeddings, embed_dim = weight.shape
     if validate:
         check_ids_in_range(ids, num_embeddings)
@@ -99,13 +100,18 @@ def embedding_forward(
             check_position_ids(position_ids, pos_weight.shape[0] if pos_encoding == "learned" else None)
     acc = compute_dtype(weight.dtype)
 
-    out = _gather_rows(weight, ids.reshape(-1).long(), acc) * scale
+    flat = ids.reshape(-1).long()
+    out = _gather_rows(weight, flat, acc) * scale
     if pos_encoding != "none":
         positions = token_positions(ids, position_ids, offset)
         if pos_encoding == "learned":
-            out = out + _gather_rows(pos_weight, positions, acc)
+            pe = _gather_rows(pos_weight, positions, acc)
         else:
-            out = out + sinusoid(positions, embed_dim).to(acc)
+            pe = sinusoid(positions, embed_dim).to(acc)
+        # An out-of-range id gives a zero row, positional term included: vocab-parallel
+        # ranks (pyembed.parallel) sum their rows, so each token's is added once.
+        id_ok = (flat >= 0) & (flat < num_embeddings)
+        out = out + torch.where(id_ok[:, None], pe, torch.zeros((), dtype=acc, device=pe.device))
     return out.to(weight.dtype).reshape(*ids.shape, embed_dim)
 
 

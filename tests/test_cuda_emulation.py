@@ -105,6 +105,10 @@ def test_emulated_position_ids_and_out_of_range_ids(emulated):
     out = forward(emulated, bad, weight, validate=False)
     expected = torch.stack([weight[0], torch.zeros(16), torch.zeros(16), weight[29]])[None]
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    out = forward(emulated, bad, weight, pos_weight, pos_encoding="learned", validate=False)
+    assert not out[0, 1:3].any()  # no positional term on a bad id's row either
+    out = forward(emulated, bad, weight, pos_encoding="sinusoidal", validate=False)
+    assert not out[0, 1:3].any() and out[0, 0].ne(weight[0]).any()
     _, dw, _ = backward(emulated, torch.ones(1, 4, 16), bad, num_embeddings=30)
     assert torch.equal(dw.sum(1).nonzero().reshape(-1), torch.tensor([0, 29]))
     with pytest.raises(IndexError, match="max id 30"):

@@ -210,6 +210,25 @@ def test_validate_false_gives_zero_rows_for_bad_ids(backend):
     torch.testing.assert_close(weight.grad, expected_grad, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_validate_false_bad_id_row_has_no_positional_term_either(backend, pos_encoding):
+    # The whole row is zero, so ranks holding different rows can sum (pyembed.parallel);
+    # the positions' gradient still counts every token.
+    ids = torch.tensor([[0, 7, -3, 2, 100]])
+    weight = torch.randn(5, 8)
+    pos_weight = torch.randn(5, 8, requires_grad=True) if pos_encoding == "learned" else None
+    out = pyembed.fused_embedding(ids, weight, pos_weight, pos_encoding=pos_encoding, validate=False,
+                                  backend=backend)
+    full = eager_embedding(ids.clamp(0, 4), weight, pos_weight, pos_encoding=pos_encoding)
+    bad = torch.tensor([False, True, True, False, True])
+    assert not out[0, bad].any()
+    assert_within(out[0, ~bad], full[0, ~bad], 1e-6, 1e-6, what="good ids")
+    if pos_weight is not None:
+        out.sum().backward()
+        torch.testing.assert_close(pos_weight.grad, torch.ones(5, 8), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_gradcheck_float64(backend):
     ids, weight, pos_weight, _ = make_inputs(2, 6, 5, 4, torch.float64, pos_rows=9, seed=7)

@@ -74,13 +74,8 @@ def check_matches_single_process(vocab, dim, kwargs, backend):
             layer.zero_grad(set_to_none=True)
         expected = full(ids, **call)
         out = par(ids, **call)
-        if kwargs["pos_encoding"] is None:
-            # One rank holds each id and the others add zero rows: bitwise the same.
-            torch.testing.assert_close(out, expected, rtol=0, atol=0)
-        else:
-            # The first rank adds the positions, so a token of another shard is rounded
-            # twice (row * scale, then + PE): at most an ulp, the fp32 tolerance of DESIGN §7.
-            torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+        # The rank holding an id adds its row and position, the others exact zeros: bitwise the same.
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
         expected.backward(dout)
         out.backward(dout)
 
@@ -123,7 +118,7 @@ def check_bad_ids_raise_on_every_rank(backend):
         except IndexError as e:
             assert message == str(e), (message, str(e))
     # The group is still in step: the next collective call works.
-    torch.testing.assert_close(par(ids), full(ids), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(par(ids), full(ids), rtol=0, atol=0)
 
 
 def check_checkpoints(store_dir):

@@ -86,22 +86,27 @@ struct Chunk {
   }
 };
 
-// out = round(W_row * scale + pe). w_row == nullptr: a zero row (an out-of-range id under
-// validate=false). At most one of pe_row (learned, in T) / pe_acc (sinusoid, in A).
+// out = round(W_row * scale + pe). At most one of pe_row (learned, in T) / pe_acc
+// (sinusoid, in A). w_row == nullptr (an out-of-range id under validate=false): the
+// whole row is zero, positional term included (what lets vocab-parallel ranks sum).
 template <typename T>
 void forward_row(T* out, const T* w_row, acc_t<T> scale, const T* pe_row, const acc_t<T>* pe_acc, int64_t dim) {
   using A = acc_t<T>;
   using C = Chunk<T>;
+  if (w_row == nullptr) {
+    std::fill(out, out + dim, T(0));
+    return;
+  }
   const Vectorized<A> vscale(scale);
   int64_t j = 0;
   for (; j + C::kSize <= dim; j += C::kSize) {
-    C c = w_row ? C::load(w_row + j) * vscale : C::zero();
+    C c = C::load(w_row + j) * vscale;
     if (pe_row) c += C::load(pe_row + j);
     if (pe_acc) c += C::load_acc(pe_acc + j);
     c.store(out + j);
   }
   for (; j < dim; ++j) {  // scalar tail: d not a multiple of the vector width
-    A x = w_row ? static_cast<A>(w_row[j]) * scale : A(0);
+    A x = static_cast<A>(w_row[j]) * scale;
     if (pe_row) x += static_cast<A>(pe_row[j]);
     if (pe_acc) x += pe_acc[j];
     out[j] = static_cast<T>(x);

@@ -8,7 +8,7 @@
 // Forward: one thread owns VEC elements of one output row (16-byte loads/stores when
 // rows are 16-byte multiples and aligned, else one element), reads the token's row,
 // scales it, adds the learned row or a sinusoid computed in registers, rounds once.
-// An out-of-range id (validate=false) reads nothing and yields a zero row.
+// An out-of-range id (validate=false) reads nothing and yields a zero row (no positional term either).
 //
 // Backward: sort the (key, token) pairs (stable: the order then depends on the data
 // alone), cut the sorted tokens into segments of equal keys, split every segment into
@@ -77,8 +77,10 @@ __global__ void embedding_forward_kernel(
   const int64_t id = static_cast<int64_t>(ids[token]);
   const bool id_ok = id >= 0 && id < num_embeddings;
   const int64_t p = position_ids != nullptr ? position_ids[token] : offset + token % seq_len;
-  const bool learned = pos_mode == static_cast<int>(PosEncoding::kLearned) && p >= 0 && p < num_positions;
-  const bool sinusoidal = pos_mode == static_cast<int>(PosEncoding::kSinusoidal);
+  // An out-of-range id gives a zero row, positional term included (vocab-parallel ranks
+  // sum their rows: each token's is then added by the one rank holding its id).
+  const bool learned = id_ok && pos_mode == static_cast<int>(PosEncoding::kLearned) && p >= 0 && p < num_positions;
+  const bool sinusoidal = id_ok && pos_mode == static_cast<int>(PosEncoding::kSinusoidal);
   // 64-bit row offsets: token * dim exceeds 2^31 on large batches.
   const T* w_row = weight + (id_ok ? id : 0) * dim;
   const T* p_row = learned ? pos_weight + p * dim : nullptr;
