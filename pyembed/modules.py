@@ -109,10 +109,7 @@ class EmbeddingLayer(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        if pos_encoding not in (None, "learned", "sinusoidal"):
-            raise ValueError(f"pyembed: pos_encoding must be None, 'learned' or 'sinusoidal', got {pos_encoding!r}")
-        if pos_encoding == "sinusoidal" and embed_dim % 2:
-            raise ValueError(f"pyembed: sinusoidal encoding requires an even embedding dim, got d={embed_dim}")
+        check_layer_pos_encoding(pos_encoding, embed_dim)
         self.vocab_size, self.embed_dim, self.max_seq_len = vocab_size, embed_dim, max_seq_len
         self.pos_encoding = pos_encoding
         self.scale_embeddings = scale_embeddings
@@ -165,6 +162,14 @@ class EmbeddingLayer(nn.Module):
             f"pos_encoding={self.pos_encoding!r}, scale_embeddings={self.scale_embeddings}, "
             f"backend={self.backend!r}"
         )
+
+
+def check_layer_pos_encoding(pos_encoding: Optional[str], embed_dim: int) -> None:
+    """The layers' constructor checks (the functional op checks the same per call)."""
+    if pos_encoding not in (None, "learned", "sinusoidal"):
+        raise ValueError(f"pyembed: pos_encoding must be None, 'learned' or 'sinusoidal', got {pos_encoding!r}")
+    if pos_encoding == "sinusoidal" and embed_dim % 2:
+        raise ValueError(f"pyembed: sinusoidal encoding requires an even embedding dim, got d={embed_dim}")
 
 
 def replace_embeddings(model: nn.Module, *, backend: str = "auto") -> nn.Module:

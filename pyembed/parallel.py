@@ -28,7 +28,7 @@ from torch import nn
 
 from . import dispatch, reference
 from .functional import FusedEmbeddingFunction, _check_inputs
-from .modules import _INIT_POS_STD, EmbeddingLayer, FusedEmbedding
+from .modules import _INIT_POS_STD, EmbeddingLayer, FusedEmbedding, check_layer_pos_encoding
 
 
 def shard_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -68,10 +68,7 @@ class VocabParallelEmbeddingLayer(nn.Module):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("pyembed: VocabParallelEmbeddingLayer needs torch.distributed.init_process_group() first")
-        if pos_encoding not in (None, "learned", "sinusoidal"):
-            raise ValueError(f"pyembed: pos_encoding must be None, 'learned' or 'sinusoidal', got {pos_encoding!r}")
-        if pos_encoding == "sinusoidal" and embed_dim % 2:
-            raise ValueError(f"pyembed: sinusoidal encoding requires an even embedding dim, got d={embed_dim}")
+        check_layer_pos_encoding(pos_encoding, embed_dim)
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
@@ -88,8 +85,8 @@ class VocabParallelEmbeddingLayer(nn.Module):
                 raise ValueError(f"pyembed: padding_idx={padding_idx} is out of range for V={vocab_size}")
             padding_idx %= vocab_size
         self.padding_idx = padding_idx
-        local_padding = padding_idx - self.vocab_start if self.vocab_start <= (padding_idx or -1) < self.vocab_end \
-            else None
+        holds_padding = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
+        local_padding = padding_idx - self.vocab_start if holds_padding else None
         self.token_embedding = FusedEmbedding(
             self.vocab_end - self.vocab_start, embed_dim, padding_idx=local_padding, sparse=sparse,
             device=device, dtype=dtype, backend=backend,

@@ -64,6 +64,8 @@ def check_matches_single_process(vocab, dim, kwargs, backend):
                                rtol=0, atol=0)
 
     ids = _ids(vocab, (3, 11)).to(torch.int32)
+    if kwargs.get("padding_idx") is not None:
+        ids[1, :4] = kwargs["padding_idx"] % vocab  # the padding row is used, and gets no gradient
     position_ids = torch.randint(0, MAX_SEQ_LEN, ids.shape, generator=torch.Generator().manual_seed(2))
     dout = torch.randn(*ids.shape, dim, generator=torch.Generator().manual_seed(3))
     calls = [dict(), dict(offset=4)]
@@ -91,7 +93,10 @@ def check_matches_single_process(vocab, dim, kwargs, backend):
         if kwargs.get("padding_idx") is not None:
             pad = kwargs["padding_idx"] % vocab
             if par.vocab_start <= pad < par.vocab_end:
+                assert par.token_embedding.padding_idx == pad - par.vocab_start
                 assert not grad[pad - par.vocab_start].any()
+            else:
+                assert par.token_embedding.padding_idx is None
         if par.pos_embedding is not None:
             # Every rank holds the whole output gradient, so every rank has the same dP.
             torch.testing.assert_close(par.pos_embedding.grad, full.pos_embedding.grad, rtol=0, atol=0)
