@@ -4,6 +4,7 @@ as one fused op, forward and backward, with a backward that touches only used ro
     out = fused_embedding(ids, weight, pos_weight, scale=math.sqrt(d))
     layer = EmbeddingLayer(vocab_size, d, max_seq_len, pos_encoding="sinusoidal")
     emb = FusedEmbedding(vocab_size, d)          # a drop-in nn.Embedding
+    pyembed.parallel.VocabParallelEmbeddingLayer  # the token table split over ranks
 """
 
 __version__ = "0.1.0"
@@ -18,6 +19,8 @@ from .reference import sinusoidal_table
 
 if _importlib_util.find_spec("triton") is not None:  # else dispatch reports it as not installed
     from . import _triton  # noqa: F401  (registers the triton backend)
+
+from . import parallel  # noqa: E402  (pyembed.parallel.VocabParallelEmbeddingLayer)
 
 __all__ = [
     "EmbeddingLayer",
