@@ -58,12 +58,27 @@ def fused_embedding(
         ``ids.shape + (d,)`` tensor of ``weight.dtype``.
     """
     pos_encoding = _check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
-    num_embeddings = weight.shape[0]
-    if padding_idx is not None:
-        if not -num_embeddings <= padding_idx < num_embeddings:
-            raise ValueError(f"pyembed: padding_idx={padding_idx} is out of range for V={num_embeddings}")
-        padding_idx = padding_idx % num_embeddings
-    chosen = dispatch.resolve(backend, weight.device)
+    return apply_fused(
+        ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
+        normalize_padding_idx(padding_idx, weight.shape[0]), scale_grad_by_freq, sparse, validate,
+        dispatch.resolve(backend, weight.device),
+    )
+
+
+def normalize_padding_idx(padding_idx: Optional[int], num_embeddings: int) -> Optional[int]:
+    """nn.Embedding's rule: padding_idx in [-V, V), negative counting from the end;
+    returned in [0, V) (or None)."""
+    if padding_idx is None:
+        return None
+    if not -num_embeddings <= padding_idx < num_embeddings:
+        raise ValueError(f"pyembed: padding_idx={padding_idx} is out of range for V={num_embeddings}")
+    return padding_idx % num_embeddings
+
+
+def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale, offset, padding_idx,
+                scale_grad_by_freq, sparse, validate, backend: dispatch.Backend, reduce_group=None) -> torch.Tensor:
+    """FusedEmbeddingFunction on checked arguments (shared by fused_embedding and the
+    vocab-parallel layer); the kernels index rows densely, so tensors are made contiguous."""
     return FusedEmbeddingFunction.apply(
         ids.contiguous(),
         weight.contiguous(),
@@ -76,8 +91,8 @@ def fused_embedding(
         bool(scale_grad_by_freq),
         bool(sparse),
         bool(validate),
-        chosen.name,
-        None,
+        backend.name,
+        reduce_group,
     )
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import dispatch, reference
-from .functional import FusedEmbeddingFunction, _check_inputs
+from .functional import _check_inputs, apply_fused, normalize_padding_idx
 from .modules import _INIT_POS_STD, EmbeddingLayer, FusedEmbedding, check_layer_pos_encoding
 
 
@@ -80,11 +80,7 @@ class VocabParallelEmbeddingLayer(nn.Module):
         self.backend = backend
         self.vocab_start, self.vocab_end = shard_range(vocab_size, self.rank, self.world_size)
 
-        if padding_idx is not None:
-            if not -vocab_size <= padding_idx < vocab_size:
-                raise ValueError(f"pyembed: padding_idx={padding_idx} is out of range for V={vocab_size}")
-            padding_idx %= vocab_size
-        self.padding_idx = padding_idx
+        self.padding_idx = padding_idx = normalize_padding_idx(padding_idx, vocab_size)  # a global row
         holds_padding = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
         local_padding = padding_idx - self.vocab_start if holds_padding else None
         self.token_embedding = FusedEmbedding(
@@ -126,24 +122,17 @@ class VocabParallelEmbeddingLayer(nn.Module):
     def forward(self, ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, offset: int = 0) -> torch.Tensor:
         """ids: (B, T) or (T,) global token ids, the same on every rank -> (B, T, d) / (T, d),
         the whole output on every rank."""
-        weight = self.token_embedding.weight
+        token = self.token_embedding
+        weight = token.weight
         pos_encoding = _check_inputs(ids, weight, self.pos_embedding, self.pos_encoding, position_ids, offset)
         self._check_ranges_together(ids, position_ids)
-        chosen = dispatch.resolve(self.backend, weight.device)
-        return FusedEmbeddingFunction.apply(
-            (ids - self.vocab_start).contiguous(),  # local row ids; other shards' ids fall outside
-            weight.contiguous(),
-            None if self.pos_embedding is None else self.pos_embedding.contiguous(),
-            None if position_ids is None else position_ids.contiguous(),
-            pos_encoding,
-            float(self.scale),
-            int(offset),
-            self.token_embedding.padding_idx,
-            False,  # scale_grad_by_freq
-            self.token_embedding.sparse,
-            False,  # validate: ids outside the shard are expected; the global check ran above
-            chosen.name,
-            self._group,  # the ranks' parts are summed (all-reduce)
+        return apply_fused(
+            ids - self.vocab_start,  # local row ids; other shards' ids fall outside
+            weight, self.pos_embedding, position_ids, pos_encoding, self.scale, offset, token.padding_idx,
+            scale_grad_by_freq=False, sparse=token.sparse,
+            validate=False,  # ids outside the shard are expected; the global check ran above
+            backend=dispatch.resolve(self.backend, weight.device),
+            reduce_group=self._group,  # the ranks' parts are summed (all-reduce)
         )
 
     def _check_ranges_together(self, ids: torch.Tensor, position_ids: Optional[torch.Tensor]) -> None:
