@@ -5,6 +5,7 @@
 // schemas match pyembed/reference.py, whose fake implementations serve these ops too.
 #include <torch/extension.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
 #include "cpu/kernel_api.h"
 
@@ -16,14 +17,30 @@
 #define PYEMBED_CUDA_VERSION ""
 #endif
 
+// The sparse backward's output size depends on the data (a device->host sync on a GPU):
+// the tag keeps it out of CUDA graphs (torch >= 2.8 knows the tag). The forward and the
+// dense backward never sync; the range checks are an op of their own (pyembed/checks.py).
+static std::vector<at::Tag> cudagraph_unsafe() {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  return {at::Tag::cudagraph_unsafe};
+#else
+  return {};
+#endif
+}
+
 TORCH_LIBRARY(pyembed, m) {
   m.def(
       "embedding_forward(Tensor ids, Tensor weight, Tensor? pos_weight, Tensor? position_ids, "
-      "str pos_encoding, float scale, int offset, bool validate) -> Tensor");
+      "str pos_encoding, float scale, int offset) -> Tensor");
   m.def(
       "embedding_backward(Tensor grad_out, Tensor ids, Tensor? position_ids, int offset, "
       "int num_embeddings, int num_positions, float scale, int? padding_idx, bool scale_grad_by_freq, "
-      "bool sparse, bool need_weight_grad, bool need_pos_grad) -> (Tensor, Tensor, Tensor)");
+      "bool need_weight_grad, bool need_pos_grad) -> (Tensor, Tensor)");
+  const std::vector<at::Tag> sparse_tags = cudagraph_unsafe();  // an lvalue: the overload taking tags
+  m.def(
+      "embedding_sparse_backward(Tensor grad_out, Tensor ids, int num_embeddings, float scale, int? padding_idx, "
+      "bool scale_grad_by_freq) -> (Tensor, Tensor)",
+      sparse_tags);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -9,15 +9,19 @@ vocab-parallel layer sums ranks' rows), no memory access.
 Backward: the (key, token) pairs are sorted with torch on the device (stable), cut into
 segments of equal keys, and every segment is summed by a tree of parts of at most
 PART_ROWS rows, in fp32, in a fixed order -- no atomics, so it is deterministic (this
-backend has no atomic fast path). The learned-PE gradient with p = offset + t is a
-batch reduction.
+backend has no atomic fast path). The host never waits for the device (a dense backward
+can be captured in a CUDA graph): every size is an upper bound from the token count and
+unused slots are empty ranges the kernel skips (csrc/cuda/embedding_kernels.cuh does the
+same). The learned-PE gradient with p = offset + t is a batch reduction.
+
+Scalars: Triton types a Python float argument as fp32, so ``scale`` and the sinusoid's
+frequency step are annotated fp64 (exact for fp64 tables) and rounded to the compute
+dtype inside the kernel -- the same rounding the host would do for fp32.
 
 Recompilation policy: ``dim`` is a runtime argument, so a new d only compiles anew when
 it changes BLOCK_D = min(next_pow2(d), 512) or Triton's divisibility-by-16 specialisation
 of d (which is what lets it emit 16-byte accesses); BLOCK_T follows from BLOCK_D.
 """
-
-from __future__ import annotations
 
 import math
 
@@ -29,6 +33,9 @@ POS_NONE, POS_LEARNED, POS_SINUSOIDAL = 0, 1, 2
 PART_ROWS = 32  # rows one program sums before the next tree level
 MAX_BLOCK_D = 512
 TILE_ELEMENTS = 2048  # BLOCK_T * BLOCK_D: 16 fp32 registers per thread at 4 warps
+# Narrow rows make tall tiles, and every token of a tile holds its id, position and row
+# offsets (64-bit) in registers: past 64 tokens, d=8 tiles spill (tests/triton_aot.py).
+MAX_BLOCK_T = 64
 
 
 def _blocks(dim: int, pos_mode: int = POS_NONE) -> tuple[int, int]:
@@ -36,7 +43,7 @@ def _blocks(dim: int, pos_mode: int = POS_NONE) -> tuple[int, int]:
     its tiles are half as tall (without that the fp16 kernel spills on sm_80/sm_90)."""
     block_d = min(triton.next_power_of_2(max(dim, 1)), MAX_BLOCK_D)
     tile = TILE_ELEMENTS // 2 if pos_mode == POS_SINUSOIDAL else TILE_ELEMENTS
-    return max(1, tile // block_d), block_d
+    return max(1, min(tile // block_d, MAX_BLOCK_T)), block_d
 
 
 @triton.jit
@@ -59,8 +66,8 @@ def _embedding_forward_kernel(
     position_ids_ptr,  # (num_tokens,) int64, when HAS_POSITION_IDS
     out_ptr,  # (num_tokens, dim)
     num_tokens, seq_len, num_embeddings, num_positions, dim, offset,
-    scale,  # multiplies the token rows, in the compute dtype
-    neg_log_base_over_dim,  # -ln(10000) / d: w_i = exp(2i * this)
+    scale: tl.float64,  # multiplies the token rows (rounded to the compute dtype)
+    neg_log_base_over_dim: tl.float64,  # -ln(10000) / d: w_i = exp(2i * this)
     POS_MODE: tl.constexpr, HAS_POSITION_IDS: tl.constexpr, COMPUTE_F64: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -72,7 +79,9 @@ def _embedding_forward_kernel(
     ids = tl.load(ids_ptr + tok, mask=tok_ok, other=0).to(tl.int64)
     id_ok = tok_ok & (ids >= 0) & (ids < num_embeddings)
     x = tl.load(weight_ptr + ids[:, None] * dim + cols[None, :], mask=id_ok[:, None] & col_ok[None, :], other=0.0)
-    x = x.to(acc_dtype) * scale
+    # tl.full rounds the fp64 scalars once, to the compute dtype (and keeps a Python
+    # float exact under the interpreter, where arguments stay Python objects).
+    x = x.to(acc_dtype) * tl.full([], scale, acc_dtype)
     if POS_MODE != 0:
         if HAS_POSITION_IDS:
             pos = tl.load(position_ids_ptr + tok, mask=tok_ok, other=0)
@@ -84,10 +93,12 @@ def _embedding_forward_kernel(
                          other=0.0)
             x += pe.to(acc_dtype)
         else:
-            pair = (cols // 2).to(acc_dtype)
-            freq = tl.exp(2.0 * pair * neg_log_base_over_dim)
+            # One angle, one sine and one cosine per (sin, cos) pair of columns, then
+            # interleaved: columns 2i, 2i+1 of this tile are sin, cos of its pair i.
+            pair = tl.program_id(1).to(tl.int64) * (BLOCK_D // 2) + tl.arange(0, BLOCK_D // 2)
+            freq = tl.exp((2 * pair).to(acc_dtype) * tl.full([], neg_log_base_over_dim, acc_dtype))
             angle = pos.to(acc_dtype)[:, None] * freq[None, :]
-            pe = tl.where((cols % 2 == 0)[None, :], tl.sin(angle), tl.cos(angle))
+            pe = tl.interleave(tl.sin(angle), tl.cos(angle))
             x += tl.where(id_ok[:, None], pe, 0.0)
     tl.store(out_ptr + tok[:, None] * dim + cols[None, :], _rounded(x, out_ptr),
              mask=tok_ok[:, None] & col_ok[None, :])
@@ -124,7 +135,8 @@ def _segment_sum_kernel(
         dst_row = tl.load(dst_rows_ptr + g)
     else:
         dst_row = g
-    tl.store(dst_ptr + dst_row * dim + cols, _rounded(acc, dst_ptr), mask=col_ok)
+    # An empty range is an unused slot or a segment finished at another tree level: no write.
+    tl.store(dst_ptr + dst_row * dim + cols, _rounded(acc, dst_ptr), mask=col_ok & (end > begin))
 
 
 @triton.jit
@@ -139,8 +151,11 @@ def _batch_sum_kernel(
     cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < dim
     acc = tl.zeros([BLOCK_D], dtype=acc_dtype)
+    offs = t * dim + cols
+    step = tl.full([], seq_len, tl.int64) * dim  # 64-bit: batch * seq_len * dim passes 2^31
     for b in range(0, batch):
-        acc += tl.load(dout_ptr + (b * seq_len + t) * dim + cols, mask=col_ok, other=0.0).to(acc_dtype)
+        acc += tl.load(dout_ptr + offs, mask=col_ok, other=0.0).to(acc_dtype)
+        offs += step
     tl.store(out_ptr + (offset + t) * dim + cols, _rounded(acc, out_ptr), mask=col_ok)
 
 
@@ -176,40 +191,66 @@ def _segment_sum(src, src_rows, begin, end, dst, dst_rows, factors, dim):
     )
 
 
-def reduce_by_key(dout2d, keys, num_rows: int, skip: int, scale: float, divide_by_count: bool, make_out):
-    """Rows make_out(rows)[g or rows[g]] = factor * sum of dout rows whose key is rows[g],
-    for keys in [0, num_rows) other than skip. Returns rows (sorted unique keys)."""
-    dim = dout2d.shape[1]
-    acc = torch.float64 if dout2d.dtype == torch.float64 else torch.float32
+def sorted_segments(keys, num_rows: int, skip: int):
+    """The segments of equal keys among the stably sorted keys in fixed-size arrays,
+    without a device->host sync: (order, segment keys, begin, end), `slots` =
+    min(tokens, num_rows + 1) entries. Slot s is the s-th segment in key order; slots past
+    the last one, and the segment of excluded keys (outside [0, num_rows) or == skip), are
+    empty ranges -- so the real segments are the first U slots."""
     keys = keys.reshape(-1).long()
+    n = keys.numel()
     used = (keys >= 0) & (keys < num_rows) & (keys != skip)
-    sorted_keys, order = torch.where(used, keys, num_rows).sort(stable=True)
-    rows, counts = torch.unique_consecutive(sorted_keys, return_counts=True)
-    if rows.numel() and int(rows[-1]) == num_rows:  # excluded keys sorted last
-        rows, counts = rows[:-1], counts[:-1]
-    out, dense = make_out(rows)
-    if rows.numel() == 0 or dim == 0:
-        return rows
-    factors = torch.full((rows.numel(),), scale, dtype=acc, device=dout2d.device)
+    sorted_keys, order = torch.where(used, keys, num_rows).sort(stable=True)  # excluded keys sort last
+    starts = torch.ones(n, dtype=torch.bool, device=keys.device)
+    starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    seg_of = starts.cumsum(0) - 1  # segment of each sorted position (non-decreasing)
+    slot = torch.arange(min(n, num_rows + 1), device=keys.device)
+    begin = torch.searchsorted(seg_of, slot)
+    end = torch.searchsorted(seg_of, slot, right=True)
+    seg_keys = sorted_keys[begin.clamp(max=max(n - 1, 0))]
+    real = (end > begin) & (seg_keys < num_rows)
+    return order, seg_keys, torch.where(real, begin, 0), torch.where(real, end, 0)
+
+
+def sum_segments(dout2d, segments, scale: float, divide_by_count: bool, out, dense: bool):
+    """out[dst_row(s)] = factor(s) * (sum of the dout rows of segment s), dst_row(s) = the
+    segment's key when dense, else s. A tree of parts of at most PART_ROWS rows: each
+    level finishes the segments that fit in one part (sum, scale, round once, write) and
+    cuts the longer ones into parts whose sums are the next level's rows. Every size is
+    bounded on the host from the token count (no sync)."""
+    order, seg_keys, begin, end = segments
+    slots, dim = seg_keys.numel(), dout2d.shape[1]
+    if slots == 0 or dim == 0:
+        return
+    acc = torch.float64 if dout2d.dtype == torch.float64 else torch.float32
+    factors = torch.full((slots,), scale, dtype=acc, device=dout2d.device)
     if divide_by_count:
-        factors = factors / counts.to(acc)
-    end = counts.cumsum(0)
-    begin = end - counts
+        factors = factors / (end - begin).clamp(min=1).to(acc)
+    dst_rows = seg_keys if dense else None
     src, src_rows = dout2d, order
+    rows = longest = order.numel()  # rows at this level and its longest segment, at most
     while True:
-        parts = (end - begin + PART_ROWS - 1) // PART_ROWS
-        if int(parts.max()) <= 1:  # one part per segment: scale, round once, write
-            _segment_sum(src, src_rows, begin, end, out, rows if dense else None, factors, dim)
-            return rows
-        first = parts.cumsum(0) - parts
-        total = int(parts.sum())
-        part_segment = torch.repeat_interleave(torch.arange(rows.numel(), device=rows.device), parts,
-                                               output_size=total)
-        part_begin = begin[part_segment] + (torch.arange(total, device=rows.device) - first[part_segment]) * PART_ROWS
-        part_end = torch.minimum(part_begin + PART_ROWS, end[part_segment])
-        partials = torch.empty(total, dim, dtype=acc, device=dout2d.device)
-        _segment_sum(src, src_rows, part_begin, part_end, partials, None, None, dim)
-        src, src_rows, begin, end = partials, None, first, first + parts
+        if longest <= PART_ROWS:  # every segment fits in one part: the last level
+            _segment_sum(src, src_rows, begin, end, out, dst_rows, factors, dim)
+            return
+        fits = (end - begin) <= PART_ROWS
+        _segment_sum(src, src_rows, torch.where(fits, begin, 0), torch.where(fits, end, 0), out, dst_rows, factors,
+                     dim)
+        # A segment of length > PART_ROWS has ceil(length / PART_ROWS) < 2 length / PART_ROWS parts.
+        parts = torch.where(fits, 0, (end - begin + PART_ROWS - 1) // PART_ROWS)
+        next_end = parts.cumsum(0)
+        next_begin = next_end - parts
+        rows = 2 * rows // PART_ROWS
+        j = torch.arange(rows, device=dout2d.device)
+        owner = torch.searchsorted(next_end, j, right=True).clamp(max=slots - 1)  # the segment part j belongs to
+        owned = j < next_end[owner]  # slots past the last part stay empty
+        part_begin = begin[owner] + (j - next_begin[owner]) * PART_ROWS
+        part_end = torch.minimum(part_begin + PART_ROWS, end[owner])
+        partials = torch.empty(rows, dim, dtype=acc, device=dout2d.device)
+        _segment_sum(src, src_rows, torch.where(owned, part_begin, 0), torch.where(owned, part_end, 0), partials,
+                     None, None, dim)
+        src, src_rows, begin, end = partials, None, next_begin, next_end
+        longest = (longest + PART_ROWS - 1) // PART_ROWS
 
 
 def batch_sum(dout, out, batch: int, seq_len: int, steps: int, offset: int):

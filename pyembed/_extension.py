@@ -52,11 +52,12 @@ def _why_cuda_unavailable(device: torch.device):
 
 
 if _C is not None:
-    _forward, _backward = torch.ops.pyembed.embedding_forward, torch.ops.pyembed.embedding_backward
-    torch.library.register_fake("pyembed::embedding_forward")(reference.forward_fake)
-    torch.library.register_fake("pyembed::embedding_backward")(reference.backward_fake)
-    dispatch.register_backend(dispatch.Backend("cpu", _forward, _backward, _why_cpu_unavailable))
+    reference.register_fakes("pyembed::embedding_forward", "pyembed::embedding_backward",
+                             "pyembed::embedding_sparse_backward")
+    _ops = (torch.ops.pyembed.embedding_forward, torch.ops.pyembed.embedding_backward,
+            torch.ops.pyembed.embedding_sparse_backward)
+    dispatch.register_backend(dispatch.Backend("cpu", *_ops, _why_cpu_unavailable))
     if _C.cuda_built:
-        dispatch.register_backend(dispatch.Backend("cuda", _forward, _backward, _why_cuda_unavailable))
+        dispatch.register_backend(dispatch.Backend("cuda", *_ops, _why_cuda_unavailable))
     else:
         dispatch.mark_missing("cuda", "pyembed._C was built without CUDA kernels (no CUDA toolkit at build time)")

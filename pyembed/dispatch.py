@@ -1,8 +1,9 @@
 """Backend choice: the ``backend=`` argument, ``PYEMBED_BACKEND``, and availability.
 
-A backend is a pair of ops with the schema of ``reference.embedding_forward`` /
-``reference.embedding_backward`` plus a function saying why it cannot run on a device
-(``None`` when it can). Adding a backend is one ``register_backend`` call.
+A backend is three ops with the schemas of ``reference.embedding_forward``,
+``reference.embedding_backward`` (dense) and ``reference.embedding_sparse_backward``,
+plus a function saying why it cannot run on a device (``None`` when it can). Adding a
+backend is one ``register_backend`` call.
 
 Auto (DESIGN §2): CUDA tensors -> cuda, else triton, else reference;
 CPU tensors -> cpu, else reference. Auto never raises for availability; an explicitly
@@ -28,7 +29,8 @@ ENV_VAR = "PYEMBED_BACKEND"
 class Backend:
     name: str
     forward: Callable  # op with the schema of reference.embedding_forward
-    backward: Callable  # op with the schema of reference.embedding_backward
+    backward: Callable  # op with the schema of reference.embedding_backward (dense, no host sync)
+    sparse_backward: Callable  # op with the schema of reference.embedding_sparse_backward
     why_unavailable: Callable[[torch.device], Optional[str]]  # None when it can run there
 
 
@@ -104,6 +106,7 @@ register_backend(
         name="reference",
         forward=reference.reference_forward,
         backward=reference.reference_backward,
+        sparse_backward=reference.reference_sparse_backward,
         why_unavailable=lambda device: None,
     )
 )

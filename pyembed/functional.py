@@ -2,7 +2,8 @@
 
 Checks here read only metadata (dtype, shape, device), so they cost nothing under
 ``torch.compile``; the data-dependent ones (id range, negative or too-large
-position_ids) run inside each backend's op, skipped with ``validate=False``.
+position_ids) are one op shared by every backend (pyembed.checks), skipped with
+``validate=False``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from . import dispatch, reference
+from . import checks, dispatch
 
 _ID_DTYPES = (torch.int32, torch.int64)
 _WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -109,9 +110,10 @@ class FusedEmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
                 padding_idx, scale_grad_by_freq, sparse, validate, backend, reduce_group):
-        out = dispatch.get(backend).forward(
-            ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, validate
-        )
+        if validate:
+            max_seq_len = pos_weight.shape[0] if pos_encoding == "learned" else None
+            ids = checks.checked_ids(ids, weight.shape[0], position_ids, max_seq_len)
+        out = dispatch.get(backend).forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset)
         if reduce_group is not None:
             torch.distributed.all_reduce(out, group=reduce_group)
         ctx.save_for_backward(ids, position_ids)
@@ -126,19 +128,21 @@ class FusedEmbeddingFunction(torch.autograd.Function):
         ids, position_ids = ctx.saved_tensors
         need_weight_grad = ctx.needs_input_grad[1]
         need_pos_grad = ctx.needs_input_grad[2] and ctx.pos_encoding == "learned"
-        rows, values, pos_grad = dispatch.get(ctx.backend).backward(
-            grad_out.contiguous(), ids, position_ids, ctx.offset, ctx.weight_shape[0],
-            ctx.num_positions, ctx.scale, ctx.padding_idx, ctx.scale_grad_by_freq,
-            ctx.sparse, need_weight_grad, need_pos_grad,
-        )
-        grad_weight = None
-        if need_weight_grad:
-            grad_weight = values
-            if ctx.sparse:
-                grad_weight = torch.sparse_coo_tensor(
-                    rows[None], values, tuple(ctx.weight_shape), is_coalesced=True, check_invariants=False
-                )
-        return (None, grad_weight, pos_grad if need_pos_grad else None) + (None,) * 10
+        backend = dispatch.get(ctx.backend)
+        grad_out = grad_out.contiguous()
+        dense_weight_grad = need_weight_grad and not ctx.sparse
+        grad_weight = pos_grad = None
+        if dense_weight_grad or need_pos_grad:
+            grad_weight, pos_grad = backend.backward(
+                grad_out, ids, position_ids, ctx.offset, ctx.weight_shape[0], ctx.num_positions, ctx.scale,
+                ctx.padding_idx, ctx.scale_grad_by_freq, dense_weight_grad, need_pos_grad,
+            )
+        if need_weight_grad and ctx.sparse:
+            rows, values = backend.sparse_backward(
+                grad_out, ids, ctx.weight_shape[0], ctx.scale, ctx.padding_idx, ctx.scale_grad_by_freq)
+            grad_weight = torch.sparse_coo_tensor(
+                rows[None], values, tuple(ctx.weight_shape), is_coalesced=True, check_invariants=False)
+        return (None, grad_weight if need_weight_grad else None, pos_grad if need_pos_grad else None) + (None,) * 10
 
 
 def _check_integer_tensor(name: str, t) -> None:
@@ -211,6 +215,6 @@ def embedding_renorm_(weight: torch.Tensor, ids: torch.Tensor, max_norm: float, 
     rows whose ``norm_type``-norm exceeds ``max_norm`` (as ``torch.embedding_renorm_``).
     The ids are checked first, since the renorm itself would index with them."""
     _check_integer_tensor("ids", ids)
-    reference.check_ids_in_range(ids, weight.shape[0])
+    checks.check_ids_in_range(ids, weight.shape[0])
     with torch.no_grad():
         torch.embedding_renorm_(weight, ids.contiguous(), max_norm, norm_type)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import dispatch, reference
+from . import checks, dispatch
 from .functional import _check_inputs, apply_fused, normalize_padding_idx
 from .modules import _INIT_POS_STD, EmbeddingLayer, FusedEmbedding, check_layer_pos_encoding
 
@@ -139,19 +139,10 @@ class VocabParallelEmbeddingLayer(nn.Module):
         """The data checks of the single-device layer (the same IndexError / ValueError),
         on the extremes over every rank: all ranks raise together or none does, so no
         rank is left waiting in the all-reduce for one that raised."""
-        none = -(2**62)  # "no value" for a max; real ids are far from it
-        extremes = torch.full((4,), none, dtype=torch.long, device=ids.device)  # -min id, max id, -min pos, max pos
-        for i, t in ((0, ids), (2, position_ids)):
-            if t is not None and t.numel() > 0:
-                lo, hi = torch.aminmax(t)
-                extremes[i], extremes[i + 1] = -lo, hi
+        extremes = checks.range_extremes(ids, position_ids)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.process_group)
-        lo_id, hi_id, lo_pos, hi_pos = extremes.tolist()
-        if hi_id != none:
-            reference.check_ids_in_range(torch.tensor([-lo_id, hi_id]), self.vocab_size)
-        if hi_pos != none:
-            max_positions = self.max_seq_len if self.pos_encoding == "learned" else None
-            reference.check_position_ids(torch.tensor([-lo_pos, hi_pos]), max_positions)
+        checks.raise_for_extremes(extremes.tolist(), self.vocab_size,
+                                  self.max_seq_len if self.pos_encoding == "learned" else None)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The single-device ``EmbeddingLayer``'s state_dict, gathered on the group's

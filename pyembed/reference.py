@@ -12,10 +12,10 @@ against it, and it is deliberately written for clarity, not speed:
 Arithmetic runs in float32 (float64 for float64 tables) with one rounding at the end;
 gradients are accumulated in that same compute dtype over the *touched* rows only.
 
-The two functions are registered as the custom ops ``pyembed::reference_forward`` and
-``pyembed::reference_backward`` so that ``torch.compile`` sees one opaque op (the
-data-dependent id checks inside never break a graph). Every backend's ops share the
-schema below and the fake (meta) implementations at the end of this file.
+The three functions (forward, dense backward, sparse backward) are registered as the
+custom ops ``pyembed::reference_*`` so that ``torch.compile`` sees opaque ops. Every
+backend's ops share their schemas and the fake (meta) implementations at the end of
+this file. The range checks (validate=True) are one op of their own, in pyembed.checks.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ import math
 from typing import Optional
 
 import torch
+
+from .checks import CUDAGRAPH_UNSAFE
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 tables compute in float64; every other float dtype in float32."""
@@ -50,33 +53,6 @@ def sinusoid(positions: torch.Tensor, embed_dim: int) -> torch.Tensor:
     return torch.stack((torch.sin(angle), torch.cos(angle)), dim=-1).reshape(-1, embed_dim)
 
 
-# --------------------------------------------------------------------------- checks
-def check_ids_in_range(ids: torch.Tensor, num_embeddings: int) -> None:
-    """IndexError naming the offending min/max and V (DESIGN §3). Syncs on a GPU."""
-    if ids.numel() == 0:
-        return
-    lo, hi = (int(x) for x in torch.aminmax(ids))
-    if lo < 0 or hi >= num_embeddings:
-        raise IndexError(
-            f"pyembed: ids out of range: min id {lo}, max id {hi}, but the embedding "
-            f"table has V={num_embeddings} rows (valid ids are 0..{num_embeddings - 1})"
-        )
-
-
-def check_position_ids(position_ids: torch.Tensor, max_seq_len: Optional[int]) -> None:
-    """ValueError for a negative position, or one past a learned table's max_seq_len."""
-    if position_ids.numel() == 0:
-        return
-    lo, hi = (int(x) for x in torch.aminmax(position_ids))
-    if lo < 0:
-        raise ValueError(f"pyembed: position_ids must be >= 0, got min position {lo}")
-    if max_seq_len is not None and hi >= max_seq_len:
-        raise ValueError(
-            f"pyembed: position {hi} is out of range for the learned positional table "
-            f"with max_seq_len={max_seq_len}"
-        )
-
-
 # --------------------------------------------------------------------------- forward
 def embedding_forward(
     ids: torch.Tensor,
@@ -86,18 +62,14 @@ def embedding_forward(
     pos_encoding: str,
     scale: float,
     offset: int,
-    validate: bool,
 ) -> torch.Tensor:
     """ids: (B, T) or (T,) int32/int64 (any shape when pos_encoding == "none");
     weight: (V, d); pos_weight: (max_seq_len, d) for "learned"; position_ids: like ids.
-    Returns ids.shape + (d,) in weight.dtype. With validate=False, an out-of-range id
-    gives a zero output row (positional term included) and an out-of-range learned
-    position a zero positional term, instead of raising."""
+    Returns ids.shape + (d,) in weight.dtype. The range checks run before, in
+    pyembed.checks (validate=True); unchecked, an out-of-range id gives a zero output row
+    (positional term included) and an out-of-range learned position a zero positional
+    term -- never an out-of-bounds access."""
     num_embeddings, embed_dim = weight.shape
-    if validate:
-        check_ids_in_range(ids, num_embeddings)
-        if position_ids is not None:
-            check_position_ids(position_ids, pos_weight.shape[0] if pos_encoding == "learned" else None)
     acc = compute_dtype(weight.dtype)
 
     flat = ids.reshape(-1).long()
@@ -136,47 +108,61 @@ def embedding_backward(
     scale: float,
     padding_idx: Optional[int],
     scale_grad_by_freq: bool,
-    sparse: bool,
     need_weight_grad: bool,
     need_pos_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (weight_rows, weight_values, pos_grad), the layout every backend shares:
-    - dense:  weight_rows empty (0,), weight_values the full (V, d) gradient;
-    - sparse: weight_rows (U,) sorted unique touched ids (padding absent), weight_values
-      (U, d) their summed gradients -- a coalesced COO gradient's indices and values;
-    - pos_grad (max_seq_len, d) for a learned table, else (0, d).
-    Outputs not needed are empty. Gradients are in grad_out's dtype, accumulated in fp32."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense gradients: (weight_grad, pos_grad).
+    - weight_grad (V, d), zero on untouched rows and the padding row, if need_weight_grad;
+    - pos_grad (max_seq_len, d) for a learned table, if need_pos_grad.
+    An output not needed is (0, d). Gradients are in grad_out's dtype, accumulated in fp32
+    (fp64 for fp64). The kernels' backends compute this without a device->host sync."""
     embed_dim = grad_out.shape[-1]
     dtype, acc = grad_out.dtype, compute_dtype(grad_out.dtype)
     dout = grad_out.reshape(-1, embed_dim).to(acc)
-    no_rows = torch.empty(0, dtype=torch.long, device=grad_out.device)
-    weight_rows, weight_values = no_rows, grad_out.new_empty(0, embed_dim)
-    pos_grad = grad_out.new_empty(0, embed_dim)
-
+    weight_grad = pos_grad = grad_out.new_empty(0, embed_dim)
     if need_weight_grad:
-        flat = ids.reshape(-1).long()
-        keep = (flat >= 0) & (flat < num_embeddings)
-        if padding_idx is not None:
-            keep &= flat != padding_idx
-        rows, sums, counts = _segment_sum(flat[keep], dout[keep])
-        # scale (and 1/count) applied once per touched row, after the fp32 sum.
-        factor = torch.full_like(counts, scale, dtype=acc)
-        if scale_grad_by_freq:
-            factor = factor / counts.to(acc)
-        values = (sums * factor[:, None]).to(dtype)
-        if sparse:
-            weight_rows, weight_values = rows, values
-        else:
-            weight_values = grad_out.new_zeros(num_embeddings, embed_dim)
-            weight_values.index_copy_(0, rows, values)
-
+        rows, values = _weight_grad_rows(dout, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq)
+        weight_grad = grad_out.new_zeros(num_embeddings, embed_dim)
+        weight_grad.index_copy_(0, rows, values.to(dtype))
     if need_pos_grad:
         positions = token_positions(ids, position_ids, offset)
         keep = (positions >= 0) & (positions < num_positions)
         rows, sums, _ = _segment_sum(positions[keep], dout[keep])
         pos_grad = grad_out.new_zeros(num_positions, embed_dim)
         pos_grad.index_copy_(0, rows, sums.to(dtype))
-    return weight_rows, weight_values, pos_grad
+    return weight_grad, pos_grad
+
+
+def embedding_sparse_backward(
+    grad_out: torch.Tensor,
+    ids: torch.Tensor,
+    num_embeddings: int,
+    scale: float,
+    padding_idx: Optional[int],
+    scale_grad_by_freq: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token table's gradient as a coalesced COO gradient's (indices, values):
+    rows (U,) the sorted unique touched ids (padding absent), values (U, d) their summed
+    gradients. U depends on the data, so on a GPU this op syncs (tagged cudagraph_unsafe)."""
+    acc = compute_dtype(grad_out.dtype)
+    rows, values = _weight_grad_rows(grad_out.reshape(-1, grad_out.shape[-1]).to(acc), ids, num_embeddings, scale,
+                                     padding_idx, scale_grad_by_freq)
+    return rows, values.to(grad_out.dtype)
+
+
+def _weight_grad_rows(dout: torch.Tensor, ids: torch.Tensor, num_embeddings: int, scale: float,
+                      padding_idx: Optional[int], scale_grad_by_freq: bool):
+    """(sorted touched rows, their gradient rows in the compute dtype) of the token table."""
+    flat = ids.reshape(-1).long()
+    keep = (flat >= 0) & (flat < num_embeddings)
+    if padding_idx is not None:
+        keep &= flat != padding_idx
+    rows, sums, counts = _segment_sum(flat[keep], dout[keep])
+    # scale (and 1/count) applied once per touched row, after the sum.
+    factor = torch.full_like(counts, scale, dtype=dout.dtype)
+    if scale_grad_by_freq:
+        factor = factor / counts.to(dout.dtype)
+    return rows, sums * factor[:, None]
 
 
 def _segment_sum(keys: torch.Tensor, values: torch.Tensor):
@@ -198,28 +184,35 @@ def sinusoidal_table(max_seq_len: int, embed_dim: int, *, dtype=torch.float32, d
 
 
 # --------------------------------------------------------------------------- op registration
-# Every backend's forward / backward op has the schema of the two functions above, so
-# one fake implementation each serves them all (registered by each backend).
-def forward_fake(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, validate):
+# Every backend's ops have the schemas of the three functions above, so one fake
+# implementation each serves them all (registered by each backend).
+def forward_fake(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset):
     return weight.new_empty(*ids.shape, weight.shape[1])
 
 
-def backward_fake(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale,
-                  padding_idx, scale_grad_by_freq, sparse, need_weight_grad, need_pos_grad):
+def backward_fake(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
+                  scale_grad_by_freq, need_weight_grad, need_pos_grad):
     embed_dim = grad_out.shape[-1]
-    rows_count, value_rows = 0, 0
-    if need_weight_grad and sparse:
-        rows_count = value_rows = torch.library.get_ctx().new_dynamic_size()
-    elif need_weight_grad:
-        value_rows = num_embeddings
-    return (
-        grad_out.new_empty(rows_count, dtype=torch.long),
-        grad_out.new_empty(value_rows, embed_dim),
-        grad_out.new_empty(num_positions if need_pos_grad else 0, embed_dim),
-    )
+    return (grad_out.new_empty(num_embeddings if need_weight_grad else 0, embed_dim),
+            grad_out.new_empty(num_positions if need_pos_grad else 0, embed_dim))
+
+
+def sparse_backward_fake(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq):
+    touched = torch.library.get_ctx().new_dynamic_size()
+    return grad_out.new_empty(touched, dtype=torch.long), grad_out.new_empty(touched, grad_out.shape[-1])
+
+
+def register_fakes(forward_op: Optional[str], backward_op: str, sparse_backward_op: str) -> None:
+    """One backend's three ops share these fakes (same schemas as the functions above);
+    forward_op None for a triton_op, which torch.compile traces instead."""
+    if forward_op is not None:
+        torch.library.register_fake(forward_op)(forward_fake)
+    torch.library.register_fake(backward_op)(backward_fake)
+    torch.library.register_fake(sparse_backward_op)(sparse_backward_fake)
 
 
 reference_forward = torch.library.custom_op("pyembed::reference_forward", mutates_args=())(embedding_forward)
 reference_backward = torch.library.custom_op("pyembed::reference_backward", mutates_args=())(embedding_backward)
-reference_forward.register_fake(forward_fake)
-reference_backward.register_fake(backward_fake)
+reference_sparse_backward = torch.library.custom_op(
+    "pyembed::reference_sparse_backward", mutates_args=(), tags=CUDAGRAPH_UNSAFE)(embedding_sparse_backward)
+register_fakes("pyembed::reference_forward", "pyembed::reference_backward", "pyembed::reference_sparse_backward")

@@ -11,6 +11,10 @@ from pyembed import dispatch
 from pyembed.reference import sinusoid, token_positions
 
 CPU_BACKENDS = dispatch.backends_for("cpu")
+# What the parity tests run: "name" on CPU tensors and, with a GPU, "name@cuda" on CUDA
+# tensors (inputs moved there, results brought back), so one suite checks every device.
+BACKENDS = CPU_BACKENDS + ([f"{name}@cuda" for name in dispatch.backends_for("cuda")]
+                           if torch.cuda.is_available() else [])
 WEIGHT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 ID_DTYPES = [torch.int32, torch.int64]
 FLOAT_EPS = {torch.float32: 2.0**-24, torch.float64: 2.0**-53}
@@ -82,8 +86,16 @@ def run_with_grads(fn, ids, weight, pos_weight, dout, **kwargs):
 
 
 def fused(backend):
+    """fused_embedding with a BACKENDS entry: for "name@cuda" the tensors go to the GPU
+    (differentiably: gradients come back to the CPU leaves) and the output comes back."""
+    name, _, device = backend.partition("@")
+
     def run(ids, weight, pos_weight=None, **kwargs):
-        return pyembed.fused_embedding(ids, weight, pos_weight, backend=backend, **kwargs)
+        if not device:
+            return pyembed.fused_embedding(ids, weight, pos_weight, backend=name, **kwargs)
+        to = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        kwargs = {k: to(v) for k, v in kwargs.items()}
+        return pyembed.fused_embedding(to(ids), to(weight), to(pos_weight), backend=name, **kwargs).cpu()
     return run
 
 

@@ -84,7 +84,8 @@ def test_training_matches_reference_step_by_step(mode, backend, reference_losses
     if backend == "cuda-emulated":  # the CUDA kernels, run on CPU tensors through host emulation
         emulated = request.getfixturevalue("emulated")
         monkeypatch.setitem(dispatch._registry, "cuda", dispatch.Backend(
-            "cuda", emulated.embedding_forward, emulated.embedding_backward, lambda device: None))
+            "cuda", emulated.embedding_forward, emulated.embedding_backward, emulated.embedding_sparse_backward,
+            lambda device: None))
     steps = INTERPRETED_STEPS if backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1" else STEPS
     losses = train_losses(mode, "cuda" if backend == "cuda-emulated" else backend, steps)
     assert_same_training(losses, reference_losses(mode), f"{mode} {backend}")

@@ -56,24 +56,38 @@ def test_environment_variable_overrides_auto(monkeypatch):
         pyembed.fused_embedding(ids, weight)
 
 
-# (forward op, backward op) of each backend that runs on CPU tensors here.
-_OPS = {"reference": ("reference_forward", "reference_backward"), "cpu": ("embedding_forward", "embedding_backward"),
-        "triton": ("triton_forward", "triton_backward")}
+# (forward, dense backward, sparse backward) ops of each backend that runs on CPU tensors here.
+_OPS = {"reference": ("reference_forward", "reference_backward", "reference_sparse_backward"),
+        "cpu": ("embedding_forward", "embedding_backward", "embedding_sparse_backward"),
+        "triton": ("triton_forward", "triton_backward", "triton_sparse_backward")}
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("sparse", [False, True])
-def test_ops_pass_opcheck(backend, sparse):
+def test_ops_pass_opcheck(backend):
     ids, weight, pos_weight, dout = make_inputs(2, 5, 7, 8, torch.float32, pos_rows=6)
     position_ids = torch.randint(0, 6, ids.shape)
-    fwd, bwd = (getattr(torch.ops.pyembed, name) for name in _OPS[backend])
-    extra = () if backend == "triton" else (True,)  # triton validates in its own op
-    torch.library.opcheck(fwd, (ids, weight, pos_weight, position_ids, "learned", 2.0, 0, *extra))
-    torch.library.opcheck(fwd, (ids, weight, None, None, "sinusoidal", 1.0, 3, *extra))
-    torch.library.opcheck(bwd, (dout, ids, None, 1, 7, 6, 2.0, 3, False, sparse, True, True))
-    torch.library.opcheck(bwd, (dout, ids, position_ids, 0, 7, 6, 1.0, None, True, sparse, True, True))
-    if backend == "triton":
-        torch.library.opcheck(torch.ops.pyembed.triton_validate_ids, (ids, 7, position_ids, 6))
+    fwd, bwd, sparse_bwd = (getattr(torch.ops.pyembed, name) for name in _OPS[backend])
+    torch.library.opcheck(fwd, (ids, weight, pos_weight, position_ids, "learned", 2.0, 0))
+    torch.library.opcheck(fwd, (ids, weight, None, None, "sinusoidal", 1.0, 3))
+    torch.library.opcheck(bwd, (dout, ids, None, 1, 7, 6, 2.0, 3, False, True, True))
+    torch.library.opcheck(bwd, (dout, ids, position_ids, 0, 7, 6, 1.0, None, True, True, True))
+    torch.library.opcheck(bwd, (dout, ids, position_ids, 0, 7, 6, 1.0, None, False, False, True))
+    torch.library.opcheck(sparse_bwd, (dout, ids, 7, 2.0, 3, False))
+    torch.library.opcheck(sparse_bwd, (dout, ids, 7, 1.0, None, True))
+
+
+def test_range_check_op_passes_opcheck_and_is_tagged_cudagraph_unsafe():
+    ids = torch.randint(0, 7, (2, 5))
+    torch.library.opcheck(torch.ops.pyembed.check_ranges, (ids, 7, torch.randint(0, 6, (2, 5)), 6))
+    if not hasattr(torch.Tag, "cudagraph_unsafe"):
+        pytest.skip(f"torch {torch.__version__} has no cudagraph_unsafe tag (torch >= 2.8)")
+    # The ops that read data back to the host are tagged; the forward and dense backward are not.
+    unsafe = torch.Tag.cudagraph_unsafe
+    assert unsafe in torch.ops.pyembed.check_ranges.default.tags
+    for backend in CPU_BACKENDS:
+        fwd, bwd, sparse_bwd = (getattr(torch.ops.pyembed, name).default for name in _OPS[backend])
+        assert unsafe in sparse_bwd.tags, backend
+        assert unsafe not in fwd.tags and unsafe not in bwd.tags, backend
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

@@ -1,4 +1,4 @@
-"""Every backend that runs on CPU against independent results: eager PyTorch
+"""Every backend against independent results: eager PyTorch
 (nn.Embedding + mul + add) in the same precision and in float64, for outputs and
 gradients, over dtypes, id dtypes, positional encodings and awkward shapes."""
 
@@ -9,7 +9,7 @@ import torch
 
 import pyembed
 from helpers import (
-    CPU_BACKENDS, ID_DTYPES, WEIGHT_DTYPES, accumulation_bound, assert_within, eager_embedding, fused, make_inputs,
+    BACKENDS, CPU_BACKENDS, ID_DTYPES, WEIGHT_DTYPES, accumulation_bound, assert_within, eager_embedding, fused, make_inputs,
     max_abs_err, run_with_grads,
     sinusoid_atol,
 )
@@ -21,8 +21,9 @@ POS_ENCODINGS = ["none", "learned", "sinusoidal"]
 
 
 def parity_matrix(test):
-    """Every CPU backend x dtype x id dtype x positional encoding x shape."""
-    for name, values, ids in (("backend", CPU_BACKENDS, None), ("shape", SHAPES, str),
+    """Every backend (CPU tensors; CUDA tensors too with a GPU) x dtype x id dtype x
+    positional encoding x shape."""
+    for name, values, ids in (("backend", BACKENDS, None), ("shape", SHAPES, str),
                               ("pos_encoding", POS_ENCODINGS, None), ("id_dtype", ID_DTYPES, str),
                               ("dtype", WEIGHT_DTYPES, str)):
         test = pytest.mark.parametrize(name, values, ids=ids)(test)
@@ -85,7 +86,7 @@ def test_dense_gradients_accumulate_in_fp32(backend, dtype, id_dtype, pos_encodi
         assert dp is None
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_padding_idx_and_scale_grad_by_freq_match_nn_embedding(backend, dtype):
     ids, weight, _, dout = make_inputs(3, 40, 9, 24, dtype, seed=2)
@@ -106,12 +107,12 @@ def test_padding_idx_and_scale_grad_by_freq_match_nn_embedding(backend, dtype):
             torch.testing.assert_close(exact, eager_dw)  # the closed form is nn.Embedding's
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_sparse_gradient_is_coalesced_and_equals_nn_embedding(backend, dtype):
     ids, weight, _, dout = make_inputs(4, 25, 30, 16, dtype, seed=3)
     w = weight.clone().requires_grad_()
-    out = pyembed.fused_embedding(ids, w, sparse=True, padding_idx=2, scale=1.5, backend=backend)
+    out = fused(backend)(ids, w, sparse=True, padding_idx=2, scale=1.5)
     (grad,) = torch.autograd.grad(out, w, dout)
     assert grad.is_sparse and grad.is_coalesced() and grad.dtype == dtype
     indices = grad._indices()[0]
@@ -143,7 +144,7 @@ def test_sparse_adam_step_equals_eager_step(backend):
     torch.testing.assert_close(grad._indices(), grad.coalesce()._indices())
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_learned_positions_with_position_ids(backend):
     ids, weight, pos_weight, dout = make_inputs(3, 20, 64, 32, torch.float32, pos_rows=50, seed=5)
     g = torch.Generator().manual_seed(5)
@@ -157,51 +158,51 @@ def test_learned_positions_with_position_ids(backend):
     torch.testing.assert_close(dw, edw)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_one_hot_row_keeps_fp32_accumulation(backend, dtype):
     # 4096 copies of one id: a bf16 accumulator stops absorbing +1 at 256.
     ids = torch.full((4, 1024), 3)
     weight = torch.randn(10, 64).to(dtype)
     w = weight.clone().requires_grad_()
-    out = pyembed.fused_embedding(ids, w, backend=backend)
+    out = fused(backend)(ids, w)
     out.backward(torch.ones_like(out))
     torch.testing.assert_close(w.grad[3].double(), torch.full((64,), 4096.0, dtype=torch.float64), rtol=0.01, atol=0)
     assert torch.all(w.grad[torch.arange(10) != 3] == 0)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pos_encoding", POS_ENCODINGS)
 def test_empty_input_gives_empty_output_and_zero_grads(backend, pos_encoding):
     ids = torch.empty(2, 0, dtype=torch.long)
     weight = torch.randn(5, 8, requires_grad=True)
     pos_weight = torch.randn(4, 8, requires_grad=True) if pos_encoding == "learned" else None
-    out = pyembed.fused_embedding(ids, weight, pos_weight, pos_encoding=pos_encoding, backend=backend)
+    out = fused(backend)(ids, weight, pos_weight, pos_encoding=pos_encoding)
     assert out.shape == (2, 0, 8)
     out.sum().backward()
     assert torch.equal(weight.grad, torch.zeros(5, 8))
     if pos_weight is not None:
         assert torch.equal(pos_weight.grad, torch.zeros(4, 8))
     w = weight.detach().requires_grad_()
-    (grad,) = torch.autograd.grad(pyembed.fused_embedding(ids, w, sparse=True, backend=backend).sum(), w)
+    (grad,) = torch.autograd.grad(fused(backend)(ids, w, sparse=True).sum(), w)
     assert grad.is_sparse and grad._nnz() == 0
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_non_contiguous_inputs(backend):
     ids, weight, pos_weight, dout = make_inputs(6, 16, 20, 8, torch.float32, pos_rows=16, seed=6)
     ids_t = ids.t()  # (16, 6), non-contiguous
     weight_t = weight.t().contiguous().t()  # same values, column-major
-    out = pyembed.fused_embedding(ids_t, weight_t, pos_weight[:6], backend=backend)
+    out = fused(backend)(ids_t, weight_t, pos_weight[:6])
     expected = eager_embedding(ids_t.contiguous(), weight, pos_weight[:6])
     assert_within(out, expected, 1e-6, 1e-6, what="non-contiguous")
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_validate_false_gives_zero_rows_for_bad_ids(backend):
     ids = torch.tensor([[0, 7, -3, 2, 100]])
     weight = torch.randn(5, 8, requires_grad=True)
-    out = pyembed.fused_embedding(ids, weight, validate=False, backend=backend)
+    out = fused(backend)(ids, weight, validate=False)
     expected = torch.stack([weight[0], torch.zeros(8), torch.zeros(8), weight[2], torch.zeros(8)])[None]
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     out.sum().backward()
@@ -211,15 +212,14 @@ def test_validate_false_gives_zero_rows_for_bad_ids(backend):
 
 
 @pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal"])
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_validate_false_bad_id_row_has_no_positional_term_either(backend, pos_encoding):
     # The whole row is zero, so ranks holding different rows can sum (pyembed.parallel);
     # the positions' gradient still counts every token.
     ids = torch.tensor([[0, 7, -3, 2, 100]])
     weight = torch.randn(5, 8)
     pos_weight = torch.randn(5, 8, requires_grad=True) if pos_encoding == "learned" else None
-    out = pyembed.fused_embedding(ids, weight, pos_weight, pos_encoding=pos_encoding, validate=False,
-                                  backend=backend)
+    out = fused(backend)(ids, weight, pos_weight, pos_encoding=pos_encoding, validate=False)
     full = eager_embedding(ids.clamp(0, 4), weight, pos_weight, pos_encoding=pos_encoding)
     bad = torch.tensor([False, True, True, False, True])
     assert not out[0, bad].any()
@@ -229,7 +229,7 @@ def test_validate_false_bad_id_row_has_no_positional_term_either(backend, pos_en
         torch.testing.assert_close(pos_weight.grad, torch.ones(5, 8), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_gradcheck_float64(backend):
     ids, weight, pos_weight, _ = make_inputs(2, 6, 5, 4, torch.float64, pos_rows=9, seed=7)
     w, p = weight.requires_grad_(), pos_weight.requires_grad_()
@@ -237,15 +237,15 @@ def test_gradcheck_float64(backend):
     # padding_idx and scale_grad_by_freq deliberately depart from the true gradient, so
     # gradcheck covers the differentiable part: lookup, scale and learned positions.
     def fn(w, p):
-        return pyembed.fused_embedding(ids, w, p, scale=1.7, offset=2, backend=backend)
+        return fused(backend)(ids, w, p, scale=1.7, offset=2)
 
     assert torch.autograd.gradcheck(fn, (w, p))
     assert torch.autograd.gradcheck(
-        lambda w: pyembed.fused_embedding(ids, w, pos_encoding="sinusoidal", scale=0.3, backend=backend), (w,)
+        lambda w: fused(backend)(ids, w, pos_encoding="sinusoidal", scale=0.3), (w,)
     )
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("vocab", [50, 300_000], ids=["counting-sort", "comparison-sort"])
 def test_backward_is_bitwise_identical_across_runs_and_thread_counts(backend, vocab):
     # A small vocabulary with many duplicates, and a large one with few tokens (the CPU
@@ -262,7 +262,7 @@ def test_backward_is_bitwise_identical_across_runs_and_thread_counts(backend, vo
             torch.set_num_threads(n)
             for sparse in (False, True):
                 w = weight.clone().requires_grad_()
-                (grad,) = torch.autograd.grad(pyembed.fused_embedding(ids, w, sparse=sparse, backend=backend), w, dout)
+                (grad,) = torch.autograd.grad(fused(backend)(ids, w, sparse=sparse), w, dout)
                 results.append(grad.to_dense())
     finally:
         torch.set_num_threads(threads)
@@ -272,7 +272,7 @@ def test_backward_is_bitwise_identical_across_runs_and_thread_counts(backend, vo
     assert_within(results[0], exact, bound, what=f"{backend} dW")
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pos_encoding", POS_ENCODINGS)
 def test_rows_wider_than_one_tile(backend, pos_encoding):
     # d = 1000: several column blocks per row with a masked tail (Triton BLOCK_D = 512).

@@ -1,17 +1,27 @@
 """Compile the Triton kernels ahead of time for NVIDIA targets, without a GPU, and print
 a JSON report per (kernel, arch): registers, spills and shared memory (ptxas -v on the
-generated PTX, with the ptxas Triton ships) and the widths of its global accesses.
+generated PTX, with the ptxas Triton ships), the widths of its global accesses and the
+PTX types of its scalar float parameters.
+
+The signatures are the ones the JIT would build at run time for real arguments: every
+pointer 16-byte aligned (torch allocations), an int argument equal to 1 a constant (so
+a one-token sequence, seq_len == 1, is its own specialisation), d divisible by 16 or not,
+int32 or int64 ids, with or without position_ids, every table dtype and positional mode,
+and d in {8, 100, 768, 4096} -- so tile sizes are checked where they are really used.
 
 Run by tests/test_triton_aot.py in a subprocess: it needs TRITON_INTERPRET unset (the
-interpreter replaces @triton.jit functions with eager Python ones).
+interpreter replaces @triton.jit functions with eager Python ones). Usage:
+``python tests/triton_aot.py [--quick]`` (--quick: sm_90 only).
 """
 
+import itertools
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -20,50 +30,87 @@ from triton.compiler import ASTSource
 from pyembed.kernels import embedding as k
 
 ARCHS = (80, 90)
-D16 = [["tt.divisibility", 16]]  # 16-byte aligned pointers, d divisible by 16
+DIMS = (8, 100, 768, 4096)
+TOKENS = 4096  # any count > 1 that is a multiple of 16, like a real batch
+D16 = [["tt.divisibility", 16]]
 
 
-def forward_source(dtype: str, pos_mode: int):
-    sig = {"ids_ptr": "*i64", "weight_ptr": f"*{dtype}", "pos_weight_ptr": f"*{dtype}", "position_ids_ptr": "*i64",
-           "out_ptr": f"*{dtype}", "num_tokens": "i64", "seq_len": "i64", "num_embeddings": "i64",
-           "num_positions": "i64", "dim": "i32", "offset": "i64", "scale": "fp32", "neg_log_base_over_dim": "fp32",
-           "POS_MODE": "constexpr", "HAS_POSITION_IDS": "constexpr", "COMPUTE_F64": "constexpr",
-           "BLOCK_T": "constexpr", "BLOCK_D": "constexpr"}
-    block_t, block_d = k._blocks(768, pos_mode)
-    consts = {"POS_MODE": pos_mode, "HAS_POSITION_IDS": False, "COMPUTE_F64": False, "BLOCK_T": block_t,
-              "BLOCK_D": block_d}
-    attrs = {(i,): D16 for i in (0, 1, 2, 3, 4, 9)}
-    return ASTSource(k._embedding_forward_kernel, sig, consts, attrs)
+def _int_arg(name, value, sig, consts, attrs, index):
+    """What the JIT does with a Python int: 1 becomes a constant, a multiple of 16 gets
+    the divisibility hint, and it is typed i32 when it fits."""
+    if value == 1:
+        sig[name], consts[name] = "constexpr", 1
+        return
+    sig[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+    if value % 16 == 0:
+        attrs[(index,)] = D16
 
 
-def segment_source(src: str, dst: str):
-    sig = {"src_ptr": f"*{src}", "src_rows_ptr": "*i64", "begin_ptr": "*i64", "end_ptr": "*i64",
-           "dst_ptr": f"*{dst}", "dst_rows_ptr": "*i64", "factors_ptr": "*fp32", "dim": "i32",
-           "HAS_SRC_ROWS": "constexpr", "HAS_DST_ROWS": "constexpr", "HAS_FACTORS": "constexpr",
-           "COMPUTE_F64": "constexpr", "BLOCK_D": "constexpr"}
-    consts = {"HAS_SRC_ROWS": True, "HAS_DST_ROWS": True, "HAS_FACTORS": True, "COMPUTE_F64": False,
-              "BLOCK_D": k._blocks(768)[1]}
-    return ASTSource(k._segment_sum_kernel, sig, consts, {(i,): D16 for i in (0, 4, 7)})
+def _source(kernel, args: dict, constexprs: dict):
+    """ASTSource for `kernel` called with `args` (name -> a pointer's Triton type string,
+    or a Python int / float value) and constexprs."""
+    sig, consts, attrs = {}, {}, {}
+    params = {p.name: p for p in kernel.params}
+    for index, (name, value) in enumerate(args.items()):
+        if isinstance(value, str):  # a pointer: torch allocations are 16-byte aligned
+            sig[name], attrs[(index,)] = value, D16
+        elif isinstance(value, float):  # the JIT types a Python float fp32 unless annotated
+            sig[name] = getattr(params[name], "annotation_type", "") or "fp32"
+        else:
+            _int_arg(name, value, sig, consts, attrs, index)
+    for name, value in constexprs.items():
+        sig[name], consts[name] = "constexpr", value
+    return ASTSource(kernel, sig, consts, attrs)
 
 
-def batch_source(dtype: str):
-    sig = {"dout_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "batch": "i64", "seq_len": "i64", "offset": "i64",
-           "dim": "i32", "COMPUTE_F64": "constexpr", "BLOCK_D": "constexpr"}
-    return ASTSource(k._batch_sum_kernel, sig, {"COMPUTE_F64": False, "BLOCK_D": k._blocks(768)[1]},
-                     {(i,): D16 for i in (0, 1, 5)})
+def forward_source(dtype, pos_mode, dim, *, position_ids=False, id_type="i64", seq_len=TOKENS):
+    block_t, block_d = k._blocks(dim, pos_mode)
+    args = {"ids_ptr": f"*{id_type}", "weight_ptr": f"*{dtype}", "pos_weight_ptr": f"*{dtype}",
+            "position_ids_ptr": "*i64", "out_ptr": f"*{dtype}", "num_tokens": TOKENS, "seq_len": seq_len,
+            "num_embeddings": 50257, "num_positions": 2048, "dim": dim, "offset": 3, "scale": 27.7,
+            "neg_log_base_over_dim": -0.012}
+    return _source(k._embedding_forward_kernel, args, {
+        "POS_MODE": pos_mode, "HAS_POSITION_IDS": position_ids, "COMPUTE_F64": dtype == "fp64",
+        "BLOCK_T": block_t, "BLOCK_D": block_d})
 
 
-SOURCES = {
-    "forward fp32 learned": lambda: forward_source("fp32", 1),
-    "forward bf16 learned": lambda: forward_source("bf16", 1),
-    "forward fp16 sinusoidal": lambda: forward_source("fp16", 2),
-    "segment_sum bf16->fp32 partials": lambda: segment_source("bf16", "fp32"),
-    "segment_sum fp32->bf16 final": lambda: segment_source("fp32", "bf16"),
-    "batch_sum fp32": lambda: batch_source("fp32"),
-}
+def segment_source(src, dst, dim, *, final):
+    """A tree level: gradient rows -> fp32 partials, or the last level: -> the gradient."""
+    acc = "fp64" if "fp64" in (src, dst) else "fp32"
+    args = {"src_ptr": f"*{src}", "src_rows_ptr": "*i64", "begin_ptr": "*i64", "end_ptr": "*i64",
+            "dst_ptr": f"*{dst}", "dst_rows_ptr": "*i64", "factors_ptr": f"*{acc}", "dim": dim}
+    return _source(k._segment_sum_kernel, args, {
+        "HAS_SRC_ROWS": True, "HAS_DST_ROWS": final, "HAS_FACTORS": final, "COMPUTE_F64": acc == "fp64",
+        "BLOCK_D": k._blocks(dim)[1]})
 
 
-def ptxas_report(ptx: str, arch: int) -> dict:
+def batch_source(dtype, dim):
+    args = {"dout_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "batch": 8, "seq_len": 512, "offset": 3, "dim": dim}
+    return _source(k._batch_sum_kernel, args, {"COMPUTE_F64": dtype == "fp64", "BLOCK_D": k._blocks(dim)[1]})
+
+
+def sources():
+    """{name: (factory, args)}: every specialisation the launchers can produce that
+    matters for registers (the id dtype only for one mode: it changes one load)."""
+    out = {}
+    variants = [("none", 0, {}), ("learned", 1, {}), ("learned position_ids", 1, {"position_ids": True}),
+                ("learned seq_len=1", 1, {"seq_len": 1}), ("sinusoidal", 2, {}),
+                ("sinusoidal position_ids", 2, {"position_ids": True}), ("sinusoidal seq_len=1", 2, {"seq_len": 1})]
+    for dtype, (vname, mode, kw), dim in itertools.product(("fp32", "fp16", "bf16"), variants, DIMS):
+        out[f"forward {dtype} {vname} d={dim}"] = (forward_source, (dtype, mode, dim), kw)
+    for dim in DIMS:
+        out[f"forward fp32 learned int32-ids d={dim}"] = (forward_source, ("fp32", 1, dim), {"id_type": "i32"})
+    for mode, vname in ((1, "learned"), (2, "sinusoidal")):
+        out[f"forward fp64 {vname} d=768"] = (forward_source, ("fp64", mode, 768), {})
+    for dtype, dim in itertools.product(("fp32", "fp16", "bf16", "fp64"), DIMS):
+        acc = "fp64" if dtype == "fp64" else "fp32"
+        out[f"segment_sum {dtype}->partials d={dim}"] = (segment_source, (dtype, acc, dim), {"final": False})
+        out[f"segment_sum partials->{dtype} d={dim}"] = (segment_source, (acc, dtype, dim), {"final": True})
+        out[f"batch_sum {dtype} d={dim}"] = (batch_source, (dtype, dim), {})
+    return out
+
+
+def ptxas_report(ptx: str) -> dict:
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
@@ -80,16 +127,24 @@ def ptxas_report(ptx: str, arch: int) -> dict:
             "ptxas_smem": int(smem.group(1)) if smem else 0}
 
 
+def compile_one(job):
+    name, arch = job
+    factory, args, kwargs = sources()[name]
+    compiled = triton.compile(factory(*args, **kwargs), target=GPUTarget("cuda", arch, 32))
+    ptx = compiled.asm["ptx"]
+    params = re.search(r"\.entry \w+\((.*?)\)", ptx, re.S).group(1)
+    return f"{name} sm_{arch}", {
+        "shared": compiled.metadata.shared, **ptxas_report(ptx),
+        "v4_loads": len(re.findall(r"ld\.global[\.\w]*\.v4\.", ptx)),
+        "v4_stores": len(re.findall(r"st\.global[\.\w]*\.v4\.", ptx)),
+        "float_params": re.findall(r"\.param \.(f32|f64)", params)}
+
+
 def main():
-    report = {}
-    for name, make in SOURCES.items():
-        for arch in ARCHS:
-            compiled = triton.compile(make(), target=GPUTarget("cuda", arch, 32))
-            ptx = compiled.asm["ptx"]
-            entry = {"shared": compiled.metadata.shared, **ptxas_report(ptx, arch),
-                     "v4_loads": len(re.findall(r"ld\.global[\.\w]*\.v4\.", ptx)),
-                     "v4_stores": len(re.findall(r"st\.global[\.\w]*\.v4\.", ptx))}
-            report[f"{name} sm_{arch}"] = entry
+    archs = (90,) if "--quick" in sys.argv else ARCHS
+    jobs = [(name, arch) for name in sources() for arch in archs]
+    with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+        report = dict(pool.map(compile_one, jobs, chunksize=4))
     json.dump(report, sys.stdout, indent=1)
 
 

@@ -35,14 +35,13 @@ const cpu::Kernels& cpu::row_kernels() {
 
 namespace {
 
-using cpu::Kernels;
 using cpu::Segments;
 
 at::Tensor embedding_forward_cpu(const at::Tensor& ids_in, const at::Tensor& weight_in,
                                  const std::optional<at::Tensor>& pos_weight_in,
                                  const std::optional<at::Tensor>& position_ids_in, std::string_view pos_encoding,
-                                 double scale, int64_t offset, bool validate) {
-  const ForwardInputs in = prepare_forward(ids_in, weight_in, pos_weight_in, position_ids_in, pos_encoding, validate);
+                                 double scale, int64_t offset) {
+  const ForwardInputs in = prepare_forward(ids_in, weight_in, pos_weight_in, position_ids_in, pos_encoding);
   if (in.empty()) return in.out;
   const at::Tensor &ids = in.ids, &weight = in.weight, &pos_weight = in.pos_weight, &position_ids = in.position_ids;
   at::Tensor out = in.out;
@@ -132,57 +131,66 @@ at::Tensor lazily_zeroed(int64_t rows, int64_t dim, const at::TensorOptions& opt
   return at::from_blob(data, {rows, dim}, [](void* p) { std::free(p); }, options);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> embedding_backward_cpu(
-    const at::Tensor& grad_out_in, const at::Tensor& ids_in, const std::optional<at::Tensor>& position_ids_in,
-    int64_t offset, int64_t num_embeddings, int64_t num_positions, double scale, std::optional<int64_t> padding_idx,
-    bool scale_grad_by_freq, bool sparse, bool need_weight_grad, bool need_pos_grad) {
-  const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
-  const at::Tensor dout = grad_out_in.contiguous(), ids = ids_in.contiguous();
-  const auto options = dout.options();
-  at::Tensor weight_rows = at::empty({0}, options.dtype(at::kLong));
-  at::Tensor weight_values = at::empty({0, dim}, options), pos_grad = at::empty({0, dim}, options);
-  const Kernels& kernels = cpu::row_kernels();
-
+// Sums the dout rows of each segment (fp32), times scale (and 1/count), into out: row
+// seg.rows[g] when dest_rows (a dense gradient), else row g (sparse values).
+void sum_segments(const at::Tensor& dout, const Segments& seg, double scale, bool divide_by_count, bool dest_rows,
+                  at::Tensor& out) {
+  if (dout.size(-1) == 0) return;
   cpu::SegmentSumArgs sum{};
   sum.dout = dout.data_ptr();
   sum.dtype = dout.scalar_type();
-  sum.dim = dim;
+  sum.dim = dout.size(-1);
+  sum.segments = &seg;
+  sum.scale = scale;
+  sum.divide_by_count = divide_by_count;
+  sum.dest_rows = dest_rows ? seg.rows.data() : nullptr;
+  sum.out = out.data_ptr();
+  cpu::row_kernels().segment_sum(sum);
+}
+
+std::tuple<at::Tensor, at::Tensor> embedding_backward_cpu(
+    const at::Tensor& grad_out_in, const at::Tensor& ids_in, const std::optional<at::Tensor>& position_ids_in,
+    int64_t offset, int64_t num_embeddings, int64_t num_positions, double scale, std::optional<int64_t> padding_idx,
+    bool scale_grad_by_freq, bool need_weight_grad, bool need_pos_grad) {
+  check_same_device(grad_out_in.device(), {&ids_in, opt(position_ids_in)});
+  const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
+  const at::Tensor dout = grad_out_in.contiguous(), ids = ids_in.contiguous();
+  const auto options = dout.options();
+  at::Tensor weight_grad = at::empty({0, dim}, options), pos_grad = at::empty({0, dim}, options);
   if (need_weight_grad) {
-    const Segments seg = segments_of(ids, num_embeddings, padding_idx.value_or(-1));
-    sum.segments = &seg;
-    sum.scale = scale;
-    sum.divide_by_count = scale_grad_by_freq;
-    if (sparse) {
-      weight_rows = at::tensor(seg.rows, options.dtype(at::kLong));
-      weight_values = at::empty({seg.size(), dim}, options);
-      sum.dest_rows = nullptr;
-    } else {
-      weight_values = lazily_zeroed(num_embeddings, dim, options);
-      sum.dest_rows = seg.rows.data();
-    }
-    sum.out = weight_values.data_ptr();
-    if (dim > 0) kernels.segment_sum(sum);
+    weight_grad = lazily_zeroed(num_embeddings, dim, options);
+    sum_segments(dout, segments_of(ids, num_embeddings, padding_idx.value_or(-1)), scale, scale_grad_by_freq,
+                 /*dest_rows=*/true, weight_grad);
   }
   if (need_pos_grad) {
     pos_grad = at::zeros({num_positions, dim}, options);
     if (position_ids_in) {
-      const Segments seg = segments_of(position_ids_in->contiguous(), num_positions, -1);
-      sum.segments = &seg;
-      sum.scale = 1.0;
-      sum.divide_by_count = false;
-      sum.dest_rows = seg.rows.data();
-      sum.out = pos_grad.data_ptr();
-      if (dim > 0) kernels.segment_sum(sum);
+      sum_segments(dout, segments_of(position_ids_in->contiguous(), num_positions, -1), 1.0, false,
+                   /*dest_rows=*/true, pos_grad);
     } else if (num_tokens > 0 && dim > 0) {
       // p = offset + t: dP[offset + t] = the batch sum of dout[:, t], in batch order.
       const int64_t seq_len = ids.size(-1);
       cpu::BatchSumArgs batch_sum{dout.data_ptr(), dout.scalar_type(), num_tokens / seq_len, seq_len,
                                   std::clamp<int64_t>(num_positions - offset, 0, seq_len), offset, dim,
                                   pos_grad.data_ptr()};
-      kernels.batch_sum(batch_sum);
+      cpu::row_kernels().batch_sum(batch_sum);
     }
   }
-  return {weight_rows, weight_values, pos_grad};
+  return {weight_grad, pos_grad};
+}
+
+std::tuple<at::Tensor, at::Tensor> embedding_sparse_backward_cpu(const at::Tensor& grad_out_in,
+                                                                 const at::Tensor& ids_in, int64_t num_embeddings,
+                                                                 double scale, std::optional<int64_t> padding_idx,
+                                                                 bool scale_grad_by_freq) {
+  check_same_device(grad_out_in.device(), {&ids_in});
+  const at::Tensor dout = grad_out_in.contiguous();
+  const auto options = dout.options();
+  const Segments seg = segments_of(ids_in.contiguous(), num_embeddings, padding_idx.value_or(-1));
+  at::Tensor rows = at::tensor(seg.rows, options.dtype(at::kLong));
+  at::Tensor values = at::empty({seg.size(), dout.size(-1)}, options);
+  sum_segments(dout, seg, scale, scale_grad_by_freq, /*dest_rows=*/false, values);
+  return {rows, values};
 }
 
 }  // namespace
@@ -190,6 +198,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> embedding_backward_cpu(
 TORCH_LIBRARY_IMPL(pyembed, CPU, m) {
   m.impl("embedding_forward", &embedding_forward_cpu);
   m.impl("embedding_backward", &embedding_backward_cpu);
+  m.impl("embedding_sparse_backward", &embedding_sparse_backward_cpu);
 }
 
 }  // namespace pyembed

@@ -19,21 +19,30 @@ struct CudaLaunch {
   }
 };
 
+// Every op runs on the device of its tensors (the current device may be another GPU).
 at::Tensor embedding_forward_cuda(const at::Tensor& ids, const at::Tensor& weight,
                                   const std::optional<at::Tensor>& pos_weight,
                                   const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
-                                  double scale, int64_t offset, bool validate) {
+                                  double scale, int64_t offset) {
   const c10::cuda::CUDAGuard guard(weight.device());
-  return forward_op<CudaLaunch>(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, validate);
+  return forward_op<CudaLaunch>(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> embedding_backward_cuda(
+std::tuple<at::Tensor, at::Tensor> embedding_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& ids, const std::optional<at::Tensor>& position_ids, int64_t offset,
     int64_t num_embeddings, int64_t num_positions, double scale, std::optional<int64_t> padding_idx,
-    bool scale_grad_by_freq, bool sparse, bool need_weight_grad, bool need_pos_grad) {
+    bool scale_grad_by_freq, bool need_weight_grad, bool need_pos_grad) {
   const c10::cuda::CUDAGuard guard(grad_out.device());
   return backward_op<CudaLaunch>(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
-                                 scale_grad_by_freq, sparse, need_weight_grad, need_pos_grad);
+                                 scale_grad_by_freq, need_weight_grad, need_pos_grad);
+}
+
+std::tuple<at::Tensor, at::Tensor> embedding_sparse_backward_cuda(const at::Tensor& grad_out, const at::Tensor& ids,
+                                                                  int64_t num_embeddings, double scale,
+                                                                  std::optional<int64_t> padding_idx,
+                                                                  bool scale_grad_by_freq) {
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  return sparse_backward_op<CudaLaunch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq);
 }
 
 }  // namespace
@@ -41,6 +50,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> embedding_backward_cuda(
 TORCH_LIBRARY_IMPL(pyembed, CUDA, m) {
   m.impl("embedding_forward", &embedding_forward_cuda);
   m.impl("embedding_backward", &embedding_backward_cuda);
+  m.impl("embedding_sparse_backward", &embedding_sparse_backward_cuda);
 }
 
 }  // namespace pyembed::cuda

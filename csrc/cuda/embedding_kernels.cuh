@@ -15,13 +15,17 @@
 // parts of at most kPartRows rows summed in parallel (fp32), and repeat on the partial
 // sums until each segment has one part: a row used 100k times is reduced as a tree, not
 // by one thread. No atomics, so the result is bitwise deterministic.
+// The dense backward never waits for the device: segment and part counts are unknown to
+// the host, so every array is sized by an upper bound computed from the token count,
+// unused slots are empty ranges the kernels skip, and the number of tree levels is the
+// one the longest possible segment (all tokens) needs -- as PyTorch's own embedding
+// backward does. It can therefore be captured in a CUDA graph.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cmath>
 #include <cstdint>
-#include <functional>
 
 #include "../checks.h"
 
@@ -120,8 +124,8 @@ __global__ void embedding_forward_kernel(
   }
 }
 
-// For each segment g: dst[dst_row(g)] = factor(g) * sum of src rows src_row(r) for r in
-// [begin[g], end[g]), summed in order in the compute dtype. S is T (the gradient) or A
+// For each segment g with begin[g] < end[g]: dst[dst_row(g)] = factor(g) * sum of src
+// rows src_row(r) for r in [begin[g], end[g]), summed in order in the compute dtype. S is T (the gradient) or A
 // (partial sums of a previous level); D is A (a partial) or T (the final, rounded row).
 template <typename S, typename D, typename A, int VEC>
 __global__ void segment_sum_kernel(
@@ -133,6 +137,7 @@ __global__ void segment_sum_kernel(
   const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (g >= num_segments) return;
   const int64_t r0 = begin[g], r1 = end[g];
+  if (r0 == r1) return;  // an unused slot, or a segment finished at another tree level
   D* d_row = dst + (dst_rows != nullptr ? dst_rows[g] : g) * dim;
   const A factor = factors != nullptr ? factors[g] : A(1);
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
@@ -228,8 +233,8 @@ void launch_forward(const at::Tensor& ids, const at::Tensor& weight, const at::T
 template <class Launch>
 at::Tensor forward_op(const at::Tensor& ids_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& pos_weight_in,
                       const std::optional<at::Tensor>& position_ids_in, std::string_view pos_encoding, double scale,
-                      int64_t offset, bool validate) {
-  ForwardInputs in = prepare_forward(ids_in, weight_in, pos_weight_in, position_ids_in, pos_encoding, validate);
+                      int64_t offset) {
+  ForwardInputs in = prepare_forward(ids_in, weight_in, pos_weight_in, position_ids_in, pos_encoding);
   if (in.empty()) return in.out;
   const at::Tensor &ids = in.ids, &weight = in.weight;
   at::Tensor& out = in.out;
@@ -261,100 +266,135 @@ void launch_segment_sum(int vec, const S* src, const int64_t* src_rows, const at
   }
 }
 
-// out rows dest[g] (or g) = factor[g] * sum of the dout rows whose key is rows[g], for
-// keys in [0, num_rows) other than `skip`. Returns the sorted unique keys (rows).
-template <class Launch, typename T>
-at::Tensor reduce_by_key(const at::Tensor& dout, const at::Tensor& keys_in, int64_t num_rows, int64_t skip, double scale,
-                         bool divide_by_count, bool dense, const std::function<at::Tensor(const at::Tensor&)>& make_out) {
-  using A = acc_t<T>;
-  const int64_t dim = dout.size(1);
-  const auto long_opts = keys_in.options().dtype(at::kLong);
-  const at::Tensor keys = keys_in.reshape(-1).to(at::kLong);
-  // Excluded keys become num_rows, which sorts after every real row and is then dropped.
-  const at::Tensor used = (keys >= 0) & (keys < num_rows) & (keys != skip);
-  const at::Tensor sort_keys = at::where(used, keys, at::full({}, num_rows, long_opts));
-  const auto [sorted, order] = sort_keys.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
-  auto [rows, inverse_unused, counts] = at::unique_consecutive(sorted, false, true);
-  if (rows.numel() > 0 && rows[-1].item<int64_t>() == num_rows) {
-    rows = rows.slice(0, 0, -1);
-    counts = counts.slice(0, 0, -1);
-  }
-  at::Tensor out = make_out(rows);
-  const int64_t segments = rows.numel();
-  if (segments == 0 || dim == 0) return rows;
+// The segments of equal keys among the stably sorted keys, in arrays whose sizes the
+// host knows without asking the device: `slots` = min(tokens, num_rows + 1) entries (at
+// most one segment per distinct key, the +1 for the excluded keys). Slot s holds the
+// s-th segment in key order; slots past the last segment, and the segment of excluded
+// keys, are empty ranges (begin == end). So the real segments are exactly the first U
+// slots, U = the number of distinct used keys.
+struct SortedSegments {
+  at::Tensor order;       // (tokens,) token index of each sorted position
+  at::Tensor keys;        // (slots,) the key of segment s (meaningless for an empty slot)
+  at::Tensor begin, end;  // (slots,) the segment's sorted positions [begin, end)
+  int64_t tokens = 0;
+};
 
+// Keys outside [0, num_rows) (out-of-range ids, validate=False) and `skip` (the padding
+// row) are left out. No device->host sync.
+inline SortedSegments sorted_segments(const at::Tensor& keys_in, int64_t num_rows, int64_t skip) {
+  SortedSegments seg;
+  const at::Tensor keys = keys_in.reshape(-1).to(at::kLong);
+  const auto opts = keys.options();
+  const int64_t n = seg.tokens = keys.numel();
+  // Excluded keys become num_rows: they sort after every real row, and their segment is
+  // emptied below.
+  const at::Tensor used = (keys >= 0) & (keys < num_rows) & (keys != skip);
+  auto [sorted, order] = at::where(used, keys, at::full({}, num_rows, opts)).sort(/*stable=*/true, 0, false);
+  seg.order = order;
+  // seg_of[r]: the segment of sorted position r = the number of key changes before r.
+  at::Tensor starts = at::ones({n}, opts.dtype(at::kBool));
+  if (n > 1) starts.slice(0, 1).copy_(sorted.slice(0, 1).ne(sorted.slice(0, 0, n - 1)));
+  const at::Tensor seg_of = starts.cumsum(0) - 1;
+  const at::Tensor slot = at::arange(std::min(n, num_rows + 1), opts);
+  const at::Tensor begin = at::searchsorted(seg_of, slot, /*out_int32=*/false, /*right=*/false);
+  const at::Tensor end = at::searchsorted(seg_of, slot, /*out_int32=*/false, /*right=*/true);
+  seg.keys = sorted.index_select(0, begin.clamp_max(std::max<int64_t>(n - 1, 0)));
+  const at::Tensor real = (end > begin) & (seg.keys < num_rows);
+  seg.begin = at::where(real, begin, 0);
+  seg.end = at::where(real, end, 0);
+  return seg;
+}
+
+// out[dst_row(s)] = factor(s) * (sum of the dout rows of segment s), for every segment:
+// dst_row(s) = keys[s] for a dense gradient, s for sparse values. A tree of parts of at
+// most kPartRows rows: at each level the segments that fit in one part are finished
+// (summed, scaled, rounded once, written); the longer ones are cut into parts whose fp32
+// sums become the next level's rows. The host bounds every size from the token count.
+template <class Launch, typename T>
+void sum_segments(const at::Tensor& dout, const SortedSegments& seg, double scale, bool divide_by_count, bool dense,
+                  at::Tensor& out) {
+  using A = acc_t<T>;
+  const int64_t dim = dout.size(1), slots = seg.keys.numel();
+  if (slots == 0 || dim == 0) return;
+  const auto long_opts = seg.begin.options();
+  const auto acc_opts = dout.options().dtype(c10::CppTypeToScalarType<A>::value);
   const int vec = vector_width<T>(dim, {dout.data_ptr(), out.data_ptr()});
-  at::Tensor factors = at::full({segments}, static_cast<A>(scale), counts.options().dtype(c10::CppTypeToScalarType<A>::value));
-  if (divide_by_count) factors = factors / counts.to(factors.scalar_type());
+  at::Tensor factors = at::full({slots}, static_cast<A>(scale), acc_opts);
+  if (divide_by_count) factors = factors / (seg.end - seg.begin).clamp_min(1).to(factors.scalar_type());
+  const int64_t* dst_rows = dense ? seg.keys.data_ptr<int64_t>() : nullptr;
 
   // Level 0 sums tokens (via `order`) straight from dout; each further level sums the
   // partial rows of the previous one, which are contiguous per segment.
-  at::Tensor end = counts.cumsum(0);
-  at::Tensor begin = end - counts;
-  at::Tensor partials;  // (parts, dim) in A, the current level's source once defined
-  const int64_t* dst_rows = dense ? rows.data_ptr<int64_t>() : nullptr;
-  while (true) {
-    const at::Tensor lengths = end - begin;
-    const at::Tensor parts = at::floor_divide(lengths + (kPartRows - 1), kPartRows);
-    const int64_t max_parts = parts.max().item<int64_t>();
-    if (max_parts <= 1) {  // one part per segment: sum, scale, round once, write
-      if (partials.defined()) {
-        launch_segment_sum<Launch, T>(vec, partials.data_ptr<A>(), nullptr, begin, end, out.data_ptr<T>(), dst_rows,
-                                   factors.data_ptr<A>(), dim);
-      } else {
-        launch_segment_sum<Launch, T>(vec, dout.data_ptr<T>(), order.data_ptr<int64_t>(), begin, end, out.data_ptr<T>(),
-                                   dst_rows, factors.data_ptr<A>(), dim);
-      }
-      return rows;
-    }
-    const at::Tensor first_part = parts.cumsum(0) - parts;
-    const int64_t total_parts = parts.sum().item<int64_t>();
-    const at::Tensor part_segment =
-        at::repeat_interleave(at::arange(segments, long_opts), parts, /*dim=*/0, /*output_size=*/total_parts);
-    const at::Tensor part_begin = begin.index_select(0, part_segment) +
-                                  (at::arange(total_parts, long_opts) - first_part.index_select(0, part_segment)) * kPartRows;
-    const at::Tensor part_end = at::minimum(part_begin + kPartRows, end.index_select(0, part_segment));
-    at::Tensor next = at::empty({total_parts, dim}, dout.options().dtype(c10::CppTypeToScalarType<A>::value));
+  at::Tensor begin = seg.begin, end = seg.end, partials;
+  int64_t rows = seg.tokens;    // rows at this level, at most
+  int64_t longest = seg.tokens;  // the longest segment at this level, at most
+  auto launch = [&](const at::Tensor& b, const at::Tensor& e, auto* dst, const int64_t* dst_row,
+                    const A* factor) {
     if (partials.defined()) {
-      launch_segment_sum<Launch, T>(vec, partials.data_ptr<A>(), nullptr, part_begin, part_end, next.data_ptr<A>(), nullptr,
-                                 static_cast<const A*>(nullptr), dim);
+      launch_segment_sum<Launch, T>(vec, partials.data_ptr<A>(), nullptr, b, e, dst, dst_row, factor, dim);
     } else {
-      launch_segment_sum<Launch, T>(vec, dout.data_ptr<T>(), order.data_ptr<int64_t>(), part_begin, part_end,
-                                 next.data_ptr<A>(), nullptr, static_cast<const A*>(nullptr), dim);
+      launch_segment_sum<Launch, T>(vec, dout.data_ptr<T>(), seg.order.data_ptr<int64_t>(), b, e, dst, dst_row, factor,
+                                    dim);
     }
+  };
+  while (true) {
+    if (longest <= kPartRows) {  // every segment fits in one part: the last level
+      launch(begin, end, out.data_ptr<T>(), dst_rows, factors.data_ptr<A>());
+      return;
+    }
+    const at::Tensor length = end - begin;
+    const at::Tensor fits = length <= kPartRows;
+    launch(at::where(fits, begin, 0), at::where(fits, end, 0), out.data_ptr<T>(), dst_rows, factors.data_ptr<A>());
+    // A segment of length > kPartRows has ceil(length / kPartRows) < 2 length / kPartRows parts.
+    const at::Tensor parts = at::where(fits, 0, at::floor_divide(length + (kPartRows - 1), kPartRows));
+    const at::Tensor next_end = parts.cumsum(0);
+    const at::Tensor next_begin = next_end - parts;
+    const int64_t next_rows = 2 * rows / kPartRows;
+    // Part j belongs to the segment whose range of parts holds it; slots past the last
+    // part are empty ranges.
+    const at::Tensor j = at::arange(next_rows, long_opts);
+    const at::Tensor owner = at::searchsorted(next_end, j, /*out_int32=*/false, /*right=*/true).clamp_max(slots - 1);
+    const at::Tensor owned = j < next_end.index_select(0, owner);
+    const at::Tensor part_begin =
+        begin.index_select(0, owner) + (j - next_begin.index_select(0, owner)) * kPartRows;
+    const at::Tensor part_end = at::minimum(part_begin + kPartRows, end.index_select(0, owner));
+    at::Tensor next = at::empty({next_rows, dim}, acc_opts);
+    launch(at::where(owned, part_begin, 0), at::where(owned, part_end, 0), next.data_ptr<A>(), nullptr,
+           static_cast<const A*>(nullptr));
     partials = next;
-    begin = first_part;
-    end = first_part + parts;
+    begin = next_begin;
+    end = next_end;
+    rows = next_rows;
+    longest = (longest + kPartRows - 1) / kPartRows;
   }
 }
 
+// Dense gradients (weight_grad (V, d) and / or pos_grad (max_seq_len, d); (0, d) when not
+// needed): no device->host sync.
 template <class Launch>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_op(
-    const at::Tensor& grad_out_in, const at::Tensor& ids_in, const std::optional<at::Tensor>& position_ids_in,
-    int64_t offset, int64_t num_embeddings, int64_t num_positions, double scale, std::optional<int64_t> padding_idx,
-    bool scale_grad_by_freq, bool sparse, bool need_weight_grad, bool need_pos_grad) {
+std::tuple<at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out_in, const at::Tensor& ids_in,
+                                               const std::optional<at::Tensor>& position_ids_in, int64_t offset,
+                                               int64_t num_embeddings, int64_t num_positions, double scale,
+                                               std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
+                                               bool need_weight_grad, bool need_pos_grad) {
+  check_same_device(grad_out_in.device(), {&ids_in, opt(position_ids_in)});
   const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
   const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
   const auto options = dout.options();
-  at::Tensor weight_rows = at::empty({0}, options.dtype(at::kLong));
-  at::Tensor weight_values = at::empty({0, dim}, options), pos_grad = at::empty({0, dim}, options);
+  at::Tensor weight_grad = at::empty({0, dim}, options), pos_grad = at::empty({0, dim}, options);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dout.scalar_type(), "pyembed_backward_cuda", [&] {
     using T = scalar_t;
     if (need_weight_grad) {
-      weight_rows = reduce_by_key<Launch, T>(
-          dout, ids_in, num_embeddings, padding_idx.value_or(-1), scale, scale_grad_by_freq, !sparse,
-          [&](const at::Tensor& rows) {
-            weight_values = sparse ? at::empty({rows.numel(), dim}, options) : at::zeros({num_embeddings, dim}, options);
-            return weight_values;
-          });
-      if (!sparse) weight_rows = at::empty({0}, options.dtype(at::kLong));
+      weight_grad = at::zeros({num_embeddings, dim}, options);
+      sum_segments<Launch, T>(dout, sorted_segments(ids_in, num_embeddings, padding_idx.value_or(-1)), scale,
+                              scale_grad_by_freq, /*dense=*/true, weight_grad);
     }
     if (need_pos_grad) {
       pos_grad = at::zeros({num_positions, dim}, options);
       if (position_ids_in) {
-        reduce_by_key<Launch, T>(dout, *position_ids_in, num_positions, -1, 1.0, false, true,
-                                 [&](const at::Tensor&) { return pos_grad; });
+        sum_segments<Launch, T>(dout, sorted_segments(*position_ids_in, num_positions, -1), 1.0, false,
+                                /*dense=*/true, pos_grad);
       } else if (num_tokens > 0 && dim > 0) {
         const int64_t seq_len = ids_in.size(-1), steps = std::clamp<int64_t>(num_positions - offset, 0, seq_len);
         if (steps > 0) {
@@ -373,7 +413,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_op(
       }
     }
   });
-  return {weight_rows, weight_values, pos_grad};
+  return {weight_grad, pos_grad};
+}
+
+// The token table's sparse gradient: (rows (U,) sorted unique used ids, values (U, d)).
+// U is read back from the device once (this op is tagged cudagraph_unsafe).
+template <class Launch>
+std::tuple<at::Tensor, at::Tensor> sparse_backward_op(const at::Tensor& grad_out_in, const at::Tensor& ids_in,
+                                                      int64_t num_embeddings, double scale,
+                                                      std::optional<int64_t> padding_idx, bool scale_grad_by_freq) {
+  check_same_device(grad_out_in.device(), {&ids_in});
+  const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
+  const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
+  const SortedSegments seg = sorted_segments(ids_in, num_embeddings, padding_idx.value_or(-1));
+  const int64_t touched = seg.keys.numel() == 0 ? 0 : (seg.end > seg.begin).sum().item<int64_t>();
+  at::Tensor rows = seg.keys.slice(0, 0, touched).clone();
+  at::Tensor values = at::empty({touched, dim}, dout.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dout.scalar_type(), "pyembed_sparse_backward_cuda", [&] {
+    sum_segments<Launch, scalar_t>(dout, seg, scale, scale_grad_by_freq, /*dense=*/false, values);
+  });
+  return {rows, values};
 }
 
 }  // namespace pyembed::cuda

@@ -11,5 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("embedding_forward", &pyembed::cuda::forward_op<EmulatedLaunch>,
         "the CUDA forward, emulated on CPU tensors (same arguments as torch.ops.pyembed.embedding_forward)");
   m.def("embedding_backward", &pyembed::cuda::backward_op<EmulatedLaunch>,
-        "the CUDA backward, emulated on CPU tensors (same arguments as torch.ops.pyembed.embedding_backward)");
+        "the CUDA dense backward, emulated on CPU tensors (same arguments as torch.ops.pyembed.embedding_backward)");
+  m.def("embedding_sparse_backward", &pyembed::cuda::sparse_backward_op<EmulatedLaunch>,
+        "the CUDA sparse backward, emulated on CPU tensors (same arguments as "
+        "torch.ops.pyembed.embedding_sparse_backward)");
 }

@@ -1,0 +1,91 @@
+"""The GPU backends' dense backward and forward never wait for the device, shown on CPU.
+
+A CUDA graph (``torch.compile(mode="reduce-overhead")``) cannot hold an op that reads
+device data back to the host. The host code around the CUDA kernels (run here through
+host emulation) and around the Triton kernels (under the interpreter) is run under a
+dispatch mode that records every ATen op it calls: none may read a value back
+(``_local_scalar_dense``: ``.item()``, ``int(t)``) or have a data-dependent output size
+(``unique``, ``nonzero``, boolean masks). The sparse backward must read one size back,
+which shows the recorder sees syncs. The ops that still sync are tagged
+``cudagraph_unsafe`` (tests/test_dispatch.py).
+"""
+
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import make_inputs
+
+_SYNCING = {"aten::_local_scalar_dense", "aten::item", "aten::unique_consecutive", "aten::_unique", "aten::_unique2",
+            "aten::unique_dim", "aten::nonzero", "aten::masked_select", "aten::repeat_interleave"}
+
+
+class HostSyncRecorder(TorchDispatchMode):
+    """Records the ATen ops that would make the host wait for a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        bool_index = name == "aten::index" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+        if name in _SYNCING or bool_index:
+            self.syncs.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _inputs():
+    ids, weight, pos_weight, dout = make_inputs(4, 100, 50, 16, torch.float32, pos_rows=120, seed=3)
+    ids[:, :70] = 7  # a hot row: 280 uses, three levels of the segment tree
+    ids[0, 0], ids[1, 1] = 3, 5  # the padding row (5) and ordinary rows
+    return ids, weight, pos_weight, dout, torch.randint(0, 120, ids.shape)
+
+
+def _eager_grad(ids, dout, num_rows, skip):
+    keep = (ids != skip)[..., None]
+    return torch.zeros(num_rows, dout.shape[-1], dtype=torch.float64).index_add_(
+        0, ids.reshape(-1), (dout * keep).reshape(-1, dout.shape[-1]).double())
+
+
+def test_emulated_cuda_forward_and_dense_backward_never_sync(emulated):
+    ids, weight, pos_weight, dout, position_ids = _inputs()
+    with HostSyncRecorder() as rec:
+        emulated.embedding_forward(ids, weight, pos_weight, position_ids, "learned", 2.0, 0)
+        emulated.embedding_forward(ids, weight, None, None, "sinusoidal", 2.0, 5)
+        dw, dp = emulated.embedding_backward(dout, ids, position_ids, 0, 50, 120, 1.0, 5, True, True, True)
+        emulated.embedding_backward(dout, ids, None, 3, 50, 120, 1.0, None, False, True, True)
+    assert rec.syncs == []
+    counts = torch.bincount(ids.reshape(-1), minlength=50).double().clamp(min=1)[:, None]
+    torch.testing.assert_close(dw.double(), _eager_grad(ids, dout, 50, 5) / counts, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dp.double(), _eager_grad(position_ids, dout, 120, -1), rtol=1e-5, atol=1e-5)
+    with HostSyncRecorder() as rec:
+        emulated.embedding_sparse_backward(dout, ids, 50, 1.0, 5, False)
+    assert rec.syncs == ["aten::_local_scalar_dense"]  # the number of touched rows, once
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
+def test_triton_forward_and_dense_backward_never_sync():
+    pytest.importorskip("triton", reason="triton is not installed")
+    from pyembed.kernels import embedding as k
+
+    ids, weight, pos_weight, dout, position_ids = _inputs()
+    dw, dp = torch.zeros(50, 16), torch.zeros(120, 16)
+    out = torch.empty(*ids.shape, 16)
+    with HostSyncRecorder() as rec:
+        k.embedding_forward(ids, weight, pos_weight, position_ids, k.POS_LEARNED, 2.0, 0, out)
+        k.sum_segments(dout.reshape(-1, 16), k.sorted_segments(ids, 50, 5), 1.0, True, dw, dense=True)
+        k.sum_segments(dout.reshape(-1, 16), k.sorted_segments(position_ids, 120, -1), 1.0, False, dp, dense=True)
+        k.batch_sum(dout, torch.zeros(120, 16), 4, 100, 100, 3)
+    assert rec.syncs == []
+    counts = torch.bincount(ids.reshape(-1), minlength=50).double().clamp(min=1)[:, None]
+    torch.testing.assert_close(dw.double(), _eager_grad(ids, dout, 50, 5) / counts, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dp.double(), _eager_grad(position_ids, dout, 120, -1), rtol=1e-5, atol=1e-5)
+    from pyembed._triton import triton_sparse_backward
+
+    with HostSyncRecorder() as rec:
+        triton_sparse_backward._init_fn(dout, ids, 50, 1.0, 5, False)  # the op's Python body
+    assert rec.syncs == ["aten::_local_scalar_dense"]
