@@ -11,7 +11,7 @@ DEPS_STAMP    := $(VENV)/.deps-installed
 INSTALL_STAMP := $(VENV)/.pyembed-installed
 BUILD_INPUTS  := setup.py pyproject.toml pyembed/_cuda_home.py $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: test bench install clean
+.PHONY: test bench install clean gpu-check
 
 test: $(INSTALL_STAMP)
 	$(PY) -m pytest tests
@@ -20,6 +20,13 @@ bench: $(INSTALL_STAMP)
 	$(PY) -m bench $(BENCH_ARGS)
 
 install: $(INSTALL_STAMP)
+
+# GPU machines (DESIGN §6): the machine's own python3 with its CUDA torch, no venv, no
+# network. Builds for the visible GPU only, runs tests/ + tests/gpu/, compute-sanitizer
+# and the GPU benchmark; everything lands in $(GPU_CHECK_OUT). Exits 2 without a GPU.
+GPU_CHECK_OUT ?= gpu-check
+gpu-check:
+	$(PYTHON) tests/gpu/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

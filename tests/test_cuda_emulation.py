@@ -117,3 +117,16 @@ def test_emulated_backward_is_deterministic(emulated):
     dout = torch.randn(4, 500, 32)
     first = backward(emulated, dout, ids, num_embeddings=5)[0]
     assert torch.equal(first, backward(emulated, dout, ids, num_embeddings=5)[0])
+
+
+def test_ops_refuse_tensors_on_another_device(emulated):
+    # A direct torch.ops.pyembed.* call could hand a kernel another device's pointer.
+    ids, weight = torch.tensor([[1, 2]]), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="different devices"):
+        forward(emulated, ids.to("meta"), weight)
+    with pytest.raises(ValueError, match="different devices"):
+        forward(emulated, ids, weight, torch.randn(4, 8, device="meta"), pos_encoding="learned")
+    with pytest.raises(ValueError, match="different devices"):
+        backward(emulated, torch.randn(1, 2, 8), ids.to("meta"), num_embeddings=4)
+    with pytest.raises(ValueError, match="different devices"):
+        emulated.embedding_sparse_backward(torch.randn(1, 2, 8), ids.to("meta"), 4, 1.0, None, False)

@@ -1,0 +1,210 @@
+"""``make gpu-check``: everything GPU-side proven in one command (DESIGN §6).
+
+On a machine whose python already has a CUDA torch, offline:
+  1. stages an importable package under build/gpu-check/site (pyembed + kernels/ as
+     pyembed.kernels) and builds pyembed._C into it for the visible GPU's architecture
+     only (MAX_JOBS = all cores); the source tree and any installed copy are untouched;
+  2. runs tests/ and tests/gpu/ on it (CUDA tensors wherever a test has a GPU variant),
+     with junit XML;
+  3. runs compute-sanitizer memcheck, racecheck and initcheck over
+     tests/gpu/sanitizer_workload.py (every kernel, small);
+  4. runs the GPU benchmark suite;
+and writes everything under GPU_CHECK_OUT (default gpu-check/): logs, junit.xml, the
+benchmark's CSV / markdown / PNG, and summary.md naming the device and versions with
+pass/fail counts, sanitizer error counts and the benchmark table.
+
+Without a CUDA device it prints one line and exits 2. Exit 0 when every step passed,
+1 otherwise. ``--rehearse`` runs the CPU-side parts here (build for sm_90, staging, a
+few tests, the workload on CPU, the summary) to check the script without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SANITIZER_TOOLS = ("memcheck", "racecheck", "initcheck")
+
+
+class Check:
+    def __init__(self, out: Path, env: dict):
+        self.out, self.env, self.steps = out, env, []
+
+    def run(self, name: str, cmd: list[str], log: str, timeout: int, env: dict | None = None,
+            cwd: Path = ROOT) -> tuple[bool, str]:
+        """Run cmd in cwd, its stdout + stderr to out/log; record (name, ok, seconds, log)."""
+        start = time.time()
+        print(f"gpu-check: {name} ...", flush=True)
+        try:
+            proc = subprocess.run(cmd, cwd=cwd, env={**self.env, **(env or {})}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, timeout=timeout)
+            text, ok = proc.stdout, proc.returncode == 0
+        except subprocess.TimeoutExpired as exc:
+            text = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            text, ok = text + f"\n[gpu-check: timed out after {timeout} s]\n", False
+        (self.out / log).write_text(text)
+        self.steps.append((name, ok, time.time() - start, log))
+        print(f"gpu-check: {name}: {'ok' if ok else 'FAILED'} ({time.time() - start:.0f} s, {log})", flush=True)
+        return ok, text
+
+
+def versions(python: str) -> dict:
+    code = ("import json, torch, platform\n"
+            "info = {'python': platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda}\n"
+            "try:\n import triton; info['triton'] = triton.__version__\nexcept ImportError: info['triton'] = None\n"
+            "if torch.cuda.is_available():\n"
+            " p = torch.cuda.get_device_properties(0)\n"
+            " info.update(device=p.name, capability=f'{p.major}.{p.minor}', sms=p.multi_processor_count,\n"
+            "             memory_gib=round(p.total_memory / 2**30, 1), devices=torch.cuda.device_count())\n"
+            "print(json.dumps(info))")
+    import json
+
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    if proc.returncode != 0:  # no torch at all
+        return {"torch": None, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(proc.stdout)
+
+
+def stage_package(stage: Path) -> None:
+    """pyembed/ + kernels/ as pyembed.kernels, as setup.py installs them (_C is built into it)."""
+    shutil.rmtree(stage, ignore_errors=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.so")
+    shutil.copytree(ROOT / "pyembed", stage / "pyembed", ignore=ignore)
+    shutil.copytree(ROOT / "kernels", stage / "pyembed" / "kernels", ignore=ignore)
+
+
+def junit_counts(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    return {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+
+
+def junit_failures(path: Path, limit: int = 30) -> list[str]:
+    if not path.exists():
+        return []
+    names = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        for tag in ("failure", "error"):
+            node = case.find(tag)
+            if node is not None:
+                message = (node.get("message") or "").splitlines()[0][:160] if node.get("message") else ""
+                names.append(f"{case.get('classname')}::{case.get('name')} ({tag}): {message}")
+    return names[:limit]
+
+
+def sanitizer_errors(text: str) -> int | None:
+    m = re.search(r"ERROR SUMMARY: (\d+) error", text)
+    return int(m.group(1)) if m else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="Build, test, sanitize and benchmark pyembed on this machine's GPU.")
+    ap.add_argument("--out", default=os.environ.get("GPU_CHECK_OUT", "gpu-check"))
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--bench-args", default="", help="extra arguments for python -m bench")
+    ap.add_argument("--rehearse", action="store_true", help="no GPU: check the CPU-side parts of this script")
+    args = ap.parse_args()
+
+    info = versions(args.python)
+    if info["torch"] is None:
+        print(f"gpu-check: {args.python} cannot import torch ({info['error']}); nothing to check here")
+        return 2
+    if "device" not in info and not args.rehearse:
+        print(f"gpu-check: no CUDA device visible to {args.python} (torch {info['torch']}, "
+              f"CUDA {info['cuda']}); nothing to check here")
+        return 2
+    out = (ROOT / args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    stage = ROOT / "build" / "gpu-check" / "site"
+    arch = info.get("capability", "9.0")
+    # Everything runs from the stage, so `import pyembed` finds the staged package before
+    # the source tree (python -m puts the working directory first on sys.path).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stage), str(ROOT)]), "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    check = Check(out, env)
+    started = time.time()
+
+    # 1. Stage the package the tests import, and build _C into it for this GPU only.
+    stage_package(stage)
+    build_env = {"TORCH_CUDA_ARCH_LIST": arch, "MAX_JOBS": str(os.cpu_count() or 4), "PYEMBED_BUILD_CUDA": "1",
+                 "PYTHONPATH": ""}
+    built, _ = check.run(f"build (sm_{arch.replace('.', '')})",
+                         [args.python, "setup.py", "build_ext", "--build-lib", str(stage), "--build-temp",
+                          str(ROOT / "build" / "gpu-check" / "temp")], "build.log", 900, build_env)
+
+    if built:  # the tests must see the staged build, with its CUDA kernels
+        code = ("import pyembed, sys; info = pyembed.build_info(); print(pyembed.__file__, info, "
+                "pyembed.available_backends()); sys.exit(not (pyembed.__file__.startswith(sys.argv[1]) and "
+                "info['cuda_built']))")
+        built, _ = check.run("import the staged build", [args.python, "-c", code, str(stage)], "import.log", 300,
+                             cwd=stage)
+
+    # 2. The test suite on CUDA tensors, 3. the sanitizers, 4. the benchmark.
+    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    san_counts = {}
+    if built:
+        tests_dir, workload = str(ROOT / "tests"), str(ROOT / "tests" / "gpu" / "sanitizer_workload.py")
+        if args.rehearse:
+            tests = [f"{tests_dir}/test_dispatch.py", f"{tests_dir}/gpu", "-k", "opcheck or gpu"]
+            check.run("sanitizer workload on CPU (rehearsal)", [args.python, workload, "--device", "cpu"],
+                      "sanitizer-rehearsal.log", 600, {"TRITON_INTERPRET": "1"}, cwd=stage)
+        else:
+            tests = [tests_dir]
+        check.run("pytest tests/ tests/gpu/", [args.python, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider",
+                                               f"--rootdir={ROOT}", f"--junitxml={out / 'junit.xml'}"],
+                  "pytest.log", 1800, cwd=stage)
+        if not args.rehearse:
+            for tool in SANITIZER_TOOLS:
+                cmd = [sanitizer, "--tool", tool, "--print-limit", "50", args.python, workload]
+                _, text = check.run(f"compute-sanitizer {tool}", cmd, f"sanitizer-{tool}.log", 900,
+                                    {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, cwd=stage)
+                san_counts[tool] = sanitizer_errors(text)
+            if not args.skip_bench:
+                check.run("benchmark (python -m bench --suite gpu)",
+                          [args.python, "-m", "bench", "--suite", "gpu", "--out", str(out / "bench"),
+                           *args.bench_args.split()], "bench.log", 1200, cwd=stage)
+
+    summary = write_summary(out, info, check, san_counts, time.time() - started, args.rehearse)
+    print(f"gpu-check: summary in {summary}")
+    return 0 if all(ok for _, ok, _, _ in check.steps) and all(n == 0 for n in san_counts.values()) else 1
+
+
+def write_summary(out: Path, info: dict, check: Check, san_counts: dict, seconds: float, rehearse: bool) -> Path:
+    lines = [f"# pyembed gpu-check{' (rehearsal, no GPU)' if rehearse else ''}", "",
+             f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+             f"- device: {info.get('device', 'none')} (sm_{info.get('capability', '-').replace('.', '')}, "
+             f"{info.get('sms', '-')} SMs, {info.get('memory_gib', '-')} GiB, {info.get('devices', 0)} visible)",
+             f"- torch {info['torch']}, CUDA {info['cuda']}, Triton {info['triton']}, Python {info['python']}",
+             f"- total time: {seconds:.0f} s", "", "| step | result | time | log |", "|---|---|---|---|"]
+    lines += [f"| {name} | {'ok' if ok else '**FAILED**'} | {sec:.0f} s | {log} |" for name, ok, sec, log in check.steps]
+    counts = junit_counts(out / "junit.xml")
+    if counts:
+        passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+        lines += ["", f"Tests: {passed} passed, {counts['failures']} failed, {counts['errors']} errors, "
+                      f"{counts['skipped']} skipped (junit.xml)"]
+        lines += [f"- {f}" for f in junit_failures(out / "junit.xml")]
+    if san_counts:
+        lines += ["", "compute-sanitizer errors: " + ", ".join(
+            f"{tool} {'?' if n is None else n}" for tool, n in san_counts.items())]
+    tables = sorted((out / "bench").glob("*.md")) if (out / "bench").exists() else []
+    for table in tables:
+        lines += ["", f"## Benchmark ({table.name})", "", table.read_text()]
+    path = out / "summary.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())

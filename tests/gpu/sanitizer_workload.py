@@ -1,0 +1,72 @@
+"""A small run of every kernel, for compute-sanitizer (memcheck, racecheck, initcheck):
+forward in every positional mode with and without position_ids, fp32 / fp16 / bf16,
+16-byte-aligned and misaligned views, unchecked out-of-range ids; backward dense and
+sparse with a hot row (every tree level), learned positions by batch sum and by
+position_ids, frequency scaling and padding. Every backend that runs on the device.
+
+Run by tests/gpu/gpu_check.py as ``compute-sanitizer --tool X python3 this.py`` with
+PYTORCH_NO_CUDA_MEMORY_CACHING=1 (each tensor its own allocation, so an access past a
+tensor is past an allocation). ``--device cpu`` rehearses it without a GPU (cpu,
+reference and, under TRITON_INTERPRET=1, triton). Prints one line per backend.
+"""
+
+import argparse
+import math
+
+import torch
+
+import pyembed
+from pyembed import dispatch
+
+
+def misaligned(shape, dtype, device, generator):
+    flat = torch.randn(math.prod(shape) + 1, generator=generator).to(device=device, dtype=dtype)
+    return flat[1:].view(*shape)  # starts one element past the allocation's alignment
+
+
+def run_backend(backend: str, device: torch.device) -> int:
+    g = torch.Generator().manual_seed(0)
+    calls = 0
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for dim, aligned in ((64, True), (72, False), (10, True)):
+            vocab, batch, seq_len = 40, 2, 48
+            ids = torch.randint(0, vocab, (batch, seq_len), generator=g)
+            ids[0, :40] = 3  # a hot row: 41+ uses, two levels of 32-row parts
+            ids = ids.to(device)
+            position_ids = torch.randint(0, seq_len, (batch, seq_len), generator=g).to(device)
+            make = (lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)) if aligned else (
+                lambda *s: misaligned(s, dtype, device, g))
+            weight, pos_weight, dout = make(vocab, dim), make(seq_len + 4, dim), make(batch, seq_len, dim)
+            for pos_encoding in ("none", "learned", "sinusoidal"):
+                for pos_ids in (None, position_ids) if pos_encoding != "none" else (None,):
+                    for sparse in (False, True):
+                        w = weight.detach().clone().requires_grad_()
+                        p = pos_weight.detach().clone().requires_grad_() if pos_encoding == "learned" else None
+                        out = pyembed.fused_embedding(
+                            ids, w, p, pos_encoding=pos_encoding, position_ids=pos_ids, scale=1.5,
+                            offset=2 if pos_ids is None and pos_encoding != "none" else 0, padding_idx=5,
+                            scale_grad_by_freq=sparse, sparse=sparse, backend=backend)
+                        out.backward(dout)
+                        calls += 1
+            bad = torch.tensor([[0, vocab, -1, 2**40]], device=device)
+            pyembed.fused_embedding(bad, weight, validate=False, backend=backend)
+            pyembed.fused_embedding(bad, weight, pos_encoding="sinusoidal", validate=False, backend=backend)
+            calls += 2
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return calls
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    for backend in dispatch.backends_for(device):
+        if backend == "reference" and device.type == "cuda":
+            continue  # plain torch: its kernels are PyTorch's, not ours
+        print(f"{backend}: {run_backend(backend, device)} calls on {device}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""What only a real GPU shows (issue: GPU readiness), for every backend that runs on CUDA:
+fp64 scalars, tensors on a non-current device, misaligned views, int32 ids, unchecked
+out-of-range ids, CUDA-graph capture of forward + dense backward (by hand and under
+torch.compile(mode="reduce-overhead")), and bitwise determinism with a hot row. Each
+compares with the float64 reference computed on the CPU, or with eager runs."""
+
+import math
+
+import pytest
+import torch
+
+import pyembed
+from pyembed import dispatch
+
+CUDA_BACKENDS = [b for b in dispatch.backends_for("cuda") if b != "reference"] if torch.cuda.is_available() else []
+pytestmark = pytest.mark.parametrize("backend", CUDA_BACKENDS or ["none built"])
+
+
+def _check_backend(backend):
+    assert backend in CUDA_BACKENDS, "no CUDA backend (cuda, triton) can run on this GPU"
+
+
+def _reference(ids, weight, pos_weight=None, dout=None, **kwargs):
+    """(out, dW, dP) of the float64 reference on CPU copies."""
+    w = weight.detach().cpu().double().requires_grad_()
+    p = None if pos_weight is None else pos_weight.detach().cpu().double().requires_grad_()
+    pos_ids = kwargs.pop("position_ids", None)
+    out = pyembed.fused_embedding(ids.cpu(), w, p, backend="reference",
+                                  position_ids=None if pos_ids is None else pos_ids.cpu(), **kwargs)
+    if dout is None:
+        return out.detach(), None, None
+    out.backward(dout.cpu().double())
+    return out.detach(), w.grad, None if p is None else p.grad
+
+
+def _run(backend, ids, weight, pos_weight=None, dout=None, **kwargs):
+    w = weight.detach().clone().requires_grad_()
+    p = None if pos_weight is None else pos_weight.detach().clone().requires_grad_()
+    out = pyembed.fused_embedding(ids, w, p, backend=backend, **kwargs)
+    if dout is None:
+        return out.detach(), None, None
+    out.backward(dout)
+    return out.detach(), w.grad, None if p is None else p.grad
+
+
+@pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal"])
+def test_float64_tables_are_exact_to_1e_12(backend, pos_encoding):
+    # Compiled Triton types Python floats fp32: scale and -ln(10000)/d must arrive as fp64.
+    _check_backend(backend)
+    g = torch.Generator().manual_seed(0)
+    dim = 768
+    ids = torch.randint(0, 300, (4, 200), generator=g).cuda()
+    weight = torch.randn(300, dim, generator=g, dtype=torch.float64).cuda()
+    pos_weight = torch.randn(256, dim, generator=g, dtype=torch.float64).cuda() if pos_encoding == "learned" else None
+    dout = torch.randn(4, 200, dim, generator=g, dtype=torch.float64).cuda()
+    kwargs = dict(pos_encoding=pos_encoding, scale=math.sqrt(dim) / 3, offset=5)
+    got = _run(backend, ids, weight, pos_weight, dout, **kwargs)
+    want = _reference(ids, weight, pos_weight, dout, **kwargs)
+    for a, b in zip(got, want):
+        if b is not None:
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-12, atol=1e-12)
+
+
+def test_tensors_on_a_device_that_is_not_current(backend):
+    _check_backend(backend)
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs (tensors on cuda:1 while cuda:0 is current)")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 100, (4, 64), generator=g)
+    weight, pos_weight = torch.randn(100, 128, generator=g), torch.randn(64, 128, generator=g)
+    dout = torch.randn(4, 64, 128, generator=g)
+    want = _reference(ids, weight, pos_weight, dout, scale=2.0)
+    with torch.cuda.device(0):
+        for sparse in (False, True):
+            got = _run(backend, ids.to("cuda:1"), weight.to("cuda:1"), pos_weight.to("cuda:1"), dout.to("cuda:1"),
+                       scale=2.0, sparse=sparse)
+            assert got[0].device == torch.device("cuda:1") and got[1].device == torch.device("cuda:1")
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a.to_dense().cpu().double(), b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_misaligned_views_int32_ids_and_position_ids(backend, dtype):
+    # Tables and gradients starting 1 element past a 16-byte boundary: the kernels must
+    # fall back from 16-byte vector accesses, not fault or read the wrong bytes.
+    _check_backend(backend)
+    g = torch.Generator().manual_seed(2)
+    vocab, dim, pos_rows = 200, 256, 96
+    ids = torch.randint(0, vocab, (3, 80), generator=g, dtype=torch.int32)
+    position_ids = torch.randint(0, pos_rows, (3, 80), generator=g)
+
+    def misaligned(*shape):
+        flat = torch.randn(math.prod(shape) + 1, generator=g).to(dtype).cuda()
+        view = flat[1:].view(*shape)
+        assert view.data_ptr() % 16 != 0
+        return view
+
+    weight, pos_weight, dout = misaligned(vocab, dim), misaligned(pos_rows, dim), misaligned(3, 80, dim)
+    got = _run(backend, ids.cuda(), weight, pos_weight, dout, scale=1.5, position_ids=position_ids.cuda())
+    want = _reference(ids, weight.float(), pos_weight.float(), dout.float(), scale=1.5, position_ids=position_ids)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.cpu().double(), b.to(dtype).double(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("pos_encoding", ["none", "learned", "sinusoidal"])
+def test_unchecked_out_of_range_ids_give_zero_rows_without_a_fault(backend, pos_encoding):
+    _check_backend(backend)
+    weight = torch.randn(50, 64, device="cuda")
+    pos_weight = torch.randn(16, 64, device="cuda") if pos_encoding == "learned" else None
+    ids = torch.tensor([[0, 50, -1, 49, 2**40, -2**40]], device="cuda")
+    out = pyembed.fused_embedding(ids, weight, pos_weight, pos_encoding=pos_encoding, validate=False, backend=backend)
+    torch.cuda.synchronize()  # a fault would surface here
+    assert not out[0, [1, 2, 4, 5]].any()
+    good = pyembed.fused_embedding(ids[:, [0, 3]].clamp(0, 49), weight, pos_weight, pos_encoding=pos_encoding,
+                                   backend="reference")
+    torch.testing.assert_close(out[0, [0, 3]], good[0], rtol=1e-5, atol=1e-5)
+    # validate=True raises the CPU's IndexError and leaves the context usable.
+    with pytest.raises(IndexError, match="max id 1099511627776"):
+        pyembed.fused_embedding(ids, weight, pos_weight, pos_encoding=pos_encoding, backend=backend)
+    assert pyembed.fused_embedding(ids[:, :1], weight, backend=backend).isfinite().all()
+
+
+def test_forward_and_dense_backward_capture_in_a_cuda_graph(backend):
+    _check_backend(backend)
+    torch.manual_seed(3)
+    ids = torch.randint(0, 64, (4, 256), device="cuda")
+    ids[:, :100] = 5  # a hot row: the segment tree's upper levels are captured too
+    weight = torch.randn(64, 128, device="cuda", requires_grad=True)
+    pos_weight = torch.randn(256, 128, device="cuda", requires_grad=True)
+    dout = torch.randn(4, 256, 128, device="cuda")
+
+    def step():
+        out = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, validate=False, backend=backend)
+        out.backward(dout)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (Triton compiles, allocator pools) off the capture
+        for _ in range(2):
+            weight.grad = pos_weight.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    weight.grad = pos_weight.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    ids.copy_(torch.randint(0, 64, ids.shape, device="cuda"))  # new data, same buffers
+    dout.copy_(torch.randn_like(dout))
+    weight.grad.zero_(), pos_weight.grad.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = _reference(ids, weight, pos_weight, dout, scale=2.0)
+    for a, b in zip((static_out, weight.grad, pos_weight.grad), want):
+        torch.testing.assert_close(a.cpu().double(), b, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_reduce_overhead_captures_forward_and_dense_backward(backend):
+    _check_backend(backend)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(4)
+    weight = torch.randn(1000, 128, device="cuda", requires_grad=True)
+    pos_weight = torch.randn(64, 128, device="cuda", requires_grad=True)
+
+    def layer(ids):
+        return pyembed.fused_embedding(ids, weight, pos_weight, scale=math.sqrt(128), validate=False,
+                                       backend=backend)
+
+    compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+    for step in range(4):  # recorded, then replayed
+        ids = torch.randint(0, 1000, (8, 64), device="cuda")
+        dout = torch.randn(8, 64, 128, device="cuda")
+        weight.grad = pos_weight.grad = None
+        out = compiled(ids)
+        out.backward(dout)
+        got = (out.detach().clone(), weight.grad.clone(), pos_weight.grad.clone())
+        weight.grad = pos_weight.grad = None
+        expected = layer(ids)
+        expected.backward(dout)
+        for a, b in zip(got, (expected.detach(), weight.grad, pos_weight.grad)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"step {step}")
+    assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_backward_is_bitwise_identical_over_three_runs_with_a_hot_row(backend, sparse):
+    _check_backend(backend)
+    torch.manual_seed(5)
+    ids = torch.randint(0, 1000, (8, 2048), device="cuda")
+    ids[:, :1500] = 17  # 12000 uses of one row: three tree levels
+    dout = torch.randn(8, 2048, 256, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16)
+    pos_weight = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16)
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [_run(backend, ids, weight, pos_weight, dout, sparse=sparse) for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for run in runs[1:]:
+        for a, b in zip(run, runs[0]):
+            assert torch.equal(a.to_dense(), b.to_dense())
+    # fp32 accumulation: the hot row's gradient within bf16 rounding of the exact sum.
+    exact = dout.double()[ids == 17].sum(0)
+    torch.testing.assert_close(runs[0][1].to_dense()[17].double(), exact, rtol=2**-8, atol=1e-2)
+
+
+def test_direct_op_calls_refuse_tensors_on_another_device(backend):
+    _check_backend(backend)
+    if backend != "cuda":
+        pytest.skip("the check lives in the C++ ops (the triton ops are reached through fused_embedding)")
+    ids, weight = torch.tensor([[1, 2]]), torch.randn(4, 8, device="cuda")
+    with pytest.raises(ValueError, match="different devices"):
+        torch.ops.pyembed.embedding_forward(ids, weight, None, None, "none", 1.0, 0)
+    with pytest.raises(ValueError, match="different devices"):
+        torch.ops.pyembed.embedding_backward(torch.randn(1, 2, 8, device="cuda"), ids, None, 0, 4, 0, 1.0, None,
+                                             False, True, False)
