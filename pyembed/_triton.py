@@ -80,7 +80,7 @@ def triton_backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Opt
     """Dense gradients (schema of reference.embedding_backward), without a host sync."""
     k = _kernels()
     dim = grad_out.shape[-1]
-    dout = grad_out.contiguous().reshape(-1, dim)
+    dout = grad_out.contiguous().reshape(ids.numel(), dim)  # not -1: d may be 0
     weight_grad, pos_grad = grad_out.new_empty(0, dim), grad_out.new_empty(0, dim)
     with _on_device(grad_out):
         if need_weight_grad:
@@ -111,7 +111,7 @@ def triton_sparse_backward(grad_out: torch.Tensor, ids: torch.Tensor, num_embedd
             ids, num_embeddings, -1 if padding_idx is None else padding_idx)
         touched = int((end > begin).sum()) if seg_keys.numel() else 0
         values = grad_out.new_empty(touched, dim)
-        k.sum_segments(grad_out.contiguous().reshape(-1, dim), segments, scale, scale_grad_by_freq, values,
+        k.sum_segments(grad_out.contiguous().reshape(ids.numel(), dim), segments, scale, scale_grad_by_freq, values,
                        dense=False)
     return seg_keys[:touched].clone(), values
 

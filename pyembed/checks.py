@@ -19,6 +19,16 @@ CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagrap
 NO_VALUE = -(2**62)  # the extreme of an empty tensor: below every real -min / max
 
 
+# Code written for nn.Embedding catches RuntimeError for bad arguments (PyTorch's class for
+# a wrong dtype, shape or device); pyembed's errors are also of the specific kind.
+class InputTypeError(TypeError, RuntimeError):
+    """A wrong dtype or type (PyTorch raises RuntimeError for the same input)."""
+
+
+class InputValueError(ValueError, RuntimeError):
+    """A wrong shape, device or value (PyTorch raises RuntimeError for the same input)."""
+
+
 def range_extremes(ids: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
     """(4,) int64 on the ids' device: [-min id, max id, -min position, max position],
     NO_VALUE for an empty or absent tensor. Maxima only, so that ranks can combine them
@@ -45,9 +55,9 @@ def raise_for_extremes(extremes: list[int], num_embeddings: int, max_seq_len: Op
     if hi_pos == NO_VALUE:
         return
     if -neg_lo_pos < 0:
-        raise ValueError(f"pyembed: position_ids must be >= 0, got min position {-neg_lo_pos}")
+        raise InputValueError(f"pyembed: position_ids must be >= 0, got min position {-neg_lo_pos}")
     if max_seq_len is not None and hi_pos >= max_seq_len:
-        raise ValueError(
+        raise InputValueError(
             f"pyembed: position {hi_pos} is out of range for the learned positional table "
             f"with max_seq_len={max_seq_len}"
         )
@@ -76,11 +86,19 @@ def _(ids, num_embeddings, position_ids, max_seq_len):
     return torch.empty_like(ids)
 
 
+@check_ranges_op.register_vmap
+def _(info, in_dims, ids, num_embeddings, position_ids, max_seq_len):
+    # The checks hold for every sample at once: check the whole batched tensors.
+    check_ranges_eager(ids, num_embeddings, position_ids, max_seq_len if max_seq_len >= 0 else None)
+    return ids.clone(), in_dims[0]
+
+
 def checked_ids(ids: torch.Tensor, num_embeddings: int, position_ids: Optional[torch.Tensor],
                 max_seq_len: Optional[int]) -> torch.Tensor:
     """ids, after the range checks. Eagerly the checks run in place (no copy); under
-    torch.compile through the op, so the graph holds them."""
-    if torch.compiler.is_compiling():
+    torch.compile, and on torch.func's wrapped tensors (vmap cannot read values back),
+    through the op, which the graph holds and which has a vmap rule."""
+    if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(ids):
         return torch.ops.pyembed.check_ranges(ids, num_embeddings, position_ids,
                                               -1 if max_seq_len is None else max_seq_len)
     check_ranges_eager(ids, num_embeddings, position_ids, max_seq_len)

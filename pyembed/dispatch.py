@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import reference
+from . import _vmap, reference
 
 BACKEND_NAMES = ("reference", "cpu", "cuda", "triton")
 _AUTO_ORDER = {"cuda": ("cuda", "triton", "reference"), "cpu": ("cpu", "reference")}
@@ -48,6 +48,7 @@ def register_backend(backend: Backend) -> None:
         raise ValueError(f"pyembed: unknown backend name {backend.name!r}")
     _registry[backend.name] = backend
     _missing_reason.pop(backend.name, None)
+    _vmap.register_rules(backend.forward, backend.backward)
 
 
 def mark_missing(name: str, reason: str) -> None:

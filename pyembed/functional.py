@@ -8,11 +8,12 @@ position_ids) are one op shared by every backend (pyembed.checks), skipped with
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
-from . import checks, dispatch
+from . import checks, dispatch, reference
 
 _ID_DTYPES = (torch.int32, torch.int64)
 _WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -39,13 +40,15 @@ def fused_embedding(
     Args:
         ids: (B, T) or (T,) int32/int64 token ids; any shape when there is no positional
             encoding (as ``nn.Embedding``).
-        weight: (V, d) float32/float16/bfloat16 table (float64 on CPU / reference).
+        weight: (V, d) float32/float16/bfloat16/float64 table. An integer table (no
+            gradient) is looked up as ``nn.Embedding`` does, without positions or scale.
         pos_weight: (max_seq_len, d) learned positional table, same dtype as ``weight``.
         pos_encoding: None (inferred: "learned" if ``pos_weight`` is given, else none),
             "learned" or "sinusoidal" (computed on the fly, even d, any position).
         scale: multiplies the token rows (``math.sqrt(d)`` for scaled embeddings);
             applied in float32.
-        position_ids: positions, same shape as ids, >= 0; default ``offset + t``.
+        position_ids: positions >= 0, shaped like ids, or (T,) / (1, T) for (B, T) ids
+            (broadcast over the batch, as Hugging Face models pass them); default ``offset + t``.
         offset: first position when ``position_ids`` is None (incremental decoding).
         padding_idx: row that receives no gradient (negative counts from the end).
         scale_grad_by_freq: divide each gradient term by its id's count in the batch.
@@ -56,9 +59,12 @@ def fused_embedding(
         backend: "auto", "reference", "cpu", "cuda" or "triton" (DESIGN §2).
 
     Returns:
-        ``ids.shape + (d,)`` tensor of ``weight.dtype``.
+        ``ids.shape + (d,)`` tensor of ``weight.dtype``. Differentiable to any order, in
+        forward mode too, and under ``torch.func`` transforms (``vmap``, ``grad``).
     """
-    pos_encoding = _check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
+    if isinstance(weight, torch.Tensor) and not (weight.is_floating_point() or weight.is_complex()):
+        return _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx, validate)
+    pos_encoding, position_ids = _check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
     return apply_fused(
         ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
         normalize_padding_idx(padding_idx, weight.shape[0]), scale_grad_by_freq, sparse, validate,
@@ -72,28 +78,41 @@ def normalize_padding_idx(padding_idx: Optional[int], num_embeddings: int) -> Op
     if padding_idx is None:
         return None
     if not -num_embeddings <= padding_idx < num_embeddings:
-        raise ValueError(f"pyembed: padding_idx={padding_idx} is out of range for V={num_embeddings}")
+        raise checks.InputValueError(f"pyembed: padding_idx={padding_idx} is out of range for V={num_embeddings}")
     return padding_idx % num_embeddings
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """The static arguments of one call: everything but the tensors."""
+
+    pos_encoding: str  # "none" | "learned" | "sinusoidal"
+    scale: float
+    offset: int
+    padding_idx: Optional[int]  # in [0, V) or None
+    scale_grad_by_freq: bool
+    sparse: bool
+    validate: bool
+    backend: str
+    # The vocab-parallel layer's group: each rank looks up the ids it holds (others give
+    # zero rows) and the ranks' outputs are summed (all-reduce). The backward is
+    # unchanged by that sum: every rank holds the whole output gradient.
+    reduce_group: Any = field(default=None, compare=False)
 
 
 def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale, offset, padding_idx,
                 scale_grad_by_freq, sparse, validate, backend: dispatch.Backend, reduce_group=None) -> torch.Tensor:
     """FusedEmbeddingFunction on checked arguments (shared by fused_embedding and the
     vocab-parallel layer); the kernels index rows densely, so tensors are made contiguous."""
-    return FusedEmbeddingFunction.apply(
+    config = FusedConfig(pos_encoding, float(scale), int(offset), padding_idx, bool(scale_grad_by_freq),
+                         bool(sparse), bool(validate), backend.name, reduce_group)
+    function = FusedEmbeddingFunction if torch.compiler.is_compiling() else FusedEmbeddingFunctionWithJvp
+    return function.apply(
         ids.contiguous(),
         weight.contiguous(),
         None if pos_weight is None else pos_weight.contiguous(),
         None if position_ids is None else position_ids.contiguous(),
-        pos_encoding,
-        float(scale),
-        int(offset),
-        padding_idx,
-        bool(scale_grad_by_freq),
-        bool(sparse),
-        bool(validate),
-        backend.name,
-        reduce_group,
+        config,
     )
 
 
@@ -101,113 +120,224 @@ class FusedEmbeddingFunction(torch.autograd.Function):
     """Forward and backward are each one op of the chosen backend. Only the ids and
     positions are saved for backward: never the table or the output.
 
-    ``reduce_group`` serves the vocab-parallel layer (pyembed.parallel): each rank holds
-    some rows, looks up the ids it holds (the others give zero rows) and the ranks'
-    outputs are summed over the group (all-reduce). The backward is unchanged by that
-    sum: every rank holds the whole output gradient (the layers after it are replicated).
+    Beyond first order, as ``nn.Embedding``: the weight gradient is linear in the output
+    gradient, so its own derivative is a lookup (``DenseGradFunction``); the forward-mode
+    derivative is the lookup of the tangent tables (``FusedEmbeddingFunctionWithJvp``); and ``torch.func.vmap`` runs
+    these bodies batched (``generate_vmap_rule``), the backends' ops having vmap rules
+    (pyembed/_vmap.py): per-sample gradients are one backward call.
     """
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
-                padding_idx, scale_grad_by_freq, sparse, validate, backend, reduce_group):
-        if validate:
-            max_seq_len = pos_weight.shape[0] if pos_encoding == "learned" else None
+    def forward(ids, weight, pos_weight, position_ids, config: FusedConfig):
+        if config.validate:
+            max_seq_len = pos_weight.shape[0] if config.pos_encoding == "learned" else None
             ids = checks.checked_ids(ids, weight.shape[0], position_ids, max_seq_len)
-        out = dispatch.get(backend).forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset)
-        if reduce_group is not None:
-            torch.distributed.all_reduce(out, group=reduce_group)
-        ctx.save_for_backward(ids, position_ids)
-        ctx.backend, ctx.pos_encoding, ctx.scale, ctx.offset = backend, pos_encoding, scale, offset
-        ctx.padding_idx, ctx.scale_grad_by_freq, ctx.sparse = padding_idx, scale_grad_by_freq, sparse
-        ctx.weight_shape = weight.shape
-        ctx.num_positions = pos_weight.shape[0] if pos_weight is not None else 0
+        out = dispatch.get(config.backend).forward(
+            ids, weight, pos_weight, position_ids, config.pos_encoding, config.scale, config.offset)
+        if config.reduce_group is not None:
+            torch.distributed.all_reduce(out, group=config.reduce_group)
         return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ids, weight, pos_weight, position_ids, config = inputs
+        ctx.save_for_backward(ids, position_ids)
+        ctx.save_for_forward(ids, position_ids)
+        ctx.config = config
+        ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
+        ctx.num_positions = pos_weight.shape[0] if pos_weight is not None else 0
 
     @staticmethod
     def backward(ctx, grad_out):
         ids, position_ids = ctx.saved_tensors
+        config = ctx.config
         need_weight_grad = ctx.needs_input_grad[1]
-        need_pos_grad = ctx.needs_input_grad[2] and ctx.pos_encoding == "learned"
-        backend = dispatch.get(ctx.backend)
+        need_pos_grad = ctx.needs_input_grad[2] and config.pos_encoding == "learned"
         grad_out = grad_out.contiguous()
-        dense_weight_grad = need_weight_grad and not ctx.sparse
+        dense_weight_grad = need_weight_grad and not config.sparse
         grad_weight = pos_grad = None
         if dense_weight_grad or need_pos_grad:
-            grad_weight, pos_grad = backend.backward(
-                grad_out, ids, position_ids, ctx.offset, ctx.weight_shape[0], ctx.num_positions, ctx.scale,
-                ctx.padding_idx, ctx.scale_grad_by_freq, dense_weight_grad, need_pos_grad,
-            )
-        if need_weight_grad and ctx.sparse:
-            rows, values = backend.sparse_backward(
-                grad_out, ids, ctx.weight_shape[0], ctx.scale, ctx.padding_idx, ctx.scale_grad_by_freq)
+            grad_weight, pos_grad = DenseGradFunction.apply(
+                grad_out, ids, position_ids, config, ctx.weight_shape[0], ctx.num_positions, dense_weight_grad,
+                need_pos_grad)
+        if need_weight_grad and config.sparse:
+            rows, values = dispatch.get(config.backend).sparse_backward(
+                grad_out, ids, ctx.weight_shape[0], config.scale, config.padding_idx, config.scale_grad_by_freq)
             grad_weight = torch.sparse_coo_tensor(
                 rows[None], values, tuple(ctx.weight_shape), is_coalesced=True, check_invariants=False)
-        return (None, grad_weight if need_weight_grad else None, pos_grad if need_pos_grad else None) + (None,) * 10
+        return None, grad_weight if need_weight_grad else None, pos_grad if need_pos_grad else None, None, None
+
+
+class FusedEmbeddingFunctionWithJvp(FusedEmbeddingFunction):
+    """FusedEmbeddingFunction plus forward-mode AD. Dynamo cannot trace an
+    autograd.Function with a custom ``jvp``, so compiled code gets the base class and
+    eager code this one (``jvp`` only runs under ``torch.autograd.forward_ad``)."""
+
+    @staticmethod
+    def jvp(ctx, ids_t, weight_t, pos_weight_t, position_ids_t, config_t):
+        """The tangent: the same lookup of the tangent tables (no positional term for a
+        sinusoid, which has no parameters), zero rows for out-of-range ids."""
+        ids, position_ids = ctx.saved_tensors
+        learned_t = pos_weight_t if ctx.config.pos_encoding == "learned" else None
+        if weight_t is None and learned_t is None:
+            return torch.zeros(*ids.shape, ctx.weight_shape[1], dtype=ctx.weight_dtype, device=ids.device)
+        return lookup(ids, position_ids, weight_t, learned_t, ctx.config, ctx.weight_shape, of="forward")
+
+
+class DenseGradFunction(torch.autograd.Function):
+    """The dense gradients (dW, dP) as a function of the output gradient, so that they can
+    be differentiated again (``create_graph=True``): dW[v] = scale * sum of dout over the
+    tokens of v is linear in dout, and its derivative is a lookup of the incoming
+    gradient's rows (``lookup(..., of="backward")``)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(grad_out, ids, position_ids, config: FusedConfig, num_embeddings: int, num_positions: int,
+                need_weight_grad: bool, need_pos_grad: bool):
+        return dispatch.get(config.backend).backward(
+            grad_out, ids, position_ids, config.offset, num_embeddings, num_positions, config.scale,
+            config.padding_idx, config.scale_grad_by_freq, need_weight_grad, need_pos_grad)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        grad_out, ids, position_ids, config, num_embeddings, num_positions, _, _ = inputs
+        ctx.save_for_backward(ids, position_ids)
+        ctx.config, ctx.table_shape = config, (num_embeddings, grad_out.shape[-1])
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, grad_weight_grad, grad_pos_grad):
+        ids, position_ids = ctx.saved_tensors
+        if grad_weight_grad is not None and grad_weight_grad.numel() == 0:
+            grad_weight_grad = None  # the weight gradient was not computed
+        if grad_pos_grad is not None and grad_pos_grad.numel() == 0:
+            grad_pos_grad = None
+        if grad_weight_grad is None and grad_pos_grad is None:
+            return (None,) * 8
+        grad = lookup(ids, position_ids, grad_weight_grad, grad_pos_grad, ctx.config, ctx.table_shape, of="backward")
+        return (grad,) + (None,) * 7
+
+
+def lookup(ids, position_ids, table, pos_table, config: FusedConfig, table_shape, *, of: str) -> torch.Tensor:
+    """Rows of ``table`` (times scale) plus rows of ``pos_table`` per token, in plain torch
+    ops (any dtype, differentiable again, vmappable), shaped ``ids.shape + (d,)``; either
+    table may be None. ``of`` says which derivative this is:
+    - "forward": the derivative of the forward (its jvp): an out-of-range id gives a zero
+      row, positional term included, as the forward does;
+    - "backward": the derivative of the backward: the padding row, out-of-range ids and
+      scale_grad_by_freq's 1/count apply to the token part as the backward applies them,
+      and the positional part counts every token, as dP does."""
+    num_embeddings, dim = table_shape
+    some = table if table is not None else pos_table
+    flat = ids.reshape(-1).long()
+    id_ok = (flat >= 0) & (flat < num_embeddings)
+    out = some.new_zeros(flat.shape[0], dim)
+    if table is not None and num_embeddings > 0:
+        keep = id_ok
+        rows = table.index_select(0, flat.clamp(0, num_embeddings - 1)) * config.scale
+        if of == "backward":
+            if config.padding_idx is not None:
+                keep = keep & (flat != config.padding_idx)
+            if config.scale_grad_by_freq:
+                counts = torch.zeros(num_embeddings, dtype=rows.dtype, device=rows.device).index_add_(
+                    0, flat.clamp(0, num_embeddings - 1), id_ok.to(rows.dtype))
+                rows = rows / counts.index_select(0, flat.clamp(0, num_embeddings - 1)).clamp(min=1)[:, None]
+        out = out + torch.where(keep[:, None], rows, 0)
+    if pos_table is not None and pos_table.shape[0] > 0:
+        positions = reference.token_positions(ids, position_ids, config.offset)
+        keep = (positions >= 0) & (positions < pos_table.shape[0])
+        if of == "forward":
+            keep = keep & id_ok
+        rows = pos_table.index_select(0, positions.clamp(0, pos_table.shape[0] - 1))
+        out = out + torch.where(keep[:, None], rows, 0)
+    return out.reshape(*ids.shape, dim)
+
+
+def _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx, validate):
+    """An integer table (``from_pretrained`` of ints) is looked up as ``nn.Embedding``
+    does: no gradient, so nothing to fuse; positions and scaling need a float table."""
+    if pos_weight is not None or pos_encoding not in (None, "none") or position_ids is not None or scale != 1.0:
+        raise checks.InputTypeError(
+            f"pyembed: an integer table ({weight.dtype}) takes no positional encoding or scale; "
+            "only a plain lookup, as nn.Embedding")
+    _check_integer_tensor("ids", ids)
+    if weight.dim() != 2:
+        raise checks.InputValueError(f"pyembed: weight must be 2-D (V, d), got shape {tuple(weight.shape)}")
+    if validate:
+        checks.check_ids_in_range(ids, weight.shape[0])
+    return torch.nn.functional.embedding(ids, weight, normalize_padding_idx(padding_idx, weight.shape[0]))
 
 
 def _check_integer_tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype not in _ID_DTYPES:
         got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-        raise TypeError(f"pyembed: {name} must be an int32 or int64 tensor, got {got}")
+        raise checks.InputTypeError(f"pyembed: {name} must be an int32 or int64 tensor, got {got}")
 
 
-def _check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset) -> str:
-    """Every metadata check of DESIGN §3; returns the normalised pos_encoding."""
+def _check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset):
+    """Every metadata check of DESIGN §3. Returns the normalised pos_encoding and
+    position_ids shaped like ids ((T,) / (1, T) ones expanded over the batch)."""
     _check_integer_tensor("ids", ids)
     if not isinstance(weight, torch.Tensor) or weight.dtype not in _WEIGHT_DTYPES:
         got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
-        raise TypeError(f"pyembed: weight must be a float32/float16/bfloat16/float64 tensor, got {got}")
+        raise checks.InputTypeError(f"pyembed: weight must be a float32/float16/bfloat16/float64 tensor, got {got}")
     if weight.dim() != 2:
-        raise ValueError(f"pyembed: weight must be 2-D (V, d), got shape {tuple(weight.shape)}")
+        raise checks.InputValueError(f"pyembed: weight must be 2-D (V, d), got shape {tuple(weight.shape)}")
     embed_dim = weight.shape[1]
 
     if pos_encoding is None or pos_encoding == "none":
         pos_encoding = "learned" if pos_weight is not None else "none"
     if pos_encoding not in ("none", "learned", "sinusoidal"):
-        raise ValueError(f"pyembed: pos_encoding must be None, 'learned' or 'sinusoidal', got {pos_encoding!r}")
+        raise checks.InputValueError(f"pyembed: pos_encoding must be None, 'learned' or 'sinusoidal', got {pos_encoding!r}")
     if pos_encoding == "learned":
         if pos_weight is None:
-            raise ValueError("pyembed: pos_encoding='learned' needs pos_weight (max_seq_len, d)")
+            raise checks.InputValueError("pyembed: pos_encoding='learned' needs pos_weight (max_seq_len, d)")
         if pos_weight.dim() != 2 or pos_weight.shape[1] != embed_dim:
-            raise ValueError(
+            raise checks.InputValueError(
                 f"pyembed: embedding dimension mismatch: weight is {tuple(weight.shape)} "
                 f"but pos_weight is {tuple(pos_weight.shape)}"
             )
         if pos_weight.dtype != weight.dtype:
-            raise TypeError(f"pyembed: pos_weight dtype {pos_weight.dtype} != weight dtype {weight.dtype}")
+            raise checks.InputTypeError(f"pyembed: pos_weight dtype {pos_weight.dtype} != weight dtype {weight.dtype}")
     elif pos_weight is not None:
-        raise ValueError(f"pyembed: pos_weight was given but pos_encoding={pos_encoding!r}")
+        raise checks.InputValueError(f"pyembed: pos_weight was given but pos_encoding={pos_encoding!r}")
     if pos_encoding == "sinusoidal" and embed_dim % 2:
-        raise ValueError(f"pyembed: sinusoidal encoding requires an even embedding dim, got d={embed_dim}")
+        raise checks.InputValueError(f"pyembed: sinusoidal encoding requires an even embedding dim, got d={embed_dim}")
     if pos_encoding != "none" and ids.dim() not in (1, 2):
-        raise ValueError(
+        raise checks.InputValueError(
             f"pyembed: with a positional encoding ids must be (B, T) or (T,), got shape {tuple(ids.shape)}"
         )
 
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-        raise ValueError(f"pyembed: offset must be an int >= 0, got {offset!r}")
+        raise checks.InputValueError(f"pyembed: offset must be an int >= 0, got {offset!r}")
     if position_ids is not None:
         if pos_encoding == "none":
-            raise ValueError("pyembed: position_ids given but there is no positional encoding")
+            raise checks.InputValueError("pyembed: position_ids given but there is no positional encoding")
         _check_integer_tensor("position_ids", position_ids)
-        if position_ids.shape != ids.shape:
-            raise ValueError(
-                f"pyembed: position_ids shape {tuple(position_ids.shape)} != ids shape {tuple(ids.shape)}"
+        broadcasts = ids.dim() == 2 and position_ids.shape in ((ids.shape[1],), (1, ids.shape[1]))
+        if position_ids.shape != ids.shape and not broadcasts:
+            raise checks.InputValueError(
+                f"pyembed: position_ids shape {tuple(position_ids.shape)} != ids shape {tuple(ids.shape)} "
+                f"(nor (T,) / (1, T) for the batch)"
             )
+        position_ids = position_ids.expand(ids.shape)
         if offset != 0:
-            raise ValueError("pyembed: pass position_ids or offset, not both")
+            raise checks.InputValueError("pyembed: pass position_ids or offset, not both")
     elif pos_encoding == "learned" and ids.numel() > 0:
         seq_len, max_seq_len = ids.shape[-1], pos_weight.shape[0]
         if offset + seq_len > max_seq_len:
-            raise ValueError(
+            raise checks.InputValueError(
                 f"pyembed: positions {offset}..{offset + seq_len - 1} (sequence length {seq_len}, "
                 f"offset {offset}) exceed the learned table's max_seq_len={max_seq_len}"
             )
 
     for name, t in (("pos_weight", pos_weight), ("position_ids", position_ids), ("ids", ids)):
         if t is not None and t.device != weight.device:
-            raise ValueError(f"pyembed: {name} is on {t.device} but weight is on {weight.device}")
-    return pos_encoding
+            raise checks.InputValueError(f"pyembed: {name} is on {t.device} but weight is on {weight.device}")
+    return pos_encoding, position_ids
 
 
 def embedding_renorm_(weight: torch.Tensor, ids: torch.Tensor, max_norm: float, norm_type: float) -> None:
@@ -216,5 +346,5 @@ def embedding_renorm_(weight: torch.Tensor, ids: torch.Tensor, max_norm: float, 
     The ids are checked first, since the renorm itself would index with them."""
     _check_integer_tensor("ids", ids)
     checks.check_ids_in_range(ids, weight.shape[0])
-    with torch.no_grad():
-        torch.embedding_renorm_(weight, ids.contiguous(), max_norm, norm_type)
+    with torch.no_grad():  # on weight.detach(), as F.embedding: no autograd, no forward-AD tangent
+        torch.embedding_renorm_(weight.detach(), ids.contiguous(), max_norm, norm_type)

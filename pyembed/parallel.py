@@ -124,7 +124,8 @@ class VocabParallelEmbeddingLayer(nn.Module):
         the whole output on every rank."""
         token = self.token_embedding
         weight = token.weight
-        pos_encoding = _check_inputs(ids, weight, self.pos_embedding, self.pos_encoding, position_ids, offset)
+        pos_encoding, position_ids = _check_inputs(ids, weight, self.pos_embedding, self.pos_encoding,
+                                                   position_ids, offset)
         self._check_ranges_together(ids, position_ids)
         return apply_fused(
             ids - self.vocab_start,  # local row ids; other shards' ids fall outside

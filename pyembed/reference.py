@@ -50,7 +50,7 @@ def sinusoid(positions: torch.Tensor, embed_dim: int) -> torch.Tensor:
     w = torch.exp(-(2.0 * i) * math.log(10000.0) / embed_dim)
     angle = positions.to(torch.float64)[:, None] * w[None, :]
     # Interleave (sin, cos) pairs: stack on a last axis of 2, then flatten it into d.
-    return torch.stack((torch.sin(angle), torch.cos(angle)), dim=-1).reshape(-1, embed_dim)
+    return torch.stack((torch.sin(angle), torch.cos(angle)), dim=-1).reshape(positions.numel(), embed_dim)
 
 
 # --------------------------------------------------------------------------- forward
@@ -118,7 +118,7 @@ def embedding_backward(
     (fp64 for fp64). The kernels' backends compute this without a device->host sync."""
     embed_dim = grad_out.shape[-1]
     dtype, acc = grad_out.dtype, compute_dtype(grad_out.dtype)
-    dout = grad_out.reshape(-1, embed_dim).to(acc)
+    dout = grad_out.reshape(ids.numel(), embed_dim).to(acc)  # not -1: d may be 0
     weight_grad = pos_grad = grad_out.new_empty(0, embed_dim)
     if need_weight_grad:
         rows, values = _weight_grad_rows(dout, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq)
@@ -145,7 +145,7 @@ def embedding_sparse_backward(
     rows (U,) the sorted unique touched ids (padding absent), values (U, d) their summed
     gradients. U depends on the data, so on a GPU this op syncs (tagged cudagraph_unsafe)."""
     acc = compute_dtype(grad_out.dtype)
-    rows, values = _weight_grad_rows(grad_out.reshape(-1, grad_out.shape[-1]).to(acc), ids, num_embeddings, scale,
+    rows, values = _weight_grad_rows(grad_out.reshape(ids.numel(), grad_out.shape[-1]).to(acc), ids, num_embeddings, scale,
                                      padding_idx, scale_grad_by_freq)
     return rows, values.to(grad_out.dtype)
 

@@ -47,9 +47,22 @@ CASES = [
                                                pos_encoding="rotary"), ValueError, "rotary"),
     ("padding_idx out of range", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=w, padding_idx=10),
      ValueError, "padding_idx=10"),
-    ("integer weight", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=torch.ones(V, D, dtype=torch.long)),
+    ("integer weight with positions", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long),
+                                                        weight=torch.ones(V, D, dtype=torch.long), pos_weight=p),
      TypeError, "torch.int64"),
+    ("weight not 2-D", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=torch.randn(V)),
+     ValueError, "2-D"),
 ]
+
+
+def _pytorch_class(ids, weight, **_):
+    """The class PyTorch itself raises for the same lookup: F.embedding's error, or the
+    RuntimeError it raises for any argument it refuses."""
+    try:
+        torch.nn.functional.embedding(ids, weight)
+    except Exception as exc:  # noqa: BLE001 - whatever PyTorch raises is the answer
+        return type(exc)
+    return RuntimeError
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -62,6 +75,8 @@ def test_bad_input_raises_clear_error_and_corrupts_nothing(backend, case):
     with pytest.raises(exc) as info:
         pyembed.fused_embedding(backend=backend, **kwargs)
     assert fragment in str(info.value), str(info.value)
+    # Code written for nn.Embedding catches what PyTorch raises: ours is that class too.
+    assert isinstance(info.value, _pytorch_class(**kwargs)), (type(info.value).__mro__, _pytorch_class(**kwargs))
     for k, v in before.items():
         assert torch.equal(kwargs[k], v), f"{k} changed"
 

@@ -1,0 +1,91 @@
+"""vmap rules for every backend's forward and dense backward op (``torch.func.vmap``).
+
+``FusedEmbeddingFunction`` runs its bodies batched (``generate_vmap_rule``); its ops are
+custom ops, which vmap needs a rule for. Both rules fold the vmapped dimension into the
+op's own batch, so a batch of N samples is still one kernel launch:
+- forward, tables not batched (per-sample inputs over one model): N samples of (T,) or
+  (B, T) ids are one (N*B, T) lookup; batched tables (ensembles) run one call per sample;
+- dense backward (per-sample gradients, as DP training with Opacus needs): sample i's
+  ids address rows [i*V, (i+1)*V) of an N-times-taller table, so one backward call gives
+  every sample's (V, d) gradient, ``scale_grad_by_freq`` counting within each sample.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_registered: set[str] = set()
+
+
+def _batch_first(t, bdim, n):
+    if t is None:
+        return None
+    return t.expand(n, *t.shape) if bdim is None else t.movedim(bdim, 0)
+
+
+def _select(t, bdim, i):
+    return t if t is None or bdim is None else t.select(bdim, i)
+
+
+def _forward_rule(op):
+    def rule(info, in_dims, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset):
+        ids_dim, weight_dim, pos_weight_dim, position_ids_dim = in_dims[:4]
+        n = info.batch_size
+        if weight_dim is None and pos_weight_dim is None:
+            ids = _batch_first(ids, ids_dim, n)
+            position_ids = _batch_first(position_ids, position_ids_dim, n)
+            sample_shape = ids.shape[1:]
+            if pos_encoding != "none":  # (N, T) or (N, B, T) -> (N * B, T): positions follow t
+                ids = ids.reshape(-1, ids.shape[-1])
+                position_ids = None if position_ids is None else position_ids.reshape(ids.shape)
+            out = op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset)
+            return out.reshape(n, *sample_shape, out.shape[-1]), 0
+        outs = [op(_select(ids, ids_dim, i), _select(weight, weight_dim, i), _select(pos_weight, pos_weight_dim, i),
+                   _select(position_ids, position_ids_dim, i), pos_encoding, scale, offset) for i in range(n)]
+        return torch.stack(outs), 0
+    return rule
+
+
+def _backward_rule(op):
+    def rule(info, in_dims, grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
+             scale_grad_by_freq, need_weight_grad, need_pos_grad):
+        n = info.batch_size
+        grad_out = _batch_first(grad_out, in_dims[0], n)
+        ids = _batch_first(ids, in_dims[1], n).long()
+        sample = torch.arange(n, device=ids.device).view(n, *[1] * (ids.dim() - 1))
+        # Sample i's keys are shifted into its own block of rows; keys the backward skips
+        # (out of range, padding) stay out of every block.
+        skip = (ids < 0) | (ids >= num_embeddings)
+        if padding_idx is not None:
+            skip |= ids == padding_idx
+        keys = torch.where(skip, -1, ids + sample * num_embeddings)
+        pos_keys = None
+        if need_pos_grad:
+            if position_ids is None:
+                positions = offset + torch.arange(ids.shape[-1], device=ids.device).expand(ids.shape)
+            else:
+                positions = _batch_first(position_ids, in_dims[2], n).long()
+            out_of_range = (positions < 0) | (positions >= num_positions)
+            pos_keys = torch.where(out_of_range, -1, positions + sample * num_positions)
+        weight_grad, pos_grad = op(grad_out, keys, pos_keys, 0, n * num_embeddings, n * num_positions, scale, None,
+                                   scale_grad_by_freq, need_weight_grad, need_pos_grad)
+        dim = grad_out.shape[-1]
+        return ((weight_grad.view(n, num_embeddings, dim) if need_weight_grad else weight_grad,
+                 pos_grad.view(n, num_positions, dim) if need_pos_grad else pos_grad),
+                (0 if need_weight_grad else None, 0 if need_pos_grad else None))
+    return rule
+
+
+def _qualname(op) -> str:
+    # torch.ops.pyembed.x (an OpOverloadPacket) or a torch.library.custom_op (CustomOpDef)
+    return getattr(op, "_qualified_op_name", None) or op._qualname
+
+
+def register_rules(forward_op, backward_op) -> None:
+    """Give a backend's forward and dense backward ops their vmap rules (once per op:
+    the cpu and cuda backends share theirs)."""
+    for op, make in ((forward_op, _forward_rule), (backward_op, _backward_rule)):
+        name = _qualname(op)
+        if name not in _registered:
+            torch.library.register_vmap(name, make(op))
+            _registered.add(name)

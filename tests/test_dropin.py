@@ -1,0 +1,216 @@
+"""What a user of nn.Embedding can do, done with pyembed and compared with nn.Embedding
+(or the same layer written with nn.Embedding): gradients of gradients, forward-mode AD,
+torch.func per-sample gradients, integer tables, zero-width tables and Hugging Face's
+(1, T) position_ids, on every backend that runs here."""
+
+import math
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+import pyembed
+from helpers import CPU_BACKENDS
+
+
+def _pair(backend, vocab=12, dim=6, **kwargs):
+    """(FusedEmbedding, nn.Embedding) with the same float64 table."""
+    torch.manual_seed(0)
+    ours = pyembed.FusedEmbedding(vocab, dim, dtype=torch.float64, backend=backend, **kwargs)
+    theirs = nn.Embedding(vocab, dim, dtype=torch.float64, **kwargs)
+    with torch.no_grad():
+        theirs.weight.copy_(ours.weight)
+    return ours, theirs
+
+
+def _eager_layer(layer: pyembed.EmbeddingLayer):
+    """The same layer as models write it: nn.Embedding * scale + positions."""
+    def run(params, ids, position_ids=None):
+        out = nn.functional.embedding(ids, params["token_embedding.weight"]) * layer.scale
+        positions = position_ids if position_ids is not None else torch.arange(ids.shape[-1])
+        if layer.pos_encoding == "learned":
+            return out + nn.functional.embedding(positions, params["pos_embedding"])
+        table = pyembed.sinusoidal_table(int(positions.max()) + 1, layer.embed_dim, dtype=out.dtype)
+        return out + table[positions]
+    return run
+
+
+def _gradient_of_gradient(weight, ids, embed):
+    """(g, gg): g = d/dW sum(out^3) built differentiably, gg = d/dW sum(g * g)."""
+    w = weight.detach().clone().requires_grad_()
+    (g,) = torch.autograd.grad(embed(w).pow(3).sum(), w, create_graph=True)
+    (gg,) = torch.autograd.grad((g * g).sum(), w)
+    return g.detach(), gg
+
+
+def _closed_form(weight, ids, padding_idx=None, scale_grad_by_freq=False):
+    """g and gg of _gradient_of_gradient for a lookup, by hand. With c_v the count of id v
+    and o_t = w_v for its tokens: g_v = sum_t 3 o_t^2 (/ c_v) = 3 c_v w_v^2 (3 w_v^2); F = sum
+    g^2 has dF/do_t = 2 g_v 6 o_t (/ c_v), and the op's backward sums that over the c_v
+    tokens (/ c_v again): gg_v = 36 c_v^2 w_v^3 (36 w_v^3 / c_v). Padding: no gradient."""
+    counts = torch.bincount(ids.reshape(-1), minlength=weight.shape[0]).to(weight.dtype)[:, None]
+    used = counts > 0
+    if padding_idx is not None:
+        used[padding_idx] = False
+    w = weight.detach()
+    if scale_grad_by_freq:
+        g, gg = 3 * w**2, 36 * w**3 / counts.clamp(min=1)
+    else:
+        g, gg = 3 * counts * w**2, 36 * counts**2 * w**3
+    return torch.where(used, g, 0), torch.where(used, gg, 0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("options", [{}, {"padding_idx": 3}, {"scale_grad_by_freq": True}], ids=str)
+def test_double_backward_equals_nn_embedding(backend, options):
+    ours, theirs = _pair(backend, **options)
+    ids = torch.tensor([[0, 3, 3, 5], [7, 3, 1, 1]])
+    got = _gradient_of_gradient(ours.weight, ids, lambda w: functional_call(ours, {"weight": w}, (ids,)))
+    for a, b in zip(got, _closed_form(ours.weight, ids, **options)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    if not options.get("scale_grad_by_freq"):
+        # nn.Embedding agrees; with scale_grad_by_freq its double backward drops one 1/count
+        # (torch.autograd.gradgradcheck fails on nn.Embedding there), so it is no oracle.
+        want = _gradient_of_gradient(theirs.weight, ids, lambda w: functional_call(theirs, {"weight": w}, (ids,)))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("pos_encoding", ["none", "learned", "sinusoidal"])
+def test_gradgradcheck(backend, pos_encoding):
+    torch.manual_seed(1)
+    ids = torch.tensor([[0, 3, 3, 5], [7, 3, 1, 1]])
+    w = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
+    p = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    tables = (w, p) if pos_encoding == "learned" else (w,)
+
+    def f(w, p=None):
+        return pyembed.fused_embedding(ids, w, p, pos_encoding=pos_encoding, scale=1.7, offset=1, padding_idx=5,
+                                       scale_grad_by_freq=True, backend=backend)
+    assert torch.autograd.gradgradcheck(f, tables)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+def test_forward_ad_tangent_equals_nn_embedding(backend, max_norm):
+    ours, theirs = _pair(backend, max_norm=max_norm)
+    ids = torch.tensor([[0, 1], [2, 2], [11, 4]])
+    tangent = torch.randn(12, 6, dtype=torch.float64)
+    table = torch.randn(12, 6, dtype=torch.float64) * 2  # rows past max_norm: renormalised in place
+    tangents = []
+    for module in (ours, theirs):
+        weight = table.clone()
+        with fwAD.dual_level():
+            out = functional_call(module, {"weight": fwAD.make_dual(weight, tangent)}, (ids,))
+            primal, t = fwAD.unpack_dual(out)
+        tangents.append((primal, t))
+    for a, b in zip(*tangents):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal"])
+def test_forward_ad_through_the_layer_includes_positions(backend, pos_encoding):
+    torch.manual_seed(3)
+    layer = pyembed.EmbeddingLayer(12, 6, 8, pos_encoding=pos_encoding, scale_embeddings=True, backend=backend,
+                                   dtype=torch.float64)
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+    tangents = {k: torch.randn_like(v) for k, v in params.items()}
+    ids = torch.tensor([[0, 1, 5], [2, 2, 11]])
+    results = []
+    for fn in (lambda p: functional_call(layer, p, (ids,), {"offset": 2}),
+               lambda p: _eager_layer(layer)(p, ids, torch.arange(2, 5))):
+        with fwAD.dual_level():
+            dual = {k: fwAD.make_dual(v, tangents[k]) for k, v in params.items()}
+            results.append(fwAD.unpack_dual(fn(dual)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("options", [{}, {"padding_idx": 3, "scale_grad_by_freq": True}], ids=str)
+def test_per_sample_gradients_with_vmap_equal_nn_embedding(backend, options):
+    ours, theirs = _pair(backend, **options)
+    ids = torch.tensor([[0, 3, 3, 5], [7, 3, 1, 1], [2, 2, 2, 2]])
+    target = torch.randn(3, 4, 6, dtype=torch.float64)
+
+    def loss(params, module, x, y):
+        return (functional_call(module, params, (x,)) - y).pow(2).sum()
+
+    per_sample = [vmap(grad(loss), in_dims=(None, None, 0, 0))({"weight": m.weight.detach()}, m, ids, target)["weight"]
+                  for m in (ours, theirs)]
+    assert per_sample[0].shape == (3, 12, 6)
+    torch.testing.assert_close(per_sample[0], per_sample[1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal"])
+def test_per_sample_gradients_of_the_layer(backend, pos_encoding):
+    torch.manual_seed(4)
+    layer = pyembed.EmbeddingLayer(12, 6, 8, pos_encoding=pos_encoding, scale_embeddings=True, backend=backend,
+                                   dtype=torch.float64)
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+    ids = torch.randint(0, 12, (4, 5))
+    target = torch.randn(4, 5, 6, dtype=torch.float64)
+
+    def ours(p, x, y):
+        return (functional_call(layer, p, (x,)) - y).pow(2).sum()
+
+    def eager(p, x, y):
+        return (_eager_layer(layer)(p, x) - y).pow(2).sum()
+
+    got = vmap(grad(ours), in_dims=(None, 0, 0))(params, ids, target)
+    want = vmap(grad(eager), in_dims=(None, 0, 0))(params, ids, target)
+    assert got.keys() == want.keys()
+    for k in got:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-12, msg=k)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.int64], ids=str)
+def test_integer_tables_are_looked_up_like_nn_embedding(backend, dtype):
+    table = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]], dtype=dtype)
+    ids = torch.tensor([[2, 0], [1, 1]])
+    ours = pyembed.FusedEmbedding.from_pretrained(table, backend=backend)
+    theirs = nn.Embedding.from_pretrained(table)
+    assert torch.equal(ours(ids), theirs(ids)) and ours(ids).dtype == dtype
+    assert not ours.weight.requires_grad
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("sparse", [False, True])
+def test_zero_width_tables(backend, sparse):
+    for vocab, ids in ((10, torch.tensor([[0, 2, 4, 5], [4, 3, 0, 9]])), (0, torch.tensor([], dtype=torch.long))):
+        ours = pyembed.FusedEmbedding(vocab, 0, sparse=sparse, backend=backend)
+        theirs = nn.Embedding(vocab, 0, sparse=sparse)
+        for m in (ours, theirs):
+            m(ids).sum().backward()
+        assert ours(ids).shape == theirs(ids).shape == (*ids.shape, 0)
+        assert ours.weight.grad.shape == theirs.weight.grad.shape == (vocab, 0)
+        assert ours.weight.grad.is_sparse == theirs.weight.grad.is_sparse == sparse
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("shape", ["(T,)", "(1, T)"])
+def test_position_ids_broadcast_over_the_batch(backend, shape):
+    torch.manual_seed(5)
+    ids = torch.randint(0, 12, (4, 5))
+    positions = torch.tensor([3, 0, 7, 7, 1])
+    given = positions if shape == "(T,)" else positions[None]
+    for pos_encoding in ("learned", "sinusoidal"):
+        layer = pyembed.EmbeddingLayer(12, 6, 8, pos_encoding=pos_encoding, backend=backend, dtype=torch.float64)
+        out = layer(ids, position_ids=given)
+        out.pow(2).sum().backward()
+        grads = {k: v.grad.clone() for k, v in layer.named_parameters()}
+        layer.zero_grad()
+        expected = layer(ids, position_ids=positions.expand(4, 5))
+        expected.pow(2).sum().backward()
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        for k, v in layer.named_parameters():
+            torch.testing.assert_close(grads[k], v.grad, rtol=0, atol=0)
+        params = {k: v.detach() for k, v in layer.named_parameters()}
+        torch.testing.assert_close(out, _eager_layer(layer)(params, ids, positions.expand(4, 5)), rtol=1e-12,
+                                   atol=1e-12)
