@@ -106,14 +106,45 @@ def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale,
     vocab-parallel layer); the kernels index rows densely, so tensors are made contiguous."""
     config = FusedConfig(pos_encoding, float(scale), int(offset), padding_idx, bool(scale_grad_by_freq),
                          bool(sparse), bool(validate), backend.name, reduce_group)
-    function = FusedEmbeddingFunction if torch.compiler.is_compiling() else FusedEmbeddingFunctionWithJvp
-    return function.apply(
-        ids.contiguous(),
-        weight.contiguous(),
-        None if pos_weight is None else pos_weight.contiguous(),
-        None if position_ids is None else position_ids.contiguous(),
-        config,
-    )
+    tensors = (ids.contiguous(), weight.contiguous(), None if pos_weight is None else pos_weight.contiguous(),
+               None if position_ids is None else position_ids.contiguous())
+    if not torch.compiler.is_compiling():
+        return FusedEmbeddingFunctionWithJvp.apply(*tensors, config)
+    if sparse and reduce_group is None:
+        # Dynamo cannot hold the sparse gradient an autograd.Function's backward returns;
+        # AOTAutograd can, for a custom op's registered backward (as for nn.Embedding's).
+        ids, weight, pos_weight, position_ids = tensors
+        if validate:
+            ids = _checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
+        return torch.ops.pyembed.sparse_grad_embedding(ids, weight, pos_weight, position_ids, pos_encoding,
+                                                        config.scale, config.offset, padding_idx,
+                                                        config.scale_grad_by_freq, backend.name)
+    return FusedEmbeddingFunction.apply(*tensors, config)
+
+
+def _checked_ids(ids, weight, pos_weight, position_ids, pos_encoding: str) -> torch.Tensor:
+    max_seq_len = pos_weight.shape[0] if pos_encoding == "learned" else None
+    return checks.checked_ids(ids, weight.shape[0], position_ids, max_seq_len)
+
+
+def _gradients(config: FusedConfig, grad_out, ids, position_ids, weight_shape, num_positions: int,
+               need_weight_grad: bool, need_pos_grad: bool):
+    """(weight gradient, positional gradient) from the backend's ops, None where not
+    needed: dense through DenseGradFunction (differentiable again), sparse as a coalesced
+    COO tensor built by the aten op behind torch.sparse_coo_tensor."""
+    grad_out = grad_out.contiguous()
+    dense_weight_grad = need_weight_grad and not config.sparse
+    grad_weight = pos_grad = None
+    if dense_weight_grad or need_pos_grad:
+        grad_weight, pos_grad = DenseGradFunction.apply(
+            grad_out, ids, position_ids, config, weight_shape[0], num_positions, dense_weight_grad, need_pos_grad)
+    if need_weight_grad and config.sparse:
+        rows, values = dispatch.get(config.backend).sparse_backward(
+            grad_out, ids, weight_shape[0], config.scale, config.padding_idx, config.scale_grad_by_freq)
+        grad_weight = torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors(
+            1, 1, list(weight_shape), rows[None], values, dtype=values.dtype, layout=torch.sparse_coo,
+            device=values.device, is_coalesced=True)
+    return grad_weight if need_weight_grad else None, pos_grad if need_pos_grad else None
 
 
 class FusedEmbeddingFunction(torch.autograd.Function):
@@ -132,8 +163,7 @@ class FusedEmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ids, weight, pos_weight, position_ids, config: FusedConfig):
         if config.validate:
-            max_seq_len = pos_weight.shape[0] if config.pos_encoding == "learned" else None
-            ids = checks.checked_ids(ids, weight.shape[0], position_ids, max_seq_len)
+            ids = _checked_ids(ids, weight, pos_weight, position_ids, config.pos_encoding)
         out = dispatch.get(config.backend).forward(
             ids, weight, pos_weight, position_ids, config.pos_encoding, config.scale, config.offset)
         if config.reduce_group is not None:
@@ -152,22 +182,10 @@ class FusedEmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         ids, position_ids = ctx.saved_tensors
-        config = ctx.config
-        need_weight_grad = ctx.needs_input_grad[1]
-        need_pos_grad = ctx.needs_input_grad[2] and config.pos_encoding == "learned"
-        grad_out = grad_out.contiguous()
-        dense_weight_grad = need_weight_grad and not config.sparse
-        grad_weight = pos_grad = None
-        if dense_weight_grad or need_pos_grad:
-            grad_weight, pos_grad = DenseGradFunction.apply(
-                grad_out, ids, position_ids, config, ctx.weight_shape[0], ctx.num_positions, dense_weight_grad,
-                need_pos_grad)
-        if need_weight_grad and config.sparse:
-            rows, values = dispatch.get(config.backend).sparse_backward(
-                grad_out, ids, ctx.weight_shape[0], config.scale, config.padding_idx, config.scale_grad_by_freq)
-            grad_weight = torch.sparse_coo_tensor(
-                rows[None], values, tuple(ctx.weight_shape), is_coalesced=True, check_invariants=False)
-        return None, grad_weight if need_weight_grad else None, pos_grad if need_pos_grad else None, None, None
+        grad_weight, pos_grad = _gradients(
+            ctx.config, grad_out, ids, position_ids, ctx.weight_shape, ctx.num_positions, ctx.needs_input_grad[1],
+            ctx.needs_input_grad[2] and ctx.config.pos_encoding == "learned")
+        return None, grad_weight, pos_grad, None, None
 
 
 class FusedEmbeddingFunctionWithJvp(FusedEmbeddingFunction):
@@ -219,6 +237,39 @@ class DenseGradFunction(torch.autograd.Function):
             return (None,) * 8
         grad = lookup(ids, position_ids, grad_weight_grad, grad_pos_grad, ctx.config, ctx.table_shape, of="backward")
         return (grad,) + (None,) * 7
+
+
+@torch.library.custom_op("pyembed::sparse_grad_embedding", mutates_args=())
+def sparse_grad_embedding(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.Tensor],
+                          position_ids: Optional[torch.Tensor], pos_encoding: str, scale: float, offset: int,
+                          padding_idx: Optional[int], scale_grad_by_freq: bool, backend: str) -> torch.Tensor:
+    """The lookup with a sparse weight gradient, as one op torch.compile keeps whole: its
+    backward (registered below) runs under AOTAutograd, which can build the sparse
+    gradient where Dynamo cannot. Eager code uses FusedEmbeddingFunction."""
+    return dispatch.get(backend).forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset)
+
+
+@sparse_grad_embedding.register_fake
+def _(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, backend):
+    return weight.new_empty(*ids.shape, weight.shape[1])
+
+
+def _sparse_grad_setup(ctx, inputs, output):
+    ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, by_freq, backend = inputs
+    ctx.save_for_backward(ids, position_ids)
+    ctx.config = FusedConfig(pos_encoding, scale, offset, padding_idx, by_freq, True, False, backend)
+    ctx.weight_shape, ctx.num_positions = weight.shape, (pos_weight.shape[0] if pos_weight is not None else 0)
+
+
+def _sparse_grad_backward(ctx, grad_out):
+    ids, position_ids = ctx.saved_tensors
+    grad_weight, pos_grad = _gradients(
+        ctx.config, grad_out, ids, position_ids, ctx.weight_shape, ctx.num_positions, ctx.needs_input_grad[1],
+        ctx.needs_input_grad[2] and ctx.config.pos_encoding == "learned")
+    return (None, grad_weight, pos_grad) + (None,) * 7
+
+
+sparse_grad_embedding.register_autograd(_sparse_grad_backward, setup_context=_sparse_grad_setup)
 
 
 def lookup(ids, position_ids, table, pos_table, config: FusedConfig, table_shape, *, of: str) -> torch.Tensor:

@@ -76,6 +76,15 @@ def test_ops_pass_opcheck(backend):
     torch.library.opcheck(sparse_bwd, (dout, ids, 7, 1.0, None, True))
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_compiled_sparse_op_passes_opcheck(backend):
+    # The op torch.compile uses for sparse=True (its backward builds the sparse gradient).
+    ids = torch.randint(0, 7, (2, 5))
+    weight, pos_weight = torch.randn(7, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+    torch.library.opcheck(torch.ops.pyembed.sparse_grad_embedding,
+                          (ids, weight, pos_weight, None, "learned", 2.0, 0, 3, True, backend))
+
+
 def test_range_check_op_passes_opcheck_and_is_tagged_cudagraph_unsafe():
     ids = torch.randint(0, 7, (2, 5))
     torch.library.opcheck(torch.ops.pyembed.check_ranges, (ids, 7, torch.randint(0, 6, (2, 5)), 6))

@@ -214,3 +214,28 @@ def test_position_ids_broadcast_over_the_batch(backend, shape):
         params = {k: v.detach() for k, v in layer.named_parameters()}
         torch.testing.assert_close(out, _eager_layer(layer)(params, ids, positions.expand(4, 5)), rtol=1e-12,
                                    atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_inductor_compiles_sparse_and_dense_layers_fullgraph(backend):
+    # nn.Embedding(sparse=True) compiles with fullgraph=True; so must ours, under Inductor
+    # (not only aot_eager), giving eager's gradients. One graph holds both kinds.
+    torch.manual_seed(6)
+    sparse = pyembed.FusedEmbedding(40, 8, sparse=True, padding_idx=0, backend=backend)
+    layer = pyembed.EmbeddingLayer(40, 8, 16, scale_embeddings=True, sparse=True, backend=backend)
+    dense = pyembed.FusedEmbedding(40, 8, scale_grad_by_freq=True, backend=backend)
+    modules = (sparse, layer, dense)
+
+    def step(ids):
+        return (sparse(ids) * layer(ids) + dense(ids)).pow(2).sum()
+
+    ids = torch.randint(0, 40, (3, 16))
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend="inductor")(ids).backward()
+    compiled = [p.grad.to_dense().clone() for m in modules for p in m.parameters()]
+    for m in modules:
+        m.zero_grad(set_to_none=True)
+    step(ids).backward()
+    assert sparse.weight.grad.is_sparse and layer.token_embedding.weight.grad.is_sparse
+    for got, p in zip(compiled, [p for m in modules for p in m.parameters()]):
+        torch.testing.assert_close(got, p.grad.to_dense(), rtol=1e-5, atol=1e-6)
