@@ -71,6 +71,7 @@ def check_matches_single_process(vocab, dim, kwargs, backend):
     calls = [dict(), dict(offset=4)]
     if kwargs["pos_encoding"] is not None:
         calls.append(dict(position_ids=position_ids))
+        calls.append(dict(position_ids=position_ids[0]))  # (T,): broadcast over the batch, as HF passes (1, T)
     for call in calls:
         for layer in (full, par):
             layer.zero_grad(set_to_none=True)
