@@ -218,3 +218,27 @@ def test_direct_op_calls_refuse_tensors_on_another_device(backend):
     with pytest.raises(ValueError, match="different devices"):
         torch.ops.pyembed.embedding_backward(torch.randn(1, 2, 8, device="cuda"), ids, None, 0, 4, 0, 1.0, None,
                                              False, True, False)
+
+
+def test_gradgradcheck_forward_ad_and_per_sample_gradients_on_gpu(backend):
+    # tests/test_dropin.py on CUDA tensors: the derivative paths are torch ops around the
+    # backend's kernels, and the vmap rules fold samples into one kernel launch.
+    _check_backend(backend)
+    torch.manual_seed(7)
+    ids = torch.randint(0, 9, (3, 5), device="cuda")
+    w = torch.randn(9, 4, dtype=torch.float64, device="cuda", requires_grad=True)
+    p = torch.randn(8, 4, dtype=torch.float64, device="cuda", requires_grad=True)
+
+    def f(w, p):
+        return pyembed.fused_embedding(ids, w, p, scale=1.7, offset=2, padding_idx=5, scale_grad_by_freq=True,
+                                       backend=backend)
+    assert torch.autograd.gradgradcheck(f, (w, p))
+    tangent = torch.randn_like(w)
+    _, jvp = torch.func.jvp(lambda w: pyembed.fused_embedding(ids, w, backend=backend), (w.detach(),), (tangent,))
+    torch.testing.assert_close(jvp, tangent[ids], rtol=0, atol=0)
+
+    def loss(w, x):
+        return pyembed.fused_embedding(x, w, backend=backend).pow(2).sum()
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(w.detach(), ids)
+    expected = torch.stack([torch.func.grad(loss)(w.detach(), ids[i]) for i in range(3)])
+    torch.testing.assert_close(per_sample, expected, rtol=0, atol=0)
