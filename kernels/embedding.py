@@ -163,7 +163,7 @@ def _batch_sum_kernel(
 def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scale: float, offset: int, out,
                       launch=lambda kernel: kernel):
     """Fill out (ids.numel(), d) in place. ``launch`` wraps the kernel (torch.library's
-    wrap_triton inside a triton_op)."""
+    wrap_triton when torch.compile traces the op: pyembed/_triton.py)."""
     num_tokens, dim = ids.numel(), weight.shape[1]
     if num_tokens == 0 or dim == 0:
         return

@@ -1,9 +1,10 @@
 """The ``triton`` backend: kernels in ``pyembed.kernels.embedding`` (top-level kernels/),
 registered as ops so ``torch.compile`` sees them:
 
-- ``pyembed::triton_forward``: a ``torch.library.triton_op`` launching the forward
-  through ``wrap_triton``, so Inductor can trace the kernel itself (under the CPU
-  interpreter, an opaque custom op: interpreted kernels cannot be traced);
+- ``pyembed::triton_forward``: a custom op that, when torch.compile functionalises the
+  graph, launches through ``wrap_triton`` so Inductor traces the kernel itself (what
+  ``torch.library.triton_op`` does, registered without importing Triton or Inductor);
+  under the CPU interpreter an opaque custom op (interpreted kernels cannot be traced);
 - ``pyembed::triton_backward``: the dense backward, an opaque custom op (torch sorts
   and bounds sizes around the kernels; no host sync);
 - ``pyembed::triton_sparse_backward``: the sparse backward, tagged cudagraph_unsafe (the
@@ -51,25 +52,39 @@ def _on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
-def _forward_impl(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.Tensor],
-                  position_ids: Optional[torch.Tensor], pos_encoding: str, scale: float, offset: int) -> torch.Tensor:
+def _forward(ids, weight, pos_weight, position_ids, pos_encoding: str, scale: float, offset: int,
+             launch, device_guard=True) -> torch.Tensor:
     out = weight.new_empty(*ids.shape, weight.shape[1])
     mode = _POS_MODES[pos_encoding]
-    with _on_device(weight):
+    with _on_device(weight) if device_guard else contextlib.nullcontext():
         _kernels().embedding_forward(
             ids.contiguous(), weight.contiguous(), pos_weight.contiguous() if mode == 1 else None,
             position_ids.long().contiguous() if (position_ids is not None and mode) else None,
-            mode, scale, offset, out, launch=torch.library.wrap_triton,
+            mode, scale, offset, out, launch=launch,
         )
     return out
 
 
-if _INTERPRETED:
-    # Triton's interpreter runs kernels eagerly in Python on real data, so they cannot be
-    # traced into a graph: there the forward is an opaque custom op (same name, schema).
-    triton_forward = torch.library.custom_op("pyembed::triton_forward", mutates_args=())(_forward_impl)
-else:
-    triton_forward = torch.library.triton_op("pyembed::triton_forward", mutates_args=())(_forward_impl)
+@torch.library.custom_op("pyembed::triton_forward", mutates_args=())
+def triton_forward(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.Tensor],
+                   position_ids: Optional[torch.Tensor], pos_encoding: str, scale: float, offset: int) -> torch.Tensor:
+    """The forward (schema of reference.embedding_forward); eagerly, a direct launch."""
+    return _forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, launch=lambda kernel: kernel)
+
+
+if not _INTERPRETED:
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    @triton_forward.register_torch_dispatch(FunctionalTensorMode)
+    def _(mode, func, types, args, kwargs):
+        # What torch.library.triton_op does, without its definition-time scan of the
+        # function's source (which imports Inductor, ~2 s, at `import pyembed`): when
+        # AOTAutograd functionalises a compiled graph, the launcher runs through
+        # wrap_triton, so Inductor gets the Triton kernel itself, not an opaque call.
+        # (Under the interpreter kernels run eagerly on data and cannot be traced.) The
+        # generated code guards the device itself.
+        with mode:
+            return _forward(*args, **kwargs, launch=torch.library.wrap_triton, device_guard=False)
 
 
 @torch.library.custom_op("pyembed::triton_backward", mutates_args=())
@@ -116,8 +131,7 @@ def triton_sparse_backward(grad_out: torch.Tensor, ids: torch.Tensor, num_embedd
     return seg_keys[:touched].clone(), values
 
 
-reference.register_fakes("pyembed::triton_forward" if _INTERPRETED else None, "pyembed::triton_backward",
-                         "pyembed::triton_sparse_backward")
+reference.register_fakes("pyembed::triton_forward", "pyembed::triton_backward", "pyembed::triton_sparse_backward")
 
 dispatch.register_backend(dispatch.Backend(
     "triton", torch.ops.pyembed.triton_forward, torch.ops.pyembed.triton_backward,

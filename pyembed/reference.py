@@ -202,11 +202,9 @@ def sparse_backward_fake(grad_out, ids, num_embeddings, scale, padding_idx, scal
     return grad_out.new_empty(touched, dtype=torch.long), grad_out.new_empty(touched, grad_out.shape[-1])
 
 
-def register_fakes(forward_op: Optional[str], backward_op: str, sparse_backward_op: str) -> None:
-    """One backend's three ops share these fakes (same schemas as the functions above);
-    forward_op None for a triton_op, which torch.compile traces instead."""
-    if forward_op is not None:
-        torch.library.register_fake(forward_op)(forward_fake)
+def register_fakes(forward_op: str, backward_op: str, sparse_backward_op: str) -> None:
+    """One backend's three ops share these fakes (same schemas as the functions above)."""
+    torch.library.register_fake(forward_op)(forward_fake)
     torch.library.register_fake(backward_op)(backward_fake)
     torch.library.register_fake(sparse_backward_op)(sparse_backward_fake)
 
