@@ -49,17 +49,17 @@ def markdown(rows: list[dict], providers: list[str]) -> str:
 def plots(rows: list[dict], out: Path, meta: dict) -> list[Path]:
     """Per mode: median time vs tokens, per provider, one panel per shape (main grid only:
     fp32, learned positions, uniform ids, dense gradients)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # a canvas of its own: no global backend
+    from matplotlib.figure import Figure
 
     main = [r for r in rows if r["status"] == "ok" and (r["dtype"], r["pos"], r["dist"], r["grad"]) ==
             ("fp32", "learned", "uniform", "dense")]
     paths = []
     for mode in dict.fromkeys(r["mode"] for r in main):
         shapes = list(dict.fromkeys(r["shape"] for r in main if r["mode"] == mode))
-        fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4), squeeze=False)
+        fig = Figure(figsize=(5.5 * len(shapes), 4))
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(1, len(shapes), squeeze=False)
         for ax, shape in zip(axes[0], shapes):
             for provider in dict.fromkeys(r["provider"] for r in main):
                 pts = sorted((r["tokens"], r["median_ms"], r["p20_ms"], r["p80_ms"]) for r in main
@@ -76,6 +76,5 @@ def plots(rows: list[dict], out: Path, meta: dict) -> list[Path]:
         fig.tight_layout()
         path = out / f"bench_{mode.replace('+', '_')}.png"
         fig.savefig(path, dpi=110)
-        plt.close(fig)
         paths.append(path)
     return paths

@@ -20,7 +20,7 @@ from .reference import sinusoidal_table
 if _importlib_util.find_spec("triton") is not None:  # else dispatch reports it as not installed
     from . import _triton  # noqa: F401  (registers the triton backend)
 
-from . import parallel  # noqa: E402  (pyembed.parallel.VocabParallelEmbeddingLayer)
+from . import analysis, parallel  # noqa: E402  (pyembed.analysis.*, pyembed.parallel.*; matplotlib is imported by a plot)
 
 __all__ = [
     "EmbeddingLayer",

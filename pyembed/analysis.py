@@ -152,13 +152,18 @@ def memory_footprint(vocab_size: int, embed_dim: int, *, dtype: torch.dtype = to
 
 
 # --------------------------------------------------------------------------- plots
-def _figure():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+def _figure(figsize):
+    """(fig, ax) on a figure with its own Agg canvas: no pyplot, so the user's matplotlib
+    backend and pyplot's figure list are left alone. matplotlib is imported here, when a
+    plot is drawn (the [analysis] extra)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError("pyembed.analysis: plots need matplotlib: pip install 'pyembed-kernels[analysis]'") from exc
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot()
 
 
 def _finish(fig, path):
@@ -170,9 +175,8 @@ def _finish(fig, path):
 
 def plot_positional_encoding(max_seq_len: int, embed_dim: int, path=None):
     """Heatmap of the sinusoidal encoding: positions x dimensions."""
-    plt = _figure()
     table = sinusoidal_table(max_seq_len, embed_dim)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = _figure((8, 4.5))
     im = ax.imshow(table.numpy(), aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
     ax.set(xlabel="dimension (even: sin, odd: cos)", ylabel="position",
            title=f"sinusoidal positional encoding, {max_seq_len} x {embed_dim}")
@@ -184,9 +188,8 @@ def plot_position_similarity(max_seq_len: int, embed_dim: int, ref_pos: int = 0,
     """Cosine similarity of every position's sinusoidal encoding to position ``ref_pos``."""
     if not 0 <= ref_pos < max_seq_len:
         raise IndexError(f"pyembed.analysis: ref_pos {ref_pos} is outside 0..{max_seq_len - 1}")
-    plt = _figure()
     sims = cosine_similarity_matrix(sinusoidal_table(max_seq_len, embed_dim))[ref_pos]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = _figure((7, 3.5))
     ax.plot(sims.numpy())
     ax.axvline(ref_pos, color="gray", linestyle=":")
     ax.set(xlabel="position", ylabel=f"cosine to position {ref_pos}", title=f"sinusoidal encoding, d={embed_dim}")
@@ -201,11 +204,10 @@ def plot_embeddings_2d(weight: torch.Tensor, labels: Sequence[str], groups: Opti
     if len(labels) != weight.shape[0] or (groups is not None and len(groups) != weight.shape[0]):
         raise ValueError(f"pyembed.analysis: {weight.shape[0]} rows but {len(labels)} labels"
                          + ("" if groups is None else f" and {len(groups)} groups"))
-    plt = _figure()
     x = weight.detach().float().cpu()
     _, _, v = torch.pca_lowrank(x, q=min(2, *x.shape), center=True)
     xy = ((x - x.mean(0)) @ v[:, :2]).numpy()
-    fig, ax = plt.subplots(figsize=(6, 5))
+    fig, ax = _figure((6, 5))
     names = list(dict.fromkeys(groups)) if groups is not None else [None]
     for name in names:
         idx = [i for i in range(len(labels)) if groups is None or groups[i] == name]

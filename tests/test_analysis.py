@@ -114,3 +114,14 @@ def test_cli_memory_heatmap_and_neighbors(tmp_path):
     out = run("neighbors", "--checkpoint", str(tmp_path / "model.pt"), "--key", "token_embedding.weight",
               "--id", "0", "-k", "2")
     assert [line.split("\t")[0] for line in out.splitlines()] == ["1", "2"]
+
+
+def test_plots_leave_the_users_matplotlib_state_alone(tmp_path):
+    # A library must not switch the user's backend (matplotlib.use) or add pyplot figures.
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    before, figures = matplotlib.get_backend(), plt.get_fignums()
+    pyembed.analysis.plot_positional_encoding(16, 8, path=tmp_path / "pe.png")
+    assert matplotlib.get_backend() == before and plt.get_fignums() == figures
+    assert (tmp_path / "pe.png").stat().st_size > 0
