@@ -7,13 +7,53 @@ toolkit are found (a GPU is *not* needed to build them; DESIGN §5).
 
 Knobs: PYEMBED_BUILD_CUDA=0/1 (force off / on), TORCH_CUDA_ARCH_LIST (default
 "8.0;9.0+PTX" when no GPU is visible), MAX_JOBS (parallel compile jobs).
+
+The extension is built against the torch of the environment it is installed into, so
+pip must not isolate the build (``pip install --no-build-isolation``): without torch
+importable here, the build stops with that one instruction instead of a C++ error wall
+or a silent reference-only install. Making an sdist needs no torch.
 """
 
 import glob
 import importlib.util
 import os
+import re
+import subprocess
+import sys
 
+import setuptools
 from setuptools import setup
+
+MIN_TORCH = (2, 6)  # keep in step with pyproject.toml's dependency "torch>=2.6"
+MIN_SETUPTOOLS = 77  # pyproject's SPDX `license = "..."` needs it (pip does not enforce it without isolation)
+INSTALL_HINT = "pip install --no-build-isolation pyembed-kernels   (from a checkout: pip install --no-build-isolation .)"
+
+
+def fail(message: str) -> None:
+    sys.exit(f"pyembed-kernels: {message}")
+
+
+def import_torch():
+    """The environment's torch, or one clear message saying what to run."""
+    if int(setuptools.__version__.split(".")[0]) < MIN_SETUPTOOLS:
+        fail(f"building needs setuptools>={MIN_SETUPTOOLS} (found {setuptools.__version__}): "
+             f"pip install 'setuptools>={MIN_SETUPTOOLS}', then {INSTALL_HINT}")
+    try:
+        import torch
+    except ImportError:
+        fail("the C++/CUDA kernels are compiled against the torch installed in your environment, and none is "
+             f"importable here. Install torch>={'.'.join(map(str, MIN_TORCH))} first, then build without pip's "
+             f"build isolation (an isolated build would compile against a different torch):\n    {INSTALL_HINT}")
+    version = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
+    if version < MIN_TORCH:
+        fail(f"torch {torch.__version__} is older than the supported torch>={'.'.join(map(str, MIN_TORCH))}")
+    return torch
+
+
+def nvcc_major(cuda_home: str):
+    out = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release (\d+)\.", out)
+    return int(m.group(1)) if m else None
 
 
 def find_cuda_home():
@@ -29,21 +69,32 @@ def want_cuda(torch, cuda_home):
     forced = os.environ.get("PYEMBED_BUILD_CUDA")
     if forced is not None:
         if forced == "1" and not (torch.version.cuda and cuda_home):
-            raise RuntimeError("PYEMBED_BUILD_CUDA=1 but no CUDA build of torch or no CUDA toolkit was found")
+            fail("PYEMBED_BUILD_CUDA=1 but no CUDA build of torch or no CUDA toolkit was found")
         return forced == "1"
-    return bool(torch.version.cuda and cuda_home)
+    if not (torch.version.cuda and cuda_home):
+        return False
+    # torch refuses to build with a toolkit of another major version than its own CUDA;
+    # build the CPU kernels then, and say why (PYEMBED_BUILD_CUDA=1 still forces CUDA).
+    toolkit, torch_major = nvcc_major(cuda_home), int(torch.version.cuda.split(".")[0])
+    if toolkit != torch_major:
+        print(f"pyembed-kernels: building the CPU kernels only: the CUDA toolkit at {cuda_home} is CUDA {toolkit}, "
+              f"torch was built with CUDA {torch.version.cuda} (set PYEMBED_BUILD_CUDA=1 to try anyway)",
+              file=sys.stderr)
+        return False
+    return True
 
 
 def extension_kwargs():
     cuda_home = find_cuda_home()
     if cuda_home:
         os.environ["CUDA_HOME"] = cuda_home  # read when cpp_extension is imported
-    import torch
+    torch = import_torch()
     from torch.utils import cpp_extension
 
     with_cuda = want_cuda(torch, cuda_home)
     # -fopenmp: at::parallel_for runs serially in a translation unit built without it.
-    cxx = ["-O3", "-fopenmp"]  # the C++ standard is cpp_extension's (C++20 for torch 2.14)
+    # The torch this is built against, recorded in _C (pyembed.build_info() shows it).
+    cxx = ["-O3", "-fopenmp", f'-DPYEMBED_TORCH_VERSION="{torch.__version__}"']
     # Link order matters: the AVX2 object comes last so inline functions shared with the
     # portable objects resolve to the portable copies (csrc/cpu/kernels_avx2.cpp).
     sources = ["csrc/pyembed.cpp", "csrc/cpu/embedding_cpu.cpp", "csrc/cpu/kernels_base.cpp",
@@ -68,10 +119,16 @@ def extension_kwargs():
     return ext, cpp_extension
 
 
-ext, cpp_extension = extension_kwargs()
+# Metadata-only commands (an sdist, egg_info / dist_info for pip) need no torch.
+METADATA_ONLY = {"sdist", "egg_info", "dist_info", "--name", "--version"}
+if METADATA_ONLY & set(sys.argv[1:]):
+    ext_modules, cmdclass = [], {}
+else:
+    ext, cpp_extension = extension_kwargs()
+    ext_modules, cmdclass = [ext], {"build_ext": cpp_extension.BuildExtension}
 setup(
     packages=["pyembed", "pyembed.kernels"],
     package_dir={"pyembed": "pyembed", "pyembed.kernels": "kernels"},
-    ext_modules=[ext],
-    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
 )

@@ -16,6 +16,9 @@
 #ifndef PYEMBED_CUDA_VERSION
 #define PYEMBED_CUDA_VERSION ""
 #endif
+#ifndef PYEMBED_TORCH_VERSION
+#define PYEMBED_TORCH_VERSION ""
+#endif
 
 // The sparse backward's output size depends on the data (a device->host sync on a GPU):
 // the tag keeps it out of CUDA graphs (torch >= 2.8 knows the tag). The forward and the
@@ -51,6 +54,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("cuda_built") = false;
 #endif
   m.attr("cuda_version") = PYEMBED_CUDA_VERSION;
+  m.attr("torch_version") = PYEMBED_TORCH_VERSION;  // the torch whose headers and ABI this was built against
   m.attr("cuda_arch_list") = PYEMBED_CUDA_ARCH_LIST;
   m.def("cpu_isa", [] { return pyembed::cpu::row_kernels().isa; },
         "the instruction set of the CPU row kernels in use: 'avx2' or 'base'");

@@ -12,14 +12,17 @@ import torch
 
 from . import dispatch, reference
 
+REBUILD = "pip install --no-build-isolation --no-deps --force-reinstall pyembed-kernels (from a checkout: .)"
+
 try:
     from . import _C
 except Exception as exc:  # noqa: BLE001 - any load failure (missing .so, ABI, symbols)
     _C = None
     _load_error = f"{type(exc).__name__}: {exc}"
     warnings.warn(
-        f"pyembed: the compiled extension pyembed._C could not be loaded ({_load_error}); "
-        "only the reference backend is available. Rebuild with `pip install --no-build-isolation -e .`.",
+        f"pyembed: the compiled extension pyembed._C could not be loaded ({_load_error}); only the reference "
+        f"backend is available (torch {torch.__version__} is installed; an 'undefined symbol' means _C was built "
+        f"against another torch). Rebuild it against this torch: {REBUILD}",
         RuntimeWarning,
         stacklevel=2,
     )
@@ -28,9 +31,10 @@ except Exception as exc:  # noqa: BLE001 - any load failure (missing .so, ABI, s
 
 
 def build_info() -> dict:
-    """What this installation was built with."""
+    """What this installation was built with, and the torch it runs with."""
     return {
         "torch": torch.__version__,
+        "torch_built_against": (_C.torch_version or None) if _C is not None else None,
         "cpu_built": _C is not None,
         "cpu_isa": _C.cpu_isa() if _C is not None else None,
         "cuda_built": bool(_C is not None and _C.cuda_built),
@@ -50,6 +54,16 @@ def _why_cuda_unavailable(device: torch.device):
         return "no CUDA device is visible"
     return None
 
+
+if _C is not None and _C.torch_version and _C.torch_version != torch.__version__:
+    # It loaded, so the symbols it uses exist; but torch's C++ ABI is only promised within
+    # one build, so say which torch to rebuild against.
+    warnings.warn(
+        f"pyembed: pyembed._C was built against torch {_C.torch_version} but torch {torch.__version__} is "
+        f"installed; if anything misbehaves, rebuild it against this torch: {REBUILD}",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 if _C is not None:
     reference.register_fakes("pyembed::embedding_forward", "pyembed::embedding_backward",
