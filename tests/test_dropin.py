@@ -25,6 +25,14 @@ def _pair(backend, vocab=12, dim=6, **kwargs):
     return ours, theirs
 
 
+def _layer(backend, pos_encoding, seed):
+    """A float64 EmbeddingLayer (V=12, d=6, 8 positions, sqrt(d) scaling) and its parameters, detached."""
+    torch.manual_seed(seed)
+    layer = pyembed.EmbeddingLayer(12, 6, 8, pos_encoding=pos_encoding, scale_embeddings=True, backend=backend,
+                                   dtype=torch.float64)
+    return layer, {k: v.detach() for k, v in layer.named_parameters()}
+
+
 def _eager_layer(layer: pyembed.EmbeddingLayer):
     """The same layer as models write it: nn.Embedding * scale + positions."""
     def run(params, ids, position_ids=None):
@@ -114,10 +122,7 @@ def test_forward_ad_tangent_equals_nn_embedding(backend, max_norm):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal"])
 def test_forward_ad_through_the_layer_includes_positions(backend, pos_encoding):
-    torch.manual_seed(3)
-    layer = pyembed.EmbeddingLayer(12, 6, 8, pos_encoding=pos_encoding, scale_embeddings=True, backend=backend,
-                                   dtype=torch.float64)
-    params = {k: v.detach() for k, v in layer.named_parameters()}
+    layer, params = _layer(backend, pos_encoding, seed=3)
     tangents = {k: torch.randn_like(v) for k, v in params.items()}
     ids = torch.tensor([[0, 1, 5], [2, 2, 11]])
     results = []
@@ -149,10 +154,7 @@ def test_per_sample_gradients_with_vmap_equal_nn_embedding(backend, options):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal"])
 def test_per_sample_gradients_of_the_layer(backend, pos_encoding):
-    torch.manual_seed(4)
-    layer = pyembed.EmbeddingLayer(12, 6, 8, pos_encoding=pos_encoding, scale_embeddings=True, backend=backend,
-                                   dtype=torch.float64)
-    params = {k: v.detach() for k, v in layer.named_parameters()}
+    layer, params = _layer(backend, pos_encoding, seed=4)
     ids = torch.randint(0, 12, (4, 5))
     target = torch.randn(4, 5, 6, dtype=torch.float64)
 
