@@ -11,7 +11,7 @@ DEPS_STAMP    := $(VENV)/.deps-installed
 INSTALL_STAMP := $(VENV)/.pyembed-installed
 BUILD_INPUTS  := setup.py pyproject.toml pyembed/_cuda_home.py $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: test bench install clean gpu-check
+.PHONY: test bench install clean gpu-check test-compat
 
 test: $(INSTALL_STAMP)
 	$(PY) -m pytest tests
@@ -38,6 +38,20 @@ $(DEPS_STAMP): requirements-dev.txt | $(PY)
 $(INSTALL_STAMP): $(DEPS_STAMP) $(BUILD_INPUTS)
 	$(PIP) install --no-build-isolation --no-deps -e .
 	touch $@
+
+# The oldest torch we declare, built against and tested in a venv of its own (not part of
+# `make test`: it installs a second torch). It installs the sdist (built in a temporary
+# folder, so nothing mixes with .venv's build), and the tests run from that venv's folder
+# so `import pyembed` is the installed copy.
+COMPAT_TORCH ?= 2.13.0
+COMPAT_VENV  := .venv-compat
+test-compat:
+	rm -rf $(COMPAT_VENV) && $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/pip install "torch==$(COMPAT_TORCH)" "setuptools>=77" wheel ninja build pytest hypothesis numpy
+	$(COMPAT_VENV)/bin/python -m build --sdist --outdir $(COMPAT_VENV)/dist .
+	$(COMPAT_VENV)/bin/pip install --no-build-isolation --no-deps $(COMPAT_VENV)/dist/*.tar.gz
+	cd $(COMPAT_VENV) && bin/python -m pyembed.info && bin/python -m pytest -q -p no:cacheprovider \
+		--rootdir=$(CURDIR) $(CURDIR)/tests/test_parity.py $(CURDIR)/tests/test_dropin.py $(CURDIR)/tests/test_errors.py
 
 clean:
 	rm -rf build *.egg-info pyembed/*.so

@@ -24,7 +24,7 @@ import sys
 import setuptools
 from setuptools import setup
 
-MIN_TORCH = (2, 6)  # keep in step with pyproject.toml's dependency "torch>=2.6"
+MIN_TORCH = (2, 11)  # keep in step with pyproject.toml's dependency "torch>=2.11"
 MIN_SETUPTOOLS = 77  # pyproject's SPDX `license = "..."` needs it (pip does not enforce it without isolation)
 INSTALL_HINT = "pip install --no-build-isolation pyembed-kernels   (from a checkout: pip install --no-build-isolation .)"
 
