@@ -18,7 +18,10 @@ SHAPES = {
     "tiny": (1000, 64),  # --quick and the harness test
 }
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-MODES = ("fwd", "bwd", "fwd+bwd")
+# step: forward, backward, optimizer step (AdamW; SparseAdam on a sparse token table) and
+# zero_grad(set_to_none=True) -- what a user pays; a backward that defers work (e.g. to
+# first-touch page faults on a lazily zeroed gradient) shows it here.
+MODES = ("fwd", "bwd", "fwd+bwd", "step")
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,7 @@ class Case:
     shape: str
     batch: int
     seq_len: int
-    mode: str = "fwd+bwd"  # fwd | bwd | fwd+bwd
+    mode: str = "fwd+bwd"  # fwd | bwd | fwd+bwd | step
     dtype: str = "fp32"
     pos: str = "learned"  # learned | sinusoidal | none
     dist: str = "uniform"  # uniform | zipf | onehot
@@ -96,6 +99,6 @@ def suite(name: str) -> list[Case]:
     for mode in ("fwd", "fwd+bwd"):
         cases += [Case("gpt2", b, t, mode, pos=p) for p in ("sinusoidal", "none")]
         cases += [Case("gpt2", b, t, mode, dtype=d) for d in ("bf16", "fp16")]
-    cases += [Case("gpt2", b, t, "fwd+bwd", grad="sparse")]
+    cases += [Case("gpt2", b, t, mode, grad="sparse") for mode in ("fwd+bwd", "step")]
     cases += [Case("gpt2", b, t, "fwd+bwd", dist=d) for d in ("zipf", "onehot")]
     return cases

@@ -37,14 +37,20 @@ def eager_input_layer(ids, tables: Tables, scale: float, sparse: bool):
     return out
 
 
-_compiled = None
+class CompiledInputLayer:
+    """torch.compile of the eager code, compiled afresh for every case (``reset``): one
+    compiled function across cases would reach Dynamo's recompile limit after a few
+    dtypes and shapes and then silently run eagerly for the rest."""
 
+    def __init__(self):
+        self.reset()
 
-def compiled_input_layer(ids, tables: Tables, scale: float, sparse: bool):
-    global _compiled
-    if _compiled is None:  # one compiled function; torch marks shapes dynamic as they vary
-        _compiled = torch.compile(eager_input_layer)
-    return _compiled(ids, tables, scale, sparse)
+    def reset(self) -> None:
+        torch._dynamo.reset()
+        self.fn = torch.compile(eager_input_layer)
+
+    def __call__(self, ids, tables: Tables, scale: float, sparse: bool):
+        return self.fn(ids, tables, scale, sparse)
 
 
 def fused_input_layer(backend: str):
@@ -60,13 +66,20 @@ class Provider:
     name: str
     fn: Callable  # fn(ids, tables, scale, sparse) -> (B, T, d)
     why_not: Callable[[Case], Optional[str]] = lambda case: None  # reason it cannot run a case
+    reset: Optional[Callable[[], None]] = None  # called before every case (fresh compiled state)
+
+
+def compiled_provider() -> Provider:
+    compiled = CompiledInputLayer()
+    return Provider("compile", compiled,
+                    lambda case: "torch.compile does not trace sparse gradients" if case.grad == "sparse" else None,
+                    reset=compiled.reset)
 
 
 def providers(device: torch.device, include_reference: bool = False) -> list[Provider]:
     found = [
         Provider("eager", eager_input_layer),
-        Provider("compile", compiled_input_layer,
-                 lambda case: "torch.compile does not trace sparse gradients" if case.grad == "sparse" else None),
+        compiled_provider(),
     ]
     for backend in dispatch.backends_for(device):
         if backend == "reference" and not include_reference:

@@ -4,12 +4,13 @@ and one PNG per mode."""
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 
 COLUMNS = [
     "timestamp", "device", "torch", "pyembed", "suite", "shape", "batch", "seq_len", "tokens", "mode", "dtype", "pos",
     "dist", "grad", "provider", "status", "median_ms", "p20_ms", "p80_ms", "gbps", "pct_of_copy", "copy_ms",
-    "min_bytes", "grad_bytes", "speedup_vs_eager", "speedup_vs_compile", "note",
+    "min_bytes", "grad_bytes", "speedup_vs_eager", "speedup_vs_compile", "spread", "note",
 ]
 
 
@@ -44,6 +45,27 @@ def markdown(rows: list[dict], providers: list[str]) -> str:
     for label in labels:
         lines.append(f"| {label} | " + " | ".join(cells.get((label, p), "") for p in providers) + " |")
     return "\n".join(lines)
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """Per mode and pyembed provider: the geometric mean over cases of its speed-up over
+    the faster of eager and compile (and the worst case), from rows measured side by side."""
+    lines = []
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        for provider in dict.fromkeys(r["provider"] for r in rows if r["provider"].startswith("pyembed")):
+            ratios = []
+            for r in rows:
+                if r["mode"] != mode or r["provider"] != provider or not r.get("median_ms"):
+                    continue
+                bests = [r[k] for k in ("speedup_vs_eager", "speedup_vs_compile") if r.get(k)]
+                if bests:
+                    ratios.append((min(bests), r["label"]))  # vs the faster of the two
+            if ratios:
+                geomean = math.exp(sum(math.log(x) for x, _ in ratios) / len(ratios))
+                worst = min(ratios)
+                lines.append(f"{mode:8s} {provider}: {geomean:.2f}x the faster of eager/compile (geometric mean of "
+                             f"{len(ratios)} cases; lowest {worst[0]:.2f}x, {worst[1]})")
+    return lines
 
 
 def plots(rows: list[dict], out: Path, meta: dict) -> list[Path]:

@@ -13,6 +13,13 @@ Minimal bytes (what an ideal kernel must move; ``es`` element size, ``U`` unique
   fwd = ids + U*d*es (rows read) + T*d*es (learned positions) + N*d*es (output written)
   bwd = ids + N*d*es (grad read) + U*d*es (touched grad rows written) + T*d*es (learned)
   fwd+bwd = fwd + bwd
+  step = fwd+bwd + the optimizer's 7 passes (read param, grad, 2 moments; write param,
+         2 moments) over the rows it updates: all V (+ T) rows with AdamW, U with SparseAdam
+
+Compiled providers are compiled afresh for every case (``torch._dynamo.reset()``), so no
+case falls back to eager at Dynamo's recompile limit. A case whose p80/p20 spread is
+above SPREAD_WARN is flagged "noisy" in its note. The run ends with the geometric mean,
+per mode, of each pyembed provider's speed-up over the faster of eager and compile.
 """
 
 from __future__ import annotations
@@ -29,10 +36,12 @@ from tqdm import tqdm
 import pyembed
 
 from . import report
-from .cases import DTYPES, SHAPES, Case, make_ids, suite
+from .cases import DTYPES, MODES, SHAPES, Case, make_ids, suite
 from .providers import Provider, Tables, providers
 
 GATE_TOL = {"fp32": 2e-3, "fp16": 1e-2, "bf16": 6e-2}  # relative to the case's largest value
+SPREAD_WARN = 1.5  # p80 / p20 above this: the machine was too noisy for that case's ratio
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "build" / "bench"  # git-ignored; docs/bench holds the README's
 
 
 def build_tables(case: Case, device, generator) -> Tables:
@@ -62,7 +71,8 @@ def minimal_bytes(case: Case, ids: torch.Tensor) -> int:
     ids_bytes = ids.numel() * ids.element_size()
     fwd = ids_bytes + unique * row + pos + case.tokens * row
     bwd = ids_bytes + case.tokens * row + unique * row + pos
-    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[case.mode]
+    updated_rows = (unique if case.grad == "sparse" else case.vocab) * row + pos
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd, "step": fwd + bwd + 7 * updated_rows}[case.mode]
 
 
 def grads_of(tables: Tables):
@@ -115,12 +125,30 @@ def step_fn(provider: Provider, case: Case, ids, tables: Tables, dout):
             zero_grads(tables)
             provider.fn(ids, tables, case.scale, sparse).backward(dout)
         return fwd_bwd
+    if case.mode == "step":
+        optimizers = make_optimizers(tables, sparse)
+
+        def train_step():
+            provider.fn(ids, tables, case.scale, sparse).backward(dout)
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return train_step
     out = provider.fn(ids, tables, case.scale, sparse)  # bwd: one forward, many backwards
 
     def bwd():
         zero_grads(tables)
         out.backward(dout, retain_graph=True)
     return bwd
+
+
+def make_optimizers(tables: Tables, sparse: bool) -> list:
+    """What a user trains the layer with: AdamW, or SparseAdam for a sparse token table
+    (AdamW for a learned positional table, whose gradient stays dense)."""
+    dense = [t for t in (tables.pos_weight,) if t is not None]
+    if not sparse:
+        return [torch.optim.AdamW([tables.weight, *dense], lr=1e-4)]
+    return [torch.optim.SparseAdam([tables.weight], lr=1e-4)] + ([torch.optim.AdamW(dense, lr=1e-4)] if dense else [])
 
 
 def time_cpu(fns: dict, budget_s: float, min_reps: int, max_reps: int) -> dict:
@@ -157,6 +185,8 @@ def run_case(case: Case, device, provs: list[Provider], args) -> list[dict]:
     nbytes = minimal_bytes(case, ids)
     rows, fns = [], {}
     for p in provs:
+        if p.reset is not None:
+            p.reset()
         # Each provider gets its own copy of the tables, so the gradient a step frees
         # (set to None, as optimizer.zero_grad does) is the provider's own previous one.
         tables = own_copy(shared_tables)
@@ -174,7 +204,7 @@ def run_case(case: Case, device, provs: list[Provider], args) -> list[dict]:
         row["note"] = reason or ""
         if row["status"] == "ok":
             fns[p.name] = step_fn(p, case, ids, tables, dout)
-            if case.mode != "fwd":
+            if case.mode in ("bwd", "fwd+bwd"):
                 zero_grads(tables)
                 fns[p.name]()
                 row["grad_bytes"] = sum(g._values().nbytes + g._indices().nbytes if g.is_sparse else g.nbytes
@@ -194,7 +224,9 @@ def run_case(case: Case, device, provs: list[Provider], args) -> list[dict]:
         if row["provider"] in timings:
             med, p20, p80 = timings[row["provider"]]
             row.update(median_ms=med, p20_ms=p20, p80_ms=p80, gbps=nbytes / med / 1e6,
-                       pct_of_copy=100.0 * copy_ms / med)
+                       pct_of_copy=100.0 * copy_ms / med, spread=p80 / p20)
+            if p80 / p20 > SPREAD_WARN:
+                row["note"] = (row["note"] + "; " if row["note"] else "") + f"noisy (p80/p20 = {p80 / p20:.2f})"
         row.update(copy_ms=copy_ms, min_bytes=nbytes)
     by_name = {r["provider"]: r for r in rows}
     for row in rows:
@@ -212,15 +244,16 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="the quick suite: one tiny shape, seconds")
     ap.add_argument("--full", action="store_true", help="the whole cross product (long)")
     ap.add_argument("--shape", nargs="*", choices=sorted(SHAPES), help="only these shapes")
-    ap.add_argument("--mode", nargs="*", choices=["fwd", "bwd", "fwd+bwd"], help="only these modes")
+    ap.add_argument("--mode", nargs="*", choices=list(MODES), help="only these modes")
     ap.add_argument("--provider", nargs="*", help="only these providers (eager, compile, pyembed-cpu, ...)")
     ap.add_argument("--dtype", nargs="*", choices=sorted(DTYPES), help="only these dtypes")
     ap.add_argument("--reference", action="store_true", help="also time the (slow) reference backend")
     ap.add_argument("--budget", type=float, default=0.6, help="CPU: seconds of timing per case (default 0.6)")
     ap.add_argument("--min-reps", type=int, default=10)
     ap.add_argument("--max-reps", type=int, default=300)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
-                    help="folder for results.csv (appended) and the PNG plots")
+    ap.add_argument("--out", default=str(DEFAULT_OUT),
+                    help="folder for results.csv (appended) and the PNG plots (default build/bench, git-ignored; "
+                         "the README's figures are refreshed on purpose with --out docs/bench)")
     return ap.parse_args(argv)
 
 
@@ -249,6 +282,12 @@ def main(argv=None) -> list[dict]:
     out = Path(args.out)
     csv_path = report.append_csv(rows, out / "results.csv")
     print(report.markdown(rows, [p.name for p in provs]))
+    print()
+    print("\n".join(report.summary(rows)))
+    noisy = [f"{r['label']} {r['provider']}" for r in rows if "noisy" in r.get("note", "")]
+    if noisy:
+        print(f"warning: {len(noisy)} timings had p80/p20 > {SPREAD_WARN} (a busy machine?): {'; '.join(noisy)}")
     pngs = report.plots(rows, out, meta)
-    print(f"\nCSV appended to {csv_path}; plots: {', '.join(str(p) for p in pngs)}")
+    plots = ", ".join(str(p) for p in pngs) or "none (the plots show the fp32 / learned / uniform / dense grid, not in this run)"
+    print(f"\nCSV appended to {csv_path}; plots: {plots}")
     return rows

@@ -109,7 +109,8 @@ def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale,
     tensors = (ids.contiguous(), weight.contiguous(), None if pos_weight is None else pos_weight.contiguous(),
                None if position_ids is None else position_ids.contiguous())
     if not torch.compiler.is_compiling():
-        return FusedEmbeddingFunctionWithJvp.apply(*tensors, config)
+        function = FusedEmbeddingFunctorch if _functorch_active() else FusedEmbeddingFunctionWithJvp
+        return function.apply(*tensors, config)
     if sparse and reduce_group is None:
         # Dynamo cannot hold the sparse gradient an autograd.Function's backward returns;
         # AOTAutograd can, for a custom op's registered backward (as for nn.Embedding's).
@@ -136,7 +137,7 @@ def _gradients(config: FusedConfig, grad_out, ids, position_ids, weight_shape, n
     dense_weight_grad = need_weight_grad and not config.sparse
     grad_weight = pos_grad = None
     if dense_weight_grad or need_pos_grad:
-        grad_weight, pos_grad = DenseGradFunction.apply(
+        grad_weight, pos_grad = (DenseGradFunctorch if _functorch_active() else DenseGradFunction).apply(
             grad_out, ids, position_ids, config, weight_shape[0], num_positions, dense_weight_grad, need_pos_grad)
     if need_weight_grad and config.sparse:
         rows, values = dispatch.get(config.backend).sparse_backward(
@@ -147,61 +148,116 @@ def _gradients(config: FusedConfig, grad_out, ids, position_ids, weight_shape, n
     return grad_weight if need_weight_grad else None, pos_grad if need_pos_grad else None
 
 
+# --------------------------------------------------------------------------- autograd
+# Each autograd.Function below comes in two forms with the same bodies: the classic one
+# (forward(ctx, ...)), whose apply costs ~4 us, and one with setup_context and
+# generate_vmap_rule, which torch.func transforms need but whose apply binds the
+# signature with inspect on every call (~20 us, most of a one-token lookup). The second
+# form is used only while a torch.func transform is active.
+def _functorch_active() -> bool:
+    return torch._C._are_functorch_transforms_active()
+
+
+def _fused_forward(ids, weight, pos_weight, position_ids, config: FusedConfig):
+    """One op of the chosen backend (after the range checks, when validate)."""
+    if config.validate:
+        ids = _checked_ids(ids, weight, pos_weight, position_ids, config.pos_encoding)
+    out = dispatch.get(config.backend).forward(
+        ids, weight, pos_weight, position_ids, config.pos_encoding, config.scale, config.offset)
+    if config.reduce_group is not None:
+        torch.distributed.all_reduce(out, group=config.reduce_group)
+    return out
+
+
+def _fused_save(ctx, ids, weight, pos_weight, position_ids, config: FusedConfig):
+    """Only the ids and positions are saved: never the table or the output."""
+    ctx.save_for_backward(ids, position_ids)
+    ctx.save_for_forward(ids, position_ids)
+    ctx.config = config
+    ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
+    ctx.num_positions = pos_weight.shape[0] if pos_weight is not None else 0
+
+
+def _fused_backward(ctx, grad_out):
+    ids, position_ids = ctx.saved_tensors
+    grad_weight, pos_grad = _gradients(
+        ctx.config, grad_out, ids, position_ids, ctx.weight_shape, ctx.num_positions, ctx.needs_input_grad[1],
+        ctx.needs_input_grad[2] and ctx.config.pos_encoding == "learned")
+    return None, grad_weight, pos_grad, None, None
+
+
+def _fused_jvp(ctx, ids_t, weight_t, pos_weight_t, position_ids_t, config_t):
+    """The tangent: the same lookup of the tangent tables (no positional term for a
+    sinusoid, which has no parameters), zero rows for out-of-range ids."""
+    ids, position_ids = ctx.saved_tensors
+    learned_t = pos_weight_t if ctx.config.pos_encoding == "learned" else None
+    if weight_t is None and learned_t is None:
+        return torch.zeros(*ids.shape, ctx.weight_shape[1], dtype=ctx.weight_dtype, device=ids.device)
+    return lookup(ids, position_ids, weight_t, learned_t, ctx.config, ctx.weight_shape, of="forward")
+
+
 class FusedEmbeddingFunction(torch.autograd.Function):
-    """Forward and backward are each one op of the chosen backend. Only the ids and
-    positions are saved for backward: never the table or the output.
+    """Forward and backward are each one op of the chosen backend.
 
     Beyond first order, as ``nn.Embedding``: the weight gradient is linear in the output
     gradient, so its own derivative is a lookup (``DenseGradFunction``); the forward-mode
-    derivative is the lookup of the tangent tables (``FusedEmbeddingFunctionWithJvp``); and ``torch.func.vmap`` runs
-    these bodies batched (``generate_vmap_rule``), the backends' ops having vmap rules
-    (pyembed/_vmap.py): per-sample gradients are one backward call.
-    """
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(ids, weight, pos_weight, position_ids, config: FusedConfig):
-        if config.validate:
-            ids = _checked_ids(ids, weight, pos_weight, position_ids, config.pos_encoding)
-        out = dispatch.get(config.backend).forward(
-            ids, weight, pos_weight, position_ids, config.pos_encoding, config.scale, config.offset)
-        if config.reduce_group is not None:
-            torch.distributed.all_reduce(out, group=config.reduce_group)
-        return out
+    derivative is the lookup of the tangent tables (``FusedEmbeddingFunctionWithJvp``);
+    and under torch.func, ``FusedEmbeddingFunctorch`` runs the same bodies batched, the
+    backends' ops having vmap rules (pyembed/_vmap.py): per-sample gradients are one
+    backward call. This plain form is what torch.compile traces (Dynamo cannot trace an
+    autograd.Function with a custom ``jvp``)."""
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
-        ids, weight, pos_weight, position_ids, config = inputs
-        ctx.save_for_backward(ids, position_ids)
-        ctx.save_for_forward(ids, position_ids)
-        ctx.config = config
-        ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
-        ctx.num_positions = pos_weight.shape[0] if pos_weight is not None else 0
+    def forward(ctx, ids, weight, pos_weight, position_ids, config: FusedConfig):
+        _fused_save(ctx, ids, weight, pos_weight, position_ids, config)
+        return _fused_forward(ids, weight, pos_weight, position_ids, config)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        ids, position_ids = ctx.saved_tensors
-        grad_weight, pos_grad = _gradients(
-            ctx.config, grad_out, ids, position_ids, ctx.weight_shape, ctx.num_positions, ctx.needs_input_grad[1],
-            ctx.needs_input_grad[2] and ctx.config.pos_encoding == "learned")
-        return None, grad_weight, pos_grad, None, None
+    backward = staticmethod(_fused_backward)
 
 
 class FusedEmbeddingFunctionWithJvp(FusedEmbeddingFunction):
-    """FusedEmbeddingFunction plus forward-mode AD. Dynamo cannot trace an
-    autograd.Function with a custom ``jvp``, so compiled code gets the base class and
-    eager code this one (``jvp`` only runs under ``torch.autograd.forward_ad``)."""
+    """Eager code: plus forward-mode AD (``jvp`` runs only under torch.autograd.forward_ad)."""
+
+    jvp = staticmethod(_fused_jvp)
+
+
+class FusedEmbeddingFunctorch(torch.autograd.Function):
+    """The same op in the form torch.func transforms (vmap, grad, jvp) require."""
+
+    generate_vmap_rule = True
+    forward = staticmethod(_fused_forward)
 
     @staticmethod
-    def jvp(ctx, ids_t, weight_t, pos_weight_t, position_ids_t, config_t):
-        """The tangent: the same lookup of the tangent tables (no positional term for a
-        sinusoid, which has no parameters), zero rows for out-of-range ids."""
-        ids, position_ids = ctx.saved_tensors
-        learned_t = pos_weight_t if ctx.config.pos_encoding == "learned" else None
-        if weight_t is None and learned_t is None:
-            return torch.zeros(*ids.shape, ctx.weight_shape[1], dtype=ctx.weight_dtype, device=ids.device)
-        return lookup(ids, position_ids, weight_t, learned_t, ctx.config, ctx.weight_shape, of="forward")
+    def setup_context(ctx, inputs, output):
+        _fused_save(ctx, *inputs)
+
+    backward = staticmethod(_fused_backward)
+    jvp = staticmethod(_fused_jvp)
+
+
+def _dense_grad_forward(grad_out, ids, position_ids, config: FusedConfig, num_embeddings: int, num_positions: int,
+                        need_weight_grad: bool, need_pos_grad: bool):
+    return dispatch.get(config.backend).backward(
+        grad_out, ids, position_ids, config.offset, num_embeddings, num_positions, config.scale,
+        config.padding_idx, config.scale_grad_by_freq, need_weight_grad, need_pos_grad)
+
+
+def _dense_grad_save(ctx, grad_out, ids, position_ids, config: FusedConfig, num_embeddings: int, *_):
+    ctx.save_for_backward(ids, position_ids)
+    ctx.config, ctx.table_shape = config, (num_embeddings, grad_out.shape[-1])
+    ctx.set_materialize_grads(False)
+
+
+def _dense_grad_backward(ctx, grad_weight_grad, grad_pos_grad):
+    ids, position_ids = ctx.saved_tensors
+    if grad_weight_grad is not None and grad_weight_grad.numel() == 0:
+        grad_weight_grad = None  # the weight gradient was not computed
+    if grad_pos_grad is not None and grad_pos_grad.numel() == 0:
+        grad_pos_grad = None
+    if grad_weight_grad is None and grad_pos_grad is None:
+        return (None,) * 8
+    grad = lookup(ids, position_ids, grad_weight_grad, grad_pos_grad, ctx.config, ctx.table_shape, of="backward")
+    return (grad,) + (None,) * 7
 
 
 class DenseGradFunction(torch.autograd.Function):
@@ -210,33 +266,27 @@ class DenseGradFunction(torch.autograd.Function):
     tokens of v is linear in dout, and its derivative is a lookup of the incoming
     gradient's rows (``lookup(..., of="backward")``)."""
 
-    generate_vmap_rule = True
-
     @staticmethod
-    def forward(grad_out, ids, position_ids, config: FusedConfig, num_embeddings: int, num_positions: int,
-                need_weight_grad: bool, need_pos_grad: bool):
-        return dispatch.get(config.backend).backward(
-            grad_out, ids, position_ids, config.offset, num_embeddings, num_positions, config.scale,
-            config.padding_idx, config.scale_grad_by_freq, need_weight_grad, need_pos_grad)
+    def forward(ctx, grad_out, ids, position_ids, config, num_embeddings, num_positions, need_weight_grad,
+                need_pos_grad):
+        _dense_grad_save(ctx, grad_out, ids, position_ids, config, num_embeddings)
+        return _dense_grad_forward(grad_out, ids, position_ids, config, num_embeddings, num_positions,
+                                   need_weight_grad, need_pos_grad)
+
+    backward = staticmethod(_dense_grad_backward)
+
+
+class DenseGradFunctorch(torch.autograd.Function):
+    """DenseGradFunction in the form torch.func transforms require."""
+
+    generate_vmap_rule = True
+    forward = staticmethod(_dense_grad_forward)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        grad_out, ids, position_ids, config, num_embeddings, num_positions, _, _ = inputs
-        ctx.save_for_backward(ids, position_ids)
-        ctx.config, ctx.table_shape = config, (num_embeddings, grad_out.shape[-1])
-        ctx.set_materialize_grads(False)
+        _dense_grad_save(ctx, *inputs)
 
-    @staticmethod
-    def backward(ctx, grad_weight_grad, grad_pos_grad):
-        ids, position_ids = ctx.saved_tensors
-        if grad_weight_grad is not None and grad_weight_grad.numel() == 0:
-            grad_weight_grad = None  # the weight gradient was not computed
-        if grad_pos_grad is not None and grad_pos_grad.numel() == 0:
-            grad_pos_grad = None
-        if grad_weight_grad is None and grad_pos_grad is None:
-            return (None,) * 8
-        grad = lookup(ids, position_ids, grad_weight_grad, grad_pos_grad, ctx.config, ctx.table_shape, of="backward")
-        return (grad,) + (None,) * 7
+    backward = staticmethod(_dense_grad_backward)
 
 
 @torch.library.custom_op("pyembed::sparse_grad_embedding", mutates_args=())

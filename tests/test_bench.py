@@ -7,7 +7,7 @@ import torch
 
 from bench import report, run
 from bench.cases import Case
-from bench.providers import Provider, eager_input_layer
+from bench.providers import Provider, eager_input_layer, providers
 
 
 def test_quick_suite_writes_csv_table_and_plots(tmp_path, capsys):
@@ -24,8 +24,29 @@ def test_quick_suite_writes_csv_table_and_plots(tmp_path, capsys):
             assert row["status"] == "ok", row
             assert float(row["median_ms"]) > 0 and float(row["pct_of_copy"]) > 0
     assert {r["provider"] for r in written} >= {"eager", "compile"}
-    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["bench_bwd.png", "bench_fwd.png", "bench_fwd_bwd.png"]
-    assert "| tiny 2x16 fwd |" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == [
+        "bench_bwd.png", "bench_fwd.png", "bench_fwd_bwd.png", "bench_step.png"]
+    out = capsys.readouterr().out
+    assert "| tiny 2x16 fwd |" in out and "| tiny 2x16 step |" in out
+    for mode in ("fwd", "bwd", "fwd+bwd", "step"):  # the summary: one geometric mean per mode and provider
+        assert any(line.startswith(f"{mode:8s} pyembed-") and "the faster of eager/compile" in line
+                   for line in out.splitlines()), mode
+
+
+def test_compiled_provider_never_falls_back_to_eager():
+    # With one compiled function across cases, Dynamo stops compiling at its recompile
+    # limit and the "compile" column silently becomes eager. Every case compiles afresh:
+    # with a limit of 1, two cases of different dtypes both compile a frame.
+    from torch._dynamo.utils import counters
+
+    args = run.parse_args(["--budget", "0.01", "--min-reps", "2"])
+    provider = [p for p in providers(torch.device("cpu")) if p.name == "compile"]
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for dtype in ("fp32", "bf16"):
+            counters.clear()
+            rows = run.run_case(Case("tiny", 2, 16, "fwd", dtype=dtype), torch.device("cpu"), provider, args)
+            assert rows[0]["status"] == "ok"
+            assert counters["frames"]["ok"] >= 1, (dtype, dict(counters["frames"]))
 
 
 def test_gate_reports_a_wrong_provider_as_failed(tmp_path):
