@@ -221,18 +221,22 @@ class FusedEmbeddingFunctionWithJvp(FusedEmbeddingFunction):
     jvp = staticmethod(_fused_jvp)
 
 
-class FusedEmbeddingFunctorch(torch.autograd.Function):
-    """The same op in the form torch.func transforms (vmap, grad, jvp) require."""
-
-    generate_vmap_rule = True
-    forward = staticmethod(_fused_forward)
-
-    @staticmethod
+def _functorch_form(name: str, forward, save, backward, jvp=None):
+    """The same bodies as the setup_context + generate_vmap_rule Function that torch.func
+    transforms (vmap, grad, jvp) require."""
     def setup_context(ctx, inputs, output):
-        _fused_save(ctx, *inputs)
+        save(ctx, *inputs)
 
-    backward = staticmethod(_fused_backward)
-    jvp = staticmethod(_fused_jvp)
+    body = {"__doc__": f"{name}: the form torch.func transforms require.", "generate_vmap_rule": True,
+            "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward)}
+    if jvp is not None:
+        body["jvp"] = staticmethod(jvp)
+    return type(name, (torch.autograd.Function,), body)
+
+
+FusedEmbeddingFunctorch = _functorch_form("FusedEmbeddingFunctorch", _fused_forward, _fused_save, _fused_backward,
+                                          _fused_jvp)
 
 
 def _dense_grad_forward(grad_out, ids, position_ids, config: FusedConfig, num_embeddings: int, num_positions: int,
@@ -276,17 +280,8 @@ class DenseGradFunction(torch.autograd.Function):
     backward = staticmethod(_dense_grad_backward)
 
 
-class DenseGradFunctorch(torch.autograd.Function):
-    """DenseGradFunction in the form torch.func transforms require."""
-
-    generate_vmap_rule = True
-    forward = staticmethod(_dense_grad_forward)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _dense_grad_save(ctx, *inputs)
-
-    backward = staticmethod(_dense_grad_backward)
+DenseGradFunctorch = _functorch_form("DenseGradFunctorch", _dense_grad_forward, _dense_grad_save,
+                                     _dense_grad_backward)
 
 
 @torch.library.custom_op("pyembed::sparse_grad_embedding", mutates_args=())
