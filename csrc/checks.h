@@ -13,6 +13,7 @@
 #include <string_view>
 
 #include "common.h"
+#include "dropout.h"
 
 namespace pyembed {
 
@@ -67,16 +68,28 @@ inline void check_forward_args(const at::Tensor& ids, const at::Tensor& weight,
 struct ForwardInputs {
   PosEncoding mode;
   at::Tensor ids, weight, pos_weight, position_ids, out;  // pos_weight / position_ids may be undefined
+  at::Tensor dropout_key;  // undefined: no dropout
+  Dropout dropout;
   bool empty() const { return ids.numel() == 0 || weight.size(1) == 0; }
 };
 
 inline ForwardInputs prepare_forward(const at::Tensor& ids, const at::Tensor& weight,
                                      const std::optional<at::Tensor>& pos_weight,
-                                     const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding) {
+                                     const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
+                                     const std::optional<at::Tensor>& dropout_key, double dropout_p) {
   ForwardInputs in;
   in.mode = parse_pos_encoding(std::string(pos_encoding));
   check_forward_args(ids, weight, pos_weight, position_ids, in.mode);
-  check_same_device(weight.device(), {&ids, opt(pos_weight), opt(position_ids)});
+  check_same_device(weight.device(), {&ids, opt(pos_weight), opt(position_ids), opt(dropout_key)});
+  if (dropout_key.has_value()) {
+    TORCH_CHECK_VALUE(dropout_key->scalar_type() == at::kLong && dropout_key->numel() == 2,
+                      "pyembed: dropout_key must be a (2,) int64 tensor [seed, offset]");
+    TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p <= 1.0, "pyembed: dropout_p must be in [0, 1], got ", dropout_p);
+    in.dropout_key = dropout_key->contiguous();
+    in.dropout.key = in.dropout_key.data_ptr<int64_t>();
+    in.dropout.threshold = Dropout::threshold_for(dropout_p);
+    in.dropout.scale = Dropout::scale_for(dropout_p);
+  }
   in.ids = ids.contiguous();
   in.weight = weight.contiguous();
   if (in.mode == PosEncoding::kLearned) in.pos_weight = pos_weight->contiguous();

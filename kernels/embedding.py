@@ -38,11 +38,12 @@ TILE_ELEMENTS = 2048  # BLOCK_T * BLOCK_D: 16 fp32 registers per thread at 4 war
 MAX_BLOCK_T = 64
 
 
-def _blocks(dim: int, pos_mode: int = POS_NONE) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_D). A sinusoid holds an angle, a sine and a cosine per element, so
-    its tiles are half as tall (without that the fp16 kernel spills on sm_80/sm_90)."""
-    block_d = min(triton.next_power_of_2(max(dim, 1)), MAX_BLOCK_D)
-    tile = TILE_ELEMENTS // 2 if pos_mode == POS_SINUSOIDAL else TILE_ELEMENTS
+def _blocks(dim: int, pos_mode: int = POS_NONE, dropout: bool = False) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_D). A sinusoid holds an angle, a sine and a cosine per element, and
+    dropout four Philox words per group of four, so their tiles are half as tall (without
+    that the fp16 kernel spills on sm_80/sm_90). Dropout needs whole groups: BLOCK_D >= 4."""
+    block_d = min(triton.next_power_of_2(max(dim, 4 if dropout else 1)), MAX_BLOCK_D)
+    tile = TILE_ELEMENTS // 2 if pos_mode == POS_SINUSOIDAL or dropout else TILE_ELEMENTS
     return max(1, min(tile // block_d, MAX_BLOCK_T)), block_d
 
 
@@ -59,16 +60,38 @@ def _rounded(x, ptr):
 
 
 @triton.jit
+def _dropout_keep(key_ptr, tok, threshold, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(BLOCK_T, BLOCK_D) keep mask of this tile (pyembed/reference.py, csrc/dropout.h):
+    element (n, j) is word j % 4 of Philox4x32-10 keyed by seed with counter
+    (offset + j // 4, n) -- one Philox call per group of four columns."""
+    seed = tl.load(key_ptr)
+    group = tl.load(key_ptr + 1) + tl.program_id(1).to(tl.int64) * (BLOCK_D // 4) + tl.arange(0, BLOCK_D // 4)
+    shape: tl.constexpr = (BLOCK_T, BLOCK_D // 4)
+    r0, r1, r2, r3 = tl.philox(
+        seed,
+        tl.broadcast_to((group & 0xFFFFFFFF).to(tl.uint32)[None, :], shape),
+        tl.broadcast_to((group >> 32).to(tl.uint32)[None, :], shape),
+        tl.broadcast_to((tok & 0xFFFFFFFF).to(tl.uint32)[:, None], shape),
+        tl.broadcast_to((tok >> 32).to(tl.uint32)[:, None], shape),
+    )
+    words = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # r0 r1 r2 r3 of each group, in column order
+    return words.to(tl.int64) >= threshold
+
+
+@triton.jit
 def _embedding_forward_kernel(
     ids_ptr,  # (num_tokens,) int32/int64
     weight_ptr,  # (num_embeddings, dim)
     pos_weight_ptr,  # (num_positions, dim), learned only
     position_ids_ptr,  # (num_tokens,) int64, when HAS_POSITION_IDS
+    dropout_key_ptr,  # (2,) int64 [seed, offset], when HAS_DROPOUT
     out_ptr,  # (num_tokens, dim)
     num_tokens, seq_len, num_embeddings, num_positions, dim, offset,
     scale: tl.float64,  # multiplies the token rows (rounded to the compute dtype)
     neg_log_base_over_dim: tl.float64,  # -ln(10000) / d: w_i = exp(2i * this)
-    POS_MODE: tl.constexpr, HAS_POSITION_IDS: tl.constexpr, COMPUTE_F64: tl.constexpr,
+    dropout_threshold,  # int64 ceil(p * 2^32): an element is kept iff its Philox word >= this
+    dropout_scale: tl.float64,  # 1 / (1 - p), for the kept elements
+    POS_MODE: tl.constexpr, HAS_POSITION_IDS: tl.constexpr, HAS_DROPOUT: tl.constexpr, COMPUTE_F64: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
@@ -100,6 +123,9 @@ def _embedding_forward_kernel(
             angle = pos.to(acc_dtype)[:, None] * freq[None, :]
             pe = tl.interleave(tl.sin(angle), tl.cos(angle))
             x += tl.where(id_ok[:, None], pe, 0.0)
+    if HAS_DROPOUT:
+        x = tl.where(_dropout_keep(dropout_key_ptr, tok, dropout_threshold, BLOCK_T, BLOCK_D),
+                     x * tl.full([], dropout_scale, acc_dtype), 0.0)
     tl.store(out_ptr + tok[:, None] * dim + cols[None, :], _rounded(x, out_ptr),
              mask=tok_ok[:, None] & col_ok[None, :])
 
@@ -160,22 +186,23 @@ def _batch_sum_kernel(
 
 
 # --------------------------------------------------------------------------- launchers
-def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scale: float, offset: int, out,
-                      launch=lambda kernel: kernel):
-    """Fill out (ids.numel(), d) in place. ``launch`` wraps the kernel (torch.library's
-    wrap_triton when torch.compile traces the op: pyembed/_triton.py)."""
+def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scale: float, offset: int,
+                      dropout_key, dropout_threshold: int, dropout_scale: float, out, launch=lambda kernel: kernel):
+    """Fill out (ids.numel(), d) in place; dropout_key None: no dropout. ``launch`` wraps
+    the kernel (torch.library's wrap_triton when torch.compile traces the op: pyembed/_triton.py)."""
     num_tokens, dim = ids.numel(), weight.shape[1]
     if num_tokens == 0 or dim == 0:
         return
-    block_t, block_d = _blocks(dim, pos_mode)
+    block_t, block_d = _blocks(dim, pos_mode, dropout_key is not None)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))
     launch(_embedding_forward_kernel)[grid](
         ids, weight, pos_weight if pos_weight is not None else weight,
-        position_ids if position_ids is not None else ids, out,
+        position_ids if position_ids is not None else ids, dropout_key if dropout_key is not None else ids, out,
         num_tokens, ids.shape[-1] if ids.dim() else 1, weight.shape[0],
         pos_weight.shape[0] if pos_weight is not None else 0, dim, offset, scale, -math.log(10000.0) / dim,
-        POS_MODE=pos_mode, HAS_POSITION_IDS=position_ids is not None, COMPUTE_F64=weight.dtype == torch.float64,
-        BLOCK_T=block_t, BLOCK_D=block_d,
+        dropout_threshold, dropout_scale,
+        POS_MODE=pos_mode, HAS_POSITION_IDS=position_ids is not None, HAS_DROPOUT=dropout_key is not None,
+        COMPUTE_F64=weight.dtype == torch.float64, BLOCK_T=block_t, BLOCK_D=block_d,
     )
 
 

@@ -52,24 +52,27 @@ def _on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
-def _forward(ids, weight, pos_weight, position_ids, pos_encoding: str, scale: float, offset: int,
-             launch, device_guard=True) -> torch.Tensor:
+def _forward(ids, weight, pos_weight, position_ids, pos_encoding: str, scale: float, offset: int, dropout_key,
+             dropout_p: float, launch, device_guard=True) -> torch.Tensor:
     out = weight.new_empty(*ids.shape, weight.shape[1])
     mode = _POS_MODES[pos_encoding]
     with _on_device(weight) if device_guard else contextlib.nullcontext():
         _kernels().embedding_forward(
             ids.contiguous(), weight.contiguous(), pos_weight.contiguous() if mode == 1 else None,
             position_ids.long().contiguous() if (position_ids is not None and mode) else None,
-            mode, scale, offset, out, launch=launch,
+            mode, scale, offset, dropout_key, reference.dropout_threshold(dropout_p),
+            reference.dropout_scale(dropout_p), out, launch=launch,
         )
     return out
 
 
 @torch.library.custom_op("pyembed::triton_forward", mutates_args=())
 def triton_forward(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.Tensor],
-                   position_ids: Optional[torch.Tensor], pos_encoding: str, scale: float, offset: int) -> torch.Tensor:
+                   position_ids: Optional[torch.Tensor], pos_encoding: str, scale: float, offset: int,
+                   dropout_key: Optional[torch.Tensor], dropout_p: float) -> torch.Tensor:
     """The forward (schema of reference.embedding_forward); eagerly, a direct launch."""
-    return _forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, launch=lambda kernel: kernel)
+    return _forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
+                    launch=lambda kernel: kernel)
 
 
 if not _INTERPRETED:

@@ -4,7 +4,9 @@
 custom ops, which vmap needs a rule for. Both rules fold the vmapped dimension into the
 op's own batch, so a batch of N samples is still one kernel launch:
 - forward, tables not batched (per-sample inputs over one model): N samples of (T,) or
-  (B, T) ids are one (N*B, T) lookup; batched tables (ensembles) run one call per sample;
+  (B, T) ids are one (N*B, T) lookup; batched tables (ensembles) run one call per sample,
+  as does dropout (its mask follows the token index within a sample: randomness="same"
+  gives every sample one key, "different" each sample its own);
 - dense backward (per-sample gradients, as DP training with Opacus needs): sample i's
   ids address rows [i*V, (i+1)*V) of an N-times-taller table, so one backward call gives
   every sample's (V, d) gradient, ``scale_grad_by_freq`` counting within each sample.
@@ -28,20 +30,22 @@ def _select(t, bdim, i):
 
 
 def _forward_rule(op):
-    def rule(info, in_dims, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset):
-        ids_dim, weight_dim, pos_weight_dim, position_ids_dim = in_dims[:4]
+    def rule(info, in_dims, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key,
+             dropout_p):
+        ids_dim, weight_dim, pos_weight_dim, position_ids_dim, key_dim = in_dims[:4] + in_dims[7:8]
         n = info.batch_size
-        if weight_dim is None and pos_weight_dim is None:
+        if weight_dim is None and pos_weight_dim is None and dropout_key is None:
             ids = _batch_first(ids, ids_dim, n)
             position_ids = _batch_first(position_ids, position_ids_dim, n)
             sample_shape = ids.shape[1:]
             if pos_encoding != "none":  # (N, T) or (N, B, T) -> (N * B, T): positions follow t
                 ids = ids.reshape(-1, ids.shape[-1])
                 position_ids = None if position_ids is None else position_ids.reshape(ids.shape)
-            out = op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset)
+            out = op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, None, dropout_p)
             return out.reshape(n, *sample_shape, out.shape[-1]), 0
         outs = [op(_select(ids, ids_dim, i), _select(weight, weight_dim, i), _select(pos_weight, pos_weight_dim, i),
-                   _select(position_ids, position_ids_dim, i), pos_encoding, scale, offset) for i in range(n)]
+                   _select(position_ids, position_ids_dim, i), pos_encoding, scale, offset,
+                   _select(dropout_key, key_dim, i), dropout_p) for i in range(n)]
         return torch.stack(outs), 0
     return rule
 

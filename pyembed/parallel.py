@@ -104,7 +104,7 @@ class VocabParallelEmbeddingLayer(nn.Module):
                   ) -> "VocabParallelEmbeddingLayer":
         """This rank's shard of a single-device ``layer`` (which every rank holds, e.g.
         built from one seed or loaded from one checkpoint). Parameters are copied."""
-        if layer.dropout.p != 0:
+        if layer.dropout != 0:
             raise ValueError("pyembed: VocabParallelEmbeddingLayer has no dropout; apply it after the layer")
         token = layer.token_embedding
         if token.scale_grad_by_freq:

@@ -4,6 +4,7 @@ This file is the spec in code. Every other backend (cpu, cuda, triton) is tested
 against it, and it is deliberately written for clarity, not speed:
 
     out[b, t] = round_to_weight_dtype(f32(W[ids[b, t]]) * scale + f32(PE(p(b, t))))
+    (with dropout q: times keep(n, j) / (1 - q) before the rounding, n = flat token index)
 
     dW[v] = scale * sum_{(b,t): ids[b,t] = v} dout[b, t]    (v != padding_idx;
             each term divided by count(v) with scale_grad_by_freq)
@@ -62,9 +63,12 @@ def embedding_forward(
     pos_encoding: str,
     scale: float,
     offset: int,
+    dropout_key: Optional[torch.Tensor],
+    dropout_p: float,
 ) -> torch.Tensor:
     """ids: (B, T) or (T,) int32/int64 (any shape when pos_encoding == "none");
-    weight: (V, d); pos_weight: (max_seq_len, d) for "learned"; position_ids: like ids.
+    weight: (V, d); pos_weight: (max_seq_len, d) for "learned"; position_ids: like ids;
+    dropout_key: None, or the (2,) int64 [seed, offset] of ``dropout_keep`` with dropout_p.
     Returns ids.shape + (d,) in weight.dtype. The range checks run before, in
     pyembed.checks (validate=True); unchecked, an out-of-range id gives a zero output row
     (positional term included) and an out-of-range learned position a zero positional
@@ -84,6 +88,9 @@ def embedding_forward(
         # ranks (pyembed.parallel) sum their rows, so each token's is added once.
         id_ok = (flat >= 0) & (flat < num_embeddings)
         out = out + torch.where(id_ok[:, None], pe, torch.zeros((), dtype=acc, device=pe.device))
+    if dropout_key is not None:
+        keep = dropout_keep(dropout_key, flat.numel(), embed_dim, dropout_p)
+        out = torch.where(keep, out * torch.tensor(dropout_scale(dropout_p), dtype=acc, device=out.device), 0)
     return out.to(weight.dtype).reshape(*ids.shape, embed_dim)
 
 
@@ -95,6 +102,68 @@ def _gather_rows(table: torch.Tensor, rows: torch.Tensor, acc: torch.dtype) -> t
     safe = torch.where(valid, rows, torch.zeros_like(rows))
     gathered = table.index_select(0, safe).to(acc)
     return torch.where(valid[:, None], gathered, torch.zeros((), dtype=acc, device=table.device))
+
+
+# --------------------------------------------------------------------------- dropout
+# Element (n, j) of the output -- flat token n, column j -- is kept iff u >= p, where
+# u = r * 2^-32 and r is word j % 4 of Philox4x32-10 with
+#     key     = (lo32(seed), hi32(seed))
+#     counter = (lo32(offset + j // 4), hi32(offset + j // 4), lo32(n), hi32(n)),
+# i.e. at::philox_engine(seed, subsequence=n, offset=offset + j // 4) in C++ and
+# tl.philox(seed, c0, c1, c2, c3) in Triton: the same bits on every backend. [seed, offset]
+# is drawn once per call (``draw_dropout_key``); nothing (B, T, d)-sized is ever stored.
+_PHILOX_ROUND_MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_KEY_STEPS = (0x9E3779B9, 0xBB67AE85)
+_LOW32 = 0xFFFFFFFF
+KEY_BOUND = 2**62  # seed and offset are drawn in [0, 2^62): offset + j // 4 never overflows
+
+
+def draw_dropout_key(device: torch.device, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """[seed, offset] (int64, on ``device``) from ``generator`` or the device's default
+    generator: no host sync, and ``torch.manual_seed`` reproduces it."""
+    return torch.randint(0, KEY_BOUND, (2,), dtype=torch.long, device=device, generator=generator)
+
+
+def dropout_threshold(p: float) -> int:
+    """u >= p  <=>  r >= ceil(p * 2^32) (exact: p * 2^32 is exact in float64); 2^32 for
+    p = 1 keeps nothing."""
+    return math.ceil(math.ldexp(p, 32))
+
+
+def dropout_scale(p: float) -> float:
+    """What a kept element is multiplied by (rounded once to the compute dtype)."""
+    return 1.0 / (1.0 - p) if p < 1.0 else 0.0
+
+
+def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi32, lo32) of the 64-bit product of the 32-bit constant a and 32-bit words b,
+    in int64 without overflow: a is split into 16-bit halves, each product < 2^48."""
+    low_part, high_part = b * (a & 0xFFFF), b * (a >> 16)
+    low = low_part + ((high_part & 0xFFFF) << 16)
+    return (high_part >> 16) + (low >> 32), low & _LOW32
+
+
+def philox4x32(key: torch.Tensor, c0, c1, c2, c3) -> list[torch.Tensor]:
+    """Philox4x32-10 (Salmon et al. 2011) on int64 tensors holding 32-bit words (the
+    counter words broadcast together); key: (2,) int64 [lo32, hi32]."""
+    k0, k1 = key[0], key[1]
+    for _ in range(10):
+        hi_b, lo_b = _mul_hi_lo(_PHILOX_ROUND_MULTIPLIERS[1], c2)
+        hi_a, lo_a = _mul_hi_lo(_PHILOX_ROUND_MULTIPLIERS[0], c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY_STEPS[0]) & _LOW32, (k1 + _PHILOX_KEY_STEPS[1]) & _LOW32
+    return [c0, c1, c2, c3]
+
+
+def dropout_keep(dropout_key: torch.Tensor, num_tokens: int, dim: int, p: float) -> torch.Tensor:
+    """(num_tokens, dim) bool: which output elements dropout keeps."""
+    seed, offset = dropout_key.long()
+    key = torch.stack((seed & _LOW32, seed >> 32))
+    groups = offset + torch.arange((dim + 3) // 4, device=dropout_key.device)[None, :]  # (1, G)
+    tokens = torch.arange(num_tokens, device=dropout_key.device)[:, None]  # (N, 1)
+    words = philox4x32(key, groups & _LOW32, groups >> 32, tokens & _LOW32, tokens >> 32)
+    words = torch.stack(torch.broadcast_tensors(*words), dim=-1).reshape(num_tokens, -1)[:, :dim]  # word j % 4 of group j // 4
+    return words >= dropout_threshold(p)
 
 
 # --------------------------------------------------------------------------- backward
@@ -186,7 +255,7 @@ def sinusoidal_table(max_seq_len: int, embed_dim: int, *, dtype=torch.float32, d
 # --------------------------------------------------------------------------- op registration
 # Every backend's ops have the schemas of the three functions above, so one fake
 # implementation each serves them all (registered by each backend).
-def forward_fake(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset):
+def forward_fake(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p):
     return weight.new_empty(*ids.shape, weight.shape[1])
 
 

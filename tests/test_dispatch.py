@@ -67,8 +67,10 @@ def test_ops_pass_opcheck(backend):
     ids, weight, pos_weight, dout = make_inputs(2, 5, 7, 8, torch.float32, pos_rows=6)
     position_ids = torch.randint(0, 6, ids.shape)
     fwd, bwd, sparse_bwd = (getattr(torch.ops.pyembed, name) for name in _OPS[backend])
-    torch.library.opcheck(fwd, (ids, weight, pos_weight, position_ids, "learned", 2.0, 0))
-    torch.library.opcheck(fwd, (ids, weight, None, None, "sinusoidal", 1.0, 3))
+    key = torch.tensor([12345, 678])
+    torch.library.opcheck(fwd, (ids, weight, pos_weight, position_ids, "learned", 2.0, 0, None, 0.0))
+    torch.library.opcheck(fwd, (ids, weight, None, None, "sinusoidal", 1.0, 3, None, 0.0))
+    torch.library.opcheck(fwd, (ids, weight, pos_weight, None, "learned", 2.0, 0, key, 0.25))
     torch.library.opcheck(bwd, (dout, ids, None, 1, 7, 6, 2.0, 3, False, True, True))
     torch.library.opcheck(bwd, (dout, ids, position_ids, 0, 7, 6, 1.0, None, True, True, True))
     torch.library.opcheck(bwd, (dout, ids, position_ids, 0, 7, 6, 1.0, None, False, False, True))
@@ -82,7 +84,10 @@ def test_compiled_sparse_op_passes_opcheck(backend):
     ids = torch.randint(0, 7, (2, 5))
     weight, pos_weight = torch.randn(7, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
     torch.library.opcheck(torch.ops.pyembed.sparse_grad_embedding,
-                          (ids, weight, pos_weight, None, "learned", 2.0, 0, 3, True, backend))
+                          (ids, weight, pos_weight, None, "learned", 2.0, 0, 3, True, backend, None, 0.0))
+    torch.library.opcheck(torch.ops.pyembed.sparse_grad_embedding,
+                          (ids, weight, pos_weight, None, "learned", 2.0, 0, 3, False, backend,
+                           torch.tensor([12345, 678]), 0.25))
 
 
 def test_range_check_op_passes_opcheck_and_is_tagged_cudagraph_unsafe():

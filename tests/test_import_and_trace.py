@@ -36,7 +36,7 @@ def test_compiled_graph_holds_the_triton_kernel_not_an_opaque_call():
         "def keep(gm, _):\n"
         "    graphs.append(gm.code)\n"
         "    return gm\n"
-        "f = lambda ids, w: torch.ops.pyembed.triton_forward(ids, w, None, None, 'sinusoidal', 2.0, 0)\n"
+        "f = lambda ids, w: torch.ops.pyembed.triton_forward(ids, w, None, None, 'sinusoidal', 2.0, 0, None, 0.0)\n"
         "with FakeTensorMode():\n"
         "    ids = torch.empty(2, 8, dtype=torch.long, device='cuda')\n"
         "    w = torch.empty(100, 64, device='cuda')\n"

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../common.h"
+#include "../dropout.h"
 
 namespace pyembed::cpu {
 
@@ -31,6 +32,7 @@ struct ForwardArgs {
   PosEncoding mode;
   double scale;
   int64_t offset, num_tokens, seq_len, num_embeddings, num_positions, dim;
+  Dropout dropout;              // applied to the sum, before the rounding (inactive: none)
   void* out;                    // (num_tokens, dim) of dtype
 };
 

@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/bit_cast.h>
 
 #include <algorithm>
 #include <cmath>
@@ -84,31 +85,59 @@ struct Chunk {
     for (int i = 0; i < kParts; ++i) c.v[i] = v[i] * s;
     return c;
   }
+  // this * s where mask is all-ones bits, 0 where it is 0 (a select, not a product with 0:
+  // a dropped inf stays 0, as in the reference's torch.where)
+  Chunk kept(const Chunk& mask, VA s) const {
+    Chunk c;
+    for (int i = 0; i < kParts; ++i) c.v[i] = VA::blendv(VA(0), v[i] * s, mask.v[i]);
+    return c;
+  }
 };
 
-// out = round(W_row * scale + pe). At most one of pe_row (learned, in T) / pe_acc
-// (sinusoid, in A). w_row == nullptr (an out-of-range id under validate=false): the
-// whole row is zero, positional term included (what lets vocab-parallel ranks sum).
+// One token's dropout mask as select masks in A: all-ones bits where the element is kept.
+template <typename A>
+void dropout_mask_row(A* mask, const Dropout& d, int64_t token, int64_t dim) {
+  using Bits = at::vec::int_same_size_t<A>;
+  const A on = c10::bit_cast<A>(~Bits(0));
+  const uint64_t seed = static_cast<uint64_t>(d.key[0]), offset = static_cast<uint64_t>(d.key[1]);
+  for (int64_t group = 0; 4 * group < dim; ++group) {
+    const unsigned bits = dropout_keep_bits(seed, offset, token, group, d.threshold);
+    for (int64_t i = 0; i < 4 && 4 * group + i < dim; ++i) mask[4 * group + i] = (bits >> i) & 1u ? on : A(0);
+  }
+}
+
+template <typename A>
+bool is_kept(A mask) {
+  return c10::bit_cast<at::vec::int_same_size_t<A>>(mask) != 0;
+}
+
+// out = round(W_row * scale + pe), times keep / (1 - p) with dropout. At most one of
+// pe_row (learned, in T) / pe_acc (sinusoid, in A). w_row == nullptr (an out-of-range id
+// under validate=false): the whole row is zero, positional term included (what lets
+// vocab-parallel ranks sum). drop_mask: dropout_mask_row's masks, or nullptr.
 template <typename T>
-void forward_row(T* out, const T* w_row, acc_t<T> scale, const T* pe_row, const acc_t<T>* pe_acc, int64_t dim) {
+void forward_row(T* out, const T* w_row, acc_t<T> scale, const T* pe_row, const acc_t<T>* pe_acc,
+                 const acc_t<T>* drop_mask, acc_t<T> drop_scale, int64_t dim) {
   using A = acc_t<T>;
   using C = Chunk<T>;
   if (w_row == nullptr) {
     std::fill(out, out + dim, T(0));
     return;
   }
-  const Vectorized<A> vscale(scale);
+  const Vectorized<A> vscale(scale), vdrop(drop_scale);
   int64_t j = 0;
   for (; j + C::kSize <= dim; j += C::kSize) {
     C c = C::load(w_row + j) * vscale;
     if (pe_row) c += C::load(pe_row + j);
     if (pe_acc) c += C::load_acc(pe_acc + j);
+    if (drop_mask) c = c.kept(C::load_acc(drop_mask + j), vdrop);
     c.store(out + j);
   }
   for (; j < dim; ++j) {  // scalar tail: d not a multiple of the vector width
     A x = static_cast<A>(w_row[j]) * scale;
     if (pe_row) x += static_cast<A>(pe_row[j]);
     if (pe_acc) x += pe_acc[j];
+    if (drop_mask) x = is_kept(drop_mask[j]) ? x * drop_scale : A(0);
     out[j] = static_cast<T>(x);
   }
 }
@@ -175,29 +204,33 @@ void forward_typed(const ForwardArgs& a) {
     }
     return {nullptr, nullptr};
   };
+  const A drop_scale = static_cast<A>(a.dropout.scale);
+  // One row's dropout masks, computed into a task-local buffer just before the row.
+  auto row = [&](int64_t token, const T* pe_row, const A* pe_acc, std::vector<A>& mask) {
+    if (a.dropout.active()) dropout_mask_row(mask.data(), a.dropout, token, dim);
+    forward_row<T>(out + token * dim, token_row(token), scale, pe_row, pe_acc,
+                   a.dropout.active() ? mask.data() : nullptr, drop_scale, dim);
+  };
 
   if (a.mode != PosEncoding::kNone && a.position_ids == nullptr) {
     // p = offset + t: step t's positional row serves the whole batch, so t is the outer
     // loop -- a learned row stays in L1 and a sinusoid is computed once per step.
     const int64_t batch = a.num_tokens / a.seq_len;
     at::parallel_for(0, a.seq_len, grain_for(batch * dim * sizeof(T)), [&](int64_t t0, int64_t t1) {
-      std::vector<A> buf(a.mode == PosEncoding::kSinusoidal ? dim : 0);
+      std::vector<A> buf(a.mode == PosEncoding::kSinusoidal ? dim : 0), mask(a.dropout.active() ? dim : 0);
       for (int64_t t = t0; t < t1; ++t) {
         auto [pe_row, pe_acc] = positional(a.offset + t, buf);
-        for (int64_t b = 0; b < batch; ++b) {
-          const int64_t token = b * a.seq_len + t;
-          forward_row<T>(out + token * dim, token_row(token), scale, pe_row, pe_acc, dim);
-        }
+        for (int64_t b = 0; b < batch; ++b) row(b * a.seq_len + t, pe_row, pe_acc, mask);
       }
     });
     return;
   }
   at::parallel_for(0, a.num_tokens, grain_for(dim * sizeof(T)), [&](int64_t n0, int64_t n1) {
-    std::vector<A> buf(a.mode == PosEncoding::kSinusoidal ? dim : 0);
+    std::vector<A> buf(a.mode == PosEncoding::kSinusoidal ? dim : 0), mask(a.dropout.active() ? dim : 0);
     for (int64_t token = n0; token < n1; ++token) {
       std::pair<const T*, const A*> pe{nullptr, nullptr};
       if (a.mode != PosEncoding::kNone) pe = positional(a.position_ids[token], buf);
-      forward_row<T>(out + token * dim, token_row(token), scale, pe.first, pe.second, dim);
+      row(token, pe.first, pe.second, mask);
     }
   });
 }

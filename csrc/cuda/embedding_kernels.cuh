@@ -28,6 +28,7 @@
 #include <cstdint>
 
 #include "../checks.h"
+#include "../dropout.h"
 
 namespace pyembed::cuda {
 
@@ -74,7 +75,8 @@ __global__ void embedding_forward_kernel(
     T* __restrict__ out,                         // (num_tokens, dim)
     int64_t num_tokens, int64_t seq_len, int64_t num_embeddings, int64_t num_positions, int64_t dim,
     int pos_mode, acc_t<T> scale, int64_t offset,
-    acc_t<T> neg_log_base_over_dim) {            // -ln(10000) / d: w_i = exp(2i * this)
+    acc_t<T> neg_log_base_over_dim,              // -ln(10000) / d: w_i = exp(2i * this)
+    Dropout dropout) {                           // applied to the sum before the rounding
   using A = acc_t<T>;
   const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (token >= num_tokens) return;
@@ -89,6 +91,8 @@ __global__ void embedding_forward_kernel(
   const T* w_row = weight + (id_ok ? id : 0) * dim;
   const T* p_row = learned ? pos_weight + p * dim : nullptr;
   T* o_row = out + token * dim;
+  const uint64_t drop_seed = dropout.active() ? static_cast<uint64_t>(dropout.key[0]) : 0;
+  const uint64_t drop_offset = dropout.active() ? static_cast<uint64_t>(dropout.key[1]) : 0;
 
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
     A x[VEC];
@@ -118,6 +122,21 @@ __global__ void embedding_forward_kernel(
           pair_done = pair;
         }
         x[i] += (e & 1) ? c : s;
+      }
+    }
+    if (dropout.active()) {
+      // Element e is word e % 4 of its group e / 4's Philox call (one call per group).
+      const A keep_scale = static_cast<A>(dropout.scale);
+      unsigned bits = 0;
+      int64_t group_done = -1;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const int64_t e = j + i, group = e >> 2;
+        if (group != group_done) {
+          bits = dropout_keep_bits(drop_seed, drop_offset, token, group, dropout.threshold);
+          group_done = group;
+        }
+        x[i] = (bits >> (e & 3)) & 1u ? x[i] * keep_scale : A(0);
       }
     }
     store_pack<VEC>(o_row + j, x);
@@ -210,7 +229,8 @@ int vector_width(int64_t dim, std::initializer_list<const void*> pointers) {
 
 template <class Launch, typename T, typename index_t>
 void launch_forward(const at::Tensor& ids, const at::Tensor& weight, const at::Tensor& pos_weight,
-                    const at::Tensor& position_ids, PosEncoding mode, double scale, int64_t offset, at::Tensor& out) {
+                    const at::Tensor& position_ids, PosEncoding mode, double scale, int64_t offset,
+                    const Dropout& dropout, at::Tensor& out) {
   const int64_t num_tokens = ids.numel(), dim = weight.size(1);
   const T* pw = pos_weight.defined() ? pos_weight.data_ptr<T>() : nullptr;
   const int vec = vector_width<T>(dim, {weight.data_ptr(), pw, out.data_ptr()});
@@ -221,7 +241,7 @@ void launch_forward(const at::Tensor& ids, const at::Tensor& weight, const at::T
     Launch::run(g.grid, g.block, kernel, ids.data_ptr<index_t>(), weight.data_ptr<T>(), pw, pid, out.data_ptr<T>(),
                 num_tokens, ids.dim() > 0 ? ids.size(-1) : int64_t(1), weight.size(0),
                 pos_weight.defined() ? pos_weight.size(0) : int64_t(0), dim, static_cast<int>(mode),
-                static_cast<acc_t<T>>(scale), offset, neg_log_base_over_dim);
+                static_cast<acc_t<T>>(scale), offset, neg_log_base_over_dim, dropout);
   };
   if (vec > 1) {
     run(embedding_forward_kernel<T, index_t, 16 / sizeof(T)>);
@@ -233,15 +253,16 @@ void launch_forward(const at::Tensor& ids, const at::Tensor& weight, const at::T
 template <class Launch>
 at::Tensor forward_op(const at::Tensor& ids_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& pos_weight_in,
                       const std::optional<at::Tensor>& position_ids_in, std::string_view pos_encoding, double scale,
-                      int64_t offset) {
-  ForwardInputs in = prepare_forward(ids_in, weight_in, pos_weight_in, position_ids_in, pos_encoding);
+                      int64_t offset, const std::optional<at::Tensor>& dropout_key, double dropout_p) {
+  ForwardInputs in =
+      prepare_forward(ids_in, weight_in, pos_weight_in, position_ids_in, pos_encoding, dropout_key, dropout_p);
   if (in.empty()) return in.out;
   const at::Tensor &ids = in.ids, &weight = in.weight;
   at::Tensor& out = in.out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "pyembed_forward_cuda", [&] {
     AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "pyembed_forward_cuda", [&] {
       launch_forward<Launch, scalar_t, index_t>(ids, weight, in.pos_weight, in.position_ids, in.mode, scale, offset,
-                                                  out);
+                                                  in.dropout, out);
     });
   });
   return out;

@@ -214,7 +214,7 @@ def test_direct_op_calls_refuse_tensors_on_another_device(backend):
         pytest.skip("the check lives in the C++ ops (the triton ops are reached through fused_embedding)")
     ids, weight = torch.tensor([[1, 2]]), torch.randn(4, 8, device="cuda")
     with pytest.raises(ValueError, match="different devices"):
-        torch.ops.pyembed.embedding_forward(ids, weight, None, None, "none", 1.0, 0)
+        torch.ops.pyembed.embedding_forward(ids, weight, None, None, "none", 1.0, 0, None, 0.0)
     with pytest.raises(ValueError, match="different devices"):
         torch.ops.pyembed.embedding_backward(torch.randn(1, 2, 8, device="cuda"), ids, None, 0, 4, 0, 1.0, None,
                                              False, True, False)
