@@ -34,6 +34,7 @@ class Case:
     pos: str = "learned"  # learned | sinusoidal | none
     dist: str = "uniform"  # uniform | zipf | onehot
     grad: str = "dense"  # dense | sparse
+    dropout: float = 0.0  # after the sum, in training mode (EmbeddingLayer(dropout=...))
 
     @property
     def vocab(self) -> int:
@@ -53,6 +54,7 @@ class Case:
 
     def label(self) -> str:
         extras = [x for x in (self.dtype, self.pos, self.dist, self.grad) if x not in ("fp32", "learned", "uniform", "dense")]
+        extras += [f"dropout={self.dropout:g}"] if self.dropout else []
         return f"{self.shape} {self.batch}x{self.seq_len} {self.mode}" + (f" [{', '.join(extras)}]" if extras else "")
 
     def as_dict(self) -> dict:
@@ -85,7 +87,8 @@ def suite(name: str) -> list[Case]:
     GPT-2 8x512. gpu: adds Llama-2/3 and 8x2048. full: the whole cross product. quick:
     one tiny shape, every mode (seconds; used by the tests)."""
     if name == "quick":
-        return [Case("tiny", 2, 16, mode) for mode in MODES] + [Case("tiny", 2, 16, "fwd+bwd", grad="sparse")]
+        return [Case("tiny", 2, 16, mode) for mode in MODES] + [Case("tiny", 2, 16, "fwd+bwd", grad="sparse"),
+                                                                 Case("tiny", 2, 16, "fwd+bwd", dropout=0.1)]
     shapes, tokens = (["gpt2", "bert"], TOKENS_DEFAULT) if name == "default" else (
         ["gpt2", "bert", "llama2", "llama3"], TOKENS_GPU)
     if name == "full":
@@ -101,4 +104,5 @@ def suite(name: str) -> list[Case]:
         cases += [Case("gpt2", b, t, mode, dtype=d) for d in ("bf16", "fp16")]
     cases += [Case("gpt2", b, t, mode, grad="sparse") for mode in ("fwd+bwd", "step")]
     cases += [Case("gpt2", b, t, "fwd+bwd", dist=d) for d in ("zipf", "onehot")]
+    cases += [Case("gpt2", b, t, mode, dropout=0.1) for mode in ("fwd+bwd", "step")]
     return cases

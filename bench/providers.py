@@ -1,7 +1,7 @@
 """The implementations being compared. Adding one is one entry in ``providers()``.
 
 - eager: the way models do it today -- nn.Embedding lookups, a multiply, an add (and a
-  sinusoid read from a precomputed table buffer).
+  sinusoid read from a precomputed table buffer), then dropout when the case has one.
 - compile: ``torch.compile`` of that same eager code.
 - pyembed-<backend>: ``pyembed.fused_embedding`` on each backend available here.
 """
@@ -28,13 +28,13 @@ class Tables:
     positions: torch.Tensor  # (seq_len,) = arange
 
 
-def eager_input_layer(ids, tables: Tables, scale: float, sparse: bool):
+def eager_input_layer(ids, tables: Tables, scale: float, sparse: bool, dropout: float = 0.0):
     out = F.embedding(ids, tables.weight, sparse=sparse) * scale
     if tables.pos_weight is not None:
         out = out + F.embedding(tables.positions, tables.pos_weight)
     if tables.sinusoid is not None:
         out = out + tables.sinusoid
-    return out
+    return F.dropout(out, dropout) if dropout else out
 
 
 class CompiledInputLayer:
@@ -49,22 +49,22 @@ class CompiledInputLayer:
         torch._dynamo.reset()
         self.fn = torch.compile(eager_input_layer)
 
-    def __call__(self, ids, tables: Tables, scale: float, sparse: bool):
-        return self.fn(ids, tables, scale, sparse)
+    def __call__(self, ids, tables: Tables, scale: float, sparse: bool, dropout: float = 0.0):
+        return self.fn(ids, tables, scale, sparse, dropout)
 
 
 def fused_input_layer(backend: str):
-    def run(ids, tables: Tables, scale: float, sparse: bool):
+    def run(ids, tables: Tables, scale: float, sparse: bool, dropout: float = 0.0):
         pos = "sinusoidal" if tables.sinusoid is not None else None
         return pyembed.fused_embedding(ids, tables.weight, tables.pos_weight, pos_encoding=pos, scale=scale,
-                                       sparse=sparse, backend=backend)
+                                       sparse=sparse, dropout_p=dropout, backend=backend)
     return run
 
 
 @dataclass
 class Provider:
     name: str
-    fn: Callable  # fn(ids, tables, scale, sparse) -> (B, T, d)
+    fn: Callable  # fn(ids, tables, scale, sparse, dropout) -> (B, T, d)
     why_not: Callable[[Case], Optional[str]] = lambda case: None  # reason it cannot run a case
     reset: Optional[Callable[[], None]] = None  # called before every case (fresh compiled state)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 COLUMNS = [
     "timestamp", "device", "torch", "pyembed", "suite", "shape", "batch", "seq_len", "tokens", "mode", "dtype", "pos",
-    "dist", "grad", "provider", "status", "median_ms", "p20_ms", "p80_ms", "gbps", "pct_of_copy", "copy_ms",
-    "min_bytes", "grad_bytes", "speedup_vs_eager", "speedup_vs_compile", "spread", "note",
+    "dist", "grad", "dropout", "provider", "status", "median_ms", "p20_ms", "p80_ms", "gbps", "pct_of_copy", "copy_ms",
+    "min_bytes", "grad_bytes", "saved_bytes", "speedup_vs_eager", "speedup_vs_compile", "spread", "note",
 ]
 
 
@@ -33,6 +33,8 @@ def _cell(row: dict) -> str:
     if row["provider"] not in ("eager", "compile") and speedups:
         parts.append(" / ".join(speedups))
     parts.append(f"{row['pct_of_copy']:.0f}% copy")
+    if row.get("saved_bytes") is not None and row.get("dropout"):
+        parts.append(f"{row['saved_bytes'] / 2**20:.2f} MiB saved")
     return " · ".join(parts)
 
 
@@ -74,8 +76,8 @@ def plots(rows: list[dict], out: Path, meta: dict) -> list[Path]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # a canvas of its own: no global backend
     from matplotlib.figure import Figure
 
-    main = [r for r in rows if r["status"] == "ok" and (r["dtype"], r["pos"], r["dist"], r["grad"]) ==
-            ("fp32", "learned", "uniform", "dense")]
+    main = [r for r in rows if r["status"] == "ok" and (r["dtype"], r["pos"], r["dist"], r["grad"], r["dropout"]) ==
+            ("fp32", "learned", "uniform", "dense", 0.0)]
     paths = []
     for mode in dict.fromkeys(r["mode"] for r in main):
         shapes = list(dict.fromkeys(r["shape"] for r in main if r["mode"] == mode))

@@ -85,10 +85,32 @@ def zero_grads(tables: Tables):
             t.grad = None
 
 
+def run_layer(provider: Provider, case: Case, ids, tables: Tables, sparse=None):
+    return provider.fn(ids, tables, case.scale, case.grad == "sparse" if sparse is None else sparse, case.dropout)
+
+
+def saved_bytes(provider: Provider, case: Case, ids, tables: Tables) -> int:
+    """Bytes autograd holds for the backward after one forward (each storage once, the
+    tables themselves excluded): a stored dropout mask shows here."""
+    storages = {}
+    params = {t.untyped_storage().data_ptr() for t in (tables.weight, tables.pos_weight) if t is not None}
+
+    def pack(t):
+        if t.layout == torch.strided and t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_layer(provider, case, ids, tables)
+    return sum(storages.values())
+
+
 def gate(provider: Provider, case: Case, ids, tables: Tables, dout) -> str | None:
-    """None when outputs and gradients match the float64 reference, else what is wrong."""
+    """None when outputs and gradients match the float64 reference, else what is wrong.
+    With dropout each provider draws its own mask: the reference then applies the mask the
+    provider's output shows (the table has no zero rows) to its output and gradient."""
     zero_grads(tables)
-    out = provider.fn(ids, tables, case.scale, case.grad == "sparse")
+    out = run_layer(provider, case, ids, tables)
     out.backward(dout)
     got = [out] + grads_of(tables)
     zero_grads(tables)
@@ -101,6 +123,11 @@ def gate(provider: Provider, case: Case, ids, tables: Tables, dout) -> str | Non
     ref = pyembed.fused_embedding(ids, exact_tables.weight, exact_tables.pos_weight,
                                   pos_encoding="sinusoidal" if case.pos == "sinusoidal" else None,
                                   scale=case.scale, backend="reference")
+    if case.dropout:
+        kept = out.detach() != 0
+        if not 0.5 * (1 - case.dropout) < kept.double().mean().item() < min(1.0, 1.5 * (1 - case.dropout)):
+            return f"kept {kept.double().mean().item():.3f} of the output with dropout {case.dropout}"
+        ref = torch.where(kept, ref / (1 - case.dropout), 0)
     ref.backward(dout.double())
     expected = [ref] + grads_of(exact_tables)
     for name, a, b in zip(("output", "weight grad", "pos grad"), got, expected):
@@ -109,7 +136,7 @@ def gate(provider: Provider, case: Case, ids, tables: Tables, dout) -> str | Non
         if err > GATE_TOL[case.dtype] * (1.0 + b.abs().max().item()):
             return f"{name} differs from the float64 reference by {err:.3g}"
     if case.grad == "sparse":
-        grad = torch.autograd.grad(provider.fn(ids, tables, case.scale, True), tables.weight, dout)[0]
+        grad = torch.autograd.grad(run_layer(provider, case, ids, tables, sparse=True), tables.weight, dout)[0]
         if not grad.is_sparse:
             return "sparse=True gave a dense gradient"
     return None
@@ -119,22 +146,22 @@ def step_fn(provider: Provider, case: Case, ids, tables: Tables, dout):
     """A zero-argument callable doing one timed step of ``case.mode``."""
     sparse = case.grad == "sparse"
     if case.mode == "fwd":
-        return lambda: provider.fn(ids, tables, case.scale, sparse)
+        return lambda: run_layer(provider, case, ids, tables)
     if case.mode == "fwd+bwd":
         def fwd_bwd():
             zero_grads(tables)
-            provider.fn(ids, tables, case.scale, sparse).backward(dout)
+            run_layer(provider, case, ids, tables).backward(dout)
         return fwd_bwd
     if case.mode == "step":
         optimizers = make_optimizers(tables, sparse)
 
         def train_step():
-            provider.fn(ids, tables, case.scale, sparse).backward(dout)
+            run_layer(provider, case, ids, tables).backward(dout)
             for opt in optimizers:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         return train_step
-    out = provider.fn(ids, tables, case.scale, sparse)  # bwd: one forward, many backwards
+    out = run_layer(provider, case, ids, tables)  # bwd: one forward, many backwards
 
     def bwd():
         zero_grads(tables)
@@ -209,6 +236,8 @@ def run_case(case: Case, device, provs: list[Provider], args) -> list[dict]:
                 fns[p.name]()
                 row["grad_bytes"] = sum(g._values().nbytes + g._indices().nbytes if g.is_sparse else g.nbytes
                                         for g in grads_of(tables))
+            if case.mode != "fwd":
+                row["saved_bytes"] = saved_bytes(p, case, ids, tables)
         rows.append(row)
     # The copy baseline moves the same minimal bytes: half read, half written.
     src = torch.empty(max(nbytes // 2 // 4, 1), dtype=torch.float32, device=device)
@@ -247,6 +276,7 @@ def parse_args(argv=None):
     ap.add_argument("--mode", nargs="*", choices=list(MODES), help="only these modes")
     ap.add_argument("--provider", nargs="*", help="only these providers (eager, compile, pyembed-cpu, ...)")
     ap.add_argument("--dtype", nargs="*", choices=sorted(DTYPES), help="only these dtypes")
+    ap.add_argument("--label", help="only cases whose label contains this text (e.g. 'dropout', '8x512 step')")
     ap.add_argument("--reference", action="store_true", help="also time the (slow) reference backend")
     ap.add_argument("--budget", type=float, default=0.6, help="CPU: seconds of timing per case (default 0.6)")
     ap.add_argument("--min-reps", type=int, default=10)
@@ -264,6 +294,7 @@ def main(argv=None) -> list[dict]:
     cases = [c for c in suite(name)
              if (not args.shape or c.shape in args.shape) and (not args.mode or c.mode in args.mode)
              and (not args.dtype or c.dtype in args.dtype)
+             and (not args.label or args.label in c.label())
              and not (device.type == "cpu" and c.shape == "llama3")]  # 2 GB tables: GPU only
     provs = [p for p in providers(device, args.reference) if not args.provider or p.name in args.provider]
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else (platform.processor() or platform.machine())

@@ -49,9 +49,23 @@ def test_compiled_provider_never_falls_back_to_eager():
             assert counters["frames"]["ok"] >= 1, (dtype, dict(counters["frames"]))
 
 
+def test_gate_reports_a_dropout_whose_backward_ignores_the_mask(tmp_path):
+    case = Case("tiny", 2, 16, "fwd+bwd", dropout=0.25)
+
+    def unmasked_backward(ids, tables, scale, sparse, dropout):
+        out = eager_input_layer(ids, tables, scale, sparse)
+        return out + (torch.nn.functional.dropout(out.detach(), dropout) - out.detach())  # gradient not masked
+
+    args = run.parse_args(["--budget", "0.01", "--min-reps", "2"])
+    good, bad = run.run_case(case, torch.device("cpu"), [Provider("eager", eager_input_layer),
+                                                          Provider("unmasked", unmasked_backward)], args)
+    assert good["status"] == "ok", good["note"]
+    assert bad["status"] == "FAILED" and "weight grad differs" in bad["note"]
+
+
 def test_gate_reports_a_wrong_provider_as_failed(tmp_path):
     case = Case("tiny", 2, 16, "fwd")
-    wrong = Provider("off-by-scale", lambda ids, tables, scale, sparse: eager_input_layer(ids, tables, scale * 1.01, sparse))
+    wrong = Provider("off-by-scale", lambda ids, tables, scale, sparse, dropout: eager_input_layer(ids, tables, scale * 1.01, sparse))
     args = run.parse_args(["--budget", "0.01", "--min-reps", "2"])
     rows = run.run_case(case, torch.device("cpu"), [wrong], args)
     assert rows[0]["status"] == "FAILED" and "output differs" in rows[0]["note"]

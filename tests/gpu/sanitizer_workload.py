@@ -2,7 +2,8 @@
 forward in every positional mode with and without position_ids, fp32 / fp16 / bf16,
 16-byte-aligned and misaligned views, unchecked out-of-range ids; backward dense and
 sparse with a hot row (every tree level), learned positions by batch sum and by
-position_ids, frequency scaling and padding. Every backend that runs on the device.
+position_ids, frequency scaling and padding; dropout (d a multiple of 4 or not) forward
+and backward. Every backend that runs on the device.
 
 Run by tests/gpu/gpu_check.py as ``compute-sanitizer --tool X python3 this.py`` with
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 (each tensor its own allocation, so an access past a
@@ -39,13 +40,13 @@ def run_backend(backend: str, device: torch.device) -> int:
             weight, pos_weight, dout = make(vocab, dim), make(seq_len + 4, dim), make(batch, seq_len, dim)
             for pos_encoding in ("none", "learned", "sinusoidal"):
                 for pos_ids in (None, position_ids) if pos_encoding != "none" else (None,):
-                    for sparse in (False, True):
+                    for sparse, dropout_p in ((False, 0.0), (True, 0.0), (False, 0.3)):
                         w = weight.detach().clone().requires_grad_()
                         p = pos_weight.detach().clone().requires_grad_() if pos_encoding == "learned" else None
                         out = pyembed.fused_embedding(
                             ids, w, p, pos_encoding=pos_encoding, position_ids=pos_ids, scale=1.5,
                             offset=2 if pos_ids is None and pos_encoding != "none" else 0, padding_idx=5,
-                            scale_grad_by_freq=sparse, sparse=sparse, backend=backend)
+                            scale_grad_by_freq=sparse, sparse=sparse, dropout_p=dropout_p, backend=backend)
                         out.backward(dout)
                         calls += 1
             bad = torch.tensor([[0, vocab, -1, 2**40]], device=device)
