@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import checks, dispatch, reference
+from . import _dtensor, checks, dispatch, reference
 
 _ID_DTYPES = (torch.int32, torch.int64)
 _WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -76,11 +76,12 @@ def fused_embedding(
     pos_encoding, position_ids = _check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
     check_dropout_p(dropout_p)
     dropout_key = reference.draw_dropout_key(weight.device, generator) if dropout_p > 0 else None
-    return apply_fused(
-        ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
-        normalize_padding_idx(padding_idx, weight.shape[0]), scale_grad_by_freq, sparse, validate,
-        dispatch.resolve(backend, weight.device), dropout_key=dropout_key, dropout_p=dropout_p,
-    )
+    args = (ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
+            normalize_padding_idx(padding_idx, weight.shape[0]), scale_grad_by_freq, sparse, validate,
+            dispatch.resolve(backend, weight.device))
+    if _dtensor.is_dtensor(weight):  # a table sharded by torch.distributed (parallelize_module)
+        return _dtensor.fused_embedding(apply_fused, *args, dropout_key, dropout_p)
+    return apply_fused(*args, dropout_key=dropout_key, dropout_p=dropout_p)
 
 
 def check_dropout_p(p) -> None:

@@ -3,7 +3,10 @@ mul + add, the way models do it today) and the float64 reference."""
 
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import pyembed
@@ -116,3 +119,24 @@ def accumulation_bound(keys, dout, num_rows, scale, dtype):
 
 # Relative error of one round-to-nearest into each dtype.
 UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+RANKS_TIMEOUT_S = 120
+
+
+def launch_ranks(run, world_size: int, store_dir: str, backends: list[str]) -> None:
+    """run(rank, world_size, store_dir, backends) on world_size spawned processes. A rank's
+    exception fails the test with its traceback; a hang fails it after RANKS_TIMEOUT_S; no
+    process outlives it."""
+    context = mp.start_processes(run, args=(world_size, store_dir, backends), nprocs=world_size, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + RANKS_TIMEOUT_S
+    try:
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the {world_size} ranks did not finish within {RANKS_TIMEOUT_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()

@@ -5,41 +5,18 @@ id raising on every rank without a hang, and sharded / gathered checkpoints. The
 themselves are in vocab_parallel_worker.py; each world size is one launch of processes
 (bounded in time, always cleaned up)."""
 
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import vocab_parallel_worker
-from helpers import CPU_BACKENDS
+from helpers import CPU_BACKENDS, launch_ranks
 from pyembed.parallel import VocabParallelEmbeddingLayer, shard_range
-
-TIMEOUT_S = 120
-
-
-def launch(world_size: int, store_dir: str) -> None:
-    """Run vocab_parallel_worker.run on world_size spawned processes. A rank's exception
-    fails the test with its traceback; a hang fails it after TIMEOUT_S; no process outlives it."""
-    context = mp.start_processes(vocab_parallel_worker.run, args=(world_size, store_dir, CPU_BACKENDS),
-                                 nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"the {world_size} ranks did not finish within {TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
-
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_vocab_parallel_matches_single_process(world_size, tmp_path):
-    launch(world_size, str(tmp_path))
+    launch_ranks(vocab_parallel_worker.run, world_size, str(tmp_path), CPU_BACKENDS)
 
 
 def test_shard_ranges_cover_the_vocabulary_contiguously():
