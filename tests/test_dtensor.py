@@ -1,8 +1,10 @@
 """FusedEmbedding inside torch.distributed's tensor parallelism (DESIGN §10), across 2 and
 3 processes on this machine (gloo over loopback, CPU tensors): torchtitan's
 RowwiseParallel plans (replicated and sequence-sharded outputs) and ColwiseParallel give
-nn.Embedding's outputs and gradients; a bad id raises on every rank without a hang; an
-unsupported layout raises one clear error. The checks are in dtensor_worker.py."""
+nn.Embedding's outputs and gradients; a bad id raises on every rank without a hang; FSDP2
+fully_shard over an EmbeddingLayer gives the single-process loss and gradients; a
+torch.distributed.checkpoint of a row-sharded table loads back into shards and into a whole
+table; an unsupported layout raises one clear error. The checks are in dtensor_worker.py."""
 
 import pytest
 import torch.distributed as dist
@@ -13,5 +15,5 @@ from helpers import CPU_BACKENDS, launch_ranks
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_parallel_styles_match_nn_embedding(world_size, tmp_path):
+def test_parallel_styles_fsdp2_and_checkpoints_match_single_process(world_size, tmp_path):
     launch_ranks(dtensor_worker.run, world_size, str(tmp_path), CPU_BACKENDS)
