@@ -53,11 +53,14 @@ def _replicated(t, name: str):
     return t.to_local()
 
 
-def fused_embedding(apply_fused, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                    scale_grad_by_freq, sparse, validate, backend, dropout_key, dropout_p):
-    """``apply_fused`` (pyembed.functional) on the local shard of a DTensor table; returns
-    a DTensor on the table's mesh (placements as in the module docstring)."""
+def fused_embedding(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
+                    scale_grad_by_freq, sparse, validate, backend, dropout_p):
+    """pyembed.functional.apply_fused on the local shard of a DTensor table (arguments
+    already checked and normalised); returns a DTensor on the table's mesh (placements as
+    in the module docstring)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from .functional import _checked_ids, apply_fused  # functional imports this module
 
     mesh = weight.device_mesh
     if mesh.ndim != 1:
@@ -65,7 +68,7 @@ def fused_embedding(apply_fused, ids, weight, pos_weight, position_ids, pos_enco
             f"pyembed: a DTensor table must live on a 1-D mesh (the tensor-parallel one), got a {mesh.ndim}-D mesh "
             f"with placements {tuple(weight.placements)}; FSDP gathers its dimension before the forward")
     (placement,) = weight.placements
-    if dropout_key is not None:
+    if dropout_p > 0:
         raise checks.InputValueError(
             "pyembed: dropout on a DTensor table is not supported yet (each rank would draw its own mask); "
             "apply dropout after the layer")
@@ -74,32 +77,31 @@ def fused_embedding(apply_fused, ids, weight, pos_weight, position_ids, pos_enco
             "pyembed: sparse gradients of a DTensor table are not supported (DTensor cannot hold a sparse "
             "gradient: nn.Embedding(sparse=True) fails under RowwiseParallel too); use sparse=False here, or "
             "pyembed.parallel.VocabParallelEmbeddingLayer for a vocab-parallel table with sparse gradients")
-    vocab = weight.shape[0]
+    if isinstance(placement, Shard) and placement.dim == 1 and pos_encoding != "none":
+        raise checks.InputValueError("pyembed: a column-sharded (Shard(1)) table takes no positional encoding here yet")
     ids = _replicated(ids, "ids")
     position_ids = _replicated(position_ids, "position_ids")
+    pos_weight = _replicated(pos_weight, "pos_weight")
     if validate:  # every rank checks the same global ids: a bad id raises on all of them
-        checks.checked_ids(ids, vocab, position_ids, pos_weight.shape[0] if pos_encoding == "learned" else None)
+        _checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
 
     def run(local_ids, local_weight, local_pos_weight, local_padding_idx):
         return apply_fused(local_ids, local_weight, local_pos_weight, position_ids, pos_encoding, scale, offset,
                            local_padding_idx, scale_grad_by_freq, sparse, False, backend)
 
     if isinstance(placement, Shard) and placement.dim == 0:
-        rows, start = Shard.local_shard_size_and_offset(vocab, mesh.size(0), mesh.get_local_rank(0))
+        rows, start = Shard.local_shard_size_and_offset(weight.shape[0], mesh.size(0), mesh.get_local_rank(0))
         local_padding_idx = padding_idx - start if padding_idx is not None and 0 <= padding_idx - start < rows else None
         # Shifted, not masked: ids of other shards are out of [0, rows), so they give zero rows.
-        out = run(ids - start, weight.to_local(), _replicated(pos_weight, "pos_weight"), local_padding_idx)
+        out = run(ids - start, weight.to_local(), pos_weight, local_padding_idx)
         return DTensor.from_local(out, mesh, [Partial()], grad_placements=[Replicate()])
     if isinstance(placement, Shard) and placement.dim == 1:
-        if pos_encoding != "none":
-            raise checks.InputValueError(
-                "pyembed: a column-sharded (Shard(1)) table takes no positional encoding here yet")
         out = run(ids, weight.to_local(), None, padding_idx)
         dim = weight.shape[1]
         return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], shape=(*ids.shape, dim),
                                   stride=torch.empty(*ids.shape, dim, device="meta").stride())
     if isinstance(placement, Replicate):
-        out = run(ids, weight.to_local(), _replicated(pos_weight, "pos_weight"), padding_idx)
+        out = run(ids, weight.to_local(), pos_weight, padding_idx)
         return DTensor.from_local(out, mesh, [Replicate()])
     raise checks.InputValueError(
         f"pyembed: a token table with placement {placement!r} is not supported; use Shard(0) (RowwiseParallel), "

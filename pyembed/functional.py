@@ -75,12 +75,12 @@ def fused_embedding(
         return _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx, validate)
     pos_encoding, position_ids = _check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
     check_dropout_p(dropout_p)
-    dropout_key = reference.draw_dropout_key(weight.device, generator) if dropout_p > 0 else None
     args = (ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
             normalize_padding_idx(padding_idx, weight.shape[0]), scale_grad_by_freq, sparse, validate,
             dispatch.resolve(backend, weight.device))
     if _dtensor.is_dtensor(weight):  # a table sharded by torch.distributed (parallelize_module)
-        return _dtensor.fused_embedding(apply_fused, *args, dropout_key, dropout_p)
+        return _dtensor.fused_embedding(*args, dropout_p)
+    dropout_key = reference.draw_dropout_key(weight.device, generator) if dropout_p > 0 else None
     return apply_fused(*args, dropout_key=dropout_key, dropout_p=dropout_p)
 
 

@@ -100,7 +100,8 @@ def check_unsupported_layouts_raise(mesh) -> None:
     from torch.distributed.tensor import DTensor, Partial
 
     weight = DTensor.from_local(torch.randn(VOCAB, DIM), mesh, [Partial()])
-    for kwargs, match in (({}, "placement Partial"), ({"sparse": True}, "sparse gradients")):
+    for kwargs, match in (({}, "placement Partial"), ({"sparse": True}, "sparse gradients"),
+                          ({"dropout_p": 0.1}, "dropout on a DTensor table")):
         try:
             pyembed.fused_embedding(torch.tensor([[1, 2]]), weight, **kwargs)
         except ValueError as exc:
