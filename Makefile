@@ -51,7 +51,8 @@ test-compat:
 	$(COMPAT_VENV)/bin/python -m build --sdist --outdir $(COMPAT_VENV)/dist .
 	$(COMPAT_VENV)/bin/pip install --no-build-isolation --no-deps $(COMPAT_VENV)/dist/*.tar.gz
 	cd $(COMPAT_VENV) && bin/python -m pyembed.info && bin/python -m pytest -q -p no:cacheprovider \
-		--rootdir=$(CURDIR) $(CURDIR)/tests/test_parity.py $(CURDIR)/tests/test_dropin.py $(CURDIR)/tests/test_errors.py
+		--rootdir=$(CURDIR) $(CURDIR)/tests/test_parity.py $(CURDIR)/tests/test_dropin.py $(CURDIR)/tests/test_errors.py \
+		$(CURDIR)/tests/test_dropout.py $(CURDIR)/tests/test_dtensor.py
 
 clean:
 	rm -rf build *.egg-info pyembed/*.so

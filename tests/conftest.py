@@ -30,10 +30,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def emulated():
     """The CUDA backend's kernels and host code compiled by g++ with the host emulation
     header (csrc/cuda/host_emulation.h), as a module for CPU tensors with the ops' schema.
-    Built once; ninja keeps build/cuda_emulation up to date."""
+    Built once; ninja keeps it up to date. One folder per torch version, so a venv with
+    another torch (make test-compat) neither rebuilds this one nor waits on its lock."""
     from torch.utils.cpp_extension import load
 
-    build_dir = ROOT / "build" / "cuda_emulation"
+    build_dir = ROOT / "build" / "cuda_emulation" / torch.__version__
     build_dir.mkdir(parents=True, exist_ok=True)
     return load(
         "pyembed_cuda_emulated",
