@@ -70,16 +70,28 @@ struct ForwardInputs {
   at::Tensor ids, weight, pos_weight, position_ids, out;  // pos_weight / position_ids may be undefined
   at::Tensor dropout_key;  // undefined: no dropout
   Dropout dropout;
+  // The sinusoid of column j is column sinusoid_column_offset + j of a sinusoid_dim-wide
+  // encoding (a DTensor column shard; 0 and d for a whole table).
+  int64_t sinusoid_column_offset = 0, sinusoid_dim = 0;
   bool empty() const { return ids.numel() == 0 || weight.size(1) == 0; }
 };
 
 inline ForwardInputs prepare_forward(const at::Tensor& ids, const at::Tensor& weight,
                                      const std::optional<at::Tensor>& pos_weight,
                                      const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
-                                     const std::optional<at::Tensor>& dropout_key, double dropout_p) {
+                                     const std::optional<at::Tensor>& dropout_key, double dropout_p,
+                                     int64_t sinusoid_column_offset, int64_t sinusoid_dim) {
   ForwardInputs in;
   in.mode = parse_pos_encoding(std::string(pos_encoding));
   check_forward_args(ids, weight, pos_weight, position_ids, in.mode);
+  in.sinusoid_column_offset = sinusoid_column_offset;
+  in.sinusoid_dim = sinusoid_dim != 0 ? sinusoid_dim : weight.size(1);
+  const bool aligned_slice = sinusoid_column_offset >= 0 && sinusoid_column_offset % 2 == 0 &&
+                             in.sinusoid_dim % 2 == 0 && sinusoid_column_offset + weight.size(1) <= in.sinusoid_dim;
+  TORCH_CHECK_VALUE(in.mode != PosEncoding::kSinusoidal || aligned_slice,
+                    "pyembed: sinusoid columns ", sinusoid_column_offset, "..",
+                    sinusoid_column_offset + weight.size(1), " are not an even-aligned slice of an even ",
+                    in.sinusoid_dim, "-wide encoding");
   check_same_device(weight.device(), {&ids, opt(pos_weight), opt(position_ids), opt(dropout_key)});
   if (dropout_key.has_value()) {
     TORCH_CHECK_VALUE(dropout_key->scalar_type() == at::kLong && dropout_key->numel() == 2,

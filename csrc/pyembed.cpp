@@ -34,7 +34,8 @@ static std::vector<at::Tag> cudagraph_unsafe() {
 TORCH_LIBRARY(pyembed, m) {
   m.def(
       "embedding_forward(Tensor ids, Tensor weight, Tensor? pos_weight, Tensor? position_ids, "
-      "str pos_encoding, float scale, int offset, Tensor? dropout_key, float dropout_p) -> Tensor");
+      "str pos_encoding, float scale, int offset, Tensor? dropout_key, float dropout_p, "
+      "int sinusoid_column_offset=0, int sinusoid_dim=0) -> Tensor");
   m.def(
       "embedding_backward(Tensor grad_out, Tensor ids, Tensor? position_ids, int offset, "
       "int num_embeddings, int num_positions, float scale, int? padding_idx, bool scale_grad_by_freq, "

@@ -88,7 +88,8 @@ def _embedding_forward_kernel(
     out_ptr,  # (num_tokens, dim)
     num_tokens, seq_len, num_embeddings, num_positions, dim, offset,
     scale: tl.float64,  # multiplies the token rows (rounded to the compute dtype)
-    neg_log_base_over_dim: tl.float64,  # -ln(10000) / d: w_i = exp(2i * this)
+    neg_log_base_over_dim: tl.float64,  # -ln(10000) / d_total: w_i = exp(2i * this)
+    sinusoid_pair_offset,  # the table's column 0 is column 2 * this of the encoding (a column shard)
     dropout_threshold,  # int64 ceil(p * 2^32): an element is kept iff its Philox word >= this
     dropout_scale: tl.float64,  # 1 / (1 - p), for the kept elements
     POS_MODE: tl.constexpr, HAS_POSITION_IDS: tl.constexpr, HAS_DROPOUT: tl.constexpr, COMPUTE_F64: tl.constexpr,
@@ -118,7 +119,7 @@ def _embedding_forward_kernel(
         else:
             # One angle, one sine and one cosine per (sin, cos) pair of columns, then
             # interleaved: columns 2i, 2i+1 of this tile are sin, cos of its pair i.
-            pair = tl.program_id(1).to(tl.int64) * (BLOCK_D // 2) + tl.arange(0, BLOCK_D // 2)
+            pair = sinusoid_pair_offset + tl.program_id(1).to(tl.int64) * (BLOCK_D // 2) + tl.arange(0, BLOCK_D // 2)
             freq = tl.exp((2 * pair).to(acc_dtype) * tl.full([], neg_log_base_over_dim, acc_dtype))
             angle = pos.to(acc_dtype)[:, None] * freq[None, :]
             pe = tl.interleave(tl.sin(angle), tl.cos(angle))
@@ -187,8 +188,10 @@ def _batch_sum_kernel(
 
 # --------------------------------------------------------------------------- launchers
 def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scale: float, offset: int,
-                      dropout_key, dropout_threshold: int, dropout_scale: float, out, launch=lambda kernel: kernel):
-    """Fill out (ids.numel(), d) in place; dropout_key None: no dropout. ``launch`` wraps
+                      dropout_key, dropout_threshold: int, dropout_scale: float, sinusoid_column_offset: int,
+                      sinusoid_dim: int, out, launch=lambda kernel: kernel):
+    """Fill out (ids.numel(), d) in place; dropout_key None: no dropout; the sinusoid of
+    column j is column sinusoid_column_offset + j (even) of a sinusoid_dim-wide one. ``launch`` wraps
     the kernel (torch.library's wrap_triton when torch.compile traces the op: pyembed/_triton.py)."""
     num_tokens, dim = ids.numel(), weight.shape[1]
     if num_tokens == 0 or dim == 0:
@@ -199,7 +202,8 @@ def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scal
         ids, weight, pos_weight if pos_weight is not None else weight,
         position_ids if position_ids is not None else ids, dropout_key if dropout_key is not None else ids, out,
         num_tokens, ids.shape[-1] if ids.dim() else 1, weight.shape[0],
-        pos_weight.shape[0] if pos_weight is not None else 0, dim, offset, scale, -math.log(10000.0) / dim,
+        pos_weight.shape[0] if pos_weight is not None else 0, dim, offset, scale, -math.log(10000.0) / sinusoid_dim,
+        sinusoid_column_offset // 2,
         dropout_threshold, dropout_scale,
         POS_MODE=pos_mode, HAS_POSITION_IDS=position_ids is not None, HAS_DROPOUT=dropout_key is not None,
         COMPUTE_F64=weight.dtype == torch.float64, BLOCK_T=block_t, BLOCK_D=block_d,

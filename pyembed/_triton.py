@@ -53,7 +53,8 @@ def _on_device(t: torch.Tensor):
 
 
 def _forward(ids, weight, pos_weight, position_ids, pos_encoding: str, scale: float, offset: int, dropout_key,
-             dropout_p: float, launch, device_guard=True) -> torch.Tensor:
+             dropout_p: float, sinusoid_column_offset: int, sinusoid_dim: int, launch, device_guard=True
+             ) -> torch.Tensor:
     out = weight.new_empty(*ids.shape, weight.shape[1])
     mode = _POS_MODES[pos_encoding]
     with _on_device(weight) if device_guard else contextlib.nullcontext():
@@ -61,7 +62,8 @@ def _forward(ids, weight, pos_weight, position_ids, pos_encoding: str, scale: fl
             ids.contiguous(), weight.contiguous(), pos_weight.contiguous() if mode == 1 else None,
             position_ids.long().contiguous() if (position_ids is not None and mode) else None,
             mode, scale, offset, dropout_key, reference.dropout_threshold(dropout_p),
-            reference.dropout_scale(dropout_p), out, launch=launch,
+            reference.dropout_scale(dropout_p), sinusoid_column_offset, sinusoid_dim or weight.shape[1], out,
+            launch=launch,
         )
     return out
 
@@ -69,10 +71,12 @@ def _forward(ids, weight, pos_weight, position_ids, pos_encoding: str, scale: fl
 @torch.library.custom_op("pyembed::triton_forward", mutates_args=())
 def triton_forward(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.Tensor],
                    position_ids: Optional[torch.Tensor], pos_encoding: str, scale: float, offset: int,
-                   dropout_key: Optional[torch.Tensor], dropout_p: float) -> torch.Tensor:
+                   dropout_key: Optional[torch.Tensor], dropout_p: float, sinusoid_column_offset: int = 0,
+                   sinusoid_dim: int = 0) -> torch.Tensor:
     """The forward (schema of reference.embedding_forward); eagerly, a direct launch."""
+    reference.check_sinusoid_columns(pos_encoding, sinusoid_column_offset, sinusoid_dim, weight.shape[1])
     return _forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
-                    launch=lambda kernel: kernel)
+                    sinusoid_column_offset, sinusoid_dim, launch=lambda kernel: kernel)
 
 
 if not _INTERPRETED:

@@ -31,7 +31,8 @@ def _select(t, bdim, i):
 
 def _forward_rule(op):
     def rule(info, in_dims, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key,
-             dropout_p):
+             dropout_p, sinusoid_column_offset=0, sinusoid_dim=0):
+        columns = (sinusoid_column_offset, sinusoid_dim)
         ids_dim, weight_dim, pos_weight_dim, position_ids_dim, key_dim = in_dims[:4] + in_dims[7:8]
         n = info.batch_size
         if weight_dim is None and pos_weight_dim is None and dropout_key is None:
@@ -41,11 +42,11 @@ def _forward_rule(op):
             if pos_encoding != "none":  # (N, T) or (N, B, T) -> (N * B, T): positions follow t
                 ids = ids.reshape(-1, ids.shape[-1])
                 position_ids = None if position_ids is None else position_ids.reshape(ids.shape)
-            out = op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, None, dropout_p)
+            out = op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, None, dropout_p, *columns)
             return out.reshape(n, *sample_shape, out.shape[-1]), 0
         outs = [op(_select(ids, ids_dim, i), _select(weight, weight_dim, i), _select(pos_weight, pos_weight_dim, i),
                    _select(position_ids, position_ids_dim, i), pos_encoding, scale, offset,
-                   _select(dropout_key, key_dim, i), dropout_p) for i in range(n)]
+                   _select(dropout_key, key_dim, i), dropout_p, *columns) for i in range(n)]
         return torch.stack(outs), 0
     return rule
 

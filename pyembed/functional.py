@@ -113,6 +113,10 @@ class FusedConfig:
     validate: bool
     backend: str
     dropout_p: float = 0.0  # with a dropout key (an input tensor of the Function)
+    # A column shard (DTensor Shard(1)): the sinusoid of column j is column
+    # sinusoid_column_offset + j of a sinusoid_dim-wide encoding (0: the table's own d).
+    sinusoid_column_offset: int = 0
+    sinusoid_dim: int = 0
     # The vocab-parallel layer's group: each rank looks up the ids it holds (others give
     # zero rows) and the ranks' outputs are summed (all-reduce). The backward is
     # unchanged by that sum: every rank holds the whole output gradient.
@@ -121,11 +125,13 @@ class FusedConfig:
 
 def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale, offset, padding_idx,
                 scale_grad_by_freq, sparse, validate, backend: dispatch.Backend, reduce_group=None,
-                dropout_key=None, dropout_p: float = 0.0) -> torch.Tensor:
+                dropout_key=None, dropout_p: float = 0.0, sinusoid_columns: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """FusedEmbeddingFunction on checked arguments (shared by fused_embedding and the
-    vocab-parallel layer); the kernels index rows densely, so tensors are made contiguous."""
+    vocab-parallel layer); the kernels index rows densely, so tensors are made contiguous.
+    sinusoid_columns: (column offset, full width) of a column shard (FusedConfig)."""
     config = FusedConfig(pos_encoding, float(scale), int(offset), padding_idx, bool(scale_grad_by_freq),
-                         bool(sparse), bool(validate), backend.name, float(dropout_p), reduce_group)
+                         bool(sparse), bool(validate), backend.name, float(dropout_p), *sinusoid_columns,
+                         reduce_group=reduce_group)
     tensors = (ids.contiguous(), weight.contiguous(), None if pos_weight is None else pos_weight.contiguous(),
                None if position_ids is None else position_ids.contiguous(), dropout_key)
     if not torch.compiler.is_compiling():
@@ -140,7 +146,7 @@ def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale,
         return torch.ops.pyembed.sparse_grad_embedding(ids, weight, pos_weight, position_ids, pos_encoding,
                                                         config.scale, config.offset, padding_idx,
                                                         config.scale_grad_by_freq, backend.name, dropout_key,
-                                                        config.dropout_p)
+                                                        config.dropout_p, *sinusoid_columns)
     return FusedEmbeddingFunction.apply(*tensors, config)
 
 
@@ -189,7 +195,7 @@ def _fused_forward(ids, weight, pos_weight, position_ids, dropout_key, config: F
         ids = _checked_ids(ids, weight, pos_weight, position_ids, config.pos_encoding)
     out = dispatch.get(config.backend).forward(
         ids, weight, pos_weight, position_ids, config.pos_encoding, config.scale, config.offset, dropout_key,
-        config.dropout_p)
+        config.dropout_p, config.sinusoid_column_offset, config.sinusoid_dim)
     if config.reduce_group is not None:
         torch.distributed.all_reduce(out, group=config.reduce_group)
     return out
@@ -354,25 +360,27 @@ DropoutMaskFunctorch = _functorch_form("DropoutMaskFunctorch", _dropout_mask_for
 def sparse_grad_embedding(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.Tensor],
                           position_ids: Optional[torch.Tensor], pos_encoding: str, scale: float, offset: int,
                           padding_idx: Optional[int], scale_grad_by_freq: bool, backend: str,
-                          dropout_key: Optional[torch.Tensor], dropout_p: float) -> torch.Tensor:
+                          dropout_key: Optional[torch.Tensor], dropout_p: float, sinusoid_column_offset: int,
+                          sinusoid_dim: int) -> torch.Tensor:
     """The lookup with a sparse weight gradient, as one op torch.compile keeps whole: its
     backward (registered below) runs under AOTAutograd, which can build the sparse
     gradient where Dynamo cannot. Eager code uses FusedEmbeddingFunction."""
     return dispatch.get(backend).forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
-                                         dropout_key, dropout_p)
+                                         dropout_key, dropout_p, sinusoid_column_offset, sinusoid_dim)
 
 
 @sparse_grad_embedding.register_fake
 def _(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, backend,
-      dropout_key, dropout_p):
+      dropout_key, dropout_p, sinusoid_column_offset, sinusoid_dim):
     return weight.new_empty(*ids.shape, weight.shape[1])
 
 
 def _sparse_grad_setup(ctx, inputs, output):
     (ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, by_freq, backend, dropout_key,
-     dropout_p) = inputs
+     dropout_p, *sinusoid_columns) = inputs
     ctx.save_for_backward(ids, position_ids, dropout_key)
-    ctx.config = FusedConfig(pos_encoding, scale, offset, padding_idx, by_freq, True, False, backend, dropout_p)
+    ctx.config = FusedConfig(pos_encoding, scale, offset, padding_idx, by_freq, True, False, backend, dropout_p,
+                             *sinusoid_columns)
     ctx.weight_shape, ctx.num_positions = weight.shape, (pos_weight.shape[0] if pos_weight is not None else 0)
 
 
@@ -381,7 +389,7 @@ def _sparse_grad_backward(ctx, grad_out):
     grad_weight, pos_grad = _gradients(
         ctx.config, grad_out, ids, position_ids, dropout_key, ctx.weight_shape, ctx.num_positions,
         ctx.needs_input_grad[1], ctx.needs_input_grad[2] and ctx.config.pos_encoding == "learned")
-    return (None, grad_weight, pos_grad) + (None,) * 9
+    return (None, grad_weight, pos_grad) + (None,) * 11
 
 
 sparse_grad_embedding.register_autograd(_sparse_grad_backward, setup_context=_sparse_grad_setup)

@@ -44,14 +44,29 @@ def token_positions(ids: torch.Tensor, position_ids: Optional[torch.Tensor], off
     return t.repeat(ids.numel() // max(seq_len, 1))
 
 
-def sinusoid(positions: torch.Tensor, embed_dim: int) -> torch.Tensor:
+def sinusoid(positions: torch.Tensor, embed_dim: int, column_offset: int = 0, num_columns: Optional[int] = None
+             ) -> torch.Tensor:
     """The closed form in float64: PE(p, 2i) = sin(p w_i), PE(p, 2i+1) = cos(p w_i),
-    w_i = exp(-(2i) ln(10000) / d). positions: (N,) integer -> (N, d) float64."""
-    i = torch.arange(embed_dim // 2, device=positions.device, dtype=torch.float64)
+    w_i = exp(-(2i) ln(10000) / d), d = embed_dim. positions: (N,) integer -> (N, num_columns)
+    float64: columns [column_offset, column_offset + num_columns) (default: all d), so a
+    column shard of the table gets its columns at their global index. column_offset is even."""
+    num_columns = embed_dim - column_offset if num_columns is None else num_columns
+    i = torch.arange(column_offset // 2, (column_offset + num_columns + 1) // 2, device=positions.device,
+                     dtype=torch.float64)
     w = torch.exp(-(2.0 * i) * math.log(10000.0) / embed_dim)
     angle = positions.to(torch.float64)[:, None] * w[None, :]
-    # Interleave (sin, cos) pairs: stack on a last axis of 2, then flatten it into d.
-    return torch.stack((torch.sin(angle), torch.cos(angle)), dim=-1).reshape(positions.numel(), embed_dim)
+    # Interleave (sin, cos) pairs: stack on a last axis of 2, then flatten it into columns.
+    pe = torch.stack((torch.sin(angle), torch.cos(angle)), dim=-1).reshape(positions.numel(), 2 * i.numel())
+    return pe[:, :num_columns]
+
+
+def check_sinusoid_columns(pos_encoding: str, column_offset: int, total_dim: int, embed_dim: int) -> None:
+    """The forward ops' sinusoid_column_offset / sinusoid_dim: an even-aligned slice of an
+    even-wide encoding (the C++ ops check the same, in csrc/checks.h)."""
+    total_dim = total_dim or embed_dim
+    if pos_encoding == "sinusoidal" and column_offset < 0 or column_offset % 2 or total_dim % 2 or column_offset + embed_dim > total_dim:
+        raise ValueError(f"pyembed: sinusoid columns {column_offset}..{column_offset + embed_dim} are not an "
+                         f"even-aligned slice of an even {total_dim}-wide encoding")
 
 
 # --------------------------------------------------------------------------- forward
@@ -65,15 +80,21 @@ def embedding_forward(
     offset: int,
     dropout_key: Optional[torch.Tensor],
     dropout_p: float,
+    sinusoid_column_offset: int = 0,
+    sinusoid_dim: int = 0,
 ) -> torch.Tensor:
     """ids: (B, T) or (T,) int32/int64 (any shape when pos_encoding == "none");
     weight: (V, d); pos_weight: (max_seq_len, d) for "learned"; position_ids: like ids;
     dropout_key: None, or the (2,) int64 [seed, offset] of ``dropout_keep`` with dropout_p.
+    sinusoid_column_offset, sinusoid_dim: for a column shard of a wider table (DTensor
+    Shard(1)): the sinusoid of column j is column sinusoid_column_offset + j (even) of a
+    sinusoid_dim-wide encoding (0: d, the whole table).
     Returns ids.shape + (d,) in weight.dtype. The range checks run before, in
     pyembed.checks (validate=True); unchecked, an out-of-range id gives a zero output row
     (positional term included) and an out-of-range learned position a zero positional
     term -- never an out-of-bounds access."""
     num_embeddings, embed_dim = weight.shape
+    check_sinusoid_columns(pos_encoding, sinusoid_column_offset, sinusoid_dim, embed_dim)
     acc = compute_dtype(weight.dtype)
 
     flat = ids.reshape(-1).long()
@@ -83,7 +104,7 @@ def embedding_forward(
         if pos_encoding == "learned":
             pe = _gather_rows(pos_weight, positions, acc)
         else:
-            pe = sinusoid(positions, embed_dim).to(acc)
+            pe = sinusoid(positions, sinusoid_dim or embed_dim, sinusoid_column_offset, embed_dim).to(acc)
         # An out-of-range id gives a zero row, positional term included: vocab-parallel
         # ranks (pyembed.parallel) sum their rows, so each token's is added once.
         id_ok = (flat >= 0) & (flat < num_embeddings)
@@ -255,7 +276,8 @@ def sinusoidal_table(max_seq_len: int, embed_dim: int, *, dtype=torch.float32, d
 # --------------------------------------------------------------------------- op registration
 # Every backend's ops have the schemas of the three functions above, so one fake
 # implementation each serves them all (registered by each backend).
-def forward_fake(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p):
+def forward_fake(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
+                 sinusoid_column_offset=0, sinusoid_dim=0):
     return weight.new_empty(*ids.shape, weight.shape[1])
 
 

@@ -13,8 +13,10 @@ from helpers import (
 )
 
 
-def forward(mod, ids, weight, pos_weight=None, *, pos_encoding="none", scale=1.0, position_ids=None, offset=0):
-    return mod.embedding_forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, None, 0.0)
+def forward(mod, ids, weight, pos_weight=None, *, pos_encoding="none", scale=1.0, position_ids=None, offset=0,
+            sinusoid_column_offset=0, sinusoid_dim=0):
+    return mod.embedding_forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, None, 0.0,
+                                 sinusoid_column_offset, sinusoid_dim)
 
 
 def backward(mod, dout, ids, *, position_ids=None, offset=0, num_embeddings, num_positions=0, scale=1.0,

@@ -66,7 +66,7 @@ def test_emulated_cuda_kernel_drops_the_reference_mask(emulated):
     for dim, dtype in ((64, torch.float32), (48, torch.float16), (10, torch.float32)):  # vector and scalar paths
         weight = torch.randn(40, dim).to(dtype)
         for pos in ("none", "sinusoidal"):
-            out = emulated.embedding_forward(ids, weight, None, None, pos, 2.0, 0, key, Q)
+            out = emulated.embedding_forward(ids, weight, None, None, pos, 2.0, 0, key, Q, 0, 0)
             ref = reference.embedding_forward(ids, weight, None, None, pos, 2.0, 0, key, Q)
             assert torch.equal(out != 0, ref != 0)
             assert_within(out, ref, 2e-3 if pos == "sinusoidal" else 0, 2**-10 if dtype == torch.float16 else 1e-6)

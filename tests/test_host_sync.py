@@ -54,8 +54,8 @@ def _eager_grad(ids, dout, num_rows, skip):
 def test_emulated_cuda_forward_and_dense_backward_never_sync(emulated):
     ids, weight, pos_weight, dout, position_ids = _inputs()
     with HostSyncRecorder() as rec:
-        emulated.embedding_forward(ids, weight, pos_weight, position_ids, "learned", 2.0, 0, None, 0.0)
-        emulated.embedding_forward(ids, weight, None, None, "sinusoidal", 2.0, 5, None, 0.0)
+        emulated.embedding_forward(ids, weight, pos_weight, position_ids, "learned", 2.0, 0, None, 0.0, 0, 0)
+        emulated.embedding_forward(ids, weight, None, None, "sinusoidal", 2.0, 5, None, 0.0, 0, 0)
         dw, dp = emulated.embedding_backward(dout, ids, position_ids, 0, 50, 120, 1.0, 5, True, True, True)
         emulated.embedding_backward(dout, ids, None, 3, 50, 120, 1.0, None, False, True, True)
     assert rec.syncs == []
@@ -76,7 +76,7 @@ def test_triton_forward_and_dense_backward_never_sync():
     dw, dp = torch.zeros(50, 16), torch.zeros(120, 16)
     out = torch.empty(*ids.shape, 16)
     with HostSyncRecorder() as rec:
-        k.embedding_forward(ids, weight, pos_weight, position_ids, k.POS_LEARNED, 2.0, 0, None, 0, 1.0, out)
+        k.embedding_forward(ids, weight, pos_weight, position_ids, k.POS_LEARNED, 2.0, 0, None, 0, 1.0, 0, 16, out)
         k.sum_segments(dout.reshape(-1, 16), k.sorted_segments(ids, 50, 5), 1.0, True, dw, dense=True)
         k.sum_segments(dout.reshape(-1, 16), k.sorted_segments(position_ids, 120, -1), 1.0, False, dp, dense=True)
         k.batch_sum(dout, torch.zeros(120, 16), 4, 100, 100, 3)

@@ -284,3 +284,36 @@ def test_rows_wider_than_one_tile(backend, pos_encoding):
     scale = float(torch.tensor(kwargs["scale"], dtype=torch.float32))
     w_exact, w_bound = accumulation_bound(ids, dout, 30, scale, torch.bfloat16)
     assert_within(dw, w_exact, w_bound, what=f"{backend} dW, d=1000")
+
+
+def _forward_op(backend, emulated):
+    """The forward op of a BACKENDS entry (inputs moved to its device, output back), or
+    the emulated CUDA one."""
+    if backend == "cuda-emulated":
+        return emulated.embedding_forward
+    name, _, device = backend.partition("@")
+    op = pyembed.dispatch.get(name).forward
+    if not device:
+        return op
+    to = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return lambda *args: op(*map(to, args)).cpu()
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["cuda-emulated"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_sinusoid_of_a_column_shard_is_the_wide_tables_columns(request, backend, dtype):
+    """A column shard (DTensor Shard(1)) computes columns [c0, c0 + n) of the D-wide
+    output: its sinusoid is taken at the global columns, not those of an n-wide table."""
+    emulated = request.getfixturevalue("emulated") if backend == "cuda-emulated" else None
+    op = _forward_op(backend, emulated)
+    full_dim, offset = 24, 5
+    ids, weight, _, _ = make_inputs(3, 11, 40, full_dim, dtype)
+    exact = eager_embedding(ids, weight.double(), pos_encoding="sinusoidal", scale=2.0, offset=offset)
+    atol = 1e-12 + (0 if dtype == torch.float64 else 1e-6 + sinusoid_atol(ids, offset=offset))
+    for start, width in ((0, 24), (0, 8), (6, 8), (10, 14), (2, 4), (22, 2)):
+        shard = weight[:, start:start + width].contiguous()
+        out = op(ids, shard, None, None, "sinusoidal", 2.0, offset, None, 0.0, start, full_dim)
+        assert_within(out.double(), exact[..., start:start + width], atol, what=f"columns {start}..{start + width}")
+    for start, width in ((1, 4), (20, 6)):  # odd start (a pair split), past the last column
+        with pytest.raises(ValueError, match="even-aligned slice"):
+            op(ids, torch.ones(40, width, dtype=dtype), None, None, "sinusoidal", 2.0, 0, None, 0.0, start, full_dim)

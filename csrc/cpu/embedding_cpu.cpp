@@ -41,9 +41,9 @@ at::Tensor embedding_forward_cpu(const at::Tensor& ids_in, const at::Tensor& wei
                                  const std::optional<at::Tensor>& pos_weight_in,
                                  const std::optional<at::Tensor>& position_ids_in, std::string_view pos_encoding,
                                  double scale, int64_t offset, const std::optional<at::Tensor>& dropout_key,
-                                 double dropout_p) {
-  const ForwardInputs in =
-      prepare_forward(ids_in, weight_in, pos_weight_in, position_ids_in, pos_encoding, dropout_key, dropout_p);
+                                 double dropout_p, int64_t sinusoid_column_offset, int64_t sinusoid_dim) {
+  const ForwardInputs in = prepare_forward(ids_in, weight_in, pos_weight_in, position_ids_in, pos_encoding,
+                                           dropout_key, dropout_p, sinusoid_column_offset, sinusoid_dim);
   if (in.empty()) return in.out;
   const at::Tensor &ids = in.ids, &weight = in.weight, &pos_weight = in.pos_weight, &position_ids = in.position_ids;
   at::Tensor out = in.out;
@@ -63,6 +63,8 @@ at::Tensor embedding_forward_cpu(const at::Tensor& ids_in, const at::Tensor& wei
   args.num_embeddings = weight.size(0);
   args.num_positions = pos_weight.defined() ? pos_weight.size(0) : 0;
   args.dim = weight.size(1);
+  args.sinusoid_column_offset = in.sinusoid_column_offset;
+  args.sinusoid_dim = in.sinusoid_dim;
   args.dropout = in.dropout;
   args.out = out.data_ptr();
   cpu::row_kernels().forward(args);

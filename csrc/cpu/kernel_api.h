@@ -32,6 +32,7 @@ struct ForwardArgs {
   PosEncoding mode;
   double scale;
   int64_t offset, num_tokens, seq_len, num_embeddings, num_positions, dim;
+  int64_t sinusoid_column_offset, sinusoid_dim;  // columns of a wider sinusoid (ForwardInputs)
   Dropout dropout;              // applied to the sum, before the rounding (inactive: none)
   void* out;                    // (num_tokens, dim) of dtype
 };

@@ -161,11 +161,14 @@ void finalize_row(T* out, const acc_t<T>* acc, acc_t<T> factor, int64_t dim) {
   for (; j < dim; ++j) out[j] = static_cast<T>(acc[j] * factor);
 }
 
-// w_i = exp(-(2i) ln(10000) / d), i < d/2, in the compute dtype.
+// w_i = exp(-(2i) ln(10000) / d_total) for the pairs i of columns [first, first + dim)
+// (first even: the whole table, or a column shard of it), in the compute dtype.
 template <typename A>
-std::vector<A> sinusoid_frequencies(int64_t dim) {
+std::vector<A> sinusoid_frequencies(int64_t dim, int64_t first, int64_t total_dim) {
   std::vector<A> w(dim / 2);
-  for (int64_t i = 0; i < dim / 2; ++i) w[i] = std::exp(-static_cast<A>(2 * i) * (std::log(A(10000)) / dim));
+  for (int64_t i = 0; i < dim / 2; ++i) {
+    w[i] = std::exp(-static_cast<A>(first + 2 * i) * (std::log(A(10000)) / total_dim));
+  }
   return w;
 }
 
@@ -189,7 +192,7 @@ void forward_typed(const ForwardArgs& a) {
   auto* out = static_cast<T*>(a.out);
   const int64_t dim = a.dim;
   const A scale = static_cast<A>(a.scale);  // sqrt(d) in float64, applied as float32
-  const auto freqs = a.mode == PosEncoding::kSinusoidal ? sinusoid_frequencies<A>(dim) : std::vector<A>{};
+  const auto freqs = a.mode == PosEncoding::kSinusoidal ? sinusoid_frequencies<A>(dim, a.sinusoid_column_offset, a.sinusoid_dim) : std::vector<A>{};
 
   auto token_row = [&](int64_t token) -> const T* {
     const int64_t id = static_cast<int64_t>(ids[token]);

@@ -75,7 +75,8 @@ __global__ void embedding_forward_kernel(
     T* __restrict__ out,                         // (num_tokens, dim)
     int64_t num_tokens, int64_t seq_len, int64_t num_embeddings, int64_t num_positions, int64_t dim,
     int pos_mode, acc_t<T> scale, int64_t offset,
-    acc_t<T> neg_log_base_over_dim,              // -ln(10000) / d: w_i = exp(2i * this)
+    acc_t<T> neg_log_base_over_dim,              // -ln(10000) / d_total: w_i = exp(2i * this)
+    int64_t sinusoid_column_offset,              // even: the table's column 0 is this column of PE
     Dropout dropout) {                           // applied to the sum before the rounding
   using A = acc_t<T>;
   const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -115,7 +116,7 @@ __global__ void embedding_forward_kernel(
       int64_t pair_done = -1;
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        const int64_t e = j + i, pair = e >> 1;
+        const int64_t e = j + i, pair = (sinusoid_column_offset + e) >> 1;
         if (pair != pair_done) {
           const A angle = static_cast<A>(p) * exp_acc(static_cast<A>(2 * pair) * neg_log_base_over_dim);
           sincos_acc(angle, &s, &c);
@@ -230,18 +231,18 @@ int vector_width(int64_t dim, std::initializer_list<const void*> pointers) {
 template <class Launch, typename T, typename index_t>
 void launch_forward(const at::Tensor& ids, const at::Tensor& weight, const at::Tensor& pos_weight,
                     const at::Tensor& position_ids, PosEncoding mode, double scale, int64_t offset,
-                    const Dropout& dropout, at::Tensor& out) {
+                    const Dropout& dropout, int64_t sinusoid_column_offset, int64_t sinusoid_dim, at::Tensor& out) {
   const int64_t num_tokens = ids.numel(), dim = weight.size(1);
   const T* pw = pos_weight.defined() ? pos_weight.data_ptr<T>() : nullptr;
   const int vec = vector_width<T>(dim, {weight.data_ptr(), pw, out.data_ptr()});
   const RowGrid g = row_grid(num_tokens, dim, vec);
   const int64_t* pid = position_ids.defined() ? position_ids.data_ptr<int64_t>() : nullptr;
-  const auto neg_log_base_over_dim = static_cast<acc_t<T>>(-std::log(10000.0) / static_cast<double>(dim));
+  const auto neg_log_base_over_dim = static_cast<acc_t<T>>(-std::log(10000.0) / static_cast<double>(sinusoid_dim));
   auto run = [&](auto kernel) {
     Launch::run(g.grid, g.block, kernel, ids.data_ptr<index_t>(), weight.data_ptr<T>(), pw, pid, out.data_ptr<T>(),
                 num_tokens, ids.dim() > 0 ? ids.size(-1) : int64_t(1), weight.size(0),
                 pos_weight.defined() ? pos_weight.size(0) : int64_t(0), dim, static_cast<int>(mode),
-                static_cast<acc_t<T>>(scale), offset, neg_log_base_over_dim, dropout);
+                static_cast<acc_t<T>>(scale), offset, neg_log_base_over_dim, sinusoid_column_offset, dropout);
   };
   if (vec > 1) {
     run(embedding_forward_kernel<T, index_t, 16 / sizeof(T)>);
@@ -253,16 +254,17 @@ void launch_forward(const at::Tensor& ids, const at::Tensor& weight, const at::T
 template <class Launch>
 at::Tensor forward_op(const at::Tensor& ids_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& pos_weight_in,
                       const std::optional<at::Tensor>& position_ids_in, std::string_view pos_encoding, double scale,
-                      int64_t offset, const std::optional<at::Tensor>& dropout_key, double dropout_p) {
-  ForwardInputs in =
-      prepare_forward(ids_in, weight_in, pos_weight_in, position_ids_in, pos_encoding, dropout_key, dropout_p);
+                      int64_t offset, const std::optional<at::Tensor>& dropout_key, double dropout_p,
+                      int64_t sinusoid_column_offset, int64_t sinusoid_dim) {
+  ForwardInputs in = prepare_forward(ids_in, weight_in, pos_weight_in, position_ids_in, pos_encoding, dropout_key,
+                                     dropout_p, sinusoid_column_offset, sinusoid_dim);
   if (in.empty()) return in.out;
   const at::Tensor &ids = in.ids, &weight = in.weight;
   at::Tensor& out = in.out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "pyembed_forward_cuda", [&] {
     AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "pyembed_forward_cuda", [&] {
       launch_forward<Launch, scalar_t, index_t>(ids, weight, in.pos_weight, in.position_ids, in.mode, scale, offset,
-                                                  in.dropout, out);
+                                                  in.dropout, in.sinusoid_column_offset, in.sinusoid_dim, out);
     });
   });
   return out;
