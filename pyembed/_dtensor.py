@@ -1,7 +1,8 @@
 """The fused op on DTensors (DESIGN §10): how each placement of the token table is
 computed, so that torch.distributed's parallel styles apply to ``FusedEmbedding`` as
 they do to ``nn.Embedding`` (torchtitan's ``RowwiseParallel(input_layouts=Replicate(),
-output_layouts=Shard(1))`` for ``tok_embeddings``).
+output_layouts=Shard(1))`` for ``tok_embeddings``), and ours (pyembed.parallel) to
+``EmbeddingLayer``.
 
 The rules, for a table on a 1-D mesh (ids replicated, as the parallel styles give them):
 
@@ -10,17 +11,29 @@ The rules, for a table on a 1-D mesh (ids replicated, as the parallel styles giv
   which every kernel turns into a zero row, positional term included, with no memory
   access and no gradient -- no redirect to row 0 (DTensor's own ``_MaskPartial`` for
   ``aten.embedding`` masks ids to 0, a hot row in the backward). The output is
-  ``Partial()``: the style then sums it (``Replicate``) or reduce-scatters it (``Shard(1)``).
+  ``Partial()``: the style then sums it (``Replicate``) or reduce-scatters it (``Shard(1)``),
+  so each token's row and positional term are added by the one rank holding its id.
   The backward is local: each rank writes the gradient of its own rows only (a
-  ``Shard(0)`` gradient, like the table), from the whole output gradient (``Replicate``); the learned positions get the
-  full gradient on every rank (each token's position row counts once).
-- ``Shard(1)`` (feature columns, ``ColwiseParallel``): each rank computes its columns; the
-  output is ``Shard(-1)``.
+  ``Shard(0)`` gradient, like the table), from the whole output gradient (``Replicate``);
+  a replicated learned positional table gets the full gradient on every rank (the
+  backward counts every token's position, in range or not).
+- ``Shard(1)`` (feature columns, ``ColwiseParallel``): each rank computes its columns;
+  the output is ``Shard(-1)``. A learned positional table is column-sharded alike; a
+  sinusoid is taken at the global columns (the ops' ``sinusoid_column_offset``).
 - ``Replicate()``: the single-device op on every rank.
+
+Dropout: one key for the whole mesh (drawn on its first rank, broadcast), so the mask is
+the single-device one: under ``Shard(0)`` each kept element lives on one rank, under
+``Shard(1)`` the key's Philox offset moves by the shard's first column / 4 (a group of
+four columns is one Philox call), which needs shards starting at multiples of 4.
 
 Why not a DTensor strategy on the custom ops: the ops take global ids and a global vocab
 size (the backward allocates ``num_embeddings`` rows), and a strategy cannot rewrite those
 arguments per rank; the shard's offset is known only here, from the mesh coordinate.
+Sparse gradients: a DTensor cannot hold a sparse tensor, and no optimizer steps one
+(``nn.Embedding(sparse=True)`` fails under ``RowwiseParallel`` too), so a sharded table
+with ``sparse=True`` is refused; ``VocabParallelEmbeddingLayer`` keeps its shard a plain
+Parameter and runs ``rowwise_partial`` below, sparse gradients included.
 """
 
 from __future__ import annotations
@@ -29,7 +42,7 @@ import sys
 
 import torch
 
-from . import checks
+from . import checks, reference
 
 
 def is_dtensor(t) -> bool:
@@ -41,68 +54,100 @@ def is_dtensor(t) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
-def _replicated(t, name: str):
-    """The full local value of a replicated DTensor (or a plain tensor)."""
+def _local(t, name: str, placement):
+    """The local value of a DTensor with ``placement`` on every mesh dimension (or a
+    plain tensor, taken as the whole value)."""
     if not is_dtensor(t):
         return t
-    from torch.distributed.tensor import Replicate
-
-    if any(not isinstance(p, Replicate) for p in t.placements):
+    if any(p != placement for p in t.placements):
         raise checks.InputValueError(
-            f"pyembed: {name} must be replicated over the mesh (Replicate()), got placements {tuple(t.placements)}")
+            f"pyembed: {name} must have placement {placement!r} here, got placements {tuple(t.placements)}")
     return t.to_local()
 
 
+def _unsupported(placement, why: str) -> checks.InputValueError:
+    return checks.InputValueError(
+        f"pyembed: a token table with placement {placement!r} is not supported{why}; use Shard(0) "
+        f"(RowwiseParallel), Shard(1) (ColwiseParallel) or Replicate() on a 1-D mesh")
+
+
+def shared_dropout_key(mesh, device, generator):
+    """One dropout key for every rank of ``mesh``: drawn on each, the first rank's kept
+    (a broadcast), so the sharded layer drops the single-device layer's elements."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    key = reference.draw_dropout_key(device, generator)
+    return distribute_tensor(key, mesh, [Replicate()], src_data_rank=0).to_local()
+
+
+def rowwise_partial(ids, local_weight, start: int, pos_weight, position_ids, pos_encoding, scale, offset,
+                    padding_idx, scale_grad_by_freq, sparse, backend, dropout_key, dropout_p):
+    """This rank's part of the lookup of a row shard (rows ``start .. start + len``):
+    ids shifted into the shard, so other shards' ids are out of range and give zero rows
+    (positional term included) and no gradient. Ids already checked. Summing the parts
+    over the ranks gives the single-device output."""
+    from .functional import apply_fused  # functional imports this module
+
+    rows = local_weight.shape[0]
+    local_padding_idx = padding_idx - start if padding_idx is not None and 0 <= padding_idx - start < rows else None
+    return apply_fused(ids - start, local_weight, pos_weight, position_ids, pos_encoding, scale, offset,
+                       local_padding_idx, scale_grad_by_freq, sparse, False, backend, dropout_key=dropout_key,
+                       dropout_p=dropout_p)
+
+
 def fused_embedding(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                    scale_grad_by_freq, sparse, validate, backend, dropout_p):
+                    scale_grad_by_freq, sparse, validate, backend, dropout_p, generator):
     """pyembed.functional.apply_fused on the local shard of a DTensor table (arguments
     already checked and normalised); returns a DTensor on the table's mesh (placements as
     in the module docstring)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    from .functional import _checked_ids, apply_fused  # functional imports this module
+    from .functional import _checked_ids, apply_fused
 
     mesh = weight.device_mesh
+    placement = weight.placements[0]
     if mesh.ndim != 1:
-        raise checks.InputValueError(
-            f"pyembed: a DTensor table must live on a 1-D mesh (the tensor-parallel one), got a {mesh.ndim}-D mesh "
-            f"with placements {tuple(weight.placements)}; FSDP gathers its dimension before the forward")
-    (placement,) = weight.placements
-    if dropout_p > 0:
-        raise checks.InputValueError(
-            "pyembed: dropout on a DTensor table is not supported yet (each rank would draw its own mask); "
-            "apply dropout after the layer")
+        raise _unsupported(placement, f" on a {mesh.ndim}-D mesh (placements {tuple(weight.placements)}; FSDP "
+                                      f"gathers its dimension before the forward)")
+    if not isinstance(placement, (Shard, Replicate)) or isinstance(placement, Shard) and placement.dim not in (0, 1):
+        raise _unsupported(placement, "")
     if sparse:
         raise checks.InputValueError(
             "pyembed: sparse gradients of a DTensor table are not supported (DTensor cannot hold a sparse "
             "gradient: nn.Embedding(sparse=True) fails under RowwiseParallel too); use sparse=False here, or "
             "pyembed.parallel.VocabParallelEmbeddingLayer for a vocab-parallel table with sparse gradients")
-    if isinstance(placement, Shard) and placement.dim == 1 and pos_encoding != "none":
-        raise checks.InputValueError("pyembed: a column-sharded (Shard(1)) table takes no positional encoding here yet")
-    ids = _replicated(ids, "ids")
-    position_ids = _replicated(position_ids, "position_ids")
-    pos_weight = _replicated(pos_weight, "pos_weight")
+    columns = placement == Shard(1)
+    dim = weight.shape[1]
+    first_column = Shard.local_shard_size_and_offset(dim, mesh.size(0), mesh.get_local_rank(0))[1] if columns else 0
+    if columns:  # judged on the split, not this rank's shard, so that every rank raises together
+        chunk = -(-dim // mesh.size(0))  # torch.chunk's: every shard starts at a multiple of it
+        for feature, multiple in (("dropout", 4 if dropout_p > 0 else 1),
+                                  ("a sinusoid", 2 if pos_encoding == "sinusoidal" else 1)):
+            if chunk % multiple and chunk < dim:
+                raise checks.InputValueError(
+                    f"pyembed: {feature} on a Shard(1) table needs shards starting at multiples of {multiple} "
+                    f"columns; d={dim} over {mesh.size(0)} ranks gives shards of {chunk} columns")
+    ids = _local(ids, "ids", Replicate())
+    position_ids = _local(position_ids, "position_ids", Replicate())
+    pos_weight = _local(pos_weight, "pos_weight", Shard(1) if columns else Replicate())
     if validate:  # every rank checks the same global ids: a bad id raises on all of them
         _checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
+    local_weight = weight.to_local()
+    dropout_key = shared_dropout_key(mesh, local_weight.device, generator) if dropout_p > 0 else None
 
-    def run(local_ids, local_weight, local_pos_weight, local_padding_idx):
-        return apply_fused(local_ids, local_weight, local_pos_weight, position_ids, pos_encoding, scale, offset,
-                           local_padding_idx, scale_grad_by_freq, sparse, False, backend)
-
-    if isinstance(placement, Shard) and placement.dim == 0:
-        rows, start = Shard.local_shard_size_and_offset(weight.shape[0], mesh.size(0), mesh.get_local_rank(0))
-        local_padding_idx = padding_idx - start if padding_idx is not None and 0 <= padding_idx - start < rows else None
-        # Shifted, not masked: ids of other shards are out of [0, rows), so they give zero rows.
-        out = run(ids - start, weight.to_local(), pos_weight, local_padding_idx)
+    if placement == Shard(0):
+        _, start = Shard.local_shard_size_and_offset(weight.shape[0], mesh.size(0), mesh.get_local_rank(0))
+        out = rowwise_partial(ids, local_weight, start, pos_weight, position_ids, pos_encoding, scale, offset,
+                              padding_idx, scale_grad_by_freq, False, backend, dropout_key, dropout_p)
         return DTensor.from_local(out, mesh, [Partial()], grad_placements=[Replicate()])
-    if isinstance(placement, Shard) and placement.dim == 1:
-        out = run(ids, weight.to_local(), None, padding_idx)
-        dim = weight.shape[1]
+    if columns:
+        if dropout_key is not None:  # global column j is word j % 4 of Philox call offset + j // 4
+            dropout_key = dropout_key + torch.tensor([0, first_column // 4], device=dropout_key.device)
+        out = apply_fused(ids, local_weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
+                          scale_grad_by_freq, False, False, backend, dropout_key=dropout_key, dropout_p=dropout_p,
+                          sinusoid_columns=(first_column, dim))
         return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], shape=(*ids.shape, dim),
                                   stride=torch.empty(*ids.shape, dim, device="meta").stride())
-    if isinstance(placement, Replicate):
-        out = run(ids, weight.to_local(), pos_weight, padding_idx)
-        return DTensor.from_local(out, mesh, [Replicate()])
-    raise checks.InputValueError(
-        f"pyembed: a token table with placement {placement!r} is not supported; use Shard(0) (RowwiseParallel), "
-        f"Shard(1) (ColwiseParallel) or Replicate()")
+    out = apply_fused(ids, local_weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
+                      scale_grad_by_freq, False, False, backend, dropout_key=dropout_key, dropout_p=dropout_p)
+    return DTensor.from_local(out, mesh, [Replicate()])

@@ -8,8 +8,8 @@ position_ids) are one op shared by every backend (pyembed.checks), skipped with
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -79,7 +79,7 @@ def fused_embedding(
             normalize_padding_idx(padding_idx, weight.shape[0]), scale_grad_by_freq, sparse, validate,
             dispatch.resolve(backend, weight.device))
     if _dtensor.is_dtensor(weight):  # a table sharded by torch.distributed (parallelize_module)
-        return _dtensor.fused_embedding(*args, dropout_p)
+        return _dtensor.fused_embedding(*args, dropout_p, generator)
     dropout_key = reference.draw_dropout_key(weight.device, generator) if dropout_p > 0 else None
     return apply_fused(*args, dropout_key=dropout_key, dropout_p=dropout_p)
 
@@ -117,27 +117,21 @@ class FusedConfig:
     # sinusoid_column_offset + j of a sinusoid_dim-wide encoding (0: the table's own d).
     sinusoid_column_offset: int = 0
     sinusoid_dim: int = 0
-    # The vocab-parallel layer's group: each rank looks up the ids it holds (others give
-    # zero rows) and the ranks' outputs are summed (all-reduce). The backward is
-    # unchanged by that sum: every rank holds the whole output gradient.
-    reduce_group: Any = field(default=None, compare=False)
 
 
 def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale, offset, padding_idx,
-                scale_grad_by_freq, sparse, validate, backend: dispatch.Backend, reduce_group=None,
-                dropout_key=None, dropout_p: float = 0.0, sinusoid_columns: tuple[int, int] = (0, 0)) -> torch.Tensor:
+                scale_grad_by_freq, sparse, validate, backend: dispatch.Backend, dropout_key=None, dropout_p: float = 0.0, sinusoid_columns: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """FusedEmbeddingFunction on checked arguments (shared by fused_embedding and the
-    vocab-parallel layer); the kernels index rows densely, so tensors are made contiguous.
+    sharded tables' rules, pyembed._dtensor); the kernels index rows densely, so tensors are made contiguous.
     sinusoid_columns: (column offset, full width) of a column shard (FusedConfig)."""
     config = FusedConfig(pos_encoding, float(scale), int(offset), padding_idx, bool(scale_grad_by_freq),
-                         bool(sparse), bool(validate), backend.name, float(dropout_p), *sinusoid_columns,
-                         reduce_group=reduce_group)
+                         bool(sparse), bool(validate), backend.name, float(dropout_p), *sinusoid_columns)
     tensors = (ids.contiguous(), weight.contiguous(), None if pos_weight is None else pos_weight.contiguous(),
                None if position_ids is None else position_ids.contiguous(), dropout_key)
     if not torch.compiler.is_compiling():
         function = FusedEmbeddingFunctorch if _functorch_active() else FusedEmbeddingFunctionWithJvp
         return function.apply(*tensors, config)
-    if sparse and reduce_group is None:
+    if sparse:
         # Dynamo cannot hold the sparse gradient an autograd.Function's backward returns;
         # AOTAutograd can, for a custom op's registered backward (as for nn.Embedding's).
         ids, weight, pos_weight, position_ids, dropout_key = tensors
@@ -193,12 +187,9 @@ def _fused_forward(ids, weight, pos_weight, position_ids, dropout_key, config: F
     """One op of the chosen backend (after the range checks, when validate)."""
     if config.validate:
         ids = _checked_ids(ids, weight, pos_weight, position_ids, config.pos_encoding)
-    out = dispatch.get(config.backend).forward(
+    return dispatch.get(config.backend).forward(
         ids, weight, pos_weight, position_ids, config.pos_encoding, config.scale, config.offset, dropout_key,
         config.dropout_p, config.sinusoid_column_offset, config.sinusoid_dim)
-    if config.reduce_group is not None:
-        torch.distributed.all_reduce(out, group=config.reduce_group)
-    return out
 
 
 def _fused_save(ctx, ids, weight, pos_weight, position_ids, dropout_key, config: FusedConfig):

@@ -1,10 +1,16 @@
-"""A vocab-parallel ``EmbeddingLayer`` on ``torch.distributed`` (tensor parallelism, as
-Megatron-LM's ``VocabParallelEmbedding``).
+"""Tensor parallelism on ``torch.distributed``.
 
-Each rank of the process group holds a contiguous range of token rows. A forward is
+- ``RowwiseParallel`` / ``ColwiseParallel``: torch's parallel styles, which also take an
+  ``EmbeddingLayer`` (for ``parallelize_module``; pyembed/_styles.py). A ``FusedEmbedding``
+  takes torch's own styles as they are.
+- ``VocabParallelEmbeddingLayer``: an ``EmbeddingLayer`` whose token table is split by
+  rows over a process group without DTensor parameters (as Megatron-LM's
+  ``VocabParallelEmbedding``): its shard is a plain Parameter, so ``sparse=True`` and
+  ``SparseAdam`` work, which a DTensor table cannot offer. Same computation as a
+  ``Shard(0)`` DTensor table (pyembed._dtensor.rowwise_partial):
 
     partial_r = fused_embedding(ids - vocab_start_r, shard_r, PE)   # one fused pass per rank
-    out       = all_reduce_sum(partial_r)                           # the whole output, every rank
+    out       = sum over ranks of partial_r                          # DTensor Partial -> Replicate
 
 Ids outside a rank's shard are out of range for its local table, which every backend
 skips inside the kernel: the whole row is zero, positional term included, with no memory
@@ -26,9 +32,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import checks, dispatch
-from .functional import _check_inputs, apply_fused, normalize_padding_idx
+from . import _dtensor, checks, dispatch
+from .functional import _check_inputs, normalize_padding_idx
 from .modules import _INIT_POS_STD, EmbeddingLayer, FusedEmbedding, check_layer_pos_encoding
+
+
+def __getattr__(name: str):
+    # The styles subclass torch's, whose module costs ~2 s to import: loaded on first use.
+    if name in ("RowwiseParallel", "ColwiseParallel"):
+        from . import _styles
+
+        return getattr(_styles, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def shard_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -79,6 +94,7 @@ class VocabParallelEmbeddingLayer(nn.Module):
         self.scale = math.sqrt(embed_dim) if scale_embeddings else 1.0
         self.backend = backend
         self.vocab_start, self.vocab_end = shard_range(vocab_size, self.rank, self.world_size)
+        self._device_mesh = None  # the group as a 1-D DeviceMesh, made on the first forward
 
         self.padding_idx = padding_idx = normalize_padding_idx(padding_idx, vocab_size)  # a global row
         holds_padding = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
@@ -127,14 +143,21 @@ class VocabParallelEmbeddingLayer(nn.Module):
         pos_encoding, position_ids = _check_inputs(ids, weight, self.pos_embedding, self.pos_encoding,
                                                    position_ids, offset)
         self._check_ranges_together(ids, position_ids)
-        return apply_fused(
-            ids - self.vocab_start,  # local row ids; other shards' ids fall outside
-            weight, self.pos_embedding, position_ids, pos_encoding, self.scale, offset, token.padding_idx,
-            scale_grad_by_freq=False, sparse=token.sparse,
-            validate=False,  # ids outside the shard are expected; the global check ran above
-            backend=dispatch.resolve(self.backend, weight.device),
-            reduce_group=self._group,  # the ranks' parts are summed (all-reduce)
-        )
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        part = _dtensor.rowwise_partial(
+            ids, weight, self.vocab_start, self.pos_embedding, position_ids, pos_encoding, self.scale, offset,
+            self.padding_idx, False, token.sparse, dispatch.resolve(self.backend, weight.device), None, 0.0)
+        # Summed over the ranks; the backward hands every rank the whole output gradient.
+        return DTensor.from_local(part, self._mesh(weight.device), [Partial()], grad_placements=[Replicate()]
+                                  ).redistribute(placements=[Replicate()]).to_local()
+
+    def _mesh(self, device: torch.device):
+        if self._device_mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._device_mesh = DeviceMesh.from_group(self._group, device.type)
+        return self._device_mesh
 
     def _check_ranges_together(self, ids: torch.Tensor, position_ids: Optional[torch.Tensor]) -> None:
         """The data checks of the single-device layer (the same IndexError / ValueError),

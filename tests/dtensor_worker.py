@@ -1,43 +1,50 @@
 """What each rank runs in tests/test_dtensor.py (a plain module, so the spawned processes
 import it without pytest): FusedEmbedding under torch.distributed's own parallel styles,
-FSDP2 over an EmbeddingLayer, and a distributed checkpoint of a sharded table, against
-single-process modules built from the same seed on every rank."""
+EmbeddingLayer under pyembed's, FSDP2 over an EmbeddingLayer, and a distributed checkpoint
+of a sharded table, against single-process modules built from the same seed on every rank."""
 
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from helpers import gloo_group
+
 VOCAB, DIM, PADDING_IDX = 50, 12, 37  # 50 rows over 3 ranks: 17, 17, 16; padding on the last shard
+# The layer's d: 24 columns over 2 or 3 ranks start at multiples of 4 (dropout's groups).
+LAYER_DIM, SEQ_LEN = 24, 8
+STYLES = ("rowwise", "rowwise-sequence", "colwise")
 
 
 def run(rank: int, world_size: int, store_dir: str, backends: list[str]) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_dir}/rendezvous", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world_size, store_dir):
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world_size,))
         for backend in backends:
-            for style in ("rowwise", "rowwise-sequence", "colwise"):
+            for style in STYLES:
                 check_style_matches_nn_embedding(mesh, style, backend)
+                for pos_encoding in ("learned", "sinusoidal"):
+                    check_layer_style_matches_single_process(mesh, style, pos_encoding, backend)
             check_bad_id_raises_on_every_rank(mesh, backend)
             check_fsdp2_matches_single_process(mesh, backend)
+        for style in STYLES:
+            check_layer_dropout_is_the_single_process_mask(mesh, style, backends[-1])
         check_checkpoint_round_trip(mesh, store_dir, backends[-1])
         check_unsupported_layouts_raise(mesh)
-    finally:
-        dist.destroy_process_group()
 
 
-def _style(name: str):
+def _style(name: str, *, ours: bool = False):
+    """torch's style ``name``, or pyembed's (which also takes an EmbeddingLayer)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if ours:
+        from pyembed.parallel import ColwiseParallel, RowwiseParallel
+    else:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     return {"rowwise": RowwiseParallel(input_layouts=Replicate()),
             "rowwise-sequence": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),  # torchtitan
@@ -83,6 +90,84 @@ def check_style_matches_nn_embedding(mesh, style: str, backend: str) -> None:
     assert err <= 1e-12, f"{backend} {style}: weight gradient differs by {err}"
 
 
+_OUTPUT_DIM = {"rowwise": None, "rowwise-sequence": 1, "colwise": 2}  # the dim each rank holds a slice of
+
+
+def _layers(mesh, style: str, pos_encoding: str, backend: str, dropout: float = 0.0):
+    """(single-process EmbeddingLayer, the same layer under pyembed's ``style``), fp64,
+    scaled, with a padding row."""
+    import pyembed
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    def layer():
+        torch.manual_seed(0)
+        return pyembed.EmbeddingLayer(VOCAB, LAYER_DIM, SEQ_LEN + 2, pos_encoding, scale_embeddings=True,
+                                      padding_idx=PADDING_IDX, dropout=dropout, backend=backend,
+                                      dtype=torch.float64)
+
+    return layer(), parallelize_module(layer(), mesh, _style(style, ours=True))
+
+
+def _compare(name: str, actual, expected, atol: float) -> None:
+    err = (actual - expected).abs().max().item()
+    assert err <= atol, f"{name} differs by {err}"
+
+
+def check_layer_style_matches_single_process(mesh, style: str, pos_encoding: str, backend: str) -> None:
+    """EmbeddingLayer under pyembed's styles: outputs and the gradients of both tables
+    equal the single-process layer's (the positional term added once per token; a sinusoid
+    at its global columns), with position_ids given by keyword and with an offset."""
+    single, sharded = _layers(mesh, style, pos_encoding, backend)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (3, SEQ_LEN), generator=g)
+    ids[0, :2] = PADDING_IDX
+    position_ids = torch.randint(0, SEQ_LEN + 2, (3, SEQ_LEN), generator=g)
+    dout = torch.randn(3, SEQ_LEN, LAYER_DIM, generator=g, dtype=torch.float64)
+    out_dim = _OUTPUT_DIM[style]
+    for call in ({"position_ids": position_ids}, {"offset": 2}):
+        name = f"{backend} {style} {pos_encoding} {sorted(call)}"
+        for m in (single, sharded):
+            m.zero_grad()
+        expected = single(ids, **call)
+        expected.backward(dout)
+        out = sharded(ids, **call)
+        local_dout = dout
+        if out_dim is not None:
+            expected, local_dout = _local_slice(expected, out_dim, mesh), _local_slice(dout, out_dim, mesh)
+        _compare(f"{name}: output", out, expected, 1e-12)
+        out.backward(local_dout)
+        for param_name, param in sharded.named_parameters():
+            full_grad = dict(single.named_parameters())[param_name].grad
+            placement = param.placements[0]
+            assert param.grad.placements == param.placements, (name, param_name, param.grad.placements)
+            expected_grad = _local_slice(full_grad, placement.dim, mesh) if placement.is_shard() else full_grad
+            _compare(f"{name}: {param_name} gradient", param.grad.to_local(), expected_grad, 1e-12)
+
+
+def check_layer_dropout_is_the_single_process_mask(mesh, style: str, backend: str) -> None:
+    """Dropout under the styles drops the single-process layer's elements: the key is
+    the first rank's (the others seed their generators differently here), so output and
+    gradients match the single-process layer run from the first rank's seed."""
+    single, sharded = _layers(mesh, style, "learned", backend, dropout=0.25)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (3, SEQ_LEN), generator=g)
+    dout = torch.randn(3, SEQ_LEN, LAYER_DIM, generator=g, dtype=torch.float64)
+    torch.manual_seed(7)
+    expected = single(ids)
+    expected.backward(dout)
+    torch.manual_seed(7 + mesh.get_local_rank())
+    out = sharded(ids)
+    out_dim = _OUTPUT_DIM[style]
+    if out_dim is not None:
+        expected, dout = _local_slice(expected, out_dim, mesh), _local_slice(dout, out_dim, mesh)
+    assert 0.6 < (expected != 0).double().mean() < 0.9  # the mask is there at all
+    _compare(f"{backend} {style} dropout: output", out, expected, 1e-12)
+    out.backward(dout)
+    token = sharded.token_embedding.weight
+    expected_grad = _local_slice(single.token_embedding.weight.grad, token.placements[0].dim, mesh)
+    _compare(f"{backend} {style} dropout: token gradient", token.grad.to_local(), expected_grad, 1e-12)
+
+
 def check_bad_id_raises_on_every_rank(mesh, backend: str) -> None:
     _, fused = _modules(mesh, "rowwise", backend)
     bad = torch.tensor([[1, VOCAB]])  # the same ids on every rank, as Replicate() inputs are
@@ -99,9 +184,19 @@ def check_unsupported_layouts_raise(mesh) -> None:
     import pyembed
     from torch.distributed.tensor import DTensor, Partial
 
-    weight = DTensor.from_local(torch.randn(VOCAB, DIM), mesh, [Partial()])
-    for kwargs, match in (({}, "placement Partial"), ({"sparse": True}, "sparse gradients"),
-                          ({"dropout_p": 0.1}, "dropout on a DTensor table")):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    partial = DTensor.from_local(torch.randn(VOCAB, DIM), mesh, [Partial()])
+    rows = distribute_tensor(torch.randn(VOCAB, DIM), mesh, [Shard(0)])
+    # Shards of 6 columns split a dropout group of 4; 10 columns over 2 ranks (5 + 5) split a
+    # sinusoid's (sin, cos) pair. Every rank raises, the first (whose shard starts at 0) too.
+    odd = distribute_tensor(torch.randn(VOCAB, 10), mesh, [Shard(1)])
+    split = distribute_tensor(torch.randn(VOCAB, 6 * mesh.size()), mesh, [Shard(1)])  # 6-column shards
+    cases = [(partial, {}, "placement Partial"), (rows, {"sparse": True}, "sparse gradients"),
+             (split, {"dropout_p": 0.5}, "multiples of 4 columns")]
+    if mesh.size() == 2:
+        cases.append((odd, {"pos_encoding": "sinusoidal"}, "multiples of 2 columns"))
+    for weight, kwargs, match in cases:
         try:
             pyembed.fused_embedding(torch.tensor([[1, 2]]), weight, **kwargs)
         except ValueError as exc:

@@ -3,9 +3,13 @@ mul + add, the way models do it today) and the float64 reference."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
@@ -122,6 +126,22 @@ UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16
 
 
 RANKS_TIMEOUT_S = 120
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world_size: int, store_dir: str):
+    """One rank's process group over loopback for a worker's checks. On success every
+    rank meets at a barrier before any tears gloo down: a rank leaving while another still
+    talks to it can abort that one ("terminate called without an active exception")."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)  # up to 3 ranks share 2 cores
+    dist.init_process_group("gloo", init_method=f"file://{store_dir}/rendezvous", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=60))
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def launch_ranks(run, world_size: int, store_dir: str, backends: list[str]) -> None:

@@ -4,11 +4,10 @@ the single-process EmbeddingLayer built from the same seed on every rank."""
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
+
+from helpers import gloo_group
 
 # (vocab, dim, layer kwargs): learned + scaled + a padding row on the last shard; sinusoidal
 # with sparse gradients and padding on the first shard; no positional encoding.
@@ -22,18 +21,12 @@ MAX_SEQ_LEN = 16
 
 def run(rank: int, world_size: int, store_dir: str, backends: list[str]) -> None:
     """Entry point of one rank: join the group over loopback, run every check, leave."""
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
-    torch.set_num_threads(1)  # up to 3 ranks share 2 cores
-    dist.init_process_group("gloo", init_method=f"file://{store_dir}/rendezvous", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world_size, store_dir):
         for backend in backends:
             for vocab, dim, kwargs in CONFIGS:
                 check_matches_single_process(vocab, dim, kwargs, backend)
             check_bad_ids_raise_on_every_rank(backend)
         check_checkpoints(store_dir)
-    finally:
-        dist.destroy_process_group()
 
 
 def _layers(vocab, dim, kwargs, backend, seed=0):
