@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers import gloo_group
+from helpers import process_group
 
 VOCAB, DIM, PADDING_IDX = 50, 12, 37  # 50 rows over 3 ranks: 17, 17, 16; padding on the last shard
 # The layer's d: 24 columns over 2 or 3 ranks start at multiples of 4 (dropout's groups).
@@ -19,11 +19,13 @@ LAYER_DIM, SEQ_LEN = 24, 8
 STYLES = ("rowwise", "rowwise-sequence", "colwise")
 
 
-def run(rank: int, world_size: int, store_dir: str, backends: list[str]) -> None:
-    with gloo_group(rank, world_size, store_dir):
+def run(rank: int, world_size: int, store_dir: str, backends: list[str], pg_backend: str = "gloo") -> None:
+    """Every check on this rank: CPU tensors over gloo (tests/test_dtensor.py), or, from
+    run_nccl, CUDA tensors over NCCL (tests/gpu/test_parallel_gpu.py)."""
+    with process_group(rank, world_size, store_dir, pg_backend):
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world_size,))
+        mesh = init_device_mesh(torch.get_default_device().type, (world_size,))
         for backend in backends:
             for style in STYLES:
                 check_style_matches_nn_embedding(mesh, style, backend)
@@ -35,6 +37,25 @@ def run(rank: int, world_size: int, store_dir: str, backends: list[str]) -> None
             check_layer_dropout_is_the_single_process_mask(mesh, style, backends[-1])
         check_checkpoint_round_trip(mesh, store_dir, backends[-1])
         check_unsupported_layouts_raise(mesh)
+
+
+def _on_gpu(rank: int) -> str:
+    """One GPU per rank: every tensor the checks make lands on it; NCCL between them."""
+    torch.cuda.set_device(rank)
+    torch.set_default_device(f"cuda:{rank}")
+    return "nccl"
+
+
+def run_nccl(rank: int, world_size: int, store_dir: str, backends: list[str]) -> None:
+    run(rank, world_size, store_dir, backends, _on_gpu(rank))
+
+
+def run_fsdp_with_tp_nccl(rank: int, world_size: int, store_dir: str, backends: list[str]) -> None:
+    run_fsdp_with_tp(rank, world_size, store_dir, backends, _on_gpu(rank))
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator(torch.get_default_device()).manual_seed(seed)
 
 
 def _style(name: str, *, ours: bool = False):
@@ -70,7 +91,7 @@ def _local_slice(full: torch.Tensor, dim: int, mesh) -> torch.Tensor:
 
 def check_style_matches_nn_embedding(mesh, style: str, backend: str) -> None:
     reference, fused = _modules(mesh, style, backend)
-    g = torch.Generator().manual_seed(1)
+    g = _generator(1)
     ids = torch.randint(0, VOCAB, (4, 6), generator=g)
     ids[0, :3] = PADDING_IDX
     dout = torch.randn(4, 6, DIM, generator=g, dtype=torch.float64)
@@ -118,7 +139,7 @@ def check_layer_style_matches_single_process(mesh, style: str, pos_encoding: str
     equal the single-process layer's (the positional term added once per token; a sinusoid
     at its global columns), with position_ids given by keyword and with an offset."""
     single, sharded = _layers(mesh, style, pos_encoding, backend)
-    g = torch.Generator().manual_seed(1)
+    g = _generator(1)
     ids = torch.randint(0, VOCAB, (3, SEQ_LEN), generator=g)
     ids[0, :2] = PADDING_IDX
     position_ids = torch.randint(0, SEQ_LEN + 2, (3, SEQ_LEN), generator=g)
@@ -149,7 +170,7 @@ def check_layer_dropout_is_the_single_process_mask(mesh, style: str, backend: st
     the first rank's (the others seed their generators differently here), so output and
     gradients match the single-process layer run from the first rank's seed."""
     single, sharded = _layers(mesh, style, "learned", backend, dropout=0.25)
-    g = torch.Generator().manual_seed(2)
+    g = _generator(2)
     ids = torch.randint(0, VOCAB, (3, SEQ_LEN), generator=g)
     dout = torch.randn(3, SEQ_LEN, LAYER_DIM, generator=g, dtype=torch.float64)
     torch.manual_seed(7)
@@ -219,7 +240,7 @@ def check_fsdp2_matches_single_process(mesh, backend: str) -> None:
                                       backend=backend, dtype=torch.float64)
 
     single, sharded = layer(), fully_shard(layer(), mesh=mesh)
-    ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, VOCAB, (4, 8), generator=_generator(3))
     losses = [m(ids).pow(2).sum() for m in (single, sharded)]
     for loss in losses:
         loss.backward()
@@ -247,3 +268,41 @@ def check_checkpoint_round_trip(mesh, store_dir: str, backend: str) -> None:
     whole = {"weight": torch.zeros(VOCAB, DIM, dtype=torch.float64)}
     dcp.load(whole, checkpoint_id=path)  # a plain tensor on every rank: DCP gathers the shards
     assert torch.equal(whole["weight"], reference.weight.detach())
+
+
+def run_fsdp_with_tp(rank: int, world_size: int, store_dir: str, backends: list[str], pg_backend: str = "gloo"
+                     ) -> None:
+    """4 ranks as a 2 x 2 (dp, tp) mesh: torchtitan's composition -- the TP plan on the tp
+    dimension, then FSDP2 fully_shard on the dp one, each dp rank feeding its half of the
+    batch. FSDP2 averages gradients over dp, so the reference loss is the whole batch's / 2."""
+    import pyembed
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    with process_group(rank, world_size, store_dir, pg_backend):
+        mesh = init_device_mesh(torch.get_default_device().type, (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+        for backend in backends:
+            for style in STYLES:
+                def layer():
+                    torch.manual_seed(0)
+                    return pyembed.EmbeddingLayer(VOCAB, LAYER_DIM, SEQ_LEN, "learned", scale_embeddings=True,
+                                                  padding_idx=PADDING_IDX, backend=backend, dtype=torch.float64)
+
+                single = layer()
+                sharded = fully_shard(parallelize_module(layer(), mesh["tp"], _style(style, ours=True)),
+                                      mesh=mesh["dp"])
+                ids = torch.randint(0, VOCAB, (4, SEQ_LEN), generator=_generator(3))
+                expected = single(ids)
+                (expected.pow(2).sum() / 2).backward()
+                out = sharded(ids.chunk(2)[mesh.get_local_rank("dp")])
+                out_dim = _OUTPUT_DIM[style]
+                expected = expected.chunk(2)[mesh.get_local_rank("dp")]
+                if out_dim is not None:
+                    expected = _local_slice(expected, out_dim, mesh["tp"])
+                _compare(f"{backend} FSDP2 + {style}: output", out, expected, 1e-12)
+                out.pow(2).sum().backward()
+                for name, param in sharded.named_parameters():
+                    full_grad = dict(single.named_parameters())[name].grad
+                    _compare(f"{backend} FSDP2 + {style}: {name} gradient", param.grad.full_tensor(), full_grad,
+                             1e-12 * full_grad.abs().max().item())

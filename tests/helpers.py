@@ -4,6 +4,7 @@ mul + add, the way models do it today) and the float64 reference."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import time
 from datetime import timedelta
@@ -129,13 +130,15 @@ RANKS_TIMEOUT_S = 120
 
 
 @contextlib.contextmanager
-def gloo_group(rank: int, world_size: int, store_dir: str):
-    """One rank's process group over loopback for a worker's checks. On success every
-    rank meets at a barrier before any tears gloo down: a rank leaving while another still
-    talks to it can abort that one ("terminate called without an active exception")."""
+def process_group(rank: int, world_size: int, store_dir: str, backend: str = "gloo"):
+    """One rank's process group (gloo over loopback, or NCCL) for a worker's checks. On
+    success every rank meets at a barrier before any tears it down: a rank leaving while
+    another still talks to it can abort that one ("terminate called without an active
+    exception")."""
+    faulthandler.enable()  # a rank that aborts (SIGABRT) prints where its threads were
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)  # up to 3 ranks share 2 cores
-    dist.init_process_group("gloo", init_method=f"file://{store_dir}/rendezvous", rank=rank,
+    torch.set_num_threads(1)  # up to 4 ranks share 2 cores
+    dist.init_process_group(backend, init_method=f"file://{store_dir}/rendezvous", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=60))
     try:
         yield

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from helpers import gloo_group
+from helpers import process_group
 
 # (vocab, dim, layer kwargs): learned + scaled + a padding row on the last shard; sinusoidal
 # with sparse gradients and padding on the first shard; no positional encoding.
@@ -21,7 +21,7 @@ MAX_SEQ_LEN = 16
 
 def run(rank: int, world_size: int, store_dir: str, backends: list[str]) -> None:
     """Entry point of one rank: join the group over loopback, run every check, leave."""
-    with gloo_group(rank, world_size, store_dir):
+    with process_group(rank, world_size, store_dir):
         for backend in backends:
             for vocab, dim, kwargs in CONFIGS:
                 check_matches_single_process(vocab, dim, kwargs, backend)
