@@ -31,6 +31,15 @@ def test_swap_into_hf():
     assert "the speed of nn.Embedding" in out, out
 
 
+def test_tensor_parallel_plan_with_torchrun():
+    """torchtitan's plan (pyembed's RowwiseParallel on the EmbeddingLayer, torch's
+    SequenceParallel and ColwiseParallel after it) trains with the one-device losses."""
+    world_size = 2
+    out = run(sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+              str(EXAMPLES / "tensor_parallel.py"), "--steps", "2")
+    assert out.count("agree: True") == 2 * world_size, out
+
+
 def test_vocab_parallel_with_torchrun():
     world_size = 2
     out = run(sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
