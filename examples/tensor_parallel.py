@@ -79,6 +79,7 @@ def main() -> None:
         agree &= same
         print(f"rank {rank} step {step}: loss one device {losses[0]:.12f}, tensor parallel {losses[1]:.12f}, "
               f"agree: {same}", flush=True)
+    del model, optimizers, mesh  # the group's last users go before the group does
     dist.destroy_process_group()
     if not agree:
         raise SystemExit(1)
