@@ -53,8 +53,8 @@ def _on_device(t: torch.Tensor):
 
 
 def _forward(ids, weight, pos_weight, position_ids, pos_encoding: str, scale: float, offset: int, dropout_key,
-             dropout_p: float, sinusoid_column_offset: int, sinusoid_dim: int, launch, device_guard=True
-             ) -> torch.Tensor:
+             dropout_p: float, sinusoid_column_offset: int = 0, sinusoid_dim: int = 0, *, launch,
+             device_guard=True) -> torch.Tensor:
     out = weight.new_empty(*ids.shape, weight.shape[1])
     mode = _POS_MODES[pos_encoding]
     with _on_device(weight) if device_guard else contextlib.nullcontext():

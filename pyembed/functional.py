@@ -351,8 +351,8 @@ DropoutMaskFunctorch = _functorch_form("DropoutMaskFunctorch", _dropout_mask_for
 def sparse_grad_embedding(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.Tensor],
                           position_ids: Optional[torch.Tensor], pos_encoding: str, scale: float, offset: int,
                           padding_idx: Optional[int], scale_grad_by_freq: bool, backend: str,
-                          dropout_key: Optional[torch.Tensor], dropout_p: float, sinusoid_column_offset: int,
-                          sinusoid_dim: int) -> torch.Tensor:
+                          dropout_key: Optional[torch.Tensor], dropout_p: float, sinusoid_column_offset: int = 0,
+                          sinusoid_dim: int = 0) -> torch.Tensor:
     """The lookup with a sparse weight gradient, as one op torch.compile keeps whole: its
     backward (registered below) runs under AOTAutograd, which can build the sparse
     gradient where Dynamo cannot. Eager code uses FusedEmbeddingFunction."""
@@ -362,7 +362,7 @@ def sparse_grad_embedding(ids: torch.Tensor, weight: torch.Tensor, pos_weight: O
 
 @sparse_grad_embedding.register_fake
 def _(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, backend,
-      dropout_key, dropout_p, sinusoid_column_offset, sinusoid_dim):
+      dropout_key, dropout_p, sinusoid_column_offset=0, sinusoid_dim=0):
     return weight.new_empty(*ids.shape, weight.shape[1])
 
 

@@ -63,8 +63,9 @@ def sinusoid(positions: torch.Tensor, embed_dim: int, column_offset: int = 0, nu
 def check_sinusoid_columns(pos_encoding: str, column_offset: int, total_dim: int, embed_dim: int) -> None:
     """The forward ops' sinusoid_column_offset / sinusoid_dim: an even-aligned slice of an
     even-wide encoding (the C++ ops check the same, in csrc/checks.h)."""
-    total_dim = total_dim or embed_dim
-    if pos_encoding == "sinusoidal" and column_offset < 0 or column_offset % 2 or total_dim % 2 or column_offset + embed_dim > total_dim:
+    if pos_encoding != "sinusoidal" or (column_offset == 0 and total_dim in (0, embed_dim)):
+        return  # the whole table (whose even d the callers check)
+    if column_offset < 0 or column_offset % 2 or total_dim % 2 or column_offset + embed_dim > total_dim:
         raise ValueError(f"pyembed: sinusoid columns {column_offset}..{column_offset + embed_dim} are not an "
                          f"even-aligned slice of an even {total_dim}-wide encoding")
 

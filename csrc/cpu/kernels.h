@@ -176,7 +176,22 @@ std::vector<A> sinusoid_frequencies(int64_t dim, int64_t first, int64_t total_di
 template <typename A>
 void sinusoid_row(A* out, int64_t position, const std::vector<A>& freqs) {
   const A p = static_cast<A>(position);
-  for (size_t i = 0; i < freqs.size(); ++i) {
+  size_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<A, float>) {
+    // 8 pairs at a time: Sleef's sincos (1 ulp at any angle; std::sin per element made a
+    // sinusoid forward ~2x slower than a table lookup), then interleaved into (sin, cos).
+    using V = Vectorized<float>;
+    for (; i + V::size() <= freqs.size(); i += V::size()) {
+      const V angle = V::loadu(freqs.data() + i) * V(p);  // the same one rounding as below
+      const Sleef___m256_2 sin_cos = Sleef_sincosf8_u10(angle);
+      const auto [low, high] = at::vec::interleave2(V(sin_cos.x), V(sin_cos.y));
+      low.store(out + 2 * i);
+      high.store(out + 2 * i + V::size());
+    }
+  }
+#endif
+  for (; i < freqs.size(); ++i) {
     const A angle = p * freqs[i];
     out[2 * i] = std::sin(angle);
     out[2 * i + 1] = std::cos(angle);
