@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 
 import torch
@@ -80,6 +81,7 @@ def main() -> None:
         print(f"rank {rank} step {step}: loss one device {losses[0]:.12f}, tensor parallel {losses[1]:.12f}, "
               f"agree: {same}", flush=True)
     del model, optimizers, mesh  # the group's last users go before the group does
+    gc.collect()
     dist.destroy_process_group()
     if not agree:
         raise SystemExit(1)

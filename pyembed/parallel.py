@@ -10,7 +10,7 @@
   ``Shard(0)`` DTensor table (pyembed._dtensor.rowwise_partial):
 
     partial_r = fused_embedding(ids - vocab_start_r, shard_r, PE)   # one fused pass per rank
-    out       = sum over ranks of partial_r                          # DTensor Partial -> Replicate
+    out       = all_reduce_sum(partial_r)                            # as DTensor's Partial -> Replicate
 
 Ids outside a rank's shard are out of range for its local table, which every backend
 skips inside the kernel: the whole row is zero, positional term included, with no memory
@@ -54,6 +54,24 @@ def shard_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """The ranks' partial outputs summed (all-reduce), what a Shard(0) DTensor's Partial ->
+    Replicate does. The backward is the identity: the layers after this one are
+    replicated, so every rank already holds the whole output gradient. (Not through a
+    DeviceMesh: one held by the layer kept the group alive past destroy_process_group, and
+    gloo then aborted at interpreter exit in 1 run of 4.)"""
+
+    @staticmethod
+    def forward(ctx, part, group):
+        total = part.clone()  # a new output: reducing into part would hand autograd an input as the output
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 class VocabParallelEmbeddingLayer(nn.Module):
     """``EmbeddingLayer`` with its token table split by rows over a process group.
 
@@ -94,7 +112,6 @@ class VocabParallelEmbeddingLayer(nn.Module):
         self.scale = math.sqrt(embed_dim) if scale_embeddings else 1.0
         self.backend = backend
         self.vocab_start, self.vocab_end = shard_range(vocab_size, self.rank, self.world_size)
-        self._device_mesh = None  # the group as a 1-D DeviceMesh, made on the first forward
 
         self.padding_idx = padding_idx = normalize_padding_idx(padding_idx, vocab_size)  # a global row
         holds_padding = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
@@ -143,21 +160,10 @@ class VocabParallelEmbeddingLayer(nn.Module):
         pos_encoding, position_ids = _check_inputs(ids, weight, self.pos_embedding, self.pos_encoding,
                                                    position_ids, offset)
         self._check_ranges_together(ids, position_ids)
-        from torch.distributed.tensor import DTensor, Partial, Replicate
-
         part = _dtensor.rowwise_partial(
             ids, weight, self.vocab_start, self.pos_embedding, position_ids, pos_encoding, self.scale, offset,
             self.padding_idx, False, token.sparse, dispatch.resolve(self.backend, weight.device), None, 0.0)
-        # Summed over the ranks; the backward hands every rank the whole output gradient.
-        return DTensor.from_local(part, self._mesh(weight.device), [Partial()], grad_placements=[Replicate()]
-                                  ).redistribute(placements=[Replicate()]).to_local()
-
-    def _mesh(self, device: torch.device):
-        if self._device_mesh is None:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            self._device_mesh = DeviceMesh.from_group(self._group, device.type)
-        return self._device_mesh
+        return _SumOverRanks.apply(part, self._group)
 
     def _check_ranges_together(self, ids: torch.Tensor, position_ids: Optional[torch.Tensor]) -> None:
         """The data checks of the single-device layer (the same IndexError / ValueError),
