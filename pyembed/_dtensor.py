@@ -140,14 +140,13 @@ def fused_embedding(ids, weight, pos_weight, position_ids, pos_encoding, scale, 
         out = rowwise_partial(ids, local_weight, start, pos_weight, position_ids, pos_encoding, scale, offset,
                               padding_idx, scale_grad_by_freq, False, backend, dropout_key, dropout_p)
         return DTensor.from_local(out, mesh, [Partial()], grad_placements=[Replicate()])
-    if columns:
-        if dropout_key is not None:  # global column j is word j % 4 of Philox call offset + j // 4
-            dropout_key = dropout_key + torch.tensor([0, first_column // 4], device=dropout_key.device)
-        out = apply_fused(ids, local_weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                          scale_grad_by_freq, False, False, backend, dropout_key=dropout_key, dropout_p=dropout_p,
-                          sinusoid_columns=(first_column, dim))
-        return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], shape=(*ids.shape, dim),
-                                  stride=torch.empty(*ids.shape, dim, device="meta").stride())
+    # Shard(1) or Replicate(): this rank's columns, from first_column on (all of them when replicated).
+    if dropout_key is not None and first_column:  # global column j is word j % 4 of Philox call offset + j // 4
+        dropout_key = dropout_key + torch.tensor([0, first_column // 4], device=dropout_key.device)
     out = apply_fused(ids, local_weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                      scale_grad_by_freq, False, False, backend, dropout_key=dropout_key, dropout_p=dropout_p)
-    return DTensor.from_local(out, mesh, [Replicate()])
+                      scale_grad_by_freq, False, False, backend, dropout_key=dropout_key, dropout_p=dropout_p,
+                      sinusoid_columns=(first_column, dim))
+    if not columns:
+        return DTensor.from_local(out, mesh, [Replicate()])
+    return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], shape=(*ids.shape, dim),
+                              stride=torch.empty(*ids.shape, dim, device="meta").stride())

@@ -120,10 +120,12 @@ class FusedConfig:
 
 
 def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale, offset, padding_idx,
-                scale_grad_by_freq, sparse, validate, backend: dispatch.Backend, dropout_key=None, dropout_p: float = 0.0, sinusoid_columns: tuple[int, int] = (0, 0)) -> torch.Tensor:
+                scale_grad_by_freq, sparse, validate, backend: dispatch.Backend, dropout_key=None,
+                dropout_p: float = 0.0, sinusoid_columns: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """FusedEmbeddingFunction on checked arguments (shared by fused_embedding and the
-    sharded tables' rules, pyembed._dtensor); the kernels index rows densely, so tensors are made contiguous.
-    sinusoid_columns: (column offset, full width) of a column shard (FusedConfig)."""
+    sharded tables' rules, pyembed._dtensor); the kernels index rows densely, so tensors
+    are made contiguous. sinusoid_columns: (column offset, full width) of a column shard
+    (FusedConfig)."""
     config = FusedConfig(pos_encoding, float(scale), int(offset), padding_idx, bool(scale_grad_by_freq),
                          bool(sparse), bool(validate), backend.name, float(dropout_p), *sinusoid_columns)
     tensors = (ids.contiguous(), weight.contiguous(), None if pos_weight is None else pos_weight.contiguous(),
