@@ -59,7 +59,7 @@ class _SumOverRanks(torch.autograd.Function):
     Replicate does. The backward is the identity: the layers after this one are
     replicated, so every rank already holds the whole output gradient. (Not through a
     DeviceMesh: one held by the layer kept the group alive past destroy_process_group, and
-    gloo then aborted at interpreter exit in 1 run of 4.)"""
+    gloo then aborted at interpreter exit in 4 runs of 16; 0 of 28 without it.)"""
 
     @staticmethod
     def forward(ctx, part, group):
