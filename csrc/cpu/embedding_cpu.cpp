@@ -16,17 +16,21 @@
 
 namespace pyembed {
 
-// The AVX2 build of the row kernels when this CPU has AVX2+FMA+F16C, else the portable
-// one; PYEMBED_CPU_ISA=base forces the portable build (the tests run both).
+// The widest build of the row kernels this CPU runs: AVX-512 (F/BW/VL/DQ, as ATen's
+// AVX512 capability), else AVX2+FMA+F16C, else the portable one. PYEMBED_CPU_ISA=base or
+// =avx2 caps the choice (the tests run every build this machine can).
 const cpu::Kernels& cpu::row_kernels() {
   static const Kernels* chosen = [] {
     const char* forced = std::getenv("PYEMBED_CPU_ISA");
-    if (forced != nullptr && std::string(forced) == "base") return &kernels_base();
+    const std::string cap = forced != nullptr ? forced : "";
+    if (cap == "base") return &kernels_base();
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (kernels_avx2() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c")) {
-      return kernels_avx2();
-    }
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                      __builtin_cpu_supports("f16c");
+    const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    if (kernels_avx512() && avx512 && cap != "avx2") return kernels_avx512();
+    if (kernels_avx2() && avx2) return kernels_avx2();
 #endif
     return &kernels_base();
   }();

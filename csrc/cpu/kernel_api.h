@@ -1,7 +1,8 @@
 // The interface between the CPU ops (embedding_cpu.cpp) and the row kernels
 // (kernels.h), which are compiled once per instruction set: kernels_base.cpp for any
-// x86-64 / ARM CPU, kernels_avx2.cpp with AVX2+FMA+F16C. The op picks one table at run
-// time, as PyTorch's own CPU kernels do (DispatchStub).
+// x86-64 / ARM CPU, kernels_avx2.cpp with AVX2+FMA+F16C, kernels_avx512.cpp with AVX-512
+// F/BW/VL/DQ. The op picks one table at run time, as PyTorch's own CPU kernels do
+// (DispatchStub).
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -66,7 +67,8 @@ struct Kernels {
 };
 
 const Kernels& kernels_base();
-const Kernels* kernels_avx2();  // nullptr when not compiled for this architecture
-const Kernels& row_kernels();   // the best of the two this CPU can run
+const Kernels* kernels_avx2();    // nullptr when not compiled for this architecture
+const Kernels* kernels_avx512();  // nullptr when not compiled for this architecture
+const Kernels& row_kernels();     // the best of the three this CPU can run
 
 }  // namespace pyembed::cpu
