@@ -503,11 +503,9 @@ def _check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset):
             )
 
     device = weight.device
-    if ids.device != device or (pos_weight is not None and pos_weight.device != device) or (
-            position_ids is not None and position_ids.device != device):
-        for name, t in (("pos_weight", pos_weight), ("position_ids", position_ids), ("ids", ids)):
-            if t is not None and t.device != device:
-                raise checks.InputValueError(f"pyembed: {name} is on {t.device} but weight is on {device}")
+    for name, t in (("pos_weight", pos_weight), ("position_ids", position_ids), ("ids", ids)):
+        if t is not None and t.device != device:
+            raise checks.InputValueError(f"pyembed: {name} is on {t.device} but weight is on {device}")
     return pos_encoding, position_ids
 
 

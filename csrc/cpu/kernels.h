@@ -219,7 +219,9 @@ void forward_typed(const ForwardArgs& a) {
   auto* out = static_cast<T*>(a.out);
   const int64_t dim = a.dim;
   const A scale = static_cast<A>(a.scale);  // sqrt(d) in float64, applied as float32
-  const auto freqs = a.mode == PosEncoding::kSinusoidal ? sinusoid_frequencies<A>(dim, a.sinusoid_column_offset, a.sinusoid_dim) : std::vector<A>{};
+  const auto freqs = a.mode == PosEncoding::kSinusoidal
+                         ? sinusoid_frequencies<A>(dim, a.sinusoid_column_offset, a.sinusoid_dim)
+                         : std::vector<A>{};
 
   auto token_row = [&](int64_t token) -> const T* {
     const int64_t id = static_cast<int64_t>(ids[token]);
@@ -247,7 +249,8 @@ void forward_typed(const ForwardArgs& a) {
   // kept few: GPT-2 8x512 bf16 forward 0.67x eager in `make bench` before (with the AVX2
   // kernels), 0.97x after (with the AVX-512 ones); ad hoc A/B runs on the same build said
   // 0.93-1.05x without staging, 1.0-1.3x with, on a noisy VM. float32 rows, with little work
-  // per byte, lost 10-20% to the extra copy, so they are read in place. rows[i]: the row to read, nullptr for an out-of-range id.
+  // per byte, lost 10-20% to the extra copy, so they are read in place. rows[i]: the row to
+  // read, nullptr for an out-of-range id.
   constexpr bool kStage = kReduced<T>;
   constexpr int64_t kGroup = 8;
   struct Scratch {
@@ -258,7 +261,8 @@ void forward_typed(const ForwardArgs& a) {
   };
   auto scratch = [&] {
     return Scratch{std::vector<A>(a.mode == PosEncoding::kSinusoidal ? dim : 0),
-                   std::vector<A>(a.dropout.active() ? dim : 0), std::vector<T>(kStage ? kGroup * dim : 0), {}, {}};
+                   std::vector<A>(a.dropout.active() ? dim : 0),
+                   std::vector<T>(kStage ? kGroup * dim : 0), {}, {}};
   };
   auto stage = [&](Scratch& s, int64_t count) {
     for (int64_t i = 0; i < count; ++i) {
