@@ -99,7 +99,7 @@ def extension_kwargs():
     cxx = ["-O3", "-fopenmp", f'-DPYEMBED_TORCH_VERSION="{torch.__version__}"']
     # Link order matters: the AVX2 and AVX-512 objects come last so inline functions shared
     # with the portable objects resolve to the portable copies (csrc/cpu/kernels_avx2.cpp).
-    sources = ["csrc/pyembed.cpp", "csrc/cpu/embedding_cpu.cpp", "csrc/cpu/kernels_base.cpp",
+    sources = ["csrc/pyembed.cpp", "csrc/autograd.cpp", "csrc/cpu/embedding_cpu.cpp", "csrc/cpu/kernels_base.cpp",
                "csrc/cpu/kernels_avx2.cpp", "csrc/cpu/kernels_avx512.cpp"]
     if not with_cuda:
         ext = cpp_extension.CppExtension("pyembed._C", sources, extra_compile_args={"cxx": cxx},

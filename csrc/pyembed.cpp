@@ -40,6 +40,11 @@ TORCH_LIBRARY(pyembed, m) {
       "embedding_backward(Tensor grad_out, Tensor ids, Tensor? position_ids, int offset, "
       "int num_embeddings, int num_positions, float scale, int? padding_idx, bool scale_grad_by_freq, "
       "bool need_weight_grad, bool need_pos_grad) -> (Tensor, Tensor)");
+  // The lookup with its autograd node in C++ (csrc/autograd.cpp), for eager calls on the
+  // C++ backends; its forward and backward are the two ops above.
+  m.def(
+      "embedding(Tensor ids, Tensor weight, Tensor? pos_weight, Tensor? position_ids, str pos_encoding, "
+      "float scale, int offset, int? padding_idx, bool scale_grad_by_freq) -> Tensor");
   const std::vector<at::Tag> sparse_tags = cudagraph_unsafe();  // an lvalue: the overload taking tags
   m.def(
       "embedding_sparse_backward(Tensor grad_out, Tensor ids, int num_embeddings, float scale, int? padding_idx, "
@@ -58,5 +63,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("torch_version") = PYEMBED_TORCH_VERSION;  // the torch whose headers and ABI this was built against
   m.attr("cuda_arch_list") = PYEMBED_CUDA_ARCH_LIST;
   m.def("cpu_isa", [] { return pyembed::cpu::row_kernels().isa; },
-        "the instruction set of the CPU row kernels in use: 'avx2' or 'base'");
+        "the instruction set of the CPU row kernels in use: 'avx512', 'avx2' or 'base'");
 }

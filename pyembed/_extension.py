@@ -68,10 +68,12 @@ if _C is not None and _C.torch_version and _C.torch_version != torch.__version__
 if _C is not None:
     reference.register_fakes("pyembed::embedding_forward", "pyembed::embedding_backward",
                              "pyembed::embedding_sparse_backward")
+    torch.library.register_fake("pyembed::embedding")(reference.lookup_fake)
     _ops = (torch.ops.pyembed.embedding_forward, torch.ops.pyembed.embedding_backward,
             torch.ops.pyembed.embedding_sparse_backward)
-    dispatch.register_backend(dispatch.Backend("cpu", *_ops, _why_cpu_unavailable))
+    _lookup = torch.ops.pyembed.embedding.default
+    dispatch.register_backend(dispatch.Backend("cpu", *_ops, _why_cpu_unavailable, _lookup))
     if _C.cuda_built:
-        dispatch.register_backend(dispatch.Backend("cuda", *_ops, _why_cuda_unavailable))
+        dispatch.register_backend(dispatch.Backend("cuda", *_ops, _why_cuda_unavailable, _lookup))
     else:
         dispatch.mark_missing("cuda", "pyembed._C was built without CUDA kernels (no CUDA toolkit at build time)")

@@ -32,6 +32,9 @@ class Backend:
     backward: Callable  # op with the schema of reference.embedding_backward (dense, no host sync)
     sparse_backward: Callable  # op with the schema of reference.embedding_sparse_backward
     why_unavailable: Callable[[torch.device], Optional[str]]  # None when it can run there
+    # The lookup with its autograd node in C++ (the C++ backends' pyembed::embedding), used
+    # for plain eager calls instead of the Python autograd.Function; None: always the Function.
+    autograd_op: Optional[Callable] = None
 
 
 _registry: dict[str, Backend] = {}

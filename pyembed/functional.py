@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+from torch.autograd import forward_ad
 
 from . import _dtensor, checks, dispatch, reference
 
@@ -73,8 +74,10 @@ def fused_embedding(
     if isinstance(weight, torch.Tensor) and not (weight.is_floating_point() or weight.is_complex()):
         return _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx, validate)
     pos_encoding, position_ids = _check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
-    check_dropout_p(dropout_p)
-    padding_idx = normalize_padding_idx(padding_idx, weight.shape[0])
+    if type(dropout_p) is not float or dropout_p != 0.0:  # the default needs no check
+        check_dropout_p(dropout_p)
+    if padding_idx is not None:
+        padding_idx = normalize_padding_idx(padding_idx, weight.shape[0])
     chosen = dispatch.resolve(backend, weight.device)
     if _dtensor.is_dtensor(weight):  # a table sharded by torch.distributed (parallelize_module)
         return _dtensor.fused_embedding(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
@@ -127,11 +130,24 @@ def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale,
     sharded tables' rules, pyembed._dtensor); the kernels index rows densely, so tensors
     are made contiguous. sinusoid_columns: (column offset, full width) of a column shard
     (FusedConfig)."""
-    config = FusedConfig(pos_encoding, float(scale), int(offset), padding_idx, bool(scale_grad_by_freq),
-                         bool(sparse), bool(validate), backend.name, float(dropout_p), *sinusoid_columns)
     tensors = (ids.contiguous(), weight.contiguous(), None if pos_weight is None else pos_weight.contiguous(),
                None if position_ids is None else position_ids.contiguous(), dropout_key)
-    if not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if (backend.autograd_op is not None and not compiling and dropout_key is None and not sparse
+            and sinusoid_columns == (0, 0) and forward_ad._current_level < 0 and not _functorch_active()):
+        # The common eager call on a C++ backend: one op whose autograd node is C++ too
+        # (csrc/autograd.cpp), a few us less than an autograd.Function -- most of a one-token
+        # lookup. Everything else (dropout, sparse, forward AD, torch.func, torch.compile)
+        # takes the Function below.
+        ids, weight, pos_weight, position_ids, _ = tensors
+        if validate:  # in place: neither compiling nor under torch.func here
+            checks.check_ranges_eager(ids, weight.shape[0], position_ids,
+                                      pos_weight.shape[0] if pos_encoding == "learned" else None)
+        return backend.autograd_op(ids, weight, pos_weight, position_ids, pos_encoding, float(scale), int(offset),
+                                   padding_idx, bool(scale_grad_by_freq))
+    config = FusedConfig(pos_encoding, float(scale), int(offset), padding_idx, bool(scale_grad_by_freq),
+                         bool(sparse), bool(validate), backend.name, float(dropout_p), *sinusoid_columns)
+    if not compiling:
         function = FusedEmbeddingFunctorch if _functorch_active() else FusedEmbeddingFunctionWithJvp
         return function.apply(*tensors, config)
     if sparse:

@@ -294,6 +294,11 @@ def sparse_backward_fake(grad_out, ids, num_embeddings, scale, padding_idx, scal
     return grad_out.new_empty(touched, dtype=torch.long), grad_out.new_empty(touched, grad_out.shape[-1])
 
 
+def lookup_fake(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, scale_grad_by_freq):
+    """pyembed::embedding (the C++ backends' lookup with its C++ autograd node)."""
+    return weight.new_empty(*ids.shape, weight.shape[1])
+
+
 def register_fakes(forward_op: str, backward_op: str, sparse_backward_op: str) -> None:
     """One backend's three ops share these fakes (same schemas as the functions above)."""
     torch.library.register_fake(forward_op)(forward_fake)

@@ -78,6 +78,55 @@ def test_ops_pass_opcheck(backend):
     torch.library.opcheck(sparse_bwd, (dout, ids, 7, 1.0, None, True))
 
 
+@pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")
+def test_cpp_autograd_lookup_passes_opcheck():
+    # pyembed::embedding: the C++ backends' lookup with a C++ autograd node (eager calls).
+    ids = torch.randint(0, 7, (2, 5))
+    weight, pos_weight = torch.randn(7, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+    torch.library.opcheck(torch.ops.pyembed.embedding, (ids, weight, pos_weight, None, "learned", 2.0, 1, 3, True))
+    torch.library.opcheck(torch.ops.pyembed.embedding,
+                          (ids, weight, None, torch.randint(0, 9, (2, 5)), "sinusoidal", 1.0, 0, None, False))
+
+
+@pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")
+def test_plain_eager_calls_take_the_cpp_node_and_the_rest_the_python_function():
+    ids = torch.tensor([[1, 2, 2], [3, 0, 6]])
+    weight, pos_weight = torch.randn(7, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    plain = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="cpu")
+    assert "EmbeddingFunction" in plain.grad_fn.name() and "Fused" not in plain.grad_fn.name()
+    for python_path in ({"sparse": True}, {"dropout_p": 0.5}):
+        out = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="cpu", **python_path)
+        assert "FusedEmbeddingFunction" in out.grad_fn.name()
+    assert "FusedEmbeddingFunction" in pyembed.fused_embedding(ids, weight, backend="reference").grad_fn.name()
+    with torch.inference_mode():  # below autograd: the op's forward alone
+        torch.testing.assert_close(pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="cpu"),
+                                   plain.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_node_gradient_with_create_graph_keeps_fp32_sums(dtype):
+    # create_graph=True records the backward with ATen ops (so it can be differentiated
+    # again): the same gradient as the kernel's, still summed in fp32. 4096 copies of one
+    # id in bf16 stay within 1% of the exact sum (a bf16 running sum would stall far below).
+    ids = torch.cat([torch.full((4096,), 3), torch.arange(8)]).reshape(2, -1)
+    weight = torch.randn(8, 16).to(dtype).requires_grad_()
+    pos_weight = torch.randn(ids.shape[1], 16).to(dtype).requires_grad_()
+    dout = torch.rand(*ids.shape, 16).to(dtype)
+    out = pyembed.fused_embedding(ids, weight, pos_weight, scale=1.5, padding_idx=5, backend="cpu")
+    plain = torch.autograd.grad(out, (weight, pos_weight), dout, retain_graph=True)
+    recorded = torch.autograd.grad(out, (weight, pos_weight), dout.requires_grad_(), create_graph=True)
+    assert recorded[0].requires_grad
+    exact_w = weight.detach().double().requires_grad_()
+    exact_p = pos_weight.detach().double().requires_grad_()
+    exact = pyembed.fused_embedding(ids, exact_w, exact_p, scale=1.5, padding_idx=5, backend="reference")
+    want = torch.autograd.grad(exact, (exact_w, exact_p), dout.detach().double())
+    for got_plain, got_recorded, exact_grad in zip(plain, recorded, want):
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got_recorded.detach().double(), exact_grad, rtol=tol, atol=tol)
+        torch.testing.assert_close(got_plain.double(), exact_grad, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_compiled_sparse_op_passes_opcheck(backend):
     # The op torch.compile uses for sparse=True (its backward builds the sparse gradient).

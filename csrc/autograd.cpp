@@ -1,0 +1,175 @@
+// pyembed::embedding: the lookup with its autograd node in C++, for eager calls on the
+// C++ backends (cpu, cuda).
+//
+// Why: a one-token lookup is ~10 us in eager PyTorch, and a Python autograd.Function
+// alone costs ~5 us of apply, ctx and save overhead on top of the ~3 us kernel call; a C++
+// node (as FBGEMM's TBE ops register theirs) costs well under 1 us. pyembed/functional.py
+// calls this op when nothing needs the Python Function: no dropout, a dense gradient, no
+// forward-mode AD, no torch.func transform, not under torch.compile (those keep the
+// Python FusedEmbeddingFunction, which serves every backend and every order).
+//
+// The node saves only the ids and positions; its backward is the backend's dense
+// backward op -- or, when autograd records the backward itself (create_graph=True, for
+// double backward), the same sums written with differentiable ATen ops.
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <string_view>
+
+namespace pyembed {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+at::Tensor call_forward(const at::Tensor& ids, const at::Tensor& weight, const std::optional<at::Tensor>& pos_weight,
+                        const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding, double scale,
+                        int64_t offset) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pyembed::embedding_forward", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                         const std::optional<at::Tensor>&, std::string_view, double, int64_t,
+                                         const std::optional<at::Tensor>&, double, int64_t, int64_t)>();
+  return op.call(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, std::nullopt, 0.0, 0, 0);
+}
+
+// The dense gradients from the backend's op (the kernel: fp32 sums, one rounding,
+// deterministic). Returns (dW, dP); an unneeded one is an empty tensor.
+std::tuple<at::Tensor, at::Tensor> call_backward(const at::Tensor& grad_out, const at::Tensor& ids,
+                                                 const std::optional<at::Tensor>& position_ids, int64_t offset,
+                                                 int64_t num_embeddings, int64_t num_positions, double scale,
+                                                 std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
+                                                 bool need_weight_grad, bool need_pos_grad) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pyembed::embedding_backward", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t, int64_t,
+                           int64_t, double, std::optional<int64_t>, bool, bool, bool)>();
+  return op.call(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
+                 scale_grad_by_freq, need_weight_grad, need_pos_grad);
+}
+
+// The same gradients as differentiable ATen ops (fp32 sums for half/bf16, one rounding),
+// for create_graph=True: autograd then differentiates them again (their derivative is a
+// lookup). Semantics as the kernels: out-of-range ids and the padding row get nothing,
+// scale_grad_by_freq divides each term by its id's count, every token adds to dP.
+std::tuple<at::Tensor, at::Tensor> differentiable_backward(
+    const at::Tensor& grad_out, const at::Tensor& ids, const at::Tensor& position_ids, int64_t offset,
+    int64_t num_embeddings, int64_t num_positions, double scale, std::optional<int64_t> padding_idx,
+    bool scale_grad_by_freq, bool need_weight_grad, bool need_pos_grad) {
+  const int64_t dim = grad_out.size(-1);
+  const auto acc = grad_out.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor grad = grad_out.reshape({-1, dim}).to(acc);
+  const at::Tensor flat = ids.reshape(-1).to(at::kLong);
+  at::Tensor grad_weight, grad_pos;
+  if (need_weight_grad) {
+    at::Tensor keep = (flat >= 0) & (flat < num_embeddings);
+    if (padding_idx.has_value()) keep = keep & (flat != *padding_idx);
+    const at::Tensor rows = flat.clamp(0, std::max<int64_t>(num_embeddings - 1, 0));
+    at::Tensor factor = keep.to(acc) * scale;
+    if (scale_grad_by_freq) {
+      const at::Tensor in_range = ((flat >= 0) & (flat < num_embeddings)).to(acc);
+      const at::Tensor counts = at::zeros({num_embeddings}, grad.options()).index_add(0, rows, in_range);
+      factor = factor / counts.index_select(0, rows).clamp_min(1);
+    }
+    grad_weight = at::zeros({num_embeddings, dim}, grad.options())
+                      .index_add(0, rows, grad * factor.unsqueeze(1))
+                      .to(grad_out.scalar_type());
+  }
+  if (need_pos_grad) {
+    at::Tensor positions = position_ids.defined()
+                               ? position_ids.reshape(-1).to(at::kLong)
+                               : (at::arange(ids.size(-1), flat.options()) + offset).expand(ids.sizes()).reshape(-1);
+    const at::Tensor keep = ((positions >= 0) & (positions < num_positions)).to(acc).unsqueeze(1);
+    positions = positions.clamp(0, std::max<int64_t>(num_positions - 1, 0));
+    grad_pos = at::zeros({num_positions, dim}, grad.options())
+                   .index_add(0, positions, grad * keep)
+                   .to(grad_out.scalar_type());
+  }
+  return {grad_weight, grad_pos};
+}
+
+struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
+  // The tables come first: autograd numbers the tensor inputs in this order, so
+  // needs_input_grad(0) is the weight and (1) the positional table when there is one.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& weight, const std::optional<at::Tensor>& pos_weight,
+                            const at::Tensor& ids, const std::optional<at::Tensor>& position_ids,
+                            std::string_view pos_encoding, double scale, int64_t offset,
+                            std::optional<int64_t> padding_idx, bool scale_grad_by_freq) {
+    ctx->save_for_backward({ids, position_ids.value_or(at::Tensor())});
+    ctx->saved_data["num_embeddings"] = weight.size(0);
+    ctx->saved_data["learned"] = pos_encoding == "learned" && pos_weight.has_value();
+    ctx->saved_data["num_positions"] = pos_weight.has_value() ? pos_weight->size(0) : int64_t(0);
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["offset"] = offset;
+    ctx->saved_data["padding_idx"] = padding_idx;
+    ctx->saved_data["scale_grad_by_freq"] = scale_grad_by_freq;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &ids = saved[0], &position_ids = saved[1];
+    const bool learned = ctx->saved_data["learned"].toBool();
+    const bool need_weight_grad = ctx->needs_input_grad(0);
+    const bool need_pos_grad = learned && ctx->needs_input_grad(1);
+    const int64_t num_embeddings = ctx->saved_data["num_embeddings"].toInt();
+    const int64_t num_positions = ctx->saved_data["num_positions"].toInt();
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const int64_t offset = ctx->saved_data["offset"].toInt();
+    const auto padding_idx = ctx->saved_data["padding_idx"].toOptional<int64_t>();
+    const bool by_freq = ctx->saved_data["scale_grad_by_freq"].toBool();
+    const at::Tensor grad_out = grad_outputs[0].contiguous();
+
+    at::Tensor grad_weight, grad_pos;
+    if (need_weight_grad || need_pos_grad) {
+      if (at::GradMode::is_enabled()) {  // create_graph=True: the backward is recorded too
+        std::tie(grad_weight, grad_pos) =
+            differentiable_backward(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale,
+                                    padding_idx, by_freq, need_weight_grad, need_pos_grad);
+      } else {
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
+        const std::optional<at::Tensor> positions =
+            position_ids.defined() ? std::optional<at::Tensor>(position_ids) : std::nullopt;
+        std::tie(grad_weight, grad_pos) = call_backward(grad_out, ids, positions, offset, num_embeddings,
+                                                        num_positions, scale, padding_idx, by_freq,
+                                                        need_weight_grad, need_pos_grad);
+      }
+    }
+    // One entry per forward argument: (weight, pos_weight, then nothing for the rest).
+    return {need_weight_grad ? grad_weight : at::Tensor(), need_pos_grad ? grad_pos : at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor embedding_autograd(const at::Tensor& ids, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& pos_weight,
+                              const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
+                              double scale, int64_t offset, std::optional<int64_t> padding_idx,
+                              bool scale_grad_by_freq) {
+  return EmbeddingFunction::apply(weight, pos_weight, ids, position_ids, pos_encoding, scale, offset, padding_idx,
+                                  scale_grad_by_freq);
+}
+
+// Below autograd (inference_mode, or tensors that need no gradient): the forward op alone.
+at::Tensor embedding_no_autograd(const at::Tensor& ids, const at::Tensor& weight,
+                                 const std::optional<at::Tensor>& pos_weight,
+                                 const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
+                                 double scale, int64_t offset, std::optional<int64_t> /*padding_idx*/,
+                                 bool /*scale_grad_by_freq*/) {
+  return call_forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pyembed, Autograd, m) {
+  m.impl("embedding", &embedding_autograd);
+}
+
+TORCH_LIBRARY_IMPL(pyembed, CompositeExplicitAutograd, m) {
+  m.impl("embedding", &embedding_no_autograd);
+}
+
+}  // namespace pyembed
