@@ -179,14 +179,19 @@ def make_optimizers(tables: Tables, sparse: bool) -> list:
 
 
 def time_cpu(fns: dict, budget_s: float, min_reps: int, max_reps: int) -> dict:
-    """Interleaved rounds: every callable once per round, until the budget is spent."""
+    """Interleaved rounds: every callable once per round, until the budget is spent. The
+    order rotates from round to round, so no provider always runs right after the copy
+    baseline (which evicts the caches) or right after another provider (which warms them)."""
     for fn in fns.values():
         for _ in range(2):
             fn()
     samples = {k: [] for k in fns}
+    names = list(fns)
     start = time.perf_counter()
     while True:
-        for k, fn in fns.items():
+        first = len(samples[names[0]]) % len(names)
+        for k in names[first:] + names[:first]:
+            fn = fns[k]
             t0 = time.perf_counter()
             fn()
             samples[k].append(time.perf_counter() - t0)
