@@ -197,7 +197,8 @@ def _gradients(config: FusedConfig, grad_out, ids, position_ids, dropout_key, we
 # (forward(ctx, ...)), whose apply costs ~4 us, and one with setup_context and
 # generate_vmap_rule, which torch.func transforms need but whose apply binds the
 # signature with inspect on every call (~20 us, most of a one-token lookup). The second
-# form is used only while a torch.func transform is active.
+# form is used only while a torch.func transform is active. Plain eager calls on the C++
+# backends take neither: their op, pyembed::embedding, has a C++ autograd node (apply_fused).
 def _functorch_active() -> bool:
     return torch._C._are_functorch_transforms_active()
 
