@@ -64,13 +64,12 @@ std::tuple<at::Tensor, at::Tensor> differentiable_backward(
   const at::Tensor flat = ids.reshape(-1).to(at::kLong);
   at::Tensor grad_weight, grad_pos;
   if (need_weight_grad) {
-    at::Tensor keep = (flat >= 0) & (flat < num_embeddings);
-    if (padding_idx.has_value()) keep = keep & (flat != *padding_idx);
+    const at::Tensor in_range = (flat >= 0) & (flat < num_embeddings);
+    const at::Tensor keep = padding_idx.has_value() ? in_range & (flat != *padding_idx) : in_range;
     const at::Tensor rows = flat.clamp(0, std::max<int64_t>(num_embeddings - 1, 0));
     at::Tensor factor = keep.to(acc) * scale;
-    if (scale_grad_by_freq) {
-      const at::Tensor in_range = ((flat >= 0) & (flat < num_embeddings)).to(acc);
-      const at::Tensor counts = at::zeros({num_embeddings}, grad.options()).index_add(0, rows, in_range);
+    if (scale_grad_by_freq) {  // counts include the padding row's tokens, as nn.Embedding's
+      const at::Tensor counts = at::zeros({num_embeddings}, grad.options()).index_add(0, rows, in_range.to(acc));
       factor = factor / counts.index_select(0, rows).clamp_min(1);
     }
     grad_weight = at::zeros({num_embeddings, dim}, grad.options())

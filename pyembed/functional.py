@@ -140,9 +140,8 @@ def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale,
         # lookup. Everything else (dropout, sparse, forward AD, torch.func, torch.compile)
         # takes the Function below.
         ids, weight, pos_weight, position_ids, _ = tensors
-        if validate:  # in place: neither compiling nor under torch.func here
-            checks.check_ranges_eager(ids, weight.shape[0], position_ids,
-                                      pos_weight.shape[0] if pos_encoding == "learned" else None)
+        if validate:
+            ids = _checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
         return backend.autograd_op(ids, weight, pos_weight, position_ids, pos_encoding, float(scale), int(offset),
                                    padding_idx, bool(scale_grad_by_freq))
     config = FusedConfig(pos_encoding, float(scale), int(offset), padding_idx, bool(scale_grad_by_freq),

@@ -246,11 +246,11 @@ void forward_typed(const ForwardArgs& a) {
   // Half / bf16: the table rows of up to kGroup tokens are copied into a task-local buffer
   // before any arithmetic. A plain copy keeps many cache misses in flight (as index_select
   // does), where the convert / scale / add / convert work behind each load of a cold row
-  // kept few: GPT-2 8x512 bf16 forward 0.67x eager in `make bench` before (with the AVX2
-  // kernels), 0.97x after (with the AVX-512 ones); ad hoc A/B runs on the same build said
-  // 0.93-1.05x without staging, 1.0-1.3x with, on a noisy VM. float32 rows, with little work
-  // per byte, lost 10-20% to the extra copy, so they are read in place. rows[i]: the row to
-  // read, nullptr for an out-of-range id.
+  // kept few. A/B on GPT-2 8x512 with each variant on its own (cold) table copy, turns
+  // shuffled: bf16 1.22-1.38x eager with staging, 0.82-0.92x without; fp16 ~1.0x either way;
+  // prefetching the next group's rows or staging 16/32 rows at once changed nothing (+-3%).
+  // float32 rows, with little work per byte, lost 10-20% to the extra copy, so they are read
+  // in place. rows[i]: the row to read, nullptr for an out-of-range id.
   constexpr bool kStage = kReduced<T>;
   constexpr int64_t kGroup = 8;
   struct Scratch {
