@@ -1,12 +1,15 @@
 // pyembed::embedding: the lookup with its autograd node in C++, for eager calls on the
 // C++ backends (cpu, cuda).
 //
-// Why: a one-token lookup is ~10 us in eager PyTorch, and a Python autograd.Function
-// alone costs ~5 us of apply, ctx and save overhead on top of the ~3 us kernel call; a C++
-// node (as FBGEMM's TBE ops register theirs) costs well under 1 us. pyembed/functional.py
-// calls this op when nothing needs the Python Function: no dropout, a dense gradient, no
-// forward-mode AD, no torch.func transform, not under torch.compile (those keep the
-// Python FusedEmbeddingFunction, which serves every backend and every order).
+// Why: a one-token lookup is ~10 us in eager PyTorch. A Python autograd.Function alone
+// costs ~5 us of apply, ctx and save overhead on top of the ~3 us kernel call, and the
+// Python argument checks ~3 us more; a C++ node (as FBGEMM's TBE ops register theirs)
+// costs ~2 us and the same checks in C++ (checks.h: check_lookup) well under one.
+// pyembed/functional.py calls this op first for every call that needs nothing else: no
+// dropout, a dense gradient, no forward-mode AD, no torch.func transform, not under
+// torch.compile, plain tensors (those keep the Python FusedEmbeddingFunction, which
+// serves every backend and every order); on an error it reruns its own checks, which
+// raise pyembed's exception types.
 //
 // The node saves only the ids and positions; its backward is the backend's dense
 // backward op -- or, when autograd records the backward itself (create_graph=True, for
@@ -16,6 +19,8 @@
 #include <torch/library.h>
 
 #include <string_view>
+
+#include "checks.h"
 
 namespace pyembed {
 namespace {
@@ -147,18 +152,27 @@ at::Tensor embedding_autograd(const at::Tensor& ids, const at::Tensor& weight,
                               const std::optional<at::Tensor>& pos_weight,
                               const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
                               double scale, int64_t offset, std::optional<int64_t> padding_idx,
-                              bool scale_grad_by_freq) {
-  return EmbeddingFunction::apply(weight, pos_weight, ids, position_ids, pos_encoding, scale, offset, padding_idx,
-                                  scale_grad_by_freq);
+                              bool scale_grad_by_freq, bool validate) {
+  const LookupArgs args =
+      check_lookup(ids, weight, pos_weight, position_ids, pos_encoding, offset, padding_idx, validate);
+  const bool needs_grad = weight.requires_grad() || (pos_weight.has_value() && pos_weight->requires_grad());
+  if (!at::GradMode::is_enabled() || !needs_grad) {  // no_grad decoding: no node to build (~1 us)
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_forward(ids, weight, pos_weight, args.position_ids, pos_encoding, scale, offset);
+  }
+  return EmbeddingFunction::apply(weight, pos_weight, ids, args.position_ids, pos_encoding, scale, offset,
+                                  args.padding_idx, scale_grad_by_freq);
 }
 
 // Below autograd (inference_mode, or tensors that need no gradient): the forward op alone.
 at::Tensor embedding_no_autograd(const at::Tensor& ids, const at::Tensor& weight,
                                  const std::optional<at::Tensor>& pos_weight,
                                  const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
-                                 double scale, int64_t offset, std::optional<int64_t> /*padding_idx*/,
-                                 bool /*scale_grad_by_freq*/) {
-  return call_forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset);
+                                 double scale, int64_t offset, std::optional<int64_t> padding_idx,
+                                 bool /*scale_grad_by_freq*/, bool validate) {
+  const LookupArgs args =
+      check_lookup(ids, weight, pos_weight, position_ids, pos_encoding, offset, padding_idx, validate);
+  return call_forward(ids, weight, pos_weight, args.position_ids, pos_encoding, scale, offset);
 }
 
 }  // namespace

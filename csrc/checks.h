@@ -1,16 +1,20 @@
 // Argument checks shared by the CPU and CUDA ops (DESIGN §3).
 //
-// The Python wrapper (pyembed/functional.py) already checks all metadata, and the data
-// checks (id / position ranges, a device->host sync on a GPU) are an op of their own
-// (pyembed/checks.py). What is here are cheap guards for anyone calling an op directly:
-// the kernels never read out of bounds whatever the ids, but they need sane shapes and
-// every tensor on one device.
+// The backends' ops (embedding_forward / _backward / _sparse_backward) sit behind the
+// Python wrapper (pyembed/functional.py), which checks all metadata, and the data checks
+// (id / position ranges, a device->host sync on a GPU), an op of their own
+// (pyembed/checks.py). For them what is here are cheap guards for anyone calling an op
+// directly: the kernels never read out of bounds whatever the ids, but they need sane
+// shapes and every tensor on one device. pyembed::embedding, which plain eager calls
+// reach with no Python checks at all, checks everything itself (check_lookup).
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common.h"
 #include "dropout.h"
@@ -110,6 +114,108 @@ inline ForwardInputs prepare_forward(const at::Tensor& ids, const at::Tensor& we
   sizes.push_back(in.weight.size(1));
   in.out = at::empty(sizes, in.weight.options());
   return in;
+}
+
+// Ids in [0, V); positions >= 0 and, for a learned table (max_seq_len >= 0), < max_seq_len.
+// One pass over the ids on the CPU (a one-token lookup pays ~0.1 us for it); elsewhere
+// aminmax on the device and one device->host transfer of the four extremes.
+inline void check_ranges(const at::Tensor& ids, int64_t num_embeddings, const at::Tensor& position_ids,
+                         int64_t max_seq_len) {
+  int64_t extremes[4] = {0, -1, 0, -1};  // min id, max id, min position, max position (max < min: none)
+  const at::Tensor* tensors[2] = {&ids, &position_ids};
+  if (ids.device().is_cpu()) {
+    for (int k = 0; k < 2; ++k) {
+      if (!tensors[k]->defined() || tensors[k]->numel() == 0) continue;
+      const at::Tensor t = tensors[k]->contiguous();
+      AT_DISPATCH_INDEX_TYPES(t.scalar_type(), "pyembed_check_ranges", [&] {
+        const index_t* data = t.const_data_ptr<index_t>();
+        const auto [lo, hi] = std::minmax_element(data, data + t.numel());
+        extremes[2 * k] = *lo, extremes[2 * k + 1] = *hi;
+      });
+    }
+  } else {
+    std::vector<at::Tensor> parts;
+    for (const at::Tensor* t : tensors) {
+      if (t->defined() && t->numel() > 0) {
+        auto [lo, hi] = at::aminmax(*t);
+        parts.push_back(lo.to(at::kLong).reshape(1)), parts.push_back(hi.to(at::kLong).reshape(1));
+      } else {
+        parts.push_back(at::zeros({1}, ids.options().dtype(at::kLong)));
+        parts.push_back(at::full({1}, -1, ids.options().dtype(at::kLong)));
+      }
+    }
+    const at::Tensor host = at::cat(parts).cpu();
+    std::copy_n(host.const_data_ptr<int64_t>(), 4, extremes);
+  }
+  const auto [min_id, max_id, min_pos, max_pos] = extremes;
+  if (max_id >= min_id) {
+    TORCH_CHECK_INDEX(min_id >= 0 && max_id < num_embeddings, "pyembed: ids out of range: min id ", min_id,
+                      ", max id ", max_id, ", but the embedding table has V=", num_embeddings,
+                      " rows (valid ids are 0..", num_embeddings - 1, ")");
+  }
+  if (max_pos >= min_pos) {
+    TORCH_CHECK_VALUE(min_pos >= 0, "pyembed: position_ids must be >= 0, got min position ", min_pos);
+    TORCH_CHECK_VALUE(max_seq_len < 0 || max_pos < max_seq_len, "pyembed: position ", max_pos,
+                      " is out of range for the learned positional table with max_seq_len=", max_seq_len);
+  }
+}
+
+// The arguments of pyembed::embedding after every check of DESIGN §3.
+struct LookupArgs {
+  std::optional<at::Tensor> position_ids;  // broadcast to ids' shape
+  std::optional<int64_t> padding_idx;      // in [0, V)
+};
+
+// pyembed::embedding is the op plain eager calls reach straight from Python (the fast
+// path of pyembed/functional.py), so it checks everything the Python wrapper does --
+// metadata, and with validate the data -- before anything runs. Its errors are c10's
+// (TypeError / ValueError / IndexError); on any of them the wrapper reruns its own
+// checks, which raise pyembed's typed exceptions (also RuntimeError, DESIGN §3).
+inline LookupArgs check_lookup(const at::Tensor& ids, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& pos_weight,
+                               const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
+                               int64_t offset, std::optional<int64_t> padding_idx, bool validate) {
+  const PosEncoding mode = parse_pos_encoding(std::string(pos_encoding));
+  if (ids.unsafeGetTensorImpl()->is_python_dispatch() || weight.unsafeGetTensorImpl()->is_python_dispatch()) {
+    // Fake tensors (opcheck, torch.export tracing) have no data and may have symbolic
+    // shapes; they get what shapes the computation -- positions broadcast over the batch --
+    // and the checks are the tracing caller's (pyembed's Python path does them all).
+    if (!position_ids.has_value()) return {std::nullopt, padding_idx};
+    return {position_ids->expand_symint(ids.sym_sizes()), padding_idx};
+  }
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kDouble,
+                   "pyembed: weight must be a float32/float16/bfloat16/float64 tensor, got ", dtype);
+  TORCH_CHECK_VALUE(mode == PosEncoding::kLearned || !pos_weight.has_value(),
+                    "pyembed: pos_weight was given but pos_encoding='", pos_encoding, "'");
+  TORCH_CHECK_VALUE(offset >= 0, "pyembed: offset must be an int >= 0, got ", offset);
+  LookupArgs args{position_ids, padding_idx};
+  if (position_ids.has_value()) {
+    TORCH_CHECK_VALUE(mode != PosEncoding::kNone, "pyembed: position_ids given but there is no positional encoding");
+    TORCH_CHECK_TYPE(position_ids->scalar_type() == at::kInt || position_ids->scalar_type() == at::kLong,
+                     "pyembed: position_ids must be an int32 or int64 tensor, got ", position_ids->scalar_type());
+    TORCH_CHECK_VALUE(offset == 0, "pyembed: pass position_ids or offset, not both");
+    const auto sizes = position_ids->sizes();
+    const bool broadcasts = ids.dim() == 2 && (sizes.equals({ids.size(1)}) || sizes.equals({1, ids.size(1)}));
+    if (broadcasts) args.position_ids = position_ids->expand(ids.sizes());
+  }
+  check_forward_args(ids, weight, pos_weight, args.position_ids, mode);
+  check_same_device(weight.device(), {&ids, opt(pos_weight), opt(position_ids)});
+  const int64_t num_embeddings = weight.size(0);
+  if (padding_idx.has_value()) {
+    TORCH_CHECK_VALUE(-num_embeddings <= *padding_idx && *padding_idx < num_embeddings, "pyembed: padding_idx=",
+                      *padding_idx, " is out of range for V=", num_embeddings);
+    args.padding_idx = (*padding_idx + num_embeddings) % num_embeddings;
+  }
+  const int64_t max_seq_len = mode == PosEncoding::kLearned ? pos_weight->size(0) : -1;
+  if (mode == PosEncoding::kLearned && !position_ids.has_value() && ids.numel() > 0) {
+    TORCH_CHECK_VALUE(offset + ids.size(-1) <= max_seq_len, "pyembed: positions ", offset, "..",
+                      offset + ids.size(-1) - 1, " exceed the learned table's max_seq_len=", max_seq_len);
+  }
+  if (validate) {
+    check_ranges(ids, num_embeddings, position_ids.value_or(at::Tensor()), max_seq_len);  // not the expanded one
+  }
+  return args;
 }
 
 }  // namespace pyembed

@@ -41,10 +41,11 @@ TORCH_LIBRARY(pyembed, m) {
       "int num_embeddings, int num_positions, float scale, int? padding_idx, bool scale_grad_by_freq, "
       "bool need_weight_grad, bool need_pos_grad) -> (Tensor, Tensor)");
   // The lookup with its autograd node in C++ (csrc/autograd.cpp), for eager calls on the
-  // C++ backends; its forward and backward are the two ops above.
+  // C++ backends; its forward and backward are the two ops above. It checks every argument
+  // itself (csrc/checks.h: check_lookup), the id / position ranges when validate.
   m.def(
       "embedding(Tensor ids, Tensor weight, Tensor? pos_weight, Tensor? position_ids, str pos_encoding, "
-      "float scale, int offset, int? padding_idx, bool scale_grad_by_freq) -> Tensor");
+      "float scale, int offset, int? padding_idx, bool scale_grad_by_freq, bool validate=True) -> Tensor");
   const std::vector<at::Tag> sparse_tags = cudagraph_unsafe();  // an lvalue: the overload taking tags
   m.def(
       "embedding_sparse_backward(Tensor grad_out, Tensor ids, int num_embeddings, float scale, int? padding_idx, "

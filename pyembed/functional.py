@@ -1,8 +1,11 @@
 """``fused_embedding``: argument checks (DESIGN §3), backend dispatch, autograd.
 
-Checks here read only metadata (dtype, shape, device), so they cost nothing under
-``torch.compile``; the data-dependent ones (id range, negative or too-large
-position_ids) are one op shared by every backend (pyembed.checks), skipped with
+A plain eager call on a C++ backend goes straight to that backend's ``pyembed::embedding``
+op, which checks every argument itself and has a C++ autograd node (csrc/autograd.cpp);
+the Python below runs for everything else, and to re-raise a bad input's error with
+pyembed's exception types. Checks here read only metadata (dtype, shape, device), so they
+cost nothing under ``torch.compile``; the data-dependent ones (id range, negative or
+too-large position_ids) are one op shared by every backend (pyembed.checks), skipped with
 ``validate=False``.
 """
 
@@ -71,6 +74,16 @@ def fused_embedding(
         ``ids.shape + (d,)`` tensor of ``weight.dtype``. Differentiable to any order, in
         forward mode too, and under ``torch.func`` transforms (``vmap``, ``grad``).
     """
+    lookup_op = None if sparse or type(dropout_p) not in (float, int) or dropout_p != 0 else _eager_lookup_op(
+        ids, weight, backend)
+    if lookup_op is not None and type(offset) is int:
+        try:
+            if pos_encoding is None or pos_encoding == "none":
+                pos_encoding = "learned" if pos_weight is not None else "none"
+            return lookup_op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
+                             scale_grad_by_freq, validate)
+        except (RuntimeError, TypeError, ValueError, IndexError):
+            pass  # bad input: the checks below say what is wrong, with pyembed's exception types
     if isinstance(weight, torch.Tensor) and not (weight.is_floating_point() or weight.is_complex()):
         return _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx, validate)
     pos_encoding, position_ids = _check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
@@ -85,6 +98,25 @@ def fused_embedding(
     dropout_key = reference.draw_dropout_key(weight.device, generator) if dropout_p > 0 else None
     return apply_fused(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
                        scale_grad_by_freq, sparse, validate, chosen, dropout_key, dropout_p)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _eager_lookup_op(ids, weight, backend: str):
+    """The op of the common eager call -- a C++ backend's pyembed::embedding, which checks
+    every argument itself and whose autograd node is C++ (csrc/autograd.cpp) -- or None
+    when the call needs the Python path: torch.compile, forward-mode AD, torch.func
+    transforms, tensor subclasses (DTensor), integer tables, a Python backend. A one-token
+    lookup is ~10 us; the Python checks and autograd.Function it skips were half of that."""
+    if torch.compiler.is_compiling() or forward_ad._current_level >= 0 or _functorch_active():
+        return None
+    if type(weight) not in _PLAIN_TENSORS or type(ids) is not torch.Tensor or not weight.is_floating_point():
+        return None
+    try:
+        return dispatch.resolve(backend, weight.device).autograd_op
+    except (RuntimeError, ValueError):
+        return None  # the slow path raises it, after the argument checks
 
 
 def check_dropout_p(p) -> None:
@@ -140,10 +172,10 @@ def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale,
         # lookup. Everything else (dropout, sparse, forward AD, torch.func, torch.compile)
         # takes the Function below.
         ids, weight, pos_weight, position_ids, _ = tensors
-        if validate:
+        if validate:  # here, not in the op: the Python checks raise pyembed's exception types
             ids = _checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
         return backend.autograd_op(ids, weight, pos_weight, position_ids, pos_encoding, float(scale), int(offset),
-                                   padding_idx, bool(scale_grad_by_freq))
+                                   padding_idx, bool(scale_grad_by_freq), False)
     config = FusedConfig(pos_encoding, float(scale), int(offset), padding_idx, bool(scale_grad_by_freq),
                          bool(sparse), bool(validate), backend.name, float(dropout_p), *sinusoid_columns)
     if not compiling:

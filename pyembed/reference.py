@@ -294,7 +294,8 @@ def sparse_backward_fake(grad_out, ids, num_embeddings, scale, padding_idx, scal
     return grad_out.new_empty(touched, dtype=torch.long), grad_out.new_empty(touched, grad_out.shape[-1])
 
 
-def lookup_fake(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, scale_grad_by_freq):
+def lookup_fake(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, scale_grad_by_freq,
+                validate=True):
     """pyembed::embedding (the C++ backends' lookup with its C++ autograd node)."""
     return weight.new_empty(*ids.shape, weight.shape[1])
 

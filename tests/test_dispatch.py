@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 import pyembed
 from pyembed import dispatch
 from helpers import CPU_BACKENDS, eager_embedding, make_inputs, run_with_grads
+import test_errors
 
 
 def test_available_backends_lists_reference_first():
@@ -88,6 +89,26 @@ def test_cpp_autograd_lookup_passes_opcheck():
                           (ids, weight, None, torch.randint(0, 9, (2, 5)), "sinusoidal", 1.0, 0, None, False))
 
 
+_FLOAT_TABLE_CASES = [c for c in test_errors.CASES if c[0] != "integer weight with positions"]
+
+
+@pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")
+@pytest.mark.parametrize("case", _FLOAT_TABLE_CASES, ids=[c[0] for c in _FLOAT_TABLE_CASES])
+def test_cpp_lookup_refuses_every_bad_input_itself(case):
+    # Plain eager calls reach pyembed::embedding with no Python check before it
+    # (functional.py's fast path re-raises through the Python checks only on an error), so
+    # the op must refuse each bad input of DESIGN §3 by itself, as the same Python class.
+    _, build, exc, _ = case
+    weight, pos_weight = test_errors._tables()
+    kw = build(weight, pos_weight)
+    pos_encoding = kw.get("pos_encoding") or ("learned" if kw.get("pos_weight") is not None else "none")
+    before = weight.clone()
+    with pytest.raises(exc):
+        torch.ops.pyembed.embedding(kw["ids"], kw["weight"], kw.get("pos_weight"), kw.get("position_ids"),
+                                    pos_encoding, 1.0, kw.get("offset", 0), kw.get("padding_idx"), False, True)
+    assert torch.equal(weight, before)
+
+
 @pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")
 def test_plain_eager_calls_take_the_cpp_node_and_the_rest_the_python_function():
     ids = torch.tensor([[1, 2, 2], [3, 0, 6]])
@@ -101,6 +122,10 @@ def test_plain_eager_calls_take_the_cpp_node_and_the_rest_the_python_function():
     with torch.inference_mode():  # below autograd: the op's forward alone
         torch.testing.assert_close(pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="cpu"),
                                    plain.detach(), rtol=0, atol=0)
+    with torch.no_grad():  # no node is built
+        out = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="cpu")
+        assert out.grad_fn is None and not out.requires_grad
+        torch.testing.assert_close(out, plain.detach(), rtol=0, atol=0)
 
 
 @pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")

@@ -52,6 +52,16 @@ CASES = [
      TypeError, "torch.int64"),
     ("weight not 2-D", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=torch.randn(V)),
      ValueError, "2-D"),
+    ("pos_weight with a sinusoid", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=w, pos_weight=p,
+                                                     pos_encoding="sinusoidal"), ValueError, "pos_weight was given"),
+    ("position_ids without PE", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=w,
+                                                  position_ids=torch.zeros(2, 3, dtype=torch.long)),
+     ValueError, "no positional encoding"),
+    ("float position_ids", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=w, pos_weight=p,
+                                             position_ids=torch.zeros(2, 3)), TypeError, "torch.float32"),
+    ("position_ids and offset", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=w, pos_weight=p,
+                                                  position_ids=torch.zeros(2, 3, dtype=torch.long), offset=1),
+     ValueError, "not both"),
 ]
 
 
