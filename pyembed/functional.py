@@ -74,12 +74,12 @@ def fused_embedding(
         ``ids.shape + (d,)`` tensor of ``weight.dtype``. Differentiable to any order, in
         forward mode too, and under ``torch.func`` transforms (``vmap``, ``grad``).
     """
-    lookup_op = None if sparse or type(dropout_p) not in (float, int) or dropout_p != 0 else _eager_lookup_op(
-        ids, weight, backend)
-    if lookup_op is not None and type(offset) is int:
+    plain = not sparse and type(dropout_p) in (float, int) and dropout_p == 0 and type(offset) is int
+    lookup_op = _eager_lookup_op(ids, weight, backend) if plain else None
+    if lookup_op is not None:
+        if pos_encoding is None or pos_encoding == "none":
+            pos_encoding = "learned" if pos_weight is not None else "none"
         try:
-            if pos_encoding is None or pos_encoding == "none":
-                pos_encoding = "learned" if pos_weight is not None else "none"
             return lookup_op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
                              scale_grad_by_freq, validate)
         except (RuntimeError, TypeError, ValueError, IndexError):
