@@ -241,3 +241,38 @@ def test_inductor_compiles_sparse_and_dense_layers_fullgraph(backend):
     assert sparse.weight.grad.is_sparse and layer.token_embedding.weight.grad.is_sparse
     for got, p in zip(compiled, [p for m in modules for p in m.parameters()]):
         torch.testing.assert_close(got, p.grad.to_dense(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("config", [dict(), dict(pos_encoding="sinusoidal", dropout=0.1), dict(sparse=True)],
+                         ids=["learned", "sinusoid+dropout", "sparse"])
+@pytest.mark.parametrize("wrapper", ["checkpoint", "save_on_cpu", "detect_anomaly"])
+@pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")
+def test_activation_checkpointing_offloading_and_anomaly_mode(backend, config, wrapper):
+    # What training scripts wrap layers in: non-reentrant activation checkpointing (the
+    # forward runs again in the backward), saved-tensor hooks that move what autograd
+    # saves to the CPU, anomaly mode. Each gives the plain call's output and gradients,
+    # bitwise: same dropout mask, same saved ids.
+    torch.manual_seed(7)
+    layer = pyembed.EmbeddingLayer(50, 16, 8, backend=backend, dtype=torch.float64, **config)
+    ids = torch.randint(0, 50, (3, 8))
+
+    def run(wrapped):
+        layer.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        if not wrapped:
+            out = layer(ids)
+        elif wrapper == "checkpoint":
+            out = torch.utils.checkpoint.checkpoint(layer, ids, use_reentrant=False)
+        else:
+            context = (torch.autograd.graph.save_on_cpu() if wrapper == "save_on_cpu"
+                       else torch.autograd.detect_anomaly(check_nan=True))
+            with context:
+                out = layer(ids)
+        out.sin().sum().backward()
+        return [out.detach()] + [p.grad.to_dense() for p in layer.parameters() if p.grad is not None]
+
+    plain, wrapped = run(False), run(True)
+    assert len(plain) == len(wrapped) == (3 if "pos_encoding" not in config else 2)
+    for a, b in zip(plain, wrapped):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
