@@ -276,3 +276,21 @@ def test_activation_checkpointing_offloading_and_anomaly_mode(backend, config, w
     assert len(plain) == len(wrapped) == (3 if "pos_encoding" not in config else 2)
     for a, b in zip(plain, wrapped):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal"])
+def test_torch_export_with_dynamic_shapes_keeps_the_checks(backend, pos_encoding):
+    # torch.export (the path to AOTInductor / ExecuTorch) traces the layers into one graph
+    # that takes new batch and sequence sizes, computes what eager computes, and still
+    # refuses an out-of-range id.
+    torch.manual_seed(8)
+    model = nn.Sequential(pyembed.EmbeddingLayer(50, 16, 32, pos_encoding=pos_encoding, scale_embeddings=True,
+                                                 backend=backend)).eval()
+    ids = torch.randint(0, 50, (2, 8))
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq", max=32)
+    exported = torch.export.export(model, (ids,), dynamic_shapes={"input": {0: batch, 1: seq}}).module()
+    other = torch.randint(0, 50, (3, 20))
+    torch.testing.assert_close(exported(other), model(other), rtol=0, atol=0)
+    with pytest.raises(IndexError, match="max id 70"):
+        exported(torch.tensor([[1, 70]]))
