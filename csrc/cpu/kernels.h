@@ -143,6 +143,15 @@ void forward_row(T* out, const T* w_row, acc_t<T> scale, const T* pe_row, const 
   }
 }
 
+// acc = src (in A): the first row of a sum, so no accumulator is zeroed first.
+template <typename T>
+void load_row(acc_t<T>* acc, const T* src, int64_t dim) {
+  using C = Chunk<T>;
+  int64_t j = 0;
+  for (; j + C::kSize <= dim; j += C::kSize) C::load(src + j).store_acc(acc + j);
+  for (; j < dim; ++j) acc[j] = static_cast<acc_t<T>>(src[j]);
+}
+
 // acc += src, where src is a row in T (a gradient) or in A (a partial sum).
 template <typename S>
 void accumulate_row(acc_t<S>* acc, const S* src, int64_t dim) {
@@ -339,10 +348,18 @@ void segment_sum_typed(const SegmentSumArgs& a) {
   at::parallel_for(0, num_parts, grain_for(4 * dim * sizeof(T)), [&](int64_t p0, int64_t p1) {
     std::vector<A> acc(dim);
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t s = part_segment[p], end = std::min(part_start[p] + kPartTokens, seg.begin[s + 1]);
+      const int64_t s = part_segment[p], first = part_start[p];
+      const int64_t end = std::min(first + kPartTokens, seg.begin[s + 1]);
+      const T* first_row = dout + seg.order[first] * dim;
+      if (end - first == 1 && part_slot[p] < 0) {
+        // A row used once -- most rows of a large vocabulary: round(f32(dout) * factor)
+        // straight out, the same single rounding with no accumulator to zero and fill.
+        forward_row<T>(dest(s), first_row, factor(s), nullptr, nullptr, nullptr, A(1), dim);
+        continue;
+      }
       A* sum = part_slot[p] >= 0 ? scratch.data() + part_slot[p] * dim : acc.data();
-      std::fill(sum, sum + dim, A(0));
-      for (int64_t i = part_start[p]; i < end; ++i) accumulate_row<T>(sum, dout + seg.order[i] * dim, dim);
+      load_row<T>(sum, first_row, dim);
+      for (int64_t i = first + 1; i < end; ++i) accumulate_row<T>(sum, dout + seg.order[i] * dim, dim);
       if (part_slot[p] < 0) finalize_row<T>(dest(s), sum, factor(s), dim);
     }
   });
