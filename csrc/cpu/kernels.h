@@ -383,8 +383,8 @@ void batch_sum_typed(const BatchSumArgs& a) {
   at::parallel_for(0, a.steps, grain_for(a.batch * dim * sizeof(T)), [&](int64_t t0, int64_t t1) {
     std::vector<A> acc(dim);
     for (int64_t t = t0; t < t1; ++t) {
-      std::fill(acc.begin(), acc.end(), A(0));
-      for (int64_t b = 0; b < a.batch; ++b) accumulate_row<T>(acc.data(), dout + (b * a.seq_len + t) * dim, dim);
+      load_row<T>(acc.data(), dout + t * dim, dim);
+      for (int64_t b = 1; b < a.batch; ++b) accumulate_row<T>(acc.data(), dout + (b * a.seq_len + t) * dim, dim);
       finalize_row<T>(out + (a.offset + t) * dim, acc.data(), A(1), dim);
     }
   });
