@@ -16,6 +16,12 @@ Minimal bytes (what an ideal kernel must move; ``es`` element size, ``U`` unique
   step = fwd+bwd + the optimizer's 7 passes (read param, grad, 2 moments; write param,
          2 moments) over the rows it updates: all V (+ T) rows with AdamW, U with SparseAdam
 
+On a CPU each case runs in a fresh worker process (``--no-isolate`` turns it off): in one
+long process every provider slows down late in the run on our test VM, unevenly (heap and
+page state left by earlier cases), so a case's ratio depended on where it sat in the suite;
+a fresh process per case is what pyperf does for the same reason, and what a training
+process running one configuration sees.
+
 Compiled providers are compiled afresh for every case (``torch._dynamo.reset()``), so no
 case falls back to eager at Dynamo's recompile limit. A case whose p80/p20 spread is
 above SPREAD_WARN is flagged "noisy" in its note. The run ends with the geometric mean,
@@ -25,7 +31,9 @@ per mode, of each pyembed provider's speed-up over the faster of eager and compi
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
+import multiprocessing
 import platform
 import time
 from pathlib import Path
@@ -271,6 +279,20 @@ def run_case(case: Case, device, provs: list[Provider], args) -> list[dict]:
     return rows
 
 
+def _run_case_in_worker(case: Case, device_type: str, provider_names: list, args) -> list[dict]:
+    """run_case in this (fresh) process, with the providers rebuilt by name."""
+    device = torch.device(device_type)
+    provs = [p for p in providers(device, args.reference) if p.name in provider_names]
+    return run_case(case, device, provs, args)
+
+
+def run_case_isolated(case: Case, device, provs: list[Provider], args) -> list[dict]:
+    """run_case in a fresh process of its own (spawned: no state inherited from earlier cases)."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as worker:
+        return worker.submit(_run_case_in_worker, case, device.type, [p.name for p in provs], args).result()
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--suite", default=None, choices=["quick", "default", "gpu", "full"],
@@ -286,6 +308,8 @@ def parse_args(argv=None):
     ap.add_argument("--budget", type=float, default=0.6, help="CPU: seconds of timing per case (default 0.6)")
     ap.add_argument("--min-reps", type=int, default=10)
     ap.add_argument("--max-reps", type=int, default=300)
+    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                    help="run each case in a fresh process (default: on a CPU)")
     ap.add_argument("--out", default=str(DEFAULT_OUT),
                     help="folder for results.csv (appended) and the PNG plots (default build/bench, git-ignored; "
                          "the README's figures are refreshed on purpose with --out docs/bench)")
@@ -311,10 +335,13 @@ def main(argv=None) -> list[dict]:
         "pyembed": pyembed.__version__,
         "suite": name,
     }
-    print(f"pyembed benchmark: suite {name}, {len(cases)} cases, providers {[p.name for p in provs]}, on {meta['device']}")
+    isolate = args.isolate if args.isolate is not None else device.type == "cpu"
+    print(f"pyembed benchmark: suite {name}, {len(cases)} cases, providers {[p.name for p in provs]}, on {meta['device']}"
+          + (", each case in a fresh process" if isolate else ""))
     rows = []
     for case in tqdm(cases, desc="cases", unit="case"):
-        rows += [{**meta, **r} for r in run_case(case, device, provs, args)]
+        case_rows = run_case_isolated(case, device, provs, args) if isolate else run_case(case, device, provs, args)
+        rows += [{**meta, **r} for r in case_rows]
     out = Path(args.out)
     csv_path = report.append_csv(rows, out / "results.csv")
     print(report.markdown(rows, [p.name for p in provs]))
