@@ -148,23 +148,7 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
   }
 };
 
-at::Tensor embedding_autograd(const at::Tensor& ids, const at::Tensor& weight,
-                              const std::optional<at::Tensor>& pos_weight,
-                              const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
-                              double scale, int64_t offset, std::optional<int64_t> padding_idx,
-                              bool scale_grad_by_freq, bool validate) {
-  const LookupArgs args =
-      check_lookup(ids, weight, pos_weight, position_ids, pos_encoding, offset, padding_idx, validate);
-  const bool needs_grad = weight.requires_grad() || (pos_weight.has_value() && pos_weight->requires_grad());
-  if (!at::GradMode::is_enabled() || !needs_grad) {  // no_grad decoding: no node to build (~1 us)
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return call_forward(ids, weight, pos_weight, args.position_ids, pos_encoding, scale, offset);
-  }
-  return EmbeddingFunction::apply(weight, pos_weight, ids, args.position_ids, pos_encoding, scale, offset,
-                                  args.padding_idx, scale_grad_by_freq);
-}
-
-// Below autograd (inference_mode, or tensors that need no gradient): the forward op alone.
+// Below autograd (inference_mode, no_grad, or tables that need no gradient): the forward op alone.
 at::Tensor embedding_no_autograd(const at::Tensor& ids, const at::Tensor& weight,
                                  const std::optional<at::Tensor>& pos_weight,
                                  const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
@@ -173,6 +157,23 @@ at::Tensor embedding_no_autograd(const at::Tensor& ids, const at::Tensor& weight
   const LookupArgs args =
       check_lookup(ids, weight, pos_weight, position_ids, pos_encoding, offset, padding_idx, validate);
   return call_forward(ids, weight, pos_weight, args.position_ids, pos_encoding, scale, offset);
+}
+
+at::Tensor embedding_autograd(const at::Tensor& ids, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& pos_weight,
+                              const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
+                              double scale, int64_t offset, std::optional<int64_t> padding_idx,
+                              bool scale_grad_by_freq, bool validate) {
+  const bool needs_grad = weight.requires_grad() || (pos_weight.has_value() && pos_weight->requires_grad());
+  if (!at::GradMode::is_enabled() || !needs_grad) {  // no_grad decoding: no node to build (~1 us)
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return embedding_no_autograd(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
+                                 scale_grad_by_freq, validate);
+  }
+  const LookupArgs args =
+      check_lookup(ids, weight, pos_weight, position_ids, pos_encoding, offset, padding_idx, validate);
+  return EmbeddingFunction::apply(weight, pos_weight, ids, args.position_ids, pos_encoding, scale, offset,
+                                  args.padding_idx, scale_grad_by_freq);
 }
 
 }  // namespace

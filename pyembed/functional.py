@@ -109,7 +109,7 @@ def _eager_lookup_op(ids, weight, backend: str):
     when the call needs the Python path: torch.compile, forward-mode AD, torch.func
     transforms, tensor subclasses (DTensor), integer tables, a Python backend. A one-token
     lookup is ~10 us; the Python checks and autograd.Function it skips were half of that."""
-    if torch.compiler.is_compiling() or forward_ad._current_level >= 0 or _functorch_active():
+    if not _autograd_may_be_cpp():
         return None
     if type(weight) not in _PLAIN_TENSORS or type(ids) is not torch.Tensor or not weight.is_floating_point():
         return None
@@ -117,6 +117,12 @@ def _eager_lookup_op(ids, weight, backend: str):
         return dispatch.resolve(backend, weight.device).autograd_op
     except (RuntimeError, ValueError):
         return None  # the slow path raises it, after the argument checks
+
+
+def _autograd_may_be_cpp() -> bool:
+    """Nothing needs the Python autograd.Function: not compiling (Dynamo traces the
+    Function), no forward-mode AD and no torch.func transform (the C++ node has neither)."""
+    return not torch.compiler.is_compiling() and forward_ad._current_level < 0 and not _functorch_active()
 
 
 def check_dropout_p(p) -> None:
@@ -164,9 +170,8 @@ def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale,
     (FusedConfig)."""
     tensors = (ids.contiguous(), weight.contiguous(), None if pos_weight is None else pos_weight.contiguous(),
                None if position_ids is None else position_ids.contiguous(), dropout_key)
-    compiling = torch.compiler.is_compiling()
-    if (backend.autograd_op is not None and not compiling and dropout_key is None and not sparse
-            and sinusoid_columns == (0, 0) and forward_ad._current_level < 0 and not _functorch_active()):
+    if (backend.autograd_op is not None and dropout_key is None and not sparse and sinusoid_columns == (0, 0)
+            and _autograd_may_be_cpp()):
         # The common eager call on a C++ backend: one op whose autograd node is C++ too
         # (csrc/autograd.cpp), a few us less than an autograd.Function -- most of a one-token
         # lookup. Everything else (dropout, sparse, forward AD, torch.func, torch.compile)
@@ -178,7 +183,7 @@ def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale,
                                    padding_idx, bool(scale_grad_by_freq), False)
     config = FusedConfig(pos_encoding, float(scale), int(offset), padding_idx, bool(scale_grad_by_freq),
                          bool(sparse), bool(validate), backend.name, float(dropout_p), *sinusoid_columns)
-    if not compiling:
+    if not torch.compiler.is_compiling():
         function = FusedEmbeddingFunctorch if _functorch_active() else FusedEmbeddingFunctionWithJvp
         return function.apply(*tensors, config)
     if sparse:
