@@ -84,8 +84,12 @@ TOKENS_GPU = TOKENS_DEFAULT + [(8, 2048)]
 def suite(name: str) -> list[Case]:
     """default: CPU-friendly -- the main grid (GPT-2 and BERT, 1x1 .. 8x512 tokens, every
     mode, fp32, learned positions, uniform ids, dense grads) plus one-axis sweeps around
-    GPT-2 8x512. gpu: adds Llama-2/3 and 8x2048. full: the whole cross product. quick:
-    one tiny shape, every mode (seconds; used by the tests)."""
+    GPT-2 8x512. gpu: what a GPU user compares -- GPT-2, Llama-2 and Llama-3 tables, 1x1
+    (decoding) and 8x2048 (training) tokens, fp32 and bf16, learned and sinusoidal
+    positions, fwd / fwd+bwd / step, plus a sparse step and the Zipf and one-hot id
+    distributions at GPT-2 8x2048 (one GPU call must hold it: every case compiles afresh).
+    full: the whole cross product. quick: one tiny shape, every mode (seconds; used by
+    the tests)."""
     if name == "quick":
         return [Case("tiny", 2, 16, mode) for mode in MODES] + [Case("tiny", 2, 16, "fwd+bwd", grad="sparse"),
                                                                  Case("tiny", 2, 16, "fwd+bwd", dropout=0.1)]
@@ -95,7 +99,13 @@ def suite(name: str) -> list[Case]:
         return [Case(s, b, t, m, dt, p, di, g) for s, (b, t), m, dt, p, di, g in itertools.product(
             shapes, tokens, MODES, DTYPES, ("learned", "sinusoidal", "none"), ("uniform", "zipf", "onehot"),
             ("dense", "sparse"))]
-    if name not in ("default", "gpu"):
+    if name == "gpu":
+        cases = [Case(s, b, t, m, dt, p) for s, (b, t), m, dt, p in itertools.product(
+            ("gpt2", "llama2", "llama3"), ((1, 1), (8, 2048)), ("fwd", "fwd+bwd", "step"), ("fp32", "bf16"),
+            ("learned", "sinusoidal"))]
+        cases += [Case("gpt2", 8, 2048, "step", grad="sparse")]
+        return cases + [Case("gpt2", 8, 2048, "fwd+bwd", dist=d) for d in ("zipf", "onehot")]
+    if name != "default":
         raise ValueError(f"unknown suite {name!r}")
     cases = [Case(s, b, t, m) for s, (b, t), m in itertools.product(shapes, tokens, MODES)]
     b, t = tokens[-1]

@@ -3,6 +3,9 @@
 - eager: the way models do it today -- nn.Embedding lookups, a multiply, an add (and a
   sinusoid read from a precomputed table buffer), then dropout when the case has one.
 - compile: ``torch.compile`` of that same eager code.
+- liger: Liger-Kernel's experimental Triton embedding (a lookup, with an atomic-add
+  backward) in place of ``F.embedding``, the rest as eager; on a GPU, where
+  ``liger_kernel`` is installed.
 - pyembed-<backend>: ``pyembed.fused_embedding`` on each backend available here.
 """
 
@@ -28,8 +31,8 @@ class Tables:
     positions: torch.Tensor  # (seq_len,) = arange
 
 
-def eager_input_layer(ids, tables: Tables, scale: float, sparse: bool, dropout: float = 0.0):
-    out = F.embedding(ids, tables.weight, sparse=sparse) * scale
+def eager_input_layer(ids, tables: Tables, scale: float, sparse: bool, dropout: float = 0.0, lookup=None):
+    out = (F.embedding(ids, tables.weight, sparse=sparse) if lookup is None else lookup(ids, tables.weight)) * scale
     if tables.pos_weight is not None:
         out = out + F.embedding(tables.positions, tables.pos_weight)
     if tables.sinusoid is not None:
@@ -76,11 +79,27 @@ def compiled_provider() -> Provider:
                     reset=compiled.reset)
 
 
+def liger_provider() -> Optional[Provider]:
+    try:
+        from liger_kernel.ops.experimental.embedding import LigerEmbeddingFunction
+    except ImportError:
+        return None
+
+    def lookup(ids, weight):
+        return LigerEmbeddingFunction.apply(weight, ids)
+
+    def run(ids, tables: Tables, scale: float, sparse: bool, dropout: float = 0.0):
+        return eager_input_layer(ids, tables, scale, sparse, dropout, lookup=lookup)
+    return Provider("liger", run, lambda case: "no sparse gradient" if case.grad == "sparse" else None)
+
+
 def providers(device: torch.device, include_reference: bool = False) -> list[Provider]:
     found = [
         Provider("eager", eager_input_layer),
         compiled_provider(),
     ]
+    liger = liger_provider() if torch.device(device).type == "cuda" else None
+    found += [liger] if liger is not None else []
     for backend in dispatch.backends_for(device):
         if backend == "reference" and not include_reference:
             continue  # the spec in code: slow by design, measured only on request

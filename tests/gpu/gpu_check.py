@@ -25,6 +25,7 @@ import datetime
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -36,25 +37,52 @@ SANITIZER_TOOLS = ("memcheck", "racecheck", "initcheck")
 
 
 class Check:
+    """Runs the steps, each a subprocess whose stdout + stderr go to out/log, and records
+    (name, ok, seconds, log). Steps may run side by side (``start`` several, then ``wait``):
+    the correctness steps share the GPU without harm, and one device call must hold them."""
+
     def __init__(self, out: Path, env: dict):
-        self.out, self.env, self.steps = out, env, []
+        self.out, self.env, self.steps, self.running = out, env, [], []
+
+    def start(self, name: str, cmd: list[str], log: str, timeout: int, env: dict | None = None,
+              cwd: Path = ROOT) -> None:
+        print(f"gpu-check: {name} ...", flush=True)
+        f = (self.out / log).open("w")
+        proc = subprocess.Popen(cmd, cwd=cwd, env={**self.env, **(env or {})}, stdout=f, stderr=subprocess.STDOUT)
+        self.running.append((name, proc, f, log, time.time(), timeout))
+
+    def wait(self) -> dict[str, tuple[bool, str]]:
+        """Wait for every started step. One past its time gets SIGINT first (pytest then still
+        writes its summary and junit XML), SIGKILL 30 s later."""
+        results = {}
+        for name, proc, f, log, start, timeout in self.running:
+            try:
+                proc.wait(timeout=max(1.0, start + timeout - time.time()))
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                timed_out = True
+            f.close()
+            if timed_out:
+                with (self.out / log).open("a") as f:
+                    f.write(f"\n[gpu-check: timed out after {timeout} s]\n")
+            ok = proc.returncode == 0 and not timed_out
+            seconds = time.time() - start
+            self.steps.append((name, ok, seconds, log))
+            print(f"gpu-check: {name}: {'ok' if ok else 'FAILED'} ({seconds:.0f} s, {log})", flush=True)
+            results[name] = (ok, (self.out / log).read_text(errors="replace"))
+        self.running = []
+        return results
 
     def run(self, name: str, cmd: list[str], log: str, timeout: int, env: dict | None = None,
             cwd: Path = ROOT) -> tuple[bool, str]:
-        """Run cmd in cwd, its stdout + stderr to out/log; record (name, ok, seconds, log)."""
-        start = time.time()
-        print(f"gpu-check: {name} ...", flush=True)
-        try:
-            proc = subprocess.run(cmd, cwd=cwd, env={**self.env, **(env or {})}, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, timeout=timeout)
-            text, ok = proc.stdout, proc.returncode == 0
-        except subprocess.TimeoutExpired as exc:
-            text = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            text, ok = text + f"\n[gpu-check: timed out after {timeout} s]\n", False
-        (self.out / log).write_text(text)
-        self.steps.append((name, ok, time.time() - start, log))
-        print(f"gpu-check: {name}: {'ok' if ok else 'FAILED'} ({time.time() - start:.0f} s, {log})", flush=True)
-        return ok, text
+        self.start(name, cmd, log, timeout, env, cwd)
+        return self.wait()[name]
 
 
 def versions(python: str) -> dict:
@@ -82,6 +110,15 @@ def stage_package(stage: Path) -> None:
     shutil.copytree(ROOT / "kernels", stage / "pyembed" / "kernels", ignore=ignore)
 
 
+def xdist_args(python: str, workers: int) -> list[str]:
+    """-n WORKERS where pytest-xdist is installed: the suite's CPU-heavy half then uses the
+    GPU machine's cores (each test is independent; distributed tests rendezvous by file)."""
+    if workers <= 0:
+        return []
+    found = subprocess.run([python, "-c", "import xdist"], capture_output=True).returncode == 0
+    return ["-n", str(workers)] if found else []
+
+
 def junit_counts(path: Path) -> dict:
     if not path.exists():
         return {}
@@ -104,15 +141,23 @@ def junit_failures(path: Path, limit: int = 30) -> list[str]:
 
 
 def sanitizer_errors(text: str) -> int | None:
-    m = re.search(r"ERROR SUMMARY: (\d+) error", text)
-    return int(m.group(1)) if m else None
+    """The error count of compute-sanitizer's closing line: "ERROR SUMMARY: N errors"
+    (memcheck, initcheck) or "RACECHECK SUMMARY: H hazards displayed (N errors, ...)"."""
+    found = re.findall(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) error", text)
+    return int(next(n for n in found[-1] if n)) if found else None
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description="Build, test, sanitize and benchmark pyembed on this machine's GPU.")
     ap.add_argument("--out", default=os.environ.get("GPU_CHECK_OUT", "gpu-check"))
     ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--skip-sanitizer", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--workers", type=int, default=8,
+                    help="pytest-xdist workers for the test suite, where xdist is installed (0: none)")
+    ap.add_argument("--tests-timeout", type=int, default=1800, help="seconds for the tests and each sanitizer")
+    ap.add_argument("--bench-timeout", type=int, default=1800, help="seconds for the benchmark")
     ap.add_argument("--bench-args", default="", help="extra arguments for python -m bench")
     ap.add_argument("--rehearse", action="store_true", help="no GPU: check the CPU-side parts of this script")
     args = ap.parse_args()
@@ -131,7 +176,9 @@ def main() -> int:
     arch = info.get("capability", "9.0")
     # Everything runs from the stage, so `import pyembed` finds the staged package before
     # the source tree (python -m puts the working directory first on sys.path).
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stage), str(ROOT)]), "PYTHONDONTWRITEBYTECODE": "1"}
+    # Whatever PYTHONPATH already holds (e.g. carried wheels: Liger-Kernel) stays, after them.
+    paths = [str(stage), str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("TRITON_INTERPRET", None)
     check = Check(out, env)
     started = time.time()
@@ -153,9 +200,10 @@ def main() -> int:
         built, _ = check.run("import the staged build", [args.python, "-c", code, str(stage)], "import.log", 300,
                              cwd=stage)
 
-    # 2. The test suite on CUDA tensors, 3. the sanitizers, 4. the benchmark.
+    # 2. The test suite on CUDA tensors and 3. the sanitizers, side by side; 4. the
+    # benchmark alone afterwards (its timings must not share the GPU).
     sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-    san_counts = {}
+    san_logs, results = {}, {}
     if built:
         tests_dir, workload = str(ROOT / "tests"), str(ROOT / "tests" / "gpu" / "sanitizer_workload.py")
         if args.rehearse:
@@ -164,19 +212,24 @@ def main() -> int:
                       "sanitizer-rehearsal.log", 600, {"TRITON_INTERPRET": "1"}, cwd=stage)
         else:
             tests = [tests_dir]
-        check.run("pytest tests/ tests/gpu/", [args.python, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider",
-                                               f"--rootdir={ROOT}", f"--junitxml={out / 'junit.xml'}"],
-                  "pytest.log", 1800, cwd=stage)
-        if not args.rehearse:
+        if not args.skip_tests:
+            check.start("pytest tests/ tests/gpu/",
+                        [args.python, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider", f"--rootdir={ROOT}",
+                         f"--junitxml={out / 'junit.xml'}", *xdist_args(args.python, args.workers)],
+                        "pytest.log", args.tests_timeout, cwd=stage)
+        if not args.rehearse and not args.skip_sanitizer:
             for tool in SANITIZER_TOOLS:
+                name = f"compute-sanitizer {tool}"
                 cmd = [sanitizer, "--tool", tool, "--print-limit", "50", args.python, workload]
-                _, text = check.run(f"compute-sanitizer {tool}", cmd, f"sanitizer-{tool}.log", 900,
-                                    {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, cwd=stage)
-                san_counts[tool] = sanitizer_errors(text)
-            if not args.skip_bench:
-                check.run("benchmark (python -m bench --suite gpu)",
-                          [args.python, "-m", "bench", "--suite", "gpu", "--out", str(out / "bench"),
-                           *args.bench_args.split()], "bench.log", 1200, cwd=stage)
+                check.start(name, cmd, f"sanitizer-{tool}.log", args.tests_timeout,
+                            {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, cwd=stage)
+                san_logs[tool] = name
+        results = check.wait()
+        if not args.rehearse and not args.skip_bench:
+            check.run("benchmark (python -m bench --suite gpu)",
+                      [args.python, "-m", "bench", "--suite", "gpu", "--out", str(out / "bench"),
+                       *args.bench_args.split()], "bench.log", args.bench_timeout, cwd=stage)
+    san_counts = {tool: sanitizer_errors(results[name][1]) for tool, name in san_logs.items()}
 
     summary = write_summary(out, info, check, san_counts, time.time() - started, args.rehearse)
     print(f"gpu-check: summary in {summary}")
