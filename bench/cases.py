@@ -100,8 +100,8 @@ def suite(name: str) -> list[Case]:
             shapes, tokens, MODES, DTYPES, ("learned", "sinusoidal", "none"), ("uniform", "zipf", "onehot"),
             ("dense", "sparse"))]
     if name == "gpu":
-        cases = [Case(s, b, t, m, dt, p) for s, (b, t), m, dt, p in itertools.product(
-            ("gpt2", "llama2", "llama3"), ((1, 1), (8, 2048)), ("fwd", "fwd+bwd", "step"), ("fp32", "bf16"),
+        cases = [Case(s, b, t, m, dt, p) for (b, t), s, m, dt, p in itertools.product(
+            ((8, 2048), (1, 1)), ("gpt2", "llama2", "llama3"), ("fwd", "fwd+bwd", "step"), ("fp32", "bf16"),
             ("learned", "sinusoidal"))]
         cases += [Case("gpt2", 8, 2048, "step", grad="sparse")]
         return cases + [Case("gpt2", 8, 2048, "fwd+bwd", dist=d) for d in ("zipf", "onehot")]

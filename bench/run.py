@@ -339,11 +339,12 @@ def main(argv=None) -> list[dict]:
     print(f"pyembed benchmark: suite {name}, {len(cases)} cases, providers {[p.name for p in provs]}, on {meta['device']}"
           + (", each case in a fresh process" if isolate else ""))
     rows = []
+    out = Path(args.out)
+    csv_path = out / "results.csv"
     for case in tqdm(cases, desc="cases", unit="case"):
         case_rows = run_case_isolated(case, device, provs, args) if isolate else run_case(case, device, provs, args)
         rows += [{**meta, **r} for r in case_rows]
-    out = Path(args.out)
-    csv_path = report.append_csv(rows, out / "results.csv")
+        report.append_csv(rows[-len(case_rows):], csv_path)  # case by case: a run cut short keeps what it measured
     print(report.markdown(rows, [p.name for p in provs]))
     print()
     print("\n".join(report.summary(rows)))

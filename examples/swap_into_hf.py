@@ -25,7 +25,7 @@ import pyembed
 
 def time_fwd_bwd(fn, ids: torch.Tensor, params: list[torch.Tensor], label: str) -> benchmark.Measurement:
     """Median time of out = fn(ids); out.backward(g), gradients reset before each run."""
-    grad = torch.randn(*ids.shape, params[0].shape[1])
+    grad = torch.randn(*ids.shape, params[0].shape[1], device=ids.device)
 
     def step():
         for p in params:

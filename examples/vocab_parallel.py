@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     args = parser.parse_args()
 
-    if torch.cuda.is_available():
+    if torch.cuda.device_count() >= int(os.environ["WORLD_SIZE"]):  # one GPU per rank, else gloo on CPU
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl")

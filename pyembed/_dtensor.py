@@ -95,12 +95,26 @@ def rowwise_partial(ids, local_weight, start: int, pos_weight, position_ids, pos
                        dropout_p=dropout_p)
 
 
+def _partial_from_local(out, mesh):
+    """The partial sums of a row shard as a DTensor(Partial) whose local gradient is the
+    whole (Replicate) gradient: each rank's part contributes with weight one."""
+    import inspect
+
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if "grad_placements" in inspect.signature(DTensor.from_local).parameters:
+        return DTensor.from_local(out, mesh, [Partial()], grad_placements=[Replicate()])
+    # Older torch (2.11) has no grad_placements; its backward of from_local turns a Replicate
+    # gradient into a Partial one by keeping each rank's tensor (is_backward=True): the same.
+    return DTensor.from_local(out, mesh, [Partial()])
+
+
 def fused_embedding(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
                     scale_grad_by_freq, sparse, validate, backend, dropout_p, generator):
     """pyembed.functional.apply_fused on the local shard of a DTensor table (arguments
     already checked and normalised); returns a DTensor on the table's mesh (placements as
     in the module docstring)."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from .functional import _checked_ids, apply_fused
 
@@ -139,7 +153,7 @@ def fused_embedding(ids, weight, pos_weight, position_ids, pos_encoding, scale, 
         _, start = Shard.local_shard_size_and_offset(weight.shape[0], mesh.size(0), mesh.get_local_rank(0))
         out = rowwise_partial(ids, local_weight, start, pos_weight, position_ids, pos_encoding, scale, offset,
                               padding_idx, scale_grad_by_freq, False, backend, dropout_key, dropout_p)
-        return DTensor.from_local(out, mesh, [Partial()], grad_placements=[Replicate()])
+        return _partial_from_local(out, mesh)
     # Shard(1) or Replicate(): this rank's columns, from first_column on (all of them when replicated).
     if dropout_key is not None and first_column:  # global column j is word j % 4 of Philox call offset + j // 4
         dropout_key = dropout_key + torch.tensor([0, first_column // 4], device=dropout_key.device)

@@ -94,6 +94,27 @@ def run_with_grads(fn, ids, weight, pos_weight, dout, **kwargs):
     return out.detach(), w.grad, None if p is None else p.grad
 
 
+class _ToDevice(torch.autograd.Function):
+    """t.to(device), whose backward moves the gradient back by device alone: autograd's
+    own ToCopyBackward calls grad.to(t's options), which before torch 2.12 refuses a
+    sparse gradient ("doesn't support converting to a different layout")."""
+
+    @staticmethod
+    def forward(ctx, t, device):
+        ctx.device = t.device
+        return t.to(device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.device), None
+
+
+def to_device(t, device):
+    """t on ``device`` for a test, differentiably (sparse gradients come back too); None
+    and non-tensors pass through."""
+    return _ToDevice.apply(t, device) if isinstance(t, torch.Tensor) else t
+
+
 def fused(backend):
     """fused_embedding with a BACKENDS entry: for "name@cuda" the tensors go to the GPU
     (differentiably: gradients come back to the CPU leaves) and the output comes back."""
@@ -102,9 +123,9 @@ def fused(backend):
     def run(ids, weight, pos_weight=None, **kwargs):
         if not device:
             return pyembed.fused_embedding(ids, weight, pos_weight, backend=name, **kwargs)
-        to = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
-        kwargs = {k: to(v) for k, v in kwargs.items()}
-        return pyembed.fused_embedding(to(ids), to(weight), to(pos_weight), backend=name, **kwargs).cpu()
+        kwargs = {k: to_device(v, device) for k, v in kwargs.items()}
+        return pyembed.fused_embedding(to_device(ids, device), to_device(weight, device), to_device(pos_weight, device),
+                                       backend=name, **kwargs).cpu()
     return run
 
 

@@ -13,7 +13,7 @@ import torch
 
 import pyembed
 from pyembed import reference
-from helpers import BACKENDS, CPU_BACKENDS, assert_within, make_inputs
+from helpers import BACKENDS, CPU_BACKENDS, assert_within, make_inputs, to_device
 
 Q = 0.3
 
@@ -26,9 +26,9 @@ def _call(backend, ids, weight, pos_weight=None, seed=1234, **kwargs):
     """fused_embedding on the backend's device with the default generator seeded: the key
     drawn is then reference.draw_dropout_key(device) right after the same seeding."""
     name, device = backend.partition("@")[0], _device(backend)
-    to = lambda t: None if t is None else t.to(device)  # noqa: E731
     torch.manual_seed(seed)
-    return pyembed.fused_embedding(to(ids), to(weight), to(pos_weight), backend=name, **kwargs)
+    return pyembed.fused_embedding(to_device(ids, device), to_device(weight, device), to_device(pos_weight, device),
+                                   backend=name, **kwargs)
 
 
 def _key(device, seed=1234):
