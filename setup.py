@@ -58,13 +58,17 @@ def nvcc_major(cuda_home: str):
     return int(m.group(1)) if m else None
 
 
-def find_cuda_home():
-    # pyembed/_cuda_home.py, loaded by path: the package itself is not built yet.
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pyembed", "_cuda_home.py")
-    spec = importlib.util.spec_from_file_location("_pyembed_cuda_home", path)
+def load_helper(name: str):
+    """pyembed/<name>.py, loaded by path: the package itself is not built yet."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pyembed", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_pyembed{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.find_cuda_home()
+    return module
+
+
+def find_cuda_home():
+    return load_helper("_cuda_home").find_cuda_home()
 
 
 def want_cuda(torch, cuda_home):
@@ -97,13 +101,15 @@ def extension_kwargs():
     # -fopenmp: at::parallel_for runs serially in a translation unit built without it.
     # The torch this is built against, recorded in _C (pyembed.build_info() shows it).
     cxx = ["-O3", "-fopenmp", f'-DPYEMBED_TORCH_VERSION="{torch.__version__}"']
+    # The shared C++ runtime even where g++ would link its archive (pyembed/_libstdcxx.py).
+    link = ["-fopenmp"] + load_helper("_libstdcxx").link_args()
     # Link order matters: the AVX2 and AVX-512 objects come last so inline functions shared
     # with the portable objects resolve to the portable copies (csrc/cpu/kernels_avx2.cpp).
     sources = ["csrc/pyembed.cpp", "csrc/autograd.cpp", "csrc/cpu/embedding_cpu.cpp", "csrc/cpu/kernels_base.cpp",
                "csrc/cpu/kernels_avx2.cpp", "csrc/cpu/kernels_avx512.cpp"]
     if not with_cuda:
         ext = cpp_extension.CppExtension("pyembed._C", sources, extra_compile_args={"cxx": cxx},
-                                         extra_link_args=["-fopenmp"])
+                                         extra_link_args=link)
         return ext, cpp_extension
 
     if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
@@ -116,7 +122,7 @@ def extension_kwargs():
         "pyembed._C",
         sources + sorted(glob.glob("csrc/cuda/*.cu")),
         extra_compile_args={"cxx": cxx + defines, "nvcc": nvcc + defines},
-        extra_link_args=["-fopenmp"],
+        extra_link_args=link,
     )
     return ext, cpp_extension
 

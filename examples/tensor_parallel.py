@@ -51,6 +51,9 @@ def main() -> None:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    # Named, not left to init_device_mesh: with CUDA present but unused, its default group
+    # may have no CPU backend ("No backend type associated with device type cpu", torch 2.11).
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     mesh = init_device_mesh(device.type, (int(os.environ["WORLD_SIZE"]),))
     rank = dist.get_rank()
 

@@ -34,6 +34,8 @@ def emulated():
     another torch (make test-compat) neither rebuilds this one nor waits on its lock."""
     from torch.utils.cpp_extension import load
 
+    from pyembed._libstdcxx import link_args
+
     build_dir = ROOT / "build" / "cuda_emulation" / torch.__version__
     build_dir.mkdir(parents=True, exist_ok=True)
     return load(
@@ -41,5 +43,6 @@ def emulated():
         [str(ROOT / "tests" / "emulation" / "cuda_emulated.cpp")],
         extra_include_paths=[str(ROOT / "csrc")],
         extra_cflags=["-O2"],
+        extra_ldflags=link_args(),
         build_directory=str(build_dir),
     )

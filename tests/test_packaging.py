@@ -5,6 +5,7 @@ and the extension records the torch it was built against."""
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -51,3 +52,31 @@ def test_build_info_names_the_torch_built_against():
     if not info["cpu_built"]:
         pytest.skip("the extension is not built here")
     assert info["torch_built_against"] == torch.__version__ == info["torch"]
+
+
+@pytest.mark.skipif(pyembed.build_info()["torch_built_against"] is None, reason="the C++ extension is not built")
+@pytest.mark.skipif(shutil.which("nm") is None, reason="binutils' nm is not installed")
+def test_extensions_use_the_process_cpp_runtime(emulated):
+    # A private copy of libstdc++ inside an extension numbers std::locale's facets apart
+    # from torch's libstdc++.so.6: on the H100 machine (g++ 13 finding only libstdc++.a)
+    # the first error message formatting an int64 segfaulted. No extension we build may
+    # carry the runtime's stream code (std::ostream::_M_insert<long> stands for it).
+    for path in (pyembed._C.__file__, emulated.__file__):
+        defined = subprocess.run(["nm", "-D", "--defined-only", path], capture_output=True, text=True,
+                                 check=True).stdout
+        assert "_ZNSo9_M_insertIlEERSoT_" not in defined, f"{path} links a private libstdc++"
+
+
+def test_link_args_name_the_shared_runtime_only_when_the_compiler_lacks_it(tmp_path):
+    from pyembed._libstdcxx import link_args
+
+    lacking = tmp_path / "g++-with-archive-only"  # answers as g++ does when no folder holds the file
+    lacking.write_text("#!/bin/sh\necho libstdc++.so\n")
+    lacking.chmod(0o755)
+    assert link_args(str(lacking)) == ["-l:libstdc++.so.6"]
+    having = tmp_path / "g++-with-shared"
+    (tmp_path / "libstdc++.so").write_text("")
+    having.write_text(f"#!/bin/sh\necho {tmp_path / 'libstdc++.so'}\n")
+    having.chmod(0o755)
+    assert link_args(str(having)) == []
+    assert link_args(str(tmp_path / "no-such-compiler")) == []

@@ -257,6 +257,11 @@ def test_backward_is_bitwise_identical_across_runs_and_thread_counts(backend, vo
     weight = torch.randn(vocab, 40)
     threads = torch.get_num_threads()
     results = []
+    # The contract holds under torch.use_deterministic_algorithms(True). Our kernels need
+    # no flag (no float atomics), so they are tested without it; the reference is plain
+    # ATen, whose CUDA index_add_ is deterministic only with it.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic or backend == "reference@cuda")
     try:
         for n in (threads, 1, threads):
             torch.set_num_threads(n)
@@ -266,6 +271,7 @@ def test_backward_is_bitwise_identical_across_runs_and_thread_counts(backend, vo
                 results.append(grad.to_dense())
     finally:
         torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
     for r in results[1:]:
         assert torch.equal(r, results[0])
     exact, bound = accumulation_bound(ids, dout, vocab, 1.0, torch.float32)
