@@ -25,6 +25,27 @@ def append_csv(rows: list[dict], path: Path) -> Path:
     return path
 
 
+INTS = {"batch", "seq_len", "tokens", "min_bytes", "grad_bytes", "saved_bytes"}
+FLOATS = {"dropout", "median_ms", "p20_ms", "p80_ms", "gbps", "pct_of_copy", "copy_ms", "speedup_vs_eager",
+          "speedup_vs_compile", "spread"}
+
+
+def load_csv(path: Path) -> list[dict]:
+    """The rows of a results.csv as run.main returns them (numbers as numbers, blanks
+    absent): to redo the table and plots from a CSV measured elsewhere (a GPU machine)."""
+    from .cases import Case
+
+    def parse(k, v):
+        return int(float(v)) if k in INTS else float(v) if k in FLOATS else v
+
+    with Path(path).open(newline="") as f:
+        rows = [{k: parse(k, v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+    for row in rows:
+        row["label"] = Case(row["shape"], row["batch"], row["seq_len"], row["mode"], row["dtype"], row["pos"],
+                            row["dist"], row["grad"], row["dropout"]).label()
+    return rows
+
+
 def _cell(row: dict) -> str:
     if row["status"] != "ok":
         return row["status"]
@@ -102,3 +123,26 @@ def plots(rows: list[dict], out: Path, meta: dict) -> list[Path]:
         fig.savefig(path, dpi=110)
         paths.append(path)
     return paths
+
+
+def main(argv=None) -> None:
+    """``python -m bench.report RESULTS.csv [--out DIR]``: the markdown table, the summary
+    and the plots of a results.csv, e.g. one a GPU machine's ``make gpu-check`` wrote."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m bench.report", description=main.__doc__.split("\n")[0])
+    ap.add_argument("csv", type=Path)
+    ap.add_argument("--out", type=Path, help="folder for the PNGs (default: the CSV's)")
+    args = ap.parse_args(argv)
+    rows = load_csv(args.csv)
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    print(markdown(rows, providers))
+    print()
+    print("\n".join(summary(rows)))
+    first = rows[0]
+    meta = {k: first.get(k, "") for k in ("device", "torch", "timestamp")}
+    print("plots:", ", ".join(str(p) for p in plots(rows, args.out or args.csv.parent, meta)))
+
+
+if __name__ == "__main__":
+    main()

@@ -345,13 +345,13 @@ def main(argv=None) -> list[dict]:
         case_rows = run_case_isolated(case, device, provs, args) if isolate else run_case(case, device, provs, args)
         rows += [{**meta, **r} for r in case_rows]
         report.append_csv(rows[-len(case_rows):], csv_path)  # case by case: a run cut short keeps what it measured
-    print(report.markdown(rows, [p.name for p in provs]))
-    print()
-    print("\n".join(report.summary(rows)))
+    table = report.markdown(rows, [p.name for p in provs]) + "\n\n" + "\n".join(report.summary(rows)) + "\n"
+    (out / "results.md").write_text(table)
+    print(table)
     noisy = [f"{r['label']} {r['provider']}" for r in rows if "noisy" in r.get("note", "")]
     if noisy:
         print(f"warning: {len(noisy)} timings had p80/p20 > {SPREAD_WARN} (a busy machine?): {'; '.join(noisy)}")
     pngs = report.plots(rows, out, meta)
     plots = ", ".join(str(p) for p in pngs) or "none (the plots show the fp32 / learned / uniform / dense grid, not in this run)"
-    print(f"\nCSV appended to {csv_path}; plots: {plots}")
+    print(f"\nCSV appended to {csv_path}, this run's table in {out / 'results.md'}; plots: {plots}")
     return rows

@@ -5,13 +5,17 @@ On a machine whose python already has a CUDA torch, offline:
      pyembed.kernels) and builds pyembed._C into it for the visible GPU's architecture
      only (MAX_JOBS = all cores); the source tree and any installed copy are untouched;
   2. runs tests/ and tests/gpu/ on it (CUDA tensors wherever a test has a GPU variant),
-     with junit XML;
-  3. runs compute-sanitizer memcheck, racecheck and initcheck over
+     with junit XML, pytest-xdist workers where installed; side by side with
+  3. compute-sanitizer memcheck, racecheck and initcheck over
      tests/gpu/sanitizer_workload.py (every kernel, small);
-  4. runs the GPU benchmark suite;
+  4. then alone, the GPU benchmark suite (results.csv / .md / PNG);
+  5. then torch.profiler and Nsight Compute over tests/gpu/profile_workload.py;
 and writes everything under GPU_CHECK_OUT (default gpu-check/): logs, junit.xml, the
 benchmark's CSV / markdown / PNG, and summary.md naming the device and versions with
-pass/fail counts, sanitizer error counts and the benchmark table.
+pass/fail counts, sanitizer error counts, the profile's medians and the benchmark table.
+On the H100 machine (16 cores) steps 1-3 took about 6 minutes and 4 about 6 more: a host
+that limits one command to 10 minutes runs it in two calls (--skip-bench --skip-profile,
+then --skip-tests --skip-sanitizer).
 
 Without a CUDA device it prints one line and exits 2. Exit 0 when every step passed,
 1 otherwise. ``--rehearse`` runs the CPU-side parts here (build for sm_90, staging, a
@@ -154,7 +158,8 @@ def main() -> int:
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--skip-sanitizer", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
-    ap.add_argument("--workers", type=int, default=8,
+    ap.add_argument("--skip-profile", action="store_true", help="no torch.profiler / ncu breakdown")
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
                     help="pytest-xdist workers for the test suite, where xdist is installed (0: none)")
     ap.add_argument("--tests-timeout", type=int, default=1800, help="seconds for the tests and each sanitizer")
     ap.add_argument("--bench-timeout", type=int, default=1800, help="seconds for the benchmark")
@@ -229,6 +234,17 @@ def main() -> int:
             check.run("benchmark (python -m bench --suite gpu)",
                       [args.python, "-m", "bench", "--suite", "gpu", "--out", str(out / "bench"),
                        *args.bench_args.split()], "bench.log", args.bench_timeout, cwd=stage)
+        if not args.rehearse and not args.skip_profile:
+            # 5. Where the time goes: torch.profiler per backend, then Nsight Compute on the
+            # forward kernels (DRAM throughput, occupancy).
+            profiler = str(ROOT / "tests" / "gpu" / "profile_workload.py")
+            check.run("profile (torch.profiler)", [args.python, profiler], "profile.log", 600, cwd=stage)
+            ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+            if os.path.exists(ncu):
+                check.run("ncu on the forward kernels",
+                          [ncu, "--clock-control", "none", "--kernel-name", "regex:forward", "--launch-count", "8",
+                           "--section", "SpeedOfLight", "--section", "Occupancy", "--section", "LaunchStats",
+                           args.python, profiler, "--ncu"], "ncu.log", 600, cwd=stage)
     san_counts = {tool: sanitizer_errors(results[name][1]) for tool, name in san_logs.items()}
 
     summary = write_summary(out, info, check, san_counts, time.time() - started, args.rehearse)
@@ -253,6 +269,10 @@ def write_summary(out: Path, info: dict, check: Check, san_counts: dict, seconds
     if san_counts:
         lines += ["", "compute-sanitizer errors: " + ", ".join(
             f"{tool} {'?' if n is None else n}" for tool, n in san_counts.items())]
+    profile = out / "profile.log"
+    if profile.exists():
+        lines += ["", "## Profile (profile.log: medians, GPU ops per call)", ""]
+        lines += [f"- {line}" for line in profile.read_text().splitlines() if re.match(r"\d+x\d+ .*: fwd ", line)]
     tables = sorted((out / "bench").glob("*.md")) if (out / "bench").exists() else []
     for table in tables:
         lines += ["", f"## Benchmark ({table.name})", "", table.read_text()]
