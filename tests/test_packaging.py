@@ -67,16 +67,22 @@ def test_extensions_use_the_process_cpp_runtime(emulated):
         assert "_ZNSo9_M_insertIlEERSoT_" not in defined, f"{path} links a private libstdc++"
 
 
-def test_link_args_name_the_shared_runtime_only_when_the_compiler_lacks_it(tmp_path):
+def _fake_compiler(path, output: str):
+    """A "compiler" that writes ``output`` to the file after -o (the last argument)."""
+    path.write_text(f'#!/bin/sh\nfor last; do :; done\nprintf "%s" "{output}" > "$last"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_link_args_name_the_shared_runtime_only_when_a_probe_links_without_it(tmp_path):
     from pyembed._libstdcxx import link_args
 
-    lacking = tmp_path / "g++-with-archive-only"  # answers as g++ does when no folder holds the file
-    lacking.write_text("#!/bin/sh\necho libstdc++.so\n")
-    lacking.chmod(0o755)
-    assert link_args(str(lacking)) == ["-l:libstdc++.so.6"]
-    having = tmp_path / "g++-with-shared"
-    (tmp_path / "libstdc++.so").write_text("")
-    having.write_text(f"#!/bin/sh\necho {tmp_path / 'libstdc++.so'}\n")
-    having.chmod(0o755)
-    assert link_args(str(having)) == []
+    if not sys.platform.startswith("linux"):
+        assert link_args() == []
+        return
+    # The probe's bytes decide: a DT_NEEDED libstdc++.so.6 (or libc++) means shared.
+    assert link_args(_fake_compiler(tmp_path / "static", "ELF ... probe code, no runtime named")) == [
+        "-l:libstdc++.so.6"]
+    assert link_args(_fake_compiler(tmp_path / "shared", "ELF ... libstdc++.so.6 ...")) == []
+    assert link_args(_fake_compiler(tmp_path / "libcxx", "ELF ... libc++.so.1 ...")) == []
     assert link_args(str(tmp_path / "no-such-compiler")) == []
