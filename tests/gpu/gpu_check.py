@@ -13,10 +13,10 @@ On a machine whose python already has a CUDA torch, offline:
 and writes everything under GPU_CHECK_OUT (default gpu-check/): logs, junit.xml, the
 benchmark's CSV / markdown / PNG, and summary.md naming the device and versions with
 pass/fail counts, sanitizer error counts, the profile's medians and the benchmark table.
-On the H100 machine (16 cores) the build took 1 minute and the benchmark 6; the tests
-were stopped after 4 and 7 minutes, unfinished: a host that limits one command to 10
-minutes runs this in two calls (--skip-bench --skip-profile, then --skip-tests
---skip-sanitizer), with --tests-timeout below the limit.
+On the H100 machine (16 cores) the build took 1 minute and the benchmark 6 (5 providers;
+7 now run there); the tests were stopped after 4 and 7 minutes, unfinished: a host that
+limits one command to 10 minutes runs this in three calls, each step alone (the --skip-*
+options), with --tests-timeout below the limit.
 
 Without a CUDA device it prints one line and exits 2. Exit 0 when every step passed,
 1 otherwise. ``--rehearse`` runs the CPU-side parts here (build for sm_90, staging, a
