@@ -221,7 +221,7 @@ def main() -> int:
         if not args.skip_tests:
             check.start("pytest tests/ tests/gpu/",
                         [args.python, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider", f"--rootdir={ROOT}",
-                         f"--junitxml={out / 'junit.xml'}", *xdist_args(args.python, args.workers)],
+                         "--durations=30", f"--junitxml={out / 'junit.xml'}", *xdist_args(args.python, args.workers)],
                         "pytest.log", args.tests_timeout, cwd=stage)
         if not args.rehearse and not args.skip_sanitizer:
             for tool in SANITIZER_TOOLS:
