@@ -31,6 +31,11 @@ def test_quick_suite_writes_csv_table_and_plots(tmp_path, capsys):
     for mode in ("fwd", "bwd", "fwd+bwd", "step"):  # the summary: one geometric mean per mode and provider
         assert any(line.startswith(f"{mode:8s} pyembed-") and "the faster of eager/compile" in line
                    for line in out.splitlines()), mode
+    # The CSV alone gives back this run's table (python -m bench.report, for a GPU machine's CSV).
+    names = list(dict.fromkeys(r["provider"] for r in rows))
+    table = (tmp_path / "results.md").read_text()
+    assert table.startswith(report.markdown(rows, names))
+    assert report.markdown(report.load_csv(tmp_path / "results.csv"), names) == report.markdown(rows, names)
 
 
 def test_compiled_provider_never_falls_back_to_eager():
