@@ -340,11 +340,13 @@ def main(argv=None) -> list[dict]:
           + (", each case in a fresh process" if isolate else ""))
     rows = []
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     csv_path = out / "results.csv"
     for case in tqdm(cases, desc="cases", unit="case"):
-        case_rows = run_case_isolated(case, device, provs, args) if isolate else run_case(case, device, provs, args)
-        rows += [{**meta, **r} for r in case_rows]
-        report.append_csv(rows[-len(case_rows):], csv_path)  # case by case: a run cut short keeps what it measured
+        measured = run_case_isolated(case, device, provs, args) if isolate else run_case(case, device, provs, args)
+        case_rows = [{**meta, **r} for r in measured]
+        rows += case_rows
+        report.append_csv(case_rows, csv_path)  # case by case: a run cut short keeps what it measured
     table = report.markdown(rows, [p.name for p in provs]) + "\n\n" + "\n".join(report.summary(rows)) + "\n"
     (out / "results.md").write_text(table)
     print(table)
