@@ -38,6 +38,8 @@ Parameter and runs ``rowwise_partial`` below, sparse gradients included.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 
 import torch
@@ -95,14 +97,20 @@ def rowwise_partial(ids, local_weight, start: int, pos_weight, position_ids, pos
                        dropout_p=dropout_p)
 
 
+@functools.cache
+def _from_local_takes_grad_placements() -> bool:
+    """Asked once (inspect.signature costs ~10 us, and this is on every forward)."""
+    from torch.distributed.tensor import DTensor
+
+    return "grad_placements" in inspect.signature(DTensor.from_local).parameters
+
+
 def _partial_from_local(out, mesh):
     """The partial sums of a row shard as a DTensor(Partial) whose local gradient is the
     whole (Replicate) gradient: each rank's part contributes with weight one."""
-    import inspect
-
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    if "grad_placements" in inspect.signature(DTensor.from_local).parameters:
+    if _from_local_takes_grad_placements():
         return DTensor.from_local(out, mesh, [Partial()], grad_placements=[Replicate()])
     # Older torch (2.11) has no grad_placements; its backward of from_local turns a Replicate
     # gradient into a Partial one by keeping each rank's tensor (is_backward=True): the same.
