@@ -91,12 +91,18 @@ def summary(rows: list[dict]) -> list[str]:
     return lines
 
 
+def table(rows: list[dict], providers: list[str]) -> str:
+    """results.md: the markdown table, then the summary lines."""
+    return markdown(rows, providers) + "\n\n" + "\n".join(summary(rows)) + "\n"
+
+
 def plots(rows: list[dict], out: Path, meta: dict) -> list[Path]:
     """Per mode: median time vs tokens, per provider, one panel per shape (main grid only:
     fp32, learned positions, uniform ids, dense gradients)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # a canvas of its own: no global backend
     from matplotlib.figure import Figure
 
+    out.mkdir(parents=True, exist_ok=True)
     main = [r for r in rows if r["status"] == "ok" and (r["dtype"], r["pos"], r["dist"], r["grad"], r["dropout"]) ==
             ("fp32", "learned", "uniform", "dense", 0.0)]
     paths = []
@@ -135,10 +141,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, help="folder for the PNGs (default: the CSV's)")
     args = ap.parse_args(argv)
     rows = load_csv(args.csv)
-    providers = list(dict.fromkeys(r["provider"] for r in rows))
-    print(markdown(rows, providers))
-    print()
-    print("\n".join(summary(rows)))
+    print(table(rows, list(dict.fromkeys(r["provider"] for r in rows))))
     first = rows[0]
     meta = {k: first.get(k, "") for k in ("device", "torch", "timestamp")}
     print("plots:", ", ".join(str(p) for p in plots(rows, args.out or args.csv.parent, meta)))

@@ -347,7 +347,7 @@ def main(argv=None) -> list[dict]:
         case_rows = [{**meta, **r} for r in measured]
         rows += case_rows
         report.append_csv(case_rows, csv_path)  # case by case: a run cut short keeps what it measured
-    table = report.markdown(rows, [p.name for p in provs]) + "\n\n" + "\n".join(report.summary(rows)) + "\n"
+    table = report.table(rows, [p.name for p in provs])
     (out / "results.md").write_text(table)
     print(table)
     noisy = [f"{r['label']} {r['provider']}" for r in rows if "noisy" in r.get("note", "")]
