@@ -96,8 +96,8 @@ def run_with_grads(fn, ids, weight, pos_weight, dout, **kwargs):
 
 class _ToDevice(torch.autograd.Function):
     """t.to(device), whose backward moves the gradient back by device alone: autograd's
-    own ToCopyBackward calls grad.to(t's options), which before torch 2.12 refuses a
-    sparse gradient ("doesn't support converting to a different layout")."""
+    own ToCopyBackward calls grad.to(t's options), which torch 2.11 (the H100 machine's)
+    refuses for a sparse gradient ("doesn't support converting to a different layout")."""
 
     @staticmethod
     def forward(ctx, t, device):
