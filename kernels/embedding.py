@@ -6,13 +6,15 @@ stores once -- fp32 math (fp64 for fp64 tables), one rounding, 64-bit offsets. A
 out-of-range id (validate=False) is masked: a zero row (no positional term either: the
 vocab-parallel layer sums ranks' rows), no memory access.
 
-Backward: the (key, token) pairs are sorted with torch on the device (stable), cut into
-segments of equal keys, and every segment is summed by a tree of parts of at most
-PART_ROWS rows, in fp32, in a fixed order -- no atomics, so it is deterministic (this
-backend has no atomic fast path). The host never waits for the device (a dense backward
-can be captured in a CUDA graph): every size is an upper bound from the token count and
-unused slots are empty ranges the kernel skips (csrc/cuda/embedding_kernels.cuh does the
-same). The learned-PE gradient with p = offset + t is a batch reduction.
+Backward: the keys are sorted with torch on the device (stable), cut into segments of
+equal used keys by two small kernels around one scan, and every segment is summed by a
+tree of parts of at most PART_ROWS rows, in fp32, in a fixed order -- no atomics, so it
+is deterministic (this backend has no atomic fast path). The host never waits for the
+device (a dense backward can be captured in a CUDA graph): every size is an upper bound
+from the token count and unused slots are empty ranges the kernels skip. Launches, not
+arithmetic, are what the host pays for, so the bookkeeping is in kernels (a 16k-token
+backward is about 15 launches), as in csrc/cuda/embedding_kernels.cuh, which has the
+same structure. The learned-PE gradient with p = offset + t is a batch reduction.
 
 Scalars: Triton types a Python float argument as fp32, so ``scale`` and the sinusoid's
 frequency step are annotated fp64 (exact for fp64 tables) and rounded to the compute
@@ -24,6 +26,7 @@ of d (which is what lets it emit 16-byte accesses); BLOCK_T follows from BLOCK_D
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -132,38 +135,135 @@ def _embedding_forward_kernel(
 
 
 @triton.jit
-def _segment_sum_kernel(
+def _used_key(key, num_rows, skip):
+    """A key names a row of the table other than the skipped one (the padding row)."""
+    return (key >= 0) & (key < num_rows) & (key != skip)
+
+
+@triton.jit
+def _segment_starts_kernel(
+    sorted_ptr,  # (n,) int64 sorted keys
+    starts_ptr,  # (n,) int64 out: 1 where a segment starts; its inclusive scan numbers the segments
+    n, num_rows, skip,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < n
+    key = tl.load(sorted_ptr + r, mask=ok, other=-1)
+    prev = tl.load(sorted_ptr + r - 1, mask=ok & (r > 0), other=-1)
+    starts = _used_key(key, num_rows, skip) & ((r == 0) | (prev != key))
+    tl.store(starts_ptr + r, starts.to(tl.int64), mask=ok)
+
+
+@triton.jit
+def _segment_bounds_kernel(
+    sorted_ptr,  # (n,) int64 sorted keys
+    scan_ptr,  # (n,) int64 inclusive scan of the starts: scan - 1 is the slot of r's segment
+    keys_ptr, begin_ptr, end_ptr,  # (slots,) int64 out, zero-filled: empty ranges where untouched
+    n, num_rows, skip,
+    BLOCK: tl.constexpr,
+):
+    # Each segment's key and range are written by the threads at the range's edges.
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < n
+    key = tl.load(sorted_ptr + r, mask=ok, other=-1)
+    used = ok & _used_key(key, num_rows, skip)
+    slot = tl.load(scan_ptr + r, mask=used, other=1) - 1
+    prev = tl.load(sorted_ptr + r - 1, mask=used & (r > 0), other=-1)
+    nxt = tl.load(sorted_ptr + r + 1, mask=used & (r + 1 < n), other=-1)
+    first = used & ((r == 0) | (prev != key))
+    last = used & ((r == n - 1) | (nxt != key))
+    tl.store(begin_ptr + slot, r, mask=first)
+    tl.store(keys_ptr + slot, key, mask=first)
+    tl.store(end_ptr + slot, r + 1, mask=last)
+
+
+@triton.jit
+def _sum_rows(src_ptr, src_rows_ptr, begin, end, cols, col_ok, dim, acc_dtype: tl.constexpr,
+              HAS_SRC_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Sum of src rows src_row(r), r in [begin, end), in order: the sum does not depend on scheduling."""
+    acc = tl.zeros([BLOCK_D], dtype=acc_dtype)
+    for r in range(begin, end):
+        if HAS_SRC_ROWS:
+            row = tl.load(src_rows_ptr + r)
+        else:
+            row = r
+        acc += tl.load(src_ptr + row * dim + cols, mask=col_ok, other=0.0).to(acc_dtype)
+    return acc
+
+
+@triton.jit
+def _finish_segments_kernel(
     src_ptr,  # rows of dim: the gradient (level 0) or fp32 partial sums
     src_rows_ptr,  # (rows,) int64 row of src for sorted position r, when HAS_SRC_ROWS
     begin_ptr, end_ptr,  # (num_segments,) int64: segment g sums positions [begin, end)
-    dst_ptr,  # output rows of dim
+    dst_ptr,  # output rows of dim: the gradient
     dst_rows_ptr,  # (num_segments,) int64 destination row, when HAS_DST_ROWS (else g)
-    factors_ptr,  # (num_segments,) compute dtype, when HAS_FACTORS (else 1)
-    dim,
-    HAS_SRC_ROWS: tl.constexpr, HAS_DST_ROWS: tl.constexpr, HAS_FACTORS: tl.constexpr, COMPUTE_F64: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    factors_ptr,  # (num_segments,) compute dtype scale / count, when HAS_FACTORS (else scale)
+    parts_ptr,  # (num_segments,) int64 out: the next level's parts of g (0: finished here), when HAS_PARTS
+    scale: tl.float64, max_rows, dim,
+    HAS_SRC_ROWS: tl.constexpr, HAS_DST_ROWS: tl.constexpr, HAS_FACTORS: tl.constexpr, HAS_PARTS: tl.constexpr,
+    COMPUTE_F64: tl.constexpr, PART_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """One tree level's finished segments: those of at most max_rows rows are summed,
+    scaled, rounded once and written; the longer ones are counted in parts."""
     acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
     g = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < dim
     begin = tl.load(begin_ptr + g)
     end = tl.load(end_ptr + g)
-    acc = tl.zeros([BLOCK_D], dtype=acc_dtype)
-    for r in range(begin, end):  # in order: the sum does not depend on scheduling
-        if HAS_SRC_ROWS:
-            row = tl.load(src_rows_ptr + r)
-        else:
-            row = r
-        acc += tl.load(src_ptr + row * dim + cols, mask=col_ok, other=0.0).to(acc_dtype)
+    fits = end - begin <= max_rows
+    if HAS_PARTS:
+        tl.store(parts_ptr + g, tl.where(fits, 0, tl.cdiv(end - begin, PART_ROWS)), mask=tl.program_id(1) == 0)
+    end = tl.where(fits, end, begin)  # a longer segment is finished at a later level
+    acc = _sum_rows(src_ptr, src_rows_ptr, begin, end, cols, col_ok, dim, acc_dtype, HAS_SRC_ROWS, BLOCK_D)
+    # An empty range is an unused slot or a segment finished at another level: no write.
+    write = end > begin
     if HAS_FACTORS:
-        acc = acc * tl.load(factors_ptr + g)
+        acc = acc * tl.load(factors_ptr + g, mask=write, other=0.0)
+    else:
+        acc = acc * tl.full([], scale, acc_dtype)
     if HAS_DST_ROWS:
-        dst_row = tl.load(dst_rows_ptr + g)
+        dst_row = tl.load(dst_rows_ptr + g, mask=write, other=0)
     else:
         dst_row = g
-    # An empty range is an unused slot or a segment finished at another tree level: no write.
-    tl.store(dst_ptr + dst_row * dim + cols, _rounded(acc, dst_ptr), mask=col_ok & (end > begin))
+    tl.store(dst_ptr + dst_row * dim + cols, _rounded(acc, dst_ptr), mask=col_ok & write)
+
+
+@triton.jit
+def _sum_parts_kernel(
+    src_ptr,  # rows of dim: the gradient (level 0) or fp32 partial sums
+    src_rows_ptr,  # (rows,) int64 row of src for sorted position r, when HAS_SRC_ROWS
+    begin_ptr, end_ptr,  # (num_segments,) int64: segment g's positions [begin, end)
+    part_end_ptr,  # (num_segments,) int64 inclusive scan of the segments' parts
+    partials_ptr,  # (num_parts, dim) compute dtype out: part j's sum in row j
+    num_segments, search_steps, dim,  # search_steps: num_segments.bit_length()
+    HAS_SRC_ROWS: tl.constexpr, COMPUTE_F64: tl.constexpr, PART_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Part j belongs to the first segment g with part_end[g] > j (a binary search) and
+    sums rows begin[g] + k * PART_ROWS ... of g, k = j - its first part. Slots past the
+    last part write nothing."""
+    acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
+    j = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < dim
+    lo = tl.full([], 0, tl.int64)
+    hi = lo + num_segments
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        active = lo < hi
+        right = active & (tl.load(part_end_ptr + mid, mask=active, other=0) <= j)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    owned = lo < num_segments
+    begin = tl.load(begin_ptr + lo, mask=owned, other=0)
+    end = tl.load(end_ptr + lo, mask=owned, other=0)
+    first_part = tl.load(part_end_ptr + lo, mask=owned, other=0) - tl.cdiv(end - begin, PART_ROWS)
+    part_begin = begin + (j - first_part) * PART_ROWS
+    part_end = tl.where(owned, tl.minimum(part_begin + PART_ROWS, end), part_begin)
+    acc = _sum_rows(src_ptr, src_rows_ptr, part_begin, part_end, cols, col_ok, dim, acc_dtype, HAS_SRC_ROWS, BLOCK_D)
+    tl.store(partials_ptr + j * dim + cols, acc, mask=col_ok & owned)
 
 
 @triton.jit
@@ -210,77 +310,83 @@ def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scal
     )
 
 
-def _segment_sum(src, src_rows, begin, end, dst, dst_rows, factors, dim):
-    if begin.numel() == 0 or dim == 0:
-        return
-    _, block_d = _blocks(dim)
-    _segment_sum_kernel[(begin.numel(), triton.cdiv(dim, block_d))](
-        src, src_rows if src_rows is not None else begin, begin, end, dst,
-        dst_rows if dst_rows is not None else begin, factors if factors is not None else begin, dim,
-        HAS_SRC_ROWS=src_rows is not None, HAS_DST_ROWS=dst_rows is not None, HAS_FACTORS=factors is not None,
-        COMPUTE_F64=dst.dtype == torch.float64 or src.dtype == torch.float64, BLOCK_D=block_d,
-    )
+BOUNDS_BLOCK = 1024  # sorted positions per program of the segment-bound kernels
 
 
-def sorted_segments(keys, num_rows: int, skip: int):
-    """The segments of equal keys among the stably sorted keys in fixed-size arrays,
-    without a device->host sync: (order, segment keys, begin, end), `slots` =
-    min(tokens, num_rows + 1) entries. Slot s is the s-th segment in key order; slots past
-    the last one, and the segment of excluded keys (outside [0, num_rows) or == skip), are
-    empty ranges -- so the real segments are the first U slots."""
+class Segments(NamedTuple):
+    """The segments of equal used keys among the stably sorted keys, in arrays whose sizes
+    the host knows without asking the device: ``slots`` = min(tokens, num_rows) entries.
+    Slot s is the s-th segment in key order; slots past the last one are empty ranges
+    (begin == end == 0), so the real segments are the first ``count`` slots."""
+
+    order: torch.Tensor  # (tokens,) token index of each sorted position
+    keys: torch.Tensor  # (slots,) the key of segment s
+    begin: torch.Tensor  # (slots,) its sorted positions [begin, end)
+    end: torch.Tensor
+    count: torch.Tensor  # () int64 on the device: the number of segments
+
+
+def sorted_segments(keys, num_rows: int, skip: int) -> Segments:
+    """Segments of the keys in [0, num_rows) other than ``skip`` (out-of-range ids and the
+    padding row are left out), without a device->host sync: a sort, two small kernels
+    around one scan."""
     keys = keys.reshape(-1).long()
     n = keys.numel()
-    used = (keys >= 0) & (keys < num_rows) & (keys != skip)
-    sorted_keys, order = torch.where(used, keys, num_rows).sort(stable=True)  # excluded keys sort last
-    starts = torch.ones(n, dtype=torch.bool, device=keys.device)
-    starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
-    seg_of = starts.cumsum(0) - 1  # segment of each sorted position (non-decreasing)
-    slot = torch.arange(min(n, num_rows + 1), device=keys.device)
-    begin = torch.searchsorted(seg_of, slot)
-    end = torch.searchsorted(seg_of, slot, right=True)
-    seg_keys = sorted_keys[begin.clamp(max=max(n - 1, 0))]
-    real = (end > begin) & (seg_keys < num_rows)
-    return order, seg_keys, torch.where(real, begin, 0), torch.where(real, end, 0)
+    slots = min(n, max(num_rows, 0))
+    sorted_keys, order = keys.sort(stable=True)  # unused keys sort among the used ones: the kernels skip them
+    keys_begin_end = torch.zeros(3, slots, dtype=torch.long, device=keys.device)
+    if n == 0:
+        return Segments(order, *keys_begin_end, torch.zeros((), dtype=torch.long, device=keys.device))
+    scan = torch.empty(n, dtype=torch.long, device=keys.device)
+    grid = (triton.cdiv(n, BOUNDS_BLOCK),)
+    _segment_starts_kernel[grid](sorted_keys, scan, n, num_rows, skip, BLOCK=BOUNDS_BLOCK)
+    scan.cumsum_(0)
+    if slots:
+        _segment_bounds_kernel[grid](sorted_keys, scan, *keys_begin_end, n, num_rows, skip, BLOCK=BOUNDS_BLOCK)
+    return Segments(order, *keys_begin_end, scan[-1])
 
 
-def sum_segments(dout2d, segments, scale: float, divide_by_count: bool, out, dense: bool):
+def sum_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool, out, dense: bool):
     """out[dst_row(s)] = factor(s) * (sum of the dout rows of segment s), dst_row(s) = the
-    segment's key when dense, else s. A tree of parts of at most PART_ROWS rows: each
-    level finishes the segments that fit in one part (sum, scale, round once, write) and
-    cuts the longer ones into parts whose sums are the next level's rows. Every size is
-    bounded on the host from the token count (no sync)."""
-    order, seg_keys, begin, end = segments
+    segment's key when dense, else s; factor = scale, or scale / (its token count). A tree
+    of parts of at most PART_ROWS rows: each level finishes the segments that fit in one
+    part (sum, scale, round once, write) and cuts the longer ones into parts whose sums
+    are the next level's rows. Every size is bounded on the host from the token count (no
+    sync). Per level: finish (which counts the parts), scan, sum the parts, subtract."""
+    order, seg_keys, begin, end, _ = segments
     slots, dim = seg_keys.numel(), dout2d.shape[1]
     if slots == 0 or dim == 0:
         return
     acc = torch.float64 if dout2d.dtype == torch.float64 else torch.float32
-    factors = torch.full((slots,), scale, dtype=acc, device=dout2d.device)
-    if divide_by_count:
-        factors = factors / (end - begin).clamp(min=1).to(acc)
-    dst_rows = seg_keys if dense else None
+    compute_f64 = acc == torch.float64
+    # scale / count is fixed at level 0: later levels' ranges count parts, not tokens.
+    factors = scale / (end - begin).clamp(min=1).to(acc) if divide_by_count else None
+    _, block_d = _blocks(dim)
+    col_blocks = triton.cdiv(dim, block_d)
     src, src_rows = dout2d, order
     rows = longest = order.numel()  # rows at this level and its longest segment, at most
     while True:
-        if longest <= PART_ROWS:  # every segment fits in one part: the last level
-            _segment_sum(src, src_rows, begin, end, out, dst_rows, factors, dim)
+        last = longest <= PART_ROWS  # every segment fits in one part: the last level
+        parts = None if last else torch.empty(slots, dtype=torch.long, device=dout2d.device)
+        _finish_segments_kernel[(slots, col_blocks)](
+            src, src_rows if src_rows is not None else begin, begin, end, out,
+            seg_keys, factors if factors is not None else begin, parts if parts is not None else begin,
+            scale, rows if last else PART_ROWS, dim,
+            HAS_SRC_ROWS=src_rows is not None, HAS_DST_ROWS=dense, HAS_FACTORS=factors is not None,
+            HAS_PARTS=parts is not None, COMPUTE_F64=compute_f64, PART_ROWS=PART_ROWS, BLOCK_D=block_d,
+        )
+        if last:
             return
-        fits = (end - begin) <= PART_ROWS
-        _segment_sum(src, src_rows, torch.where(fits, begin, 0), torch.where(fits, end, 0), out, dst_rows, factors,
-                     dim)
         # A segment of length > PART_ROWS has ceil(length / PART_ROWS) < 2 length / PART_ROWS parts.
-        parts = torch.where(fits, 0, (end - begin + PART_ROWS - 1) // PART_ROWS)
-        next_end = parts.cumsum(0)
-        next_begin = next_end - parts
         rows = 2 * rows // PART_ROWS
-        j = torch.arange(rows, device=dout2d.device)
-        owner = torch.searchsorted(next_end, j, right=True).clamp(max=slots - 1)  # the segment part j belongs to
-        owned = j < next_end[owner]  # slots past the last part stay empty
-        part_begin = begin[owner] + (j - next_begin[owner]) * PART_ROWS
-        part_end = torch.minimum(part_begin + PART_ROWS, end[owner])
+        part_end = parts.cumsum(0)
         partials = torch.empty(rows, dim, dtype=acc, device=dout2d.device)
-        _segment_sum(src, src_rows, torch.where(owned, part_begin, 0), torch.where(owned, part_end, 0), partials,
-                     None, None, dim)
-        src, src_rows, begin, end = partials, None, next_begin, next_end
+        _sum_parts_kernel[(rows, col_blocks)](
+            src, src_rows if src_rows is not None else begin, begin, end, part_end, partials, slots,
+            slots.bit_length(), dim, HAS_SRC_ROWS=src_rows is not None, COMPUTE_F64=compute_f64, PART_ROWS=PART_ROWS,
+            BLOCK_D=block_d,
+        )
+        src, src_rows, begin, end = partials, None, part_end - parts, part_end
         longest = (longest + PART_ROWS - 1) // PART_ROWS
 
 

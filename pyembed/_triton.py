@@ -129,13 +129,12 @@ def triton_sparse_backward(grad_out: torch.Tensor, ids: torch.Tensor, num_embedd
     k = _kernels()
     dim = grad_out.shape[-1]
     with _on_device(grad_out):
-        order, seg_keys, begin, end = segments = k.sorted_segments(
-            ids, num_embeddings, -1 if padding_idx is None else padding_idx)
-        touched = int((end > begin).sum()) if seg_keys.numel() else 0
+        segments = k.sorted_segments(ids, num_embeddings, -1 if padding_idx is None else padding_idx)
+        touched = int(segments.count)
         values = grad_out.new_empty(touched, dim)
         k.sum_segments(grad_out.contiguous().reshape(ids.numel(), dim), segments, scale, scale_grad_by_freq, values,
                        dense=False)
-    return seg_keys[:touched].clone(), values
+    return segments.keys[:touched].clone(), values
 
 
 reference.register_fakes("pyembed::triton_forward", "pyembed::triton_backward", "pyembed::triton_sparse_backward")

@@ -305,6 +305,47 @@ def _forward_op(backend, emulated):
     return lambda *args: op(*map(to, args)).cpu()
 
 
+def _backward_ops(backend, emulated):
+    """(dense, sparse) backward ops of a BACKENDS entry (inputs moved to its device,
+    outputs back), or the emulated CUDA ones."""
+    if backend == "cuda-emulated":
+        return emulated.embedding_backward, emulated.embedding_sparse_backward
+    name, _, device = backend.partition("@")
+    ops = pyembed.dispatch.get(name).backward, pyembed.dispatch.get(name).sparse_backward
+    if not device:
+        return ops
+    to = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return tuple(lambda *args, op=op: tuple(t.cpu() for t in op(*map(to, args))) for op in ops)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["cuda-emulated"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_backward_steps_over_unused_keys_among_used_ones(request, backend, dtype):
+    """With validate=False, out-of-range ids -- below and above the table, each distinct,
+    more distinct keys (44) than table rows (6) -- and the padding row sort among the
+    used rows and must be left out of every gradient. Row 2 is used 100 times (a tree of
+    several levels on the GPU backends), so scale_grad_by_freq's 1/count must reach its
+    last level."""
+    dense, sparse = _backward_ops(backend, request.getfixturevalue("emulated") if backend == "cuda-emulated" else None)
+    ids = torch.cat([torch.arange(-20, 0), torch.arange(6, 26), torch.full((100,), 2), torch.full((30,), 4),
+                     torch.tensor([0, 5, 5, 3])])
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(5))][None]
+    dout = torch.randn(1, ids.shape[1], 16, generator=torch.Generator().manual_seed(6)).to(dtype)
+    used = (ids >= 0) & (ids < 6) & (ids != 4)
+    counts = torch.bincount(ids[(ids >= 0) & (ids < 6)], minlength=6).double()
+    keys = torch.where(used, ids, 0)
+    for by_freq in (False, True):
+        terms = dout.double() * used[..., None] / (counts[keys][..., None] if by_freq else 1)
+        exact, bound = accumulation_bound(keys, terms, 6, 0.5, dtype)
+        dw, _ = dense(dout, ids, None, 0, 6, 0, 0.5, 4, by_freq, True, False)
+        assert_within(dw, exact, bound, what=f"{backend} dense dW, scale_grad_by_freq={by_freq}")
+        rows, values = sparse(dout, ids, 6, 0.5, 4, by_freq)
+        assert rows.tolist() == [0, 2, 3, 5]
+        assert_within(values, exact[rows], bound[rows], what=f"{backend} sparse dW, scale_grad_by_freq={by_freq}")
+    rows, values = sparse(dout, ids, 0, 1.0, None, False)  # an empty table: no row is used
+    assert rows.numel() == 0 and values.shape == (0, 16)
+
+
 @pytest.mark.parametrize("backend", BACKENDS + ["cuda-emulated"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_sinusoid_of_a_column_shard_is_the_wide_tables_columns(request, backend, dtype):

@@ -74,14 +74,34 @@ def forward_source(dtype, pos_mode, dim, *, position_ids=False, id_type="i64", s
         "COMPUTE_F64": dtype == "fp64", "BLOCK_T": block_t, "BLOCK_D": block_d})
 
 
-def segment_source(src, dst, dim, *, final):
-    """A tree level: gradient rows -> fp32 partials, or the last level: -> the gradient."""
+def finish_source(src, dst, dim, *, first):
+    """A tree level's finished segments: from the gradient rows (the first level, which
+    also counts parts), or from fp32 partials (the last level, with scale_grad_by_freq's
+    factors)."""
     acc = "fp64" if "fp64" in (src, dst) else "fp32"
     args = {"src_ptr": f"*{src}", "src_rows_ptr": "*i64", "begin_ptr": "*i64", "end_ptr": "*i64",
-            "dst_ptr": f"*{dst}", "dst_rows_ptr": "*i64", "factors_ptr": f"*{acc}", "dim": dim}
-    return _source(k._segment_sum_kernel, args, {
-        "HAS_SRC_ROWS": True, "HAS_DST_ROWS": final, "HAS_FACTORS": final, "COMPUTE_F64": acc == "fp64",
-        "BLOCK_D": k._blocks(dim)[1]})
+            "dst_ptr": f"*{dst}", "dst_rows_ptr": "*i64", "factors_ptr": f"*{acc}", "parts_ptr": "*i64",
+            "scale": 27.7, "max_rows": 32, "dim": dim}
+    return _source(k._finish_segments_kernel, args, {
+        "HAS_SRC_ROWS": first, "HAS_DST_ROWS": True, "HAS_FACTORS": not first, "HAS_PARTS": first,
+        "COMPUTE_F64": acc == "fp64", "PART_ROWS": k.PART_ROWS, "BLOCK_D": k._blocks(dim)[1]})
+
+
+def parts_source(src, dim, *, first):
+    """A tree level's parts: gradient rows (first level) or partials -> partials."""
+    acc = "fp64" if src == "fp64" else "fp32"
+    args = {"src_ptr": f"*{src}", "src_rows_ptr": "*i64", "begin_ptr": "*i64", "end_ptr": "*i64",
+            "part_end_ptr": "*i64", "partials_ptr": f"*{acc}", "num_segments": 4096, "search_steps": 13, "dim": dim}
+    return _source(k._sum_parts_kernel, args, {
+        "HAS_SRC_ROWS": first, "COMPUTE_F64": acc == "fp64", "PART_ROWS": k.PART_ROWS, "BLOCK_D": k._blocks(dim)[1]})
+
+
+def bounds_source(kernel):
+    args = {"sorted_ptr": "*i64", "starts_ptr": "*i64"} if kernel == "starts" else {
+        "sorted_ptr": "*i64", "scan_ptr": "*i64", "keys_ptr": "*i64", "begin_ptr": "*i64", "end_ptr": "*i64"}
+    args.update({"n": TOKENS, "num_rows": 50257, "skip": 3})
+    fn = k._segment_starts_kernel if kernel == "starts" else k._segment_bounds_kernel
+    return _source(fn, args, {"BLOCK": k.BOUNDS_BLOCK})
 
 
 def batch_source(dtype, dim):
@@ -105,9 +125,14 @@ def sources():
         out[f"forward fp64 {vname} d=768"] = (forward_source, ("fp64", mode, 768), {})
     for dtype, dim in itertools.product(("fp32", "fp16", "bf16", "fp64"), DIMS):
         acc = "fp64" if dtype == "fp64" else "fp32"
-        out[f"segment_sum {dtype}->partials d={dim}"] = (segment_source, (dtype, acc, dim), {"final": False})
-        out[f"segment_sum partials->{dtype} d={dim}"] = (segment_source, (acc, dtype, dim), {"final": True})
+        out[f"finish_segments {dtype} d={dim}"] = (finish_source, (dtype, dtype, dim), {"first": True})
+        out[f"finish_segments partials->{dtype} d={dim}"] = (finish_source, (acc, dtype, dim), {"first": False})
+        out[f"sum_parts {dtype} d={dim}"] = (parts_source, (dtype, dim), {"first": True})
+        if dtype in ("fp32", "fp64"):
+            out[f"sum_parts partials {dtype} d={dim}"] = (parts_source, (dtype, dim), {"first": False})
         out[f"batch_sum {dtype} d={dim}"] = (batch_source, (dtype, dim), {})
+    for kernel in ("starts", "bounds"):
+        out[f"segment_{kernel}"] = (bounds_source, (kernel,), {})
     return out
 
 

@@ -10,22 +10,27 @@
 // scales it, adds the learned row or a sinusoid computed in registers, rounds once.
 // An out-of-range id (validate=false) reads nothing and yields a zero row (no positional term either).
 //
-// Backward: sort the (key, token) pairs (stable: the order then depends on the data
-// alone), cut the sorted tokens into segments of equal keys, split every segment into
-// parts of at most kPartRows rows summed in parallel (fp32), and repeat on the partial
-// sums until each segment has one part: a row used 100k times is reduced as a tree, not
-// by one thread. No atomics, so the result is bitwise deterministic.
-// The dense backward never waits for the device: segment and part counts are unknown to
-// the host, so every array is sized by an upper bound computed from the token count,
-// unused slots are empty ranges the kernels skip, and the number of tree levels is the
-// one the longest possible segment (all tokens) needs -- as PyTorch's own embedding
-// backward does. It can therefore be captured in a CUDA graph.
+// Backward: sort the keys (stable: the order then depends on the data alone), cut the
+// sorted tokens into segments of equal used keys (two small kernels around one scan),
+// split every segment into parts of at most kPartRows rows summed in parallel (fp32),
+// and repeat on the partial sums until each segment has one part: a row used 100k times
+// is reduced as a tree, not by one thread. No atomics, so the result is bitwise
+// deterministic. The dense backward never waits for the device: segment and part counts
+// are unknown to the host, so every array is sized by an upper bound computed from the
+// token count, unused slots are empty ranges the kernels skip, and the number of tree
+// levels is the one the longest possible segment (all tokens) needs -- as PyTorch's own
+// embedding backward does. It can therefore be captured in a CUDA graph. Each launch
+// costs the host microseconds while a level's arithmetic is tens of nanoseconds, so the
+// bookkeeping is done by kernels, not by chains of tensor ops: a 16k-token backward is
+// about 15 launches.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <type_traits>
 
 #include "../checks.h"
 #include "../dropout.h"
@@ -144,22 +149,46 @@ __global__ void embedding_forward_kernel(
   }
 }
 
-// For each segment g with begin[g] < end[g]: dst[dst_row(g)] = factor(g) * sum of src
-// rows src_row(r) for r in [begin[g], end[g]), summed in order in the compute dtype. S is T (the gradient) or A
-// (partial sums of a previous level); D is A (a partial) or T (the final, rounded row).
-template <typename S, typename D, typename A, int VEC>
-__global__ void segment_sum_kernel(
-    const S* __restrict__ src, const int64_t* __restrict__ src_rows,  // nullptr: row r itself
-    const int64_t* __restrict__ begin, const int64_t* __restrict__ end,
-    D* __restrict__ dst, const int64_t* __restrict__ dst_rows,        // nullptr: row g
-    const A* __restrict__ factors,                                    // nullptr: 1
-    int64_t num_segments, int64_t dim) {
-  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (g >= num_segments) return;
-  const int64_t r0 = begin[g], r1 = end[g];
-  if (r0 == r1) return;  // an unused slot, or a segment finished at another tree level
-  D* d_row = dst + (dst_rows != nullptr ? dst_rows[g] : g) * dim;
-  const A factor = factors != nullptr ? factors[g] : A(1);
+// ------------------------------------------------------------------ backward kernels
+// A key is used when it names a row of the table other than the skipped one (the padding
+// row); out-of-range ids (validate=false) are not used.
+__device__ __forceinline__ bool used_key(int64_t key, int64_t num_rows, int64_t skip) {
+  return key >= 0 && key < num_rows && key != skip;
+}
+
+// starts[r] = 1 where sorted position r begins a segment: a used key unlike the previous
+// one. Its inclusive scan then numbers the segments: scan[r] - 1 is the slot of r's.
+__global__ void segment_starts_kernel(const int64_t* __restrict__ sorted, int64_t n, int64_t num_rows, int64_t skip,
+                                      int64_t* __restrict__ starts) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= n) return;
+  const int64_t key = sorted[r];
+  starts[r] = used_key(key, num_rows, skip) && (r == 0 || sorted[r - 1] != key);
+}
+
+// Slot s = scan[r] - 1 of the segment holding sorted position r gets its key and its
+// range [begin, end) of sorted positions, each written by the one thread at the range's
+// edge. Slots past the last segment keep the zeros they were made with: empty ranges.
+__global__ void segment_bounds_kernel(const int64_t* __restrict__ sorted, const int64_t* __restrict__ scan, int64_t n,
+                                      int64_t num_rows, int64_t skip, int64_t* __restrict__ keys,
+                                      int64_t* __restrict__ begin, int64_t* __restrict__ end) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= n) return;
+  const int64_t key = sorted[r];
+  if (!used_key(key, num_rows, skip)) return;
+  const int64_t s = scan[r] - 1;
+  if (r == 0 || sorted[r - 1] != key) begin[s] = r, keys[s] = key;
+  if (r == n - 1 || sorted[r + 1] != key) end[s] = r + 1;
+}
+
+// The parts of at most kPartRows rows a segment of `length` rows is cut into.
+__device__ __forceinline__ int64_t parts_of(int64_t length) { return (length + kPartRows - 1) / kPartRows; }
+
+// d_row = factor * (sum of src rows src_row(r), r in [r0, r1)), summed in order in the
+// compute dtype A: the result does not depend on scheduling. This thread's columns only.
+template <int VEC, typename S, typename D, typename A>
+__device__ __forceinline__ void sum_rows(const S* __restrict__ src, const int64_t* __restrict__ src_rows, int64_t r0,
+                                         int64_t r1, D* __restrict__ d_row, A factor, int64_t dim) {
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
     A acc[VEC];
 #pragma unroll
@@ -175,6 +204,50 @@ __global__ void segment_sum_kernel(
     for (int i = 0; i < VEC; ++i) acc[i] *= factor;
     store_pack<VEC>(d_row + j, acc);
   }
+}
+
+// One tree level's finished segments: segment g of at most max_rows rows is summed,
+// scaled and written to dst row dst_row(g) (rounded once, to the gradient's dtype). A
+// longer one gets parts[g] = its number of parts for the next level (0 when finished
+// here; parts may be nullptr at the last level, where every segment fits).
+template <typename S, typename D, typename A, int VEC>
+__global__ void finish_segments_kernel(
+    const S* __restrict__ src, const int64_t* __restrict__ src_rows,  // nullptr: row r itself
+    const int64_t* __restrict__ begin, const int64_t* __restrict__ end,
+    D* __restrict__ dst, const int64_t* __restrict__ dst_rows,        // nullptr: row g
+    A scale, const A* __restrict__ factors,                           // factors (scale / count) or nullptr: scale
+    int64_t* __restrict__ parts, int64_t max_rows, int64_t num_segments, int64_t dim) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (g >= num_segments) return;
+  const int64_t r0 = begin[g], r1 = end[g];
+  const bool fits = r1 - r0 <= max_rows;
+  if (parts != nullptr && threadIdx.x == 0) parts[g] = fits ? 0 : parts_of(r1 - r0);
+  if (r0 == r1 || !fits) return;  // an unused slot, or a segment finished at a later level
+  D* d_row = dst + (dst_rows != nullptr ? dst_rows[g] : g) * dim;
+  sum_rows<VEC>(src, src_rows, r0, r1, d_row, factors != nullptr ? factors[g] : scale, dim);
+}
+
+// One tree level's parts: part j of the level belongs to the first segment g whose
+// running part count part_end[g] (the inclusive scan of parts) exceeds j; it sums rows
+// [begin[g] + k * kPartRows, ...) of g, k = j - (its first part), into partials row j.
+// Slots past the last part (j >= part_end of the last segment) do nothing.
+template <typename S, typename A, int VEC>
+__global__ void sum_parts_kernel(const S* __restrict__ src, const int64_t* __restrict__ src_rows,
+                                 const int64_t* __restrict__ begin, const int64_t* __restrict__ end,
+                                 const int64_t* __restrict__ part_end, int64_t num_segments, A* __restrict__ partials,
+                                 int64_t num_parts, int64_t dim) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (j >= num_parts) return;
+  int64_t lo = 0, hi = num_segments;  // binary search: part_end is non-decreasing
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (part_end[mid] > j) hi = mid; else lo = mid + 1;
+  }
+  if (lo == num_segments) return;
+  const int64_t g = lo, length = end[g] - begin[g];
+  const int64_t r0 = begin[g] + (j - (part_end[g] - parts_of(length))) * kPartRows;
+  const int64_t r1 = r0 + kPartRows < end[g] ? r0 + kPartRows : end[g];
+  sum_rows<VEC>(src, src_rows, r0, r1, partials + j * dim, A(1), dim);
 }
 
 // Learned positions with p = offset + t: out[offset + t] = sum over b of dout[b, t].
@@ -270,126 +343,120 @@ at::Tensor forward_op(const at::Tensor& ids_in, const at::Tensor& weight_in, con
   return out;
 }
 
-// One segment_sum_kernel launch over the ranges [begin, end) of src rows. vec is 1 or
-// 16 bytes of the gradient dtype T, in elements; S and D rows then move vec at a time too.
-template <class Launch, typename T, typename S, typename D, typename A>
-void launch_segment_sum(int vec, const S* src, const int64_t* src_rows, const at::Tensor& begin, const at::Tensor& end,
-                        D* dst, const int64_t* dst_rows, const A* factors, int64_t dim) {
-  const int64_t segments = begin.numel();
-  if (segments == 0) return;
-  const RowGrid g = row_grid(segments, dim, vec);
-  auto run = [&](auto kernel) {
-    Launch::run(g.grid, g.block, kernel, src, src_rows, begin.data_ptr<int64_t>(), end.data_ptr<int64_t>(), dst,
-                dst_rows, factors, segments, dim);
-  };
-  if (vec > 1) {
-    run(segment_sum_kernel<S, D, A, 16 / sizeof(T)>);
-  } else {
-    run(segment_sum_kernel<S, D, A, 1>);
-  }
+// One thread per item, kThreadsPerBlock to a block.
+inline RowGrid linear_grid(int64_t items) {
+  const int64_t blocks = std::max<int64_t>(1, (items + kThreadsPerBlock - 1) / kThreadsPerBlock);
+  TORCH_CHECK(blocks < (int64_t(1) << 31), "pyembed: too many items for one launch: ", items);
+  return {dim3(static_cast<unsigned>(blocks)), dim3(kThreadsPerBlock)};
 }
 
-// The segments of equal keys among the stably sorted keys, in arrays whose sizes the
-// host knows without asking the device: `slots` = min(tokens, num_rows + 1) entries (at
-// most one segment per distinct key, the +1 for the excluded keys). Slot s holds the
-// s-th segment in key order; slots past the last segment, and the segment of excluded
-// keys, are empty ranges (begin == end). So the real segments are exactly the first U
-// slots, U = the number of distinct used keys.
+// The segments of equal used keys among the stably sorted keys, in arrays whose sizes the
+// host knows without asking the device: `slots` = min(tokens, num_rows) entries (at most
+// one segment per distinct key). Slot s holds the s-th segment in key order; slots past
+// the last segment are empty ranges (begin == end == 0). So the real segments are exactly
+// the first U slots, U = the number of distinct used keys = `count`.
 struct SortedSegments {
   at::Tensor order;       // (tokens,) token index of each sorted position
-  at::Tensor keys;        // (slots,) the key of segment s (meaningless for an empty slot)
+  at::Tensor keys;        // (slots,) the key of segment s (0 for an empty slot)
   at::Tensor begin, end;  // (slots,) the segment's sorted positions [begin, end)
+  at::Tensor count;       // () int64 on the device: U
   int64_t tokens = 0;
 };
 
 // Keys outside [0, num_rows) (out-of-range ids, validate=False) and `skip` (the padding
-// row) are left out. No device->host sync.
-inline SortedSegments sorted_segments(const at::Tensor& keys_in, int64_t num_rows, int64_t skip) {
+// row) are left out. Five launches (sort, starts, scan, zeros, bounds); no device->host sync.
+template <class Launch>
+SortedSegments sorted_segments(const at::Tensor& keys_in, int64_t num_rows, int64_t skip) {
   SortedSegments seg;
   const at::Tensor keys = keys_in.reshape(-1).to(at::kLong);
-  const auto opts = keys.options();
   const int64_t n = seg.tokens = keys.numel();
-  // Excluded keys become num_rows: they sort after every real row, and their segment is
-  // emptied below.
-  const at::Tensor used = (keys >= 0) & (keys < num_rows) & (keys != skip);
-  auto [sorted, order] = at::where(used, keys, at::full({}, num_rows, opts)).sort(/*stable=*/true, 0, false);
+  const int64_t slots = std::min(n, std::max<int64_t>(num_rows, 0));
+  // Unused keys sort among the used ones; the kernels step over them.
+  auto [sorted, order] = keys.sort(/*stable=*/true, 0, false);
   seg.order = order;
-  // seg_of[r]: the segment of sorted position r = the number of key changes before r.
-  at::Tensor starts = at::ones({n}, opts.dtype(at::kBool));
-  if (n > 1) starts.slice(0, 1).copy_(sorted.slice(0, 1).ne(sorted.slice(0, 0, n - 1)));
-  const at::Tensor seg_of = starts.cumsum(0) - 1;
-  const at::Tensor slot = at::arange(std::min(n, num_rows + 1), opts);
-  const at::Tensor begin = at::searchsorted(seg_of, slot, /*out_int32=*/false, /*right=*/false);
-  const at::Tensor end = at::searchsorted(seg_of, slot, /*out_int32=*/false, /*right=*/true);
-  seg.keys = sorted.index_select(0, begin.clamp_max(std::max<int64_t>(n - 1, 0)));
-  const at::Tensor real = (end > begin) & (seg.keys < num_rows);
-  seg.begin = at::where(real, begin, 0);
-  seg.end = at::where(real, end, 0);
+  const at::Tensor bounds = at::zeros({3, slots}, keys.options());  // keys, begin, end
+  seg.keys = bounds[0], seg.begin = bounds[1], seg.end = bounds[2];
+  if (n == 0) {
+    seg.count = at::zeros({}, keys.options());
+    return seg;
+  }
+  at::Tensor scan = at::empty({n}, keys.options());
+  const RowGrid g = linear_grid(n);
+  Launch::run(g.grid, g.block, segment_starts_kernel, sorted.data_ptr<int64_t>(), n, num_rows, skip,
+              scan.data_ptr<int64_t>());
+  scan.cumsum_(0);
+  if (slots > 0) {
+    Launch::run(g.grid, g.block, segment_bounds_kernel, sorted.data_ptr<int64_t>(), scan.data_ptr<int64_t>(), n,
+                num_rows, skip, seg.keys.data_ptr<int64_t>(), seg.begin.data_ptr<int64_t>(),
+                seg.end.data_ptr<int64_t>());
+  }
+  seg.count = scan[n - 1];
   return seg;
 }
 
 // out[dst_row(s)] = factor(s) * (sum of the dout rows of segment s), for every segment:
-// dst_row(s) = keys[s] for a dense gradient, s for sparse values. A tree of parts of at
-// most kPartRows rows: at each level the segments that fit in one part are finished
-// (summed, scaled, rounded once, written); the longer ones are cut into parts whose fp32
-// sums become the next level's rows. The host bounds every size from the token count.
+// dst_row(s) = keys[s] for a dense gradient, s for sparse values; factor = scale, or
+// scale / (the segment's token count) with divide_by_count. A tree of parts of at most
+// kPartRows rows: at each level the segments that fit in one part are finished (summed,
+// scaled, rounded once, written); the longer ones are cut into parts whose fp32 sums
+// become the next level's rows. The host bounds every size from the token count. Per
+// level: finish (which also counts the parts), scan, subtract, sum the parts.
 template <class Launch, typename T>
 void sum_segments(const at::Tensor& dout, const SortedSegments& seg, double scale, bool divide_by_count, bool dense,
                   at::Tensor& out) {
   using A = acc_t<T>;
   const int64_t dim = dout.size(1), slots = seg.keys.numel();
   if (slots == 0 || dim == 0) return;
-  const auto long_opts = seg.begin.options();
   const auto acc_opts = dout.options().dtype(c10::CppTypeToScalarType<A>::value);
   const int vec = vector_width<T>(dim, {dout.data_ptr(), out.data_ptr()});
-  at::Tensor factors = at::full({slots}, static_cast<A>(scale), acc_opts);
-  if (divide_by_count) factors = factors / (seg.end - seg.begin).clamp_min(1).to(factors.scalar_type());
+  at::Tensor factors;  // scale / count, fixed at level 0 (later levels' ranges count parts, not tokens)
+  if (divide_by_count) factors = static_cast<A>(scale) / (seg.end - seg.begin).clamp_min(1).to(acc_opts.dtype());
+  const A* factor_ptr = factors.defined() ? factors.data_ptr<A>() : nullptr;
   const int64_t* dst_rows = dense ? seg.keys.data_ptr<int64_t>() : nullptr;
+  // 16 bytes of T per access when the rows allow it (S and D rows then move vec at a time too), else 1.
+  auto with_vec = [&](auto run) {
+    if (vec > 1) {
+      run(std::integral_constant<int, 16 / sizeof(T)>{});
+    } else {
+      run(std::integral_constant<int, 1>{});
+    }
+  };
 
   // Level 0 sums tokens (via `order`) straight from dout; each further level sums the
   // partial rows of the previous one, which are contiguous per segment.
   at::Tensor begin = seg.begin, end = seg.end, partials;
-  int64_t rows = seg.tokens;    // rows at this level, at most
+  int64_t rows = seg.tokens;     // rows at this level, at most
   int64_t longest = seg.tokens;  // the longest segment at this level, at most
-  auto launch = [&](const at::Tensor& b, const at::Tensor& e, auto* dst, const int64_t* dst_row,
-                    const A* factor) {
-    if (partials.defined()) {
-      launch_segment_sum<Launch, T>(vec, partials.data_ptr<A>(), nullptr, b, e, dst, dst_row, factor, dim);
-    } else {
-      launch_segment_sum<Launch, T>(vec, dout.data_ptr<T>(), seg.order.data_ptr<int64_t>(), b, e, dst, dst_row, factor,
-                                    dim);
-    }
-  };
-  while (true) {
-    if (longest <= kPartRows) {  // every segment fits in one part: the last level
-      launch(begin, end, out.data_ptr<T>(), dst_rows, factors.data_ptr<A>());
-      return;
-    }
-    const at::Tensor length = end - begin;
-    const at::Tensor fits = length <= kPartRows;
-    launch(at::where(fits, begin, 0), at::where(fits, end, 0), out.data_ptr<T>(), dst_rows, factors.data_ptr<A>());
+  // One level; true when it was the last (every segment fit in one part).
+  auto level = [&](const auto* src, const int64_t* src_rows) {
+    using S = std::remove_cv_t<std::remove_pointer_t<decltype(src)>>;
+    const bool last = longest <= kPartRows;
+    const at::Tensor parts = last ? at::Tensor() : at::empty({slots}, begin.options());
+    const RowGrid g = row_grid(slots, dim, vec);
+    with_vec([&](auto v) {
+      Launch::run(g.grid, g.block, finish_segments_kernel<S, T, A, decltype(v)::value>, src, src_rows,
+                  begin.data_ptr<int64_t>(), end.data_ptr<int64_t>(), out.data_ptr<T>(), dst_rows,
+                  static_cast<A>(scale), factor_ptr, last ? nullptr : parts.data_ptr<int64_t>(),
+                  last ? std::numeric_limits<int64_t>::max() : kPartRows, slots, dim);
+    });
+    if (last) return true;
     // A segment of length > kPartRows has ceil(length / kPartRows) < 2 length / kPartRows parts.
-    const at::Tensor parts = at::where(fits, 0, at::floor_divide(length + (kPartRows - 1), kPartRows));
-    const at::Tensor next_end = parts.cumsum(0);
-    const at::Tensor next_begin = next_end - parts;
     const int64_t next_rows = 2 * rows / kPartRows;
-    // Part j belongs to the segment whose range of parts holds it; slots past the last
-    // part are empty ranges.
-    const at::Tensor j = at::arange(next_rows, long_opts);
-    const at::Tensor owner = at::searchsorted(next_end, j, /*out_int32=*/false, /*right=*/true).clamp_max(slots - 1);
-    const at::Tensor owned = j < next_end.index_select(0, owner);
-    const at::Tensor part_begin =
-        begin.index_select(0, owner) + (j - next_begin.index_select(0, owner)) * kPartRows;
-    const at::Tensor part_end = at::minimum(part_begin + kPartRows, end.index_select(0, owner));
+    const at::Tensor part_end = parts.cumsum(0);
     at::Tensor next = at::empty({next_rows, dim}, acc_opts);
-    launch(at::where(owned, part_begin, 0), at::where(owned, part_end, 0), next.data_ptr<A>(), nullptr,
-           static_cast<const A*>(nullptr));
-    partials = next;
-    begin = next_begin;
-    end = next_end;
+    const RowGrid pg = row_grid(next_rows, dim, vec);
+    with_vec([&](auto v) {
+      Launch::run(pg.grid, pg.block, sum_parts_kernel<S, A, decltype(v)::value>, src, src_rows,
+                  begin.data_ptr<int64_t>(), end.data_ptr<int64_t>(), part_end.data_ptr<int64_t>(), slots,
+                  next.data_ptr<A>(), next_rows, dim);
+    });
+    begin = part_end - parts, end = part_end, partials = next;
     rows = next_rows;
     longest = (longest + kPartRows - 1) / kPartRows;
-  }
+    return false;
+  };
+  bool done = level(dout.data_ptr<T>(), seg.order.data_ptr<int64_t>());
+  while (!done) done = level(static_cast<const A*>(partials.data_ptr<A>()), nullptr);
 }
 
 // Dense gradients (weight_grad (V, d) and / or pos_grad (max_seq_len, d); (0, d) when not
@@ -410,13 +477,13 @@ std::tuple<at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out_in, co
     using T = scalar_t;
     if (need_weight_grad) {
       weight_grad = at::zeros({num_embeddings, dim}, options);
-      sum_segments<Launch, T>(dout, sorted_segments(ids_in, num_embeddings, padding_idx.value_or(-1)), scale,
+      sum_segments<Launch, T>(dout, sorted_segments<Launch>(ids_in, num_embeddings, padding_idx.value_or(-1)), scale,
                               scale_grad_by_freq, /*dense=*/true, weight_grad);
     }
     if (need_pos_grad) {
       pos_grad = at::zeros({num_positions, dim}, options);
       if (position_ids_in) {
-        sum_segments<Launch, T>(dout, sorted_segments(*position_ids_in, num_positions, -1), 1.0, false,
+        sum_segments<Launch, T>(dout, sorted_segments<Launch>(*position_ids_in, num_positions, -1), 1.0, false,
                                 /*dense=*/true, pos_grad);
       } else if (num_tokens > 0 && dim > 0) {
         const int64_t seq_len = ids_in.size(-1), steps = std::clamp<int64_t>(num_positions - offset, 0, seq_len);
@@ -448,8 +515,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_backward_op(const at::Tensor& grad_out
   check_same_device(grad_out_in.device(), {&ids_in});
   const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
   const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
-  const SortedSegments seg = sorted_segments(ids_in, num_embeddings, padding_idx.value_or(-1));
-  const int64_t touched = seg.keys.numel() == 0 ? 0 : (seg.end > seg.begin).sum().item<int64_t>();
+  const SortedSegments seg = sorted_segments<Launch>(ids_in, num_embeddings, padding_idx.value_or(-1));
+  const int64_t touched = seg.count.item<int64_t>();
   at::Tensor rows = seg.keys.slice(0, 0, touched).clone();
   at::Tensor values = at::empty({touched, dim}, dout.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dout.scalar_type(), "pyembed_sparse_backward_cuda", [&] {
