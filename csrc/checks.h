@@ -117,35 +117,51 @@ inline ForwardInputs prepare_forward(const at::Tensor& ids, const at::Tensor& we
 }
 
 // Ids in [0, V); positions >= 0 and, for a learned table (max_seq_len >= 0), < max_seq_len.
-// One pass over the ids on the CPU (a one-token lookup pays ~0.1 us for it); elsewhere
-// aminmax on the device and one device->host transfer of the four extremes.
+// One pass over the values on the host. On a GPU the host must wait for them (the sync
+// validate=False skips), so the fewest launches win: a few values (a decoding step) are
+// copied as they are, more are reduced to their extremes on the device first; one
+// transfer either way.
 inline void check_ranges(const at::Tensor& ids, int64_t num_embeddings, const at::Tensor& position_ids,
                          int64_t max_seq_len) {
-  int64_t extremes[4] = {0, -1, 0, -1};  // min id, max id, min position, max position (max < min: none)
+  constexpr int64_t kCopiedAsIs = 64;  // values per tensor copied to the host without a reduction
   const at::Tensor* tensors[2] = {&ids, &position_ids};
-  if (ids.device().is_cpu()) {
-    for (int k = 0; k < 2; ++k) {
-      if (!tensors[k]->defined() || tensors[k]->numel() == 0) continue;
-      const at::Tensor t = tensors[k]->contiguous();
-      AT_DISPATCH_INDEX_TYPES(t.scalar_type(), "pyembed_check_ranges", [&] {
-        const index_t* data = t.const_data_ptr<index_t>();
-        const auto [lo, hi] = std::minmax_element(data, data + t.numel());
-        extremes[2 * k] = *lo, extremes[2 * k + 1] = *hi;
-      });
+  at::Tensor values[2];  // per tensor, what the host scans: the values or their [min, max] (undefined: none)
+  const bool on_host = ids.device().is_cpu();
+  std::vector<at::Tensor> to_copy;
+  for (int k = 0; k < 2; ++k) {
+    const at::Tensor& t = *tensors[k];
+    if (!t.defined() || t.numel() == 0) continue;
+    if (on_host) {
+      values[k] = t;
+      continue;
     }
-  } else {
-    std::vector<at::Tensor> parts;
-    for (const at::Tensor* t : tensors) {
-      if (t->defined() && t->numel() > 0) {
-        auto [lo, hi] = at::aminmax(*t);
-        parts.push_back(lo.to(at::kLong).reshape(1)), parts.push_back(hi.to(at::kLong).reshape(1));
-      } else {
-        parts.push_back(at::zeros({1}, ids.options().dtype(at::kLong)));
-        parts.push_back(at::full({1}, -1, ids.options().dtype(at::kLong)));
-      }
+    if (t.numel() <= kCopiedAsIs) {
+      values[k] = t.reshape(-1).to(at::kLong);
+    } else {
+      auto [lo, hi] = at::aminmax(t);
+      values[k] = at::stack({lo, hi}).to(at::kLong);
     }
-    const at::Tensor host = at::cat(parts).cpu();
-    std::copy_n(host.const_data_ptr<int64_t>(), 4, extremes);
+    to_copy.push_back(values[k]);
+  }
+  if (!to_copy.empty()) {  // a GPU: one transfer, then the slices of each tensor
+    const at::Tensor host = (to_copy.size() == 1 ? to_copy[0] : at::cat(to_copy)).cpu();
+    int64_t start = 0;
+    for (at::Tensor& v : values) {
+      if (!v.defined()) continue;
+      const int64_t n = v.numel();
+      v = host.slice(0, start, start + n);
+      start += n;
+    }
+  }
+  int64_t extremes[4] = {0, -1, 0, -1};  // min id, max id, min position, max position (max < min: none)
+  for (int k = 0; k < 2; ++k) {
+    if (!values[k].defined()) continue;
+    const at::Tensor t = values[k].contiguous();
+    AT_DISPATCH_INDEX_TYPES(t.scalar_type(), "pyembed_check_ranges", [&] {
+      const index_t* data = t.const_data_ptr<index_t>();
+      const auto [lo, hi] = std::minmax_element(data, data + t.numel());
+      extremes[2 * k] = *lo, extremes[2 * k + 1] = *hi;
+    });
   }
   const auto [min_id, max_id, min_pos, max_pos] = extremes;
   if (max_id >= min_id) {

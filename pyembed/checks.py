@@ -63,23 +63,44 @@ def raise_for_extremes(extremes: list[int], num_embeddings: int, max_seq_len: Op
         )
 
 
+# Values per tensor copied to the host as they are rather than reduced on the device first
+# (as csrc/checks.h): on a GPU each launch costs the waiting host microseconds.
+_COPIED_AS_IS = 64
+
+
+def transferred_bounds(tensors: list[Optional[torch.Tensor]]) -> list[Optional[list[int]]]:
+    """[min, max] of each tensor (None for None) with one device->host transfer and few
+    launches: on a GPU the host waits for these values anyway (the sync validate=False
+    skips), and each launch costs it microseconds. Small tensors travel as they are,
+    larger ones as their device-side aminmax."""
+    parts = [None if t is None else
+             (t.reshape(-1) if t.numel() <= _COPIED_AS_IS else torch.stack(torch.aminmax(t))).long()
+             for t in tensors]
+    present = [part for part in parts if part is not None]
+    values = (present[0] if len(present) == 1 else torch.cat(present)).tolist() if present else []
+    bounds = []
+    for part in parts:
+        if part is None:
+            bounds.append(None)
+        else:
+            taken, values = values[:part.numel()], values[part.numel():]
+            bounds.append([min(taken), max(taken)])
+    return bounds
+
+
 def check_ranges_eager(ids: torch.Tensor, num_embeddings: int, position_ids: Optional[torch.Tensor],
                        max_seq_len: Optional[int]) -> None:
     """Every range check with one device->host transfer."""
     if position_ids is None and ids.numel() == 1 and 0 <= ids.item() < num_embeddings:
         return  # one token (decoding): one item() is ~0.3 us of a ~10 us lookup; aminmax + int() ~3 us
-    if ids.numel() == 0 and (position_ids is None or position_ids.numel() == 0):
-        return
-    if ids.device.type != "cpu":  # one device->host transfer for all four numbers
-        raise_for_extremes(range_extremes(ids, position_ids).tolist(), num_embeddings, max_seq_len)
-        return
-    extremes = []  # on the CPU nothing is transferred: the fewest ops win (a one-token lookup is ~10 us)
-    for t in (ids, position_ids):
-        if t is None or t.numel() == 0:
-            extremes += [NO_VALUE, NO_VALUE]
-        else:
-            lo, hi = torch.aminmax(t)
-            extremes += [-int(lo), int(hi)]
+    tensors = [t if t is not None and t.numel() else None for t in (ids, position_ids)]
+    if ids.device.type == "cpu":  # nothing is transferred: the fewest ops win (a one-token lookup is ~10 us)
+        bounds = [None if t is None else [int(v) for v in torch.aminmax(t)] for t in tensors]
+    else:
+        bounds = transferred_bounds(tensors)
+    extremes = []
+    for bound in bounds:
+        extremes += [NO_VALUE, NO_VALUE] if bound is None else [-bound[0], bound[1]]
     raise_for_extremes(extremes, num_embeddings, max_seq_len)
 
 

@@ -106,3 +106,19 @@ def test_max_norm_checks_ids_before_renormalising():
     with pytest.raises(IndexError, match="max id 10"):
         emb(torch.tensor([1, 10]))
     assert torch.equal(emb.weight, before)
+
+
+@pytest.mark.parametrize("sizes", [(1, None), (64, 3), (65, 64), (5000, 1), (0, 7), (300, 300)], ids=str)
+def test_gpu_range_check_transfer_gives_each_tensors_extremes(sizes):
+    # On a GPU the range check copies small tensors as they are and larger ones as their
+    # device-side aminmax, in one transfer; run here on CPU tensors, the split back into
+    # per-tensor extremes must equal torch's own min / max (int32 ids beside int64 positions).
+    from pyembed.checks import transferred_bounds
+
+    gen = torch.Generator().manual_seed(sum(s or 0 for s in sizes))
+    n_ids, n_pos = sizes
+    ids = torch.randint(-10**6, 10**6, (n_ids,), generator=gen, dtype=torch.int32)
+    positions = None if n_pos is None else torch.randint(0, 2**40, (n_pos,), generator=gen)
+    tensors = [ids if n_ids else None, positions]
+    expected = [None if t is None else [int(t.min()), int(t.max())] for t in tensors]
+    assert transferred_bounds(tensors) == expected
