@@ -8,15 +8,16 @@ On a machine whose python already has a CUDA torch, offline:
      with junit XML, pytest-xdist workers where installed; side by side with
   3. compute-sanitizer memcheck, racecheck and initcheck over
      tests/gpu/sanitizer_workload.py (every kernel, small);
-  4. then alone, the GPU benchmark suite (results.csv / .md / PNG);
-  5. then torch.profiler and Nsight Compute over tests/gpu/profile_workload.py;
+  4. then alone, torch.profiler and Nsight Compute over tests/gpu/profile_workload.py;
+  5. then the GPU benchmark suite (results.csv / .md / PNG);
 and writes everything under GPU_CHECK_OUT (default gpu-check/): logs, junit.xml, the
 benchmark's CSV / markdown / PNG, and summary.md naming the device and versions with
 pass/fail counts, sanitizer error counts, the profile's medians and the benchmark table.
 On the H100 machine (16 cores) the build took 1 minute and the benchmark 6 (5 providers;
 7 now run there); the tests were stopped after 4 and 7 minutes, unfinished: a host that
-limits one command to 10 minutes runs this in three calls, each step alone (the --skip-*
-options), with --tests-timeout below the limit.
+limits one command to 10 minutes runs this in two calls (the --skip-* options): the tests
+and sanitizers with --tests-timeout below the limit, then the profile and the benchmark
+with --bench-timeout what is left.
 
 Without a CUDA device it prints one line and exits 2. Exit 0 when every step passed,
 1 otherwise. ``--rehearse`` runs the CPU-side parts here (build for sm_90, staging, a
@@ -206,8 +207,8 @@ def main() -> int:
         built, _ = check.run("import the staged build", [args.python, "-c", code, str(stage)], "import.log", 300,
                              cwd=stage)
 
-    # 2. The test suite on CUDA tensors and 3. the sanitizers, side by side; 4. the
-    # benchmark alone afterwards (its timings must not share the GPU).
+    # 2. The test suite on CUDA tensors and 3. the sanitizers, side by side; 4. the profile
+    # and 5. the benchmark alone afterwards (their timings must not share the GPU).
     sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     san_logs, results = {}, {}
     if built:
@@ -231,21 +232,22 @@ def main() -> int:
                             {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, cwd=stage)
                 san_logs[tool] = name
         results = check.wait()
-        if not args.rehearse and not args.skip_bench:
-            check.run("benchmark (python -m bench --suite gpu)",
-                      [args.python, "-m", "bench", "--suite", "gpu", "--out", str(out / "bench"),
-                       *args.bench_args.split()], "bench.log", args.bench_timeout, cwd=stage)
         if not args.rehearse and not args.skip_profile:
-            # 5. Where the time goes: torch.profiler per backend, then Nsight Compute on the
-            # forward kernels (DRAM throughput, occupancy).
+            # 4. Where the time goes: torch.profiler per backend, then Nsight Compute on the
+            # forward kernels (DRAM throughput, occupancy) -- minutes, so before the benchmark,
+            # which a host's time limit may cut short (its rows reach the CSV case by case).
             profiler = str(ROOT / "tests" / "gpu" / "profile_workload.py")
-            check.run("profile (torch.profiler)", [args.python, profiler], "profile.log", 600, cwd=stage)
+            check.run("profile (torch.profiler)", [args.python, profiler], "profile.log", 300, cwd=stage)
             ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
             if os.path.exists(ncu):
                 check.run("ncu on the forward kernels",
                           [ncu, "--clock-control", "none", "--kernel-name", "regex:forward", "--launch-count", "8",
                            "--section", "SpeedOfLight", "--section", "Occupancy", "--section", "LaunchStats",
-                           args.python, profiler, "--ncu"], "ncu.log", 600, cwd=stage)
+                           args.python, profiler, "--ncu"], "ncu.log", 300, cwd=stage)
+        if not args.rehearse and not args.skip_bench:
+            check.run("benchmark (python -m bench --suite gpu)",
+                      [args.python, "-m", "bench", "--suite", "gpu", "--out", str(out / "bench"),
+                       *args.bench_args.split()], "bench.log", args.bench_timeout, cwd=stage)
     san_counts = {tool: sanitizer_errors(results[name][1]) for tool, name in san_logs.items()}
 
     summary = write_summary(out, info, check, san_counts, time.time() - started, args.rehearse)
