@@ -27,8 +27,9 @@ def backward(mod, dout, ids, *, position_ids=None, offset=0, num_embeddings, num
 
 
 # (B, T, V, d): single token; d=60 (vector path for fp32, scalar for fp16); d=97 (odd:
-# scalar everywhere); tiny vocab (duplicates); a 16-byte-multiple row.
-SHAPES = [(1, 1, 1, 8), (2, 45, 50, 60), (3, 20, 7, 97), (2, 33, 300, 64)]
+# scalar everywhere); tiny vocab (duplicates); a 16-byte-multiple row; GPT-2's d = 768
+# (a row is 192 or 96 threads: whole warps, not a power of two).
+SHAPES = [(1, 1, 1, 8), (2, 45, 50, 60), (3, 20, 7, 97), (2, 33, 300, 64), (2, 5, 40, 768)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
