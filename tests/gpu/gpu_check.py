@@ -274,8 +274,9 @@ def write_summary(out: Path, info: dict, check: Check, san_counts: dict, seconds
             f"{tool} {'?' if n is None else n}" for tool, n in san_counts.items())]
     profile = out / "profile.log"
     if profile.exists():
-        lines += ["", "## Profile (profile.log: medians, GPU ops per call)", ""]
-        lines += [f"- {line}" for line in profile.read_text().splitlines() if re.match(r"\d+x\d+ .*: fwd ", line)]
+        lines += ["", "## Profile (profile.log: host us per call, medians, GPU ops per call)", ""]
+        lines += [f"- {line}" for line in profile.read_text().splitlines()
+                  if re.match(r"(\d+x\d+ .*: fwd |host )", line)]
     tables = sorted((out / "bench").glob("*.md")) if (out / "bench").exists() else []
     for table in tables:
         lines += ["", f"## Benchmark ({table.name})", "", table.read_text()]

@@ -1,7 +1,8 @@
 """Where a GPU call's time goes, for ``make gpu-check`` (step "profile"): per backend and
 ``validate`` setting, the median of forward and forward + backward (do_bench), the number
 of kernels one call launches, and torch.profiler's tables by GPU and by CPU time, at
-GPT-2 8x2048 and 1x1 tokens (fp32, learned positions). ``--ncu`` instead runs one forward
+GPT-2 8x2048 and 1x1 tokens (fp32, learned positions), after the host microseconds of
+each layer of a one-token call. ``--ncu`` instead runs one forward
 per backend on a Llama-2 8x2048 table (fp32 and bf16), for Nsight Compute to read the
 forward kernels' DRAM throughput and occupancy.
 
@@ -68,6 +69,53 @@ def profile(backends, shapes):
                 print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=50))
 
 
+def host_costs(backends, calls=300):
+    """Host microseconds per call of each layer of a one-token forward (the GPU work is a
+    few microseconds, so the host sets the pace), and of the dense backward ops at 8x2048:
+    which layer holds the fixed cost -- Python checks, autograd.Function, the custom op's
+    dispatch, the Triton launcher, or the range check's sync."""
+    import time
+
+    from pyembed import _triton
+
+    weight, pos_weight, ids, _ = tensors(*GPT2, 1, 1, torch.float32)
+
+    def per_call(fn):
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    layers = {"eager F.embedding * scale + pos": lambda: torch.nn.functional.embedding(ids, weight) * 2.0 + pos_weight[:1]}
+    for backend in backends:
+        for validate in (True, False):
+            layers[f"{backend}: fused_embedding validate={validate}"] = (
+                lambda b=backend, v=validate: pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, validate=v,
+                                                                      backend=b))
+        op = dispatch.get(backend).forward
+        layers[f"{backend}: forward op alone"] = lambda op=op: op(ids, weight, pos_weight, None, "learned", 2.0, 0,
+                                                                  None, 0.0, 0, 0)
+    if "triton" in backends:
+        layers["triton: _forward body (no custom op)"] = lambda: _triton._forward(
+            ids, weight, pos_weight, None, "learned", 2.0, 0, None, 0.0, launch=lambda kernel: kernel)
+        out = torch.empty(1, 1, GPT2[1], device="cuda")
+        kernels = _triton._kernels()
+        layers["triton: launcher alone"] = lambda: kernels.embedding_forward(
+            ids, weight, pos_weight, None, 1, 2.0, 0, None, 0, 1.0, 0, GPT2[1], out)
+    layers["ids.item() (one sync)"] = lambda: ids.item()
+    with torch.no_grad():
+        for name, fn in layers.items():
+            print(f"host 1x1 {name}: {per_call(fn):.1f} us/call", flush=True)
+    weight, pos_weight, ids, dout = tensors(*GPT2, 8, 2048, torch.float32)
+    for backend in backends:
+        op = dispatch.get(backend).backward
+        us = per_call(lambda op=op: op(dout, ids, None, 0, GPT2[0], pos_weight.shape[0], 2.0, None, False, True, True))
+        print(f"host 8x2048 {backend}: dense backward op: {us:.1f} us/call (GPU work included)", flush=True)
+
+
 def ncu_forwards(backends):
     for dtype in (torch.float32, torch.bfloat16):
         weight, pos_weight, ids, _ = tensors(32000, 4096, 8, 2048, dtype)
@@ -85,6 +133,7 @@ def main():
     if args.ncu:
         ncu_forwards(backends)
     else:
+        host_costs(backends)
         profile(backends, [(8, 2048), (1, 1)])
 
 
