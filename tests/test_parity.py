@@ -292,30 +292,19 @@ def test_rows_wider_than_one_tile(backend, pos_encoding):
     assert_within(dw, w_exact, w_bound, what=f"{backend} dW, d=1000")
 
 
-def _forward_op(backend, emulated):
-    """The forward op of a BACKENDS entry (inputs moved to its device, output back), or
-    the emulated CUDA one."""
+def _backend_ops(backend, emulated):
+    """(forward, dense backward, sparse backward) ops of a BACKENDS entry (inputs moved to
+    its device, outputs back), or the emulated CUDA ones."""
     if backend == "cuda-emulated":
-        return emulated.embedding_forward
+        return emulated.embedding_forward, emulated.embedding_backward, emulated.embedding_sparse_backward
     name, _, device = backend.partition("@")
-    op = pyembed.dispatch.get(name).forward
-    if not device:
-        return op
-    to = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
-    return lambda *args: op(*map(to, args)).cpu()
-
-
-def _backward_ops(backend, emulated):
-    """(dense, sparse) backward ops of a BACKENDS entry (inputs moved to its device,
-    outputs back), or the emulated CUDA ones."""
-    if backend == "cuda-emulated":
-        return emulated.embedding_backward, emulated.embedding_sparse_backward
-    name, _, device = backend.partition("@")
-    ops = pyembed.dispatch.get(name).backward, pyembed.dispatch.get(name).sparse_backward
+    registered = pyembed.dispatch.get(name)
+    ops = registered.forward, registered.backward, registered.sparse_backward
     if not device:
         return ops
     to = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
-    return tuple(lambda *args, op=op: tuple(t.cpu() for t in op(*map(to, args))) for op in ops)
+    back = lambda r: tuple(t.cpu() for t in r) if isinstance(r, tuple) else r.cpu()  # noqa: E731
+    return tuple(lambda *args, op=op: back(op(*map(to, args))) for op in ops)
 
 
 @pytest.mark.parametrize("backend", BACKENDS + ["cuda-emulated"])
@@ -326,7 +315,8 @@ def test_backward_steps_over_unused_keys_among_used_ones(request, backend, dtype
     used rows and must be left out of every gradient. Row 2 is used 100 times (a tree of
     several levels on the GPU backends), so scale_grad_by_freq's 1/count must reach its
     last level."""
-    dense, sparse = _backward_ops(backend, request.getfixturevalue("emulated") if backend == "cuda-emulated" else None)
+    _, dense, sparse = _backend_ops(backend,
+                                    request.getfixturevalue("emulated") if backend == "cuda-emulated" else None)
     ids = torch.cat([torch.arange(-20, 0), torch.arange(6, 26), torch.full((100,), 2), torch.full((30,), 4),
                      torch.tensor([0, 5, 5, 3])])
     ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(5))][None]
@@ -352,7 +342,7 @@ def test_sinusoid_of_a_column_shard_is_the_wide_tables_columns(request, backend,
     """A column shard (DTensor Shard(1)) computes columns [c0, c0 + n) of the D-wide
     output: its sinusoid is taken at the global columns, not those of an n-wide table."""
     emulated = request.getfixturevalue("emulated") if backend == "cuda-emulated" else None
-    op = _forward_op(backend, emulated)
+    op = _backend_ops(backend, emulated)[0]
     full_dim, offset = 24, 5
     ids, weight, _, _ = make_inputs(3, 11, 40, full_dim, dtype)
     exact = eager_embedding(ids, weight.double(), pos_encoding="sinusoidal", scale=2.0, offset=offset)
