@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.autograd import forward_ad
 
-from . import _dtensor, checks, dispatch, reference
+from . import _coalesced, _dtensor, checks, dispatch, reference
 
 _ID_DTYPES = (torch.int32, torch.int64)
 _WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -96,6 +96,8 @@ def fused_embedding(
         return _dtensor.fused_embedding(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
                                         scale_grad_by_freq, sparse, validate, chosen, dropout_p, generator)
     dropout_key = reference.draw_dropout_key(weight.device, generator) if dropout_p > 0 else None
+    if sparse:
+        _coalesced.keep_flag(weight)  # .grad stays flagged coalesced (optimizers skip a re-sort)
     return apply_fused(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
                        scale_grad_by_freq, sparse, validate, chosen, dropout_key, dropout_p)
 
@@ -225,6 +227,7 @@ def _gradients(config: FusedConfig, grad_out, ids, position_ids, dropout_key, we
         grad_weight = torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors(
             1, 1, list(weight_shape), rows[None], values, dtype=values.dtype, layout=torch.sparse_coo,
             device=values.device, is_coalesced=True)
+        _coalesced.remember(grad_weight)
     return grad_weight if need_weight_grad else None, pos_grad if need_pos_grad else None
 
 

@@ -139,9 +139,49 @@ def test_sparse_adam_step_equals_eager_step(backend):
         opt.step()
     assert not torch.equal(ours.weight, weight), "the step must move the table"
     torch.testing.assert_close(ours.weight, eager.weight, rtol=1e-6, atol=1e-6)
-    # .grad holds the sorted, unique rows (AccumulateGrad drops the coalesced flag, pytorch#105916).
+    # .grad holds the sorted, unique rows, flagged so (pyembed._coalesced): SparseAdam skipped its re-sort.
     grad = ours.weight.grad
+    assert grad.is_coalesced()
     torch.testing.assert_close(grad._indices(), grad.coalesce()._indices())
+
+
+def _sorted_unique_rows(grad) -> bool:
+    rows = grad._indices()[0]
+    return bool(torch.all(rows[1:] > rows[:-1]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dot_grad_is_flagged_coalesced_exactly_while_it_is(backend):
+    """AccumulateGrad drops the flag of the coalesced gradient it stores (pytorch#105916);
+    pyembed sets it back when .grad is the gradient it built, and never on a sum that has
+    duplicate rows (a flag that lies would make SparseAdam apply a row's update twice)."""
+    name, _, device = backend.partition("@")
+    ids, weight, _, dout = make_inputs(3, 40, 25, 8, torch.float32, seed=6)
+    ids, dout = ids.to(device or "cpu"), dout.to(device or "cpu")
+    w = weight.to(ids.device).requires_grad_()
+    pyembed.fused_embedding(ids, w, sparse=True, padding_idx=0, backend=name).backward(dout)
+    ours = w.grad
+    assert ours.is_coalesced() and _sorted_unique_rows(ours)
+    eager = torch.nn.Embedding.from_pretrained(weight.double(), freeze=False, padding_idx=0, sparse=True)
+    eager(ids.cpu()).backward(dout.cpu().double())
+    first = ours.to_dense()  # .grad is summed in place below
+    torch.testing.assert_close(first.cpu().double(), eager.weight.grad.to_dense(), rtol=1e-6, atol=1e-6)
+
+    # Accumulated with nn.Embedding's uncoalesced gradient: the sum has duplicate rows.
+    torch.nn.functional.embedding(ids, w, sparse=True).backward(dout)
+    total = w.grad
+    assert not total.is_coalesced() and not _sorted_unique_rows(total)
+    expected = first + torch.zeros_like(w).index_add_(0, ids.reshape(-1), dout.reshape(-1, 8))
+    torch.testing.assert_close(total.to_dense(), expected)
+
+    # The table used twice in one graph: autograd sums the two gradients before .grad.
+    w.grad = None
+    half = ids.shape[1] // 2
+    out = torch.cat([pyembed.fused_embedding(ids[:, :half], w, sparse=True, backend=name),
+                     pyembed.fused_embedding(ids[:, half:], w, sparse=True, backend=name)], 1)
+    out.backward(dout)
+    assert not w.grad.is_coalesced() or _sorted_unique_rows(w.grad)
+    torch.testing.assert_close(w.grad.to_dense(), torch.zeros_like(w).index_add_(0, ids.reshape(-1), dout.reshape(-1, 8)))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

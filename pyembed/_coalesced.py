@@ -1,0 +1,53 @@
+"""The sparse weight gradient stays flagged coalesced in ``.grad``.
+
+pyembed's sparse gradient is built coalesced (sorted unique rows, flag set), but autograd's
+AccumulateGrad rebuilds it from its indices and values without the flag when it stores it
+as a parameter's ``.grad`` (pytorch/pytorch#105916, open). Every optimizer that takes a
+sparse gradient then coalesces it again: ``SparseAdam`` and ``Adagrad`` call
+``grad.coalesce()`` (a sort and a copy of every value: ~1.2 ms of a ~17 ms SparseAdam step
+for GPT-2 8x512 on the 2-core dev VM; on a GPU also a device->host sync), and a dense
+``+=`` of an unflagged sparse tensor runs serially on a CPU.
+
+So ``_gradients`` remembers the storage of each sparse gradient's values it builds, and a
+post-accumulate-grad hook on the table sets the flag back when ``.grad`` holds exactly
+those values and indices: a gradient that was summed with another one (accumulation over
+micro-batches, a second use of the table) has new storage and is left as autograd made it.
+Storages, not tensors, are remembered: ``_values()`` returns a fresh alias every call,
+while a storage's Python object lives exactly as long as the storage (so a dead gradient's
+memory reused by another tensor never matches).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+# values storage of a sparse gradient built by pyembed -> (its indices' storage, its nnz)
+_built: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# tables with the hook registered (one hook per table, however many calls)
+_hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def remember(grad: torch.Tensor) -> None:
+    """Record a coalesced sparse gradient pyembed built (eager tensors only: under
+    torch.compile's tracing the tensors are fakes, and nothing is stored)."""
+    values, indices = grad._values(), grad._indices()
+    if type(values) is torch.Tensor and type(indices) is torch.Tensor:
+        _built[values.untyped_storage()] = (indices.untyped_storage(), grad._nnz())
+
+
+def keep_flag(weight: torch.Tensor) -> None:
+    """Register (once per table) the hook that restores the coalesced flag of ``weight.grad``;
+    only leaves get a ``.grad``, and only eager code registers hooks."""
+    if torch.compiler.is_compiling() or not (weight.is_leaf and weight.requires_grad) or weight in _hooked:
+        return
+    _hooked[weight] = weight.register_post_accumulate_grad_hook(_restore_flag)
+
+
+def _restore_flag(weight: torch.Tensor) -> None:
+    grad = weight.grad
+    if grad is None or not grad.is_sparse or grad.is_coalesced():
+        return
+    built = _built.get(grad._values().untyped_storage())
+    if built is not None and built[0] is grad._indices().untyped_storage() and built[1] == grad._nnz():
+        grad._coalesced_(True)
