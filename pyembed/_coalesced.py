@@ -19,10 +19,12 @@ memory reused by another tensor never matches).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-# values storage of a sparse gradient built by pyembed -> (its indices' storage, its nnz)
+# values storage of a sparse gradient built by pyembed -> (weak reference to its indices' storage, its nnz)
 _built: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # tables with the hook registered (one hook per table, however many calls)
 _hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -33,7 +35,7 @@ def remember(grad: torch.Tensor) -> None:
     torch.compile's tracing the tensors are fakes, and nothing is stored)."""
     values, indices = grad._values(), grad._indices()
     if type(values) is torch.Tensor and type(indices) is torch.Tensor:
-        _built[values.untyped_storage()] = (indices.untyped_storage(), grad._nnz())
+        _built[values.untyped_storage()] = (weakref.ref(indices.untyped_storage()), grad._nnz())
 
 
 def keep_flag(weight: torch.Tensor) -> None:
@@ -49,5 +51,5 @@ def _restore_flag(weight: torch.Tensor) -> None:
     if grad is None or not grad.is_sparse or grad.is_coalesced():
         return
     built = _built.get(grad._values().untyped_storage())
-    if built is not None and built[0] is grad._indices().untyped_storage() and built[1] == grad._nnz():
+    if built is not None and built[0]() is grad._indices().untyped_storage() and built[1] == grad._nnz():
         grad._coalesced_(True)
