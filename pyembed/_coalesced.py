@@ -31,8 +31,11 @@ _hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def remember(grad: torch.Tensor) -> None:
-    """Record a coalesced sparse gradient pyembed built (eager tensors only: under
-    torch.compile's tracing the tensors are fakes, and nothing is stored)."""
+    """Record a coalesced sparse gradient pyembed built. Plain eager tensors only: under
+    torch.compile's tracing they are fakes, under torch.func wrappers without a storage,
+    and neither kind reaches a ``.grad``."""
+    if _transformed():
+        return
     values, indices = grad._values(), grad._indices()
     if type(values) is torch.Tensor and type(indices) is torch.Tensor:
         _built[values.untyped_storage()] = (weakref.ref(indices.untyped_storage()), grad._nnz())
@@ -41,9 +44,14 @@ def remember(grad: torch.Tensor) -> None:
 def keep_flag(weight: torch.Tensor) -> None:
     """Register (once per table) the hook that restores the coalesced flag of ``weight.grad``;
     only leaves get a ``.grad``, and only eager code registers hooks."""
-    if torch.compiler.is_compiling() or not (weight.is_leaf and weight.requires_grad) or weight in _hooked:
+    if _transformed() or not (weight.is_leaf and weight.requires_grad) or weight in _hooked:
         return
     _hooked[weight] = weight.register_post_accumulate_grad_hook(_restore_flag)
+
+
+def _transformed() -> bool:
+    """torch.compile is tracing, or a torch.func transform (grad, vmap) is active."""
+    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
 
 
 def _restore_flag(weight: torch.Tensor) -> None:

@@ -222,8 +222,8 @@ def _gradients(config: FusedConfig, grad_out, ids, position_ids, dropout_key, we
         grad_weight, pos_grad = (DenseGradFunctorch if _functorch_active() else DenseGradFunction).apply(
             grad_out, ids, position_ids, config, weight_shape[0], num_positions, dense_weight_grad, need_pos_grad)
     if need_weight_grad and config.sparse:
-        rows, values = dispatch.get(config.backend).sparse_backward(
-            grad_out, ids, weight_shape[0], config.scale, config.padding_idx, config.scale_grad_by_freq)
+        rows, values = (SparseGradFunctorch if _functorch_active() else SparseGradFunction).apply(
+            grad_out, ids, config, weight_shape[0])
         grad_weight = torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors(
             1, 1, list(weight_shape), rows[None], values, dtype=values.dtype, layout=torch.sparse_coo,
             device=values.device, is_coalesced=True)
@@ -304,11 +304,12 @@ class FusedEmbeddingFunctionWithJvp(FusedEmbeddingFunction):
     jvp = staticmethod(_fused_jvp)
 
 
-def _functorch_form(name: str, forward, save, backward, jvp=None):
+def _functorch_form(name: str, forward, save, backward, jvp=None, save_takes_rows=False):
     """The same bodies as the setup_context + generate_vmap_rule Function that torch.func
-    transforms (vmap, grad, jvp) require."""
+    transforms (vmap, grad, jvp) require. save_takes_rows: ``save`` also gets the first
+    output (the sparse gradient's rows)."""
     def setup_context(ctx, inputs, output):
-        save(ctx, *inputs)
+        save(ctx, *inputs, *((output[0],) if save_takes_rows else ()))
 
     body = {"__doc__": f"{name}: the form torch.func transforms require.", "generate_vmap_rule": True,
             "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
@@ -365,6 +366,47 @@ class DenseGradFunction(torch.autograd.Function):
 
 DenseGradFunctorch = _functorch_form("DenseGradFunctorch", _dense_grad_forward, _dense_grad_save,
                                      _dense_grad_backward)
+
+
+def _sparse_values_forward(grad_out, ids, config: FusedConfig, num_embeddings: int):
+    return dispatch.get(config.backend).sparse_backward(grad_out, ids, num_embeddings, config.scale,
+                                                        config.padding_idx, config.scale_grad_by_freq)
+
+
+def _sparse_values_save(ctx, grad_out, ids, config: FusedConfig, num_embeddings: int, rows):
+    ctx.mark_non_differentiable(rows)
+    ctx.save_for_backward(ids, rows)
+    ctx.config, ctx.table_shape = config, (num_embeddings, grad_out.shape[-1])
+
+
+def _sparse_values_backward(ctx, grad_rows, grad_values):
+    """The values' derivative, as the dense gradient's: the incoming gradient's rows,
+    placed at their table rows, looked up per token (padding, out-of-range ids and
+    scale_grad_by_freq applied as the backward applies them)."""
+    ids, rows = ctx.saved_tensors
+    if grad_values is None:
+        return (None,) * 4
+    table = grad_values.new_zeros(ctx.table_shape).index_copy(0, rows, grad_values)
+    return lookup(ids, None, table, None, ctx.config, ctx.table_shape, of="backward"), None, None, None
+
+
+class SparseGradFunction(torch.autograd.Function):
+    """The sparse gradient's (rows, values) as a function of the output gradient, for the
+    same reason as DenseGradFunction: values are linear in dout (differentiable again), and
+    torch.func.grad, which tracks dout whenever the loss is not linear in the output,
+    needs an autograd rule for every op it meets."""
+
+    @staticmethod
+    def forward(ctx, grad_out, ids, config, num_embeddings):
+        rows, values = _sparse_values_forward(grad_out, ids, config, num_embeddings)
+        _sparse_values_save(ctx, grad_out, ids, config, num_embeddings, rows)
+        return rows, values
+
+    backward = staticmethod(_sparse_values_backward)
+
+
+SparseGradFunctorch = _functorch_form("SparseGradFunctorch", _sparse_values_forward, _sparse_values_save,
+                                      _sparse_values_backward, save_takes_rows=True)
 
 
 def _dropout_mask_forward(grad, dropout_key, config: FusedConfig):

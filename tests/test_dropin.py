@@ -72,18 +72,22 @@ def _closed_form(weight, ids, padding_idx=None, scale_grad_by_freq=False):
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("options", [{}, {"padding_idx": 3}, {"scale_grad_by_freq": True}], ids=str)
-def test_double_backward_equals_nn_embedding(backend, options):
-    ours, theirs = _pair(backend, **options)
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_double_backward_equals_nn_embedding(backend, options, sparse):
+    ours, theirs = _pair(backend, sparse=sparse, **options)
     ids = torch.tensor([[0, 3, 3, 5], [7, 3, 1, 1]])
     got = _gradient_of_gradient(ours.weight, ids, lambda w: functional_call(ours, {"weight": w}, (ids,)))
+    assert got[0].is_sparse == sparse and got[1].is_sparse == sparse
+    got = [t.to_dense() for t in got]
     for a, b in zip(got, _closed_form(ours.weight, ids, **options)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     if not options.get("scale_grad_by_freq"):
         # nn.Embedding agrees; with scale_grad_by_freq its double backward drops one 1/count
-        # (torch.autograd.gradgradcheck fails on nn.Embedding there), so it is no oracle.
+        # (torch.autograd.gradgradcheck fails on nn.Embedding there), so it is no oracle
+        # (and it refuses the option with sparse=True).
         want = _gradient_of_gradient(theirs.weight, ids, lambda w: functional_call(theirs, {"weight": w}, (ids,)))
         for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(a, b.to_dense(), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -149,6 +153,21 @@ def test_per_sample_gradients_with_vmap_equal_nn_embedding(backend, options):
                   for m in (ours, theirs)]
     assert per_sample[0].shape == (3, 12, 6)
     torch.testing.assert_close(per_sample[0], per_sample[1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_func_grad_of_a_sparse_table_equals_nn_embedding(backend):
+    """torch.func.grad of a sparse=True table: the coalesced sparse gradient, as
+    nn.Embedding(sparse=True) gives (its functorch wrappers have no storage to inspect)."""
+    ours, theirs = _pair(backend, sparse=True)
+    ids = torch.tensor([[0, 3, 3, 5], [7, 3, 1, 1]])
+
+    def loss(params, module):
+        return functional_call(module, params, (ids,)).pow(2).sum()
+
+    got, want = (grad(loss)({"weight": m.weight.detach()}, m)["weight"] for m in (ours, theirs))
+    assert got.is_sparse and got.is_coalesced()
+    torch.testing.assert_close(got.to_dense(), want.to_dense(), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
