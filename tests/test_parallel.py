@@ -1,4 +1,5 @@
-"""pyembed.parallel.VocabParallelEmbeddingLayer across 2 and 3 processes on this machine
+"""DistributedDataParallel over FusedEmbedding (ddp_worker.py), and
+pyembed.parallel.VocabParallelEmbeddingLayer across 2 and 3 processes on this machine
 (gloo over loopback, CPU tensors), against the single-process EmbeddingLayer: outputs,
 each rank's slice of the weight gradient, the learned-positions gradient, padding, a bad
 id raising on every rank without a hang, and sharded / gathered checkpoints. The checks
@@ -9,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import ddp_worker
 import vocab_parallel_worker
 from helpers import CPU_BACKENDS, launch_ranks
 from pyembed.parallel import VocabParallelEmbeddingLayer, shard_range
@@ -17,6 +19,11 @@ from pyembed.parallel import VocabParallelEmbeddingLayer, shard_range
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_vocab_parallel_matches_single_process(world_size, tmp_path):
     launch_ranks(vocab_parallel_worker.run, world_size, str(tmp_path), CPU_BACKENDS)
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo")
+def test_distributed_data_parallel_trains_as_nn_embedding(tmp_path):
+    launch_ranks(ddp_worker.run, 2, str(tmp_path), CPU_BACKENDS)
 
 
 def test_shard_ranges_cover_the_vocabulary_contiguously():
