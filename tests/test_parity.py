@@ -181,7 +181,8 @@ def test_dot_grad_is_flagged_coalesced_exactly_while_it_is(backend):
                      pyembed.fused_embedding(ids[:, half:], w, sparse=True, backend=name)], 1)
     out.backward(dout)
     assert not w.grad.is_coalesced() or _sorted_unique_rows(w.grad)
-    torch.testing.assert_close(w.grad.to_dense(), torch.zeros_like(w).index_add_(0, ids.reshape(-1), dout.reshape(-1, 8)))
+    exact = torch.zeros_like(w).index_add_(0, ids.reshape(-1), dout.reshape(-1, 8))
+    torch.testing.assert_close(w.grad.to_dense(), exact)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
