@@ -382,7 +382,8 @@ def _sparse_values_save(ctx, grad_out, ids, config: FusedConfig, num_embeddings:
 def _sparse_values_backward(ctx, grad_rows, grad_values):
     """The values' derivative, as the dense gradient's: the incoming gradient's rows,
     placed at their table rows, looked up per token (padding, out-of-range ids and
-    scale_grad_by_freq applied as the backward applies them)."""
+    scale_grad_by_freq applied as the backward applies them). The (V, d) table it places
+    them in exists only here, for gradients of gradients."""
     ids, rows = ctx.saved_tensors
     if grad_values is None:
         return (None,) * 4
