@@ -384,9 +384,7 @@ def _sparse_values_backward(ctx, grad_rows, grad_values):
     placed at their table rows, looked up per token (padding, out-of-range ids and
     scale_grad_by_freq applied as the backward applies them). The (V, d) table it places
     them in exists only here, for gradients of gradients."""
-    ids, rows = ctx.saved_tensors
-    if grad_values is None:
-        return (None,) * 4
+    ids, rows = ctx.saved_tensors  # grad_values is never None: this Function materialises zeros
     table = grad_values.new_zeros(ctx.table_shape).index_copy(0, rows, grad_values)
     return lookup(ids, None, table, None, ctx.config, ctx.table_shape, of="backward"), None, None, None
 
