@@ -30,13 +30,14 @@ using torch::autograd::variable_list;
 
 at::Tensor call_forward(const at::Tensor& ids, const at::Tensor& weight, const std::optional<at::Tensor>& pos_weight,
                         const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding, double scale,
-                        int64_t offset) {
+                        int64_t offset, int64_t error_record) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("pyembed::embedding_forward", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                          const std::optional<at::Tensor>&, std::string_view, double, int64_t,
-                                         const std::optional<at::Tensor>&, double, int64_t, int64_t)>();
-  return op.call(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, std::nullopt, 0.0, 0, 0);
+                                         const std::optional<at::Tensor>&, double, int64_t, int64_t, int64_t)>();
+  return op.call(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, std::nullopt, 0.0, 0, 0,
+                 error_record);
 }
 
 // The dense gradients from the backend's op (the kernel: fp32 sums, one rounding,
@@ -100,7 +101,7 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& weight, const std::optional<at::Tensor>& pos_weight,
                             const at::Tensor& ids, const std::optional<at::Tensor>& position_ids,
                             std::string_view pos_encoding, double scale, int64_t offset,
-                            std::optional<int64_t> padding_idx, bool scale_grad_by_freq) {
+                            std::optional<int64_t> padding_idx, bool scale_grad_by_freq, int64_t error_record) {
     ctx->save_for_backward({ids, position_ids.value_or(at::Tensor())});
     ctx->saved_data["num_embeddings"] = weight.size(0);
     ctx->saved_data["learned"] = pos_encoding == "learned" && pos_weight.has_value();
@@ -110,7 +111,7 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
     ctx->saved_data["padding_idx"] = padding_idx;
     ctx->saved_data["scale_grad_by_freq"] = scale_grad_by_freq;
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return call_forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset);
+    return call_forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, error_record);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -144,7 +145,8 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
     }
     // One entry per forward argument: (weight, pos_weight, then nothing for the rest).
     return {need_weight_grad ? grad_weight : at::Tensor(), need_pos_grad ? grad_pos : at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -153,27 +155,27 @@ at::Tensor embedding_no_autograd(const at::Tensor& ids, const at::Tensor& weight
                                  const std::optional<at::Tensor>& pos_weight,
                                  const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
                                  double scale, int64_t offset, std::optional<int64_t> padding_idx,
-                                 bool /*scale_grad_by_freq*/, bool validate) {
+                                 bool /*scale_grad_by_freq*/, bool validate, int64_t error_record) {
   const LookupArgs args =
       check_lookup(ids, weight, pos_weight, position_ids, pos_encoding, offset, padding_idx, validate);
-  return call_forward(ids, weight, pos_weight, args.position_ids, pos_encoding, scale, offset);
+  return call_forward(ids, weight, pos_weight, args.position_ids, pos_encoding, scale, offset, error_record);
 }
 
 at::Tensor embedding_autograd(const at::Tensor& ids, const at::Tensor& weight,
                               const std::optional<at::Tensor>& pos_weight,
                               const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
                               double scale, int64_t offset, std::optional<int64_t> padding_idx,
-                              bool scale_grad_by_freq, bool validate) {
+                              bool scale_grad_by_freq, bool validate, int64_t error_record) {
   const bool needs_grad = weight.requires_grad() || (pos_weight.has_value() && pos_weight->requires_grad());
   if (!at::GradMode::is_enabled() || !needs_grad) {  // no_grad decoding: no node to build (~1 us)
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return embedding_no_autograd(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                                 scale_grad_by_freq, validate);
+                                 scale_grad_by_freq, validate, error_record);
   }
   const LookupArgs args =
       check_lookup(ids, weight, pos_weight, position_ids, pos_encoding, offset, padding_idx, validate);
   return EmbeddingFunction::apply(weight, pos_weight, ids, args.position_ids, pos_encoding, scale, offset,
-                                  args.padding_idx, scale_grad_by_freq);
+                                  args.padding_idx, scale_grad_by_freq, error_record);
 }
 
 }  // namespace

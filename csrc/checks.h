@@ -67,6 +67,37 @@ inline void check_forward_args(const at::Tensor& ids, const at::Tensor& weight,
   }
 }
 
+// The record the CUDA forward kernel writes when it meets an out-of-range id or position
+// (validate=True on a GPU: checked inside the kernel, no host sync). Host memory the GPU
+// writes directly; layout and reasons in pyembed/checks.py, which reads the same record
+// for the triton backend. Int64 slots: [0] an id was out of range, [1] one such id, [2] that
+// table's V, [3] a position was, [4] one such position, [5] the learned max_seq_len (-1:
+// only negative positions are wrong).
+constexpr int kErrorRecordSlots = 8;
+
+// Raise (and clear) what the record holds: the next forward on the device reports an
+// earlier call's bad ids. A host memory read, no device sync. The messages are
+// pyembed.checks.deferred_error's.
+inline void raise_recorded_error(int64_t address, const at::Device& device) {
+  volatile int64_t* record = reinterpret_cast<volatile int64_t*>(address);
+  if (record[0] == 0 && record[3] == 0) return;
+  int64_t found[kErrorRecordSlots];
+  for (int i = 0; i < kErrorRecordSlots; ++i) found[i] = record[i];
+  for (int i = 0; i < kErrorRecordSlots; ++i) record[i] = 0;
+  constexpr const char* hint =
+      "; nothing was read out of bounds (such an id got a zero row, such a learned position no positional term). "
+      "The check ran inside the kernel, so the host did not wait for it: validate='sync' raises in the call itself, "
+      "pyembed.check_errors() after a synchronize";
+  TORCH_CHECK_INDEX(found[0] == 0, "pyembed: ids out of range in an earlier call on ", device, ": id ", found[1],
+                    ", but the embedding table has V=", found[2], " rows (valid ids are 0..", found[2] - 1, ")",
+                    hint);
+  TORCH_CHECK_VALUE(found[5] >= 0, "pyembed: position out of range in an earlier call on ", device, ": position ",
+                    found[4], ", positions must be >= 0", hint);
+  TORCH_CHECK_VALUE(false, "pyembed: position out of range in an earlier call on ", device, ": position ", found[4],
+                    ", positions must be in 0..", found[5] - 1, " (the learned table's max_seq_len=", found[5], ")",
+                    hint);
+}
+
 // The shared start of every forward op: argument checks, contiguous inputs,
 // position_ids as int64, and the output, allocated (uninitialised).
 struct ForwardInputs {
@@ -77,6 +108,7 @@ struct ForwardInputs {
   // The sinusoid of column j is column sinusoid_column_offset + j of a sinusoid_dim-wide
   // encoding (a DTensor column shard; 0 and d for a whole table).
   int64_t sinusoid_column_offset = 0, sinusoid_dim = 0;
+  int64_t* error_record = nullptr;  // the in-kernel range check's record (CUDA); nullptr: no check
   bool empty() const { return ids.numel() == 0 || weight.size(1) == 0; }
 };
 
@@ -84,7 +116,8 @@ inline ForwardInputs prepare_forward(const at::Tensor& ids, const at::Tensor& we
                                      const std::optional<at::Tensor>& pos_weight,
                                      const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
                                      const std::optional<at::Tensor>& dropout_key, double dropout_p,
-                                     int64_t sinusoid_column_offset, int64_t sinusoid_dim) {
+                                     int64_t sinusoid_column_offset, int64_t sinusoid_dim,
+                                     int64_t error_record = 0) {
   ForwardInputs in;
   in.mode = parse_pos_encoding(std::string(pos_encoding));
   check_forward_args(ids, weight, pos_weight, position_ids, in.mode);
@@ -97,6 +130,10 @@ inline ForwardInputs prepare_forward(const at::Tensor& ids, const at::Tensor& we
                     sinusoid_column_offset + weight.size(1), " are not an even-aligned slice of an even ",
                     in.sinusoid_dim, "-wide encoding");
   check_same_device(weight.device(), {&ids, opt(pos_weight), opt(position_ids), opt(dropout_key)});
+  if (error_record != 0) {
+    raise_recorded_error(error_record, weight.device());
+    in.error_record = reinterpret_cast<int64_t*>(error_record);
+  }
   if (dropout_key.has_value()) {
     TORCH_CHECK_VALUE(dropout_key->scalar_type() == at::kLong && dropout_key->numel() == 2,
                       "pyembed: dropout_key must be a (2,) int64 tensor [seed, offset]");

@@ -35,17 +35,19 @@ TORCH_LIBRARY(pyembed, m) {
   m.def(
       "embedding_forward(Tensor ids, Tensor weight, Tensor? pos_weight, Tensor? position_ids, "
       "str pos_encoding, float scale, int offset, Tensor? dropout_key, float dropout_p, "
-      "int sinusoid_column_offset=0, int sinusoid_dim=0) -> Tensor");
+      "int sinusoid_column_offset=0, int sinusoid_dim=0, int error_record=0) -> Tensor");
   m.def(
       "embedding_backward(Tensor grad_out, Tensor ids, Tensor? position_ids, int offset, "
       "int num_embeddings, int num_positions, float scale, int? padding_idx, bool scale_grad_by_freq, "
       "bool need_weight_grad, bool need_pos_grad) -> (Tensor, Tensor)");
   // The lookup with its autograd node in C++ (csrc/autograd.cpp), for eager calls on the
   // C++ backends; its forward and backward are the two ops above. It checks every argument
-  // itself (csrc/checks.h: check_lookup), the id / position ranges when validate.
+  // itself (csrc/checks.h: check_lookup), the id / position ranges when validate (before the
+  // kernel) or, with an error_record, inside the CUDA kernel (no host sync; pyembed/checks.py).
   m.def(
       "embedding(Tensor ids, Tensor weight, Tensor? pos_weight, Tensor? position_ids, str pos_encoding, "
-      "float scale, int offset, int? padding_idx, bool scale_grad_by_freq, bool validate=True) -> Tensor");
+      "float scale, int offset, int? padding_idx, bool scale_grad_by_freq, bool validate=True, int error_record=0) "
+      "-> Tensor");
   const std::vector<at::Tag> sparse_tags = cudagraph_unsafe();  // an lvalue: the overload taking tags
   m.def(
       "embedding_sparse_backward(Tensor grad_out, Tensor ids, int num_embeddings, float scale, int? padding_idx, "

@@ -82,6 +82,32 @@ def _dropout_keep(key_ptr, tok, threshold, BLOCK_T: tl.constexpr, BLOCK_D: tl.co
 
 
 @triton.jit
+def _record_bad_ranges(error_record, tok_ok, ids, id_ok, pos, num_embeddings, num_positions, POS_MODE: tl.constexpr,
+                       HAS_POSITION_IDS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """validate=True on a GPU: write what is out of range into the error record (layout in
+    pyembed/checks.py) instead of making the host wait for the answer. The record is host
+    memory the GPU writes directly, passed as an integer address. Plain stores (no
+    atomics): any one offender serves the message. One column block writes."""
+    record = error_record.to(tl.int64).to(tl.pointer_type(tl.int64))
+    first = tl.program_id(1) == 0
+    at = tl.zeros([BLOCK_T], dtype=tl.int64)  # every token's lane stores to the same slot
+    bad_id = tok_ok & ~id_ok & first
+    tl.store(record + 1 + at, ids, mask=bad_id)
+    tl.store(record + 2 + at, at + num_embeddings, mask=bad_id)
+    tl.store(record + at, at + 1, mask=bad_id)
+    if POS_MODE != 0 and HAS_POSITION_IDS:  # positions offset + t are checked on the host, from shapes
+        if POS_MODE == 1:  # learned: a row of the table
+            bad_pos = tok_ok & first & ((pos < 0) | (pos >= num_positions))
+            limit = at + num_positions
+        else:  # sinusoidal: any position >= 0
+            bad_pos = tok_ok & first & (pos < 0)
+            limit = at - 1
+        tl.store(record + 4 + at, pos, mask=bad_pos)
+        tl.store(record + 5 + at, limit, mask=bad_pos)
+        tl.store(record + 3 + at, at + 1, mask=bad_pos)
+
+
+@triton.jit
 def _embedding_forward_kernel(
     ids_ptr,  # (num_tokens,) int32/int64
     weight_ptr,  # (num_embeddings, dim)
@@ -95,8 +121,9 @@ def _embedding_forward_kernel(
     sinusoid_pair_offset,  # the table's column 0 is column 2 * this of the encoding (a column shard)
     dropout_threshold,  # int64 ceil(p * 2^32): an element is kept iff its Philox word >= this
     dropout_scale: tl.float64,  # 1 / (1 - p), for the kept elements
+    error_record,  # int64 address of the range check's record (pyembed.checks), when CHECK_RANGES
     POS_MODE: tl.constexpr, HAS_POSITION_IDS: tl.constexpr, HAS_DROPOUT: tl.constexpr, COMPUTE_F64: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHECK_RANGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -109,11 +136,14 @@ def _embedding_forward_kernel(
     # tl.full rounds the fp64 scalars once, to the compute dtype (and keeps a Python
     # float exact under the interpreter, where arguments stay Python objects).
     x = x.to(acc_dtype) * tl.full([], scale, acc_dtype)
+    if HAS_POSITION_IDS:
+        pos = tl.load(position_ids_ptr + tok, mask=tok_ok, other=0)
+    else:
+        pos = offset + tok % seq_len  # (unused, so not computed, without a positional encoding)
+    if CHECK_RANGES:
+        _record_bad_ranges(error_record, tok_ok, ids, id_ok, pos, num_embeddings, num_positions, POS_MODE,
+                           HAS_POSITION_IDS, BLOCK_T)
     if POS_MODE != 0:
-        if HAS_POSITION_IDS:
-            pos = tl.load(position_ids_ptr + tok, mask=tok_ok, other=0)
-        else:
-            pos = offset + tok % seq_len
         if POS_MODE == 1:
             pos_ok = id_ok & (pos >= 0) & (pos < num_positions)
             pe = tl.load(pos_weight_ptr + pos[:, None] * dim + cols[None, :], mask=pos_ok[:, None] & col_ok[None, :],
@@ -289,9 +319,10 @@ def _batch_sum_kernel(
 # --------------------------------------------------------------------------- launchers
 def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scale: float, offset: int,
                       dropout_key, dropout_threshold: int, dropout_scale: float, sinusoid_column_offset: int,
-                      sinusoid_dim: int, out, launch=lambda kernel: kernel):
+                      sinusoid_dim: int, out, launch=lambda kernel: kernel, error_record: int = 0):
     """Fill out (ids.numel(), d) in place; dropout_key None: no dropout; the sinusoid of
-    column j is column sinusoid_column_offset + j (even) of a sinusoid_dim-wide one. ``launch`` wraps
+    column j is column sinusoid_column_offset + j (even) of a sinusoid_dim-wide one;
+    error_record: the address the range check records into (0: no check). ``launch`` wraps
     the kernel (torch.library's wrap_triton when torch.compile traces the op: pyembed/_triton.py)."""
     num_tokens, dim = ids.numel(), weight.shape[1]
     if num_tokens == 0 or dim == 0:
@@ -304,9 +335,9 @@ def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scal
         num_tokens, ids.shape[-1] if ids.dim() else 1, weight.shape[0],
         pos_weight.shape[0] if pos_weight is not None else 0, dim, offset, scale, -math.log(10000.0) / sinusoid_dim,
         sinusoid_column_offset // 2,
-        dropout_threshold, dropout_scale,
+        dropout_threshold, dropout_scale, error_record,
         POS_MODE=pos_mode, HAS_POSITION_IDS=position_ids is not None, HAS_DROPOUT=dropout_key is not None,
-        COMPUTE_F64=weight.dtype == torch.float64, BLOCK_T=block_t, BLOCK_D=block_d,
+        COMPUTE_F64=weight.dtype == torch.float64, CHECK_RANGES=error_record != 0, BLOCK_T=block_t, BLOCK_D=block_d,
     )
 
 

@@ -74,6 +74,7 @@ if _C is not None:
     _lookup = torch.ops.pyembed.embedding.default
     dispatch.register_backend(dispatch.Backend("cpu", *_ops, _why_cpu_unavailable, _lookup))
     if _C.cuda_built:
-        dispatch.register_backend(dispatch.Backend("cuda", *_ops, _why_cuda_unavailable, _lookup))
+        dispatch.register_backend(dispatch.Backend("cuda", *_ops, _why_cuda_unavailable, _lookup,
+                                                   checks_in_kernel=True))
     else:
         dispatch.mark_missing("cuda", "pyembed._C was built without CUDA kernels (no CUDA toolkit at build time)")

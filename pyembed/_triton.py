@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from . import dispatch, reference
+from . import checks, dispatch, reference
 from .checks import CUDAGRAPH_UNSAFE
 
 _POS_MODES = {"none": 0, "learned": 1, "sinusoidal": 2}
@@ -53,8 +53,8 @@ def _on_device(t: torch.Tensor):
 
 
 def _forward(ids, weight, pos_weight, position_ids, pos_encoding: str, scale: float, offset: int, dropout_key,
-             dropout_p: float, sinusoid_column_offset: int = 0, sinusoid_dim: int = 0, *, launch,
-             device_guard=True) -> torch.Tensor:
+             dropout_p: float, sinusoid_column_offset: int = 0, sinusoid_dim: int = 0, error_record: int = 0, *,
+             launch, device_guard=True) -> torch.Tensor:
     out = weight.new_empty(*ids.shape, weight.shape[1])
     mode = _POS_MODES[pos_encoding]
     with _on_device(weight) if device_guard else contextlib.nullcontext():
@@ -63,7 +63,7 @@ def _forward(ids, weight, pos_weight, position_ids, pos_encoding: str, scale: fl
             position_ids.long().contiguous() if (position_ids is not None and mode) else None,
             mode, scale, offset, dropout_key, reference.dropout_threshold(dropout_p),
             reference.dropout_scale(dropout_p), sinusoid_column_offset, sinusoid_dim or weight.shape[1], out,
-            launch=launch,
+            launch=launch, error_record=error_record,
         )
     return out
 
@@ -72,11 +72,15 @@ def _forward(ids, weight, pos_weight, position_ids, pos_encoding: str, scale: fl
 def triton_forward(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.Tensor],
                    position_ids: Optional[torch.Tensor], pos_encoding: str, scale: float, offset: int,
                    dropout_key: Optional[torch.Tensor], dropout_p: float, sinusoid_column_offset: int = 0,
-                   sinusoid_dim: int = 0) -> torch.Tensor:
-    """The forward (schema of reference.embedding_forward); eagerly, a direct launch."""
+                   sinusoid_dim: int = 0, error_record: int = 0) -> torch.Tensor:
+    """The forward (schema of reference.embedding_forward); eagerly, a direct launch. With
+    an error_record the kernel checks the ranges into it, and an earlier call's finding is
+    raised first (pyembed.checks; csrc/checks.h does the same for the cuda backend)."""
     reference.check_sinusoid_columns(pos_encoding, sinusoid_column_offset, sinusoid_dim, weight.shape[1])
+    if error_record:
+        checks.raise_pending_error(weight.device)
     return _forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
-                    sinusoid_column_offset, sinusoid_dim, launch=lambda kernel: kernel)
+                    sinusoid_column_offset, sinusoid_dim, error_record, launch=lambda kernel: kernel)
 
 
 if not _INTERPRETED:
@@ -141,4 +145,4 @@ reference.register_fakes("pyembed::triton_forward", "pyembed::triton_backward", 
 
 dispatch.register_backend(dispatch.Backend(
     "triton", torch.ops.pyembed.triton_forward, torch.ops.pyembed.triton_backward,
-    torch.ops.pyembed.triton_sparse_backward, _why_unavailable))
+    torch.ops.pyembed.triton_sparse_backward, _why_unavailable, checks_in_kernel=True))

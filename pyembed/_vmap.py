@@ -31,8 +31,8 @@ def _select(t, bdim, i):
 
 def _forward_rule(op):
     def rule(info, in_dims, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key,
-             dropout_p, sinusoid_column_offset=0, sinusoid_dim=0):
-        columns = (sinusoid_column_offset, sinusoid_dim)
+             dropout_p, sinusoid_column_offset=0, sinusoid_dim=0, error_record=0):
+        columns = (sinusoid_column_offset, sinusoid_dim, error_record)
         ids_dim, weight_dim, pos_weight_dim, position_ids_dim, key_dim = in_dims[:4] + in_dims[7:8]
         n = info.batch_size
         if weight_dim is None and pos_weight_dim is None and dropout_key is None:

@@ -8,6 +8,7 @@ when ``validate=False``. All extremes come back to the host in one transfer.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Optional
 
 import torch
@@ -141,3 +142,89 @@ def checked_ids(ids: torch.Tensor, num_embeddings: int, position_ids: Optional[t
 def check_ids_in_range(ids: torch.Tensor, num_embeddings: int) -> None:
     """IndexError naming the offending min/max and V (e.g. before max_norm's renorm)."""
     check_ranges_eager(ids, num_embeddings, None, None)
+
+
+# ----------------------------------------------------------------- checks inside the kernels
+# On a GPU the default check (validate=True) runs inside the forward kernel: waiting for the
+# device to say whether the ids were in range would cost a device->host sync per call, more
+# than the lookup itself. A kernel that meets an out-of-range id or position gives it a zero
+# row (no out-of-bounds access) and writes what it saw into a small error record in pinned
+# host memory, which the GPU writes directly (mapped, unified addressing): no copy, no extra
+# launch. The next forward on that device reads the record -- a host memory read, no sync --
+# and raises the IndexError / ValueError there; check_errors() synchronises and raises it at
+# once. The CUDA context stays usable (a device-side assert, PyTorch's way, would poison it).
+# The kernels take the record as an integer address: a graph-constant int under
+# torch.compile, and a pointer whose stores no functionalisation pass mistakes for a write
+# to one of the op's tensors.
+#
+# Layout (int64): [0] 1 when an id was out of range, [1] one such id, [2] that table's V,
+# [3] 1 when a position was, [4] one such position, [5] that learned table's max_seq_len
+# (-1: sinusoidal, where only a negative position is wrong). Threads store without atomics:
+# any offending value serves the message. csrc/checks.h reads the same layout.
+ERROR_RECORD_SLOTS = 8
+KERNEL_CHECKED_DEVICES = ("cuda",)  # where validate=True means the in-kernel check
+_error_records: dict[torch.device, tuple[torch.Tensor, "ctypes.Array"]] = {}  # the memory, and a view to read it
+_error_record_addresses: dict[torch.device, int] = {}
+
+
+def error_record_address(device: torch.device) -> int:
+    """The address of ``device``'s error record (made on first use), which the forward
+    kernels of the cuda and triton backends take as ``error_record``."""
+    address = _error_record_addresses.get(device)
+    if address is None:
+        # Host memory the device writes through its own address: pinned memory is mapped
+        # for every GPU under unified addressing. A CPU device (kernels run by the Triton
+        # interpreter or the CUDA host emulation, in the tests) gets plain memory.
+        record = torch.zeros(ERROR_RECORD_SLOTS, dtype=torch.long, pin_memory=device.type == "cuda")
+        address = record.data_ptr()
+        _error_records[device] = record, (ctypes.c_int64 * ERROR_RECORD_SLOTS).from_address(address)
+        _error_record_addresses[device] = address
+    return address
+
+
+# Under torch.compile the address is a constant of the graph, taken when it is traced (the
+# record is made then, eagerly, never as a graph op). This is the mark that
+# torch.compiler.assume_constant_result sets; setting it directly keeps Dynamo's import
+# (about a second) out of `import pyembed`.
+error_record_address._dynamo_marked_constant = True
+
+
+def raise_pending_error(device: torch.device) -> None:
+    """Raise (and clear) what a kernel on ``device`` recorded since the last call: an
+    IndexError for an id, a ValueError for a position. Reads host memory only (~0.1 us)."""
+    entry = _error_records.get(device)
+    if entry is None:
+        return
+    view = entry[1]
+    if view[0] or view[3]:
+        found = list(view)
+        ctypes.memset(view, 0, ctypes.sizeof(view))
+        raise deferred_error(device, found)
+
+
+DEFERRED_MARK = "in an earlier call on"  # in the message of every deferred error (csrc/checks.h too)
+
+
+def deferred_error(device, found: list[int]) -> Exception:
+    """The exception for a filled error record (the message csrc/checks.h writes too)."""
+    hint = ("; nothing was read out of bounds (such an id got a zero row, such a learned position no positional "
+            "term). The check ran inside the kernel, so the host did not wait for it: validate='sync' raises in the "
+            "call itself, pyembed.check_errors() after a synchronize")
+    if found[0]:
+        return IndexError(f"pyembed: ids out of range {DEFERRED_MARK} {device}: id {found[1]}, but the "
+                          f"embedding table has V={found[2]} rows (valid ids are 0..{found[2] - 1}){hint}")
+    wanted = ">= 0" if found[5] < 0 else f"in 0..{found[5] - 1} (the learned table's max_seq_len={found[5]})"
+    return InputValueError(f"pyembed: position out of range {DEFERRED_MARK} {device}: position {found[4]}, "
+                           f"positions must be {wanted}{hint}")
+
+
+def check_errors(device=None) -> None:
+    """Wait for ``device`` (default: the current CUDA device) and raise what its kernels'
+    range checks recorded (``validate=True`` on a GPU checks inside the kernels and
+    reports at the next call): IndexError for an id, ValueError for a position."""
+    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    raise_pending_error(device)

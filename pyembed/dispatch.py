@@ -35,6 +35,9 @@ class Backend:
     # The lookup with its autograd node in C++ (the C++ backends' pyembed::embedding), used
     # for plain eager calls instead of the Python autograd.Function; None: always the Function.
     autograd_op: Optional[Callable] = None
+    # Its forward kernel checks id / position ranges itself into an error record (the
+    # ``error_record`` argument; pyembed.checks): validate=True on a GPU then never syncs.
+    checks_in_kernel: bool = False
 
 
 _registry: dict[str, Backend] = {}

@@ -11,7 +11,7 @@ too-large position_ids) are one op shared by every backend (pyembed.checks), ski
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 from torch.autograd import forward_ad
@@ -34,7 +34,7 @@ def fused_embedding(
     padding_idx: Optional[int] = None,
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
-    validate: bool = True,
+    validate: Union[bool, str] = True,
     dropout_p: float = 0.0,
     generator: Optional[torch.Generator] = None,
     backend: str = "auto",
@@ -60,8 +60,14 @@ def fused_embedding(
         scale_grad_by_freq: divide each gradient term by its id's count in the batch.
         sparse: the weight gradient is a coalesced ``torch.sparse_coo_tensor``. The
             learned positional gradient stays dense (nearly every position is touched).
-        validate: check id / position ranges (a device sync on a GPU). With False, an
-            out-of-range id yields a zero row, never an out-of-bounds access.
+        validate: check id / position ranges. True (default): on CPU tensors an
+            IndexError (ValueError for a position) in the call; on CUDA tensors (cuda and
+            triton backends) the check runs inside the forward kernel, so the host never
+            waits for the device: the bad ids get zero rows and the error is raised by the
+            next forward on that device (or ``pyembed.check_errors()``), the CUDA context
+            intact. "sync": the error in the call itself, everywhere (a device->host sync
+            on a GPU). False: no check. Unchecked or deferred, an out-of-range id yields a
+            zero row, never an out-of-bounds access.
         dropout_p: drop each output element with this probability (0: no dropout; apply
             it in training only). The mask is Philox4x32 keyed by a (seed, offset) drawn
             per call from ``generator`` or the device's default generator (so
@@ -75,15 +81,19 @@ def fused_embedding(
         forward mode too, and under ``torch.func`` transforms (``vmap``, ``grad``).
     """
     plain = not sparse and type(dropout_p) in (float, int) and dropout_p == 0 and type(offset) is int
-    lookup_op = _eager_lookup_op(ids, weight, backend) if plain else None
-    if lookup_op is not None:
+    fast = _eager_backend(ids, weight, backend) if plain else None
+    if fast is not None:
         if pos_encoding is None or pos_encoding == "none":
             pos_encoding = "learned" if pos_weight is not None else "none"
+        sync_check, error_record = range_checks(validate, fast, weight.device)
         try:
-            return lookup_op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                             scale_grad_by_freq, validate)
-        except (RuntimeError, TypeError, ValueError, IndexError):
-            pass  # bad input: the checks below say what is wrong, with pyembed's exception types
+            return fast.autograd_op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
+                                    scale_grad_by_freq, sync_check, error_record)
+        except (RuntimeError, TypeError, ValueError) as error:
+            if checks.DEFERRED_MARK in str(error):  # an earlier call's bad position: the op cleared its record
+                raise checks.InputValueError(str(error)) from None
+            # Other bad input (an IndexError for ids propagates as it is): the checks below
+            # say what is wrong, with pyembed's exception types.
     if isinstance(weight, torch.Tensor) and not (weight.is_floating_point() or weight.is_complex()):
         return _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx, validate)
     pos_encoding, position_ids = _check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
@@ -93,22 +103,27 @@ def fused_embedding(
         padding_idx = normalize_padding_idx(padding_idx, weight.shape[0])
     chosen = dispatch.resolve(backend, weight.device)
     if _dtensor.is_dtensor(weight):  # a table sharded by torch.distributed (parallelize_module)
+        # Checked in the call (every rank sees the same global ids): the shards' kernels
+        # hold local ids, which are out of range by design on all but one rank.
+        sync_check = range_checks(validate, chosen, torch.device("cpu"))[0]
         return _dtensor.fused_embedding(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                                        scale_grad_by_freq, sparse, validate, chosen, dropout_p, generator)
+                                        scale_grad_by_freq, sparse, sync_check, chosen, dropout_p, generator)
     dropout_key = reference.draw_dropout_key(weight.device, generator) if dropout_p > 0 else None
     if sparse:
         _coalesced.keep_flag(weight)  # .grad stays flagged coalesced (optimizers skip a re-sort)
+    sync_check, error_record = range_checks(validate, chosen, weight.device)
     return apply_fused(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                       scale_grad_by_freq, sparse, validate, chosen, dropout_key, dropout_p)
+                       scale_grad_by_freq, sparse, sync_check, chosen, dropout_key, dropout_p,
+                       error_record=error_record)
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _eager_lookup_op(ids, weight, backend: str):
-    """The op of the common eager call -- a C++ backend's pyembed::embedding, which checks
-    every argument itself and whose autograd node is C++ (csrc/autograd.cpp) -- or None
-    when the call needs the Python path: torch.compile, forward-mode AD, torch.func
+def _eager_backend(ids, weight, backend: str) -> Optional[dispatch.Backend]:
+    """The backend of the common eager call when it is a C++ one -- whose pyembed::embedding
+    op checks every argument itself and has a C++ autograd node (csrc/autograd.cpp) -- or
+    None when the call needs the Python path: torch.compile, forward-mode AD, torch.func
     transforms, tensor subclasses (DTensor), integer tables, a Python backend. A one-token
     lookup is ~10 us; the Python checks and autograd.Function it skips were half of that."""
     if not _autograd_may_be_cpp():
@@ -116,9 +131,26 @@ def _eager_lookup_op(ids, weight, backend: str):
     if type(weight) not in _PLAIN_TENSORS or type(ids) is not torch.Tensor or not weight.is_floating_point():
         return None
     try:
-        return dispatch.resolve(backend, weight.device).autograd_op
+        chosen = dispatch.resolve(backend, weight.device)
     except (RuntimeError, ValueError):
         return None  # the slow path raises it, after the argument checks
+    return chosen if chosen.autograd_op is not None else None
+
+
+_VALIDATE_VALUES = (True, False, "sync")
+
+
+def range_checks(validate, backend: dispatch.Backend, device: torch.device) -> tuple[bool, int]:
+    """(check the ranges synchronously, the error record the forward kernel checks into
+    (0: none)) for ``validate`` on ``device``: True checks inside the kernel where the
+    backend can and the device runs asynchronously (a GPU: no host sync), else in the call."""
+    if validate is True:
+        if backend.checks_in_kernel and device.type in checks.KERNEL_CHECKED_DEVICES:
+            return False, checks.error_record_address(device)
+        return True, 0
+    if validate is False or validate == "sync":
+        return validate == "sync", 0
+    raise checks.InputValueError(f"pyembed: validate must be True, False or 'sync', got {validate!r}")
 
 
 def _autograd_may_be_cpp() -> bool:
@@ -157,6 +189,9 @@ class FusedConfig(NamedTuple):
     validate: bool
     backend: str
     dropout_p: float = 0.0  # with a dropout key (an input tensor of the Function)
+    # validate=True on a GPU: the forward kernel checks the ranges into this error record
+    # (pyembed.checks); 0: no check in the kernel (validate says whether one runs before).
+    error_record: int = 0
     # A column shard (DTensor Shard(1)): the sinusoid of column j is column
     # sinusoid_column_offset + j of a sinusoid_dim-wide encoding (0: the table's own d).
     sinusoid_column_offset: int = 0
@@ -165,11 +200,13 @@ class FusedConfig(NamedTuple):
 
 def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale, offset, padding_idx,
                 scale_grad_by_freq, sparse, validate, backend: dispatch.Backend, dropout_key=None,
-                dropout_p: float = 0.0, sinusoid_columns: tuple[int, int] = (0, 0)) -> torch.Tensor:
+                dropout_p: float = 0.0, sinusoid_columns: tuple[int, int] = (0, 0), *,
+                error_record: int = 0) -> torch.Tensor:
     """FusedEmbeddingFunction on checked arguments (shared by fused_embedding and the
     sharded tables' rules, pyembed._dtensor); the kernels index rows densely, so tensors
-    are made contiguous. sinusoid_columns: (column offset, full width) of a column shard
-    (FusedConfig)."""
+    are made contiguous. validate: check the ranges before the kernel (a sync on a GPU);
+    error_record: the in-kernel check's record (FusedConfig). sinusoid_columns: (column
+    offset, full width) of a column shard (FusedConfig)."""
     tensors = (ids.contiguous(), weight.contiguous(), None if pos_weight is None else pos_weight.contiguous(),
                None if position_ids is None else position_ids.contiguous(), dropout_key)
     if (backend.autograd_op is not None and dropout_key is None and not sparse and sinusoid_columns == (0, 0)
@@ -182,9 +219,10 @@ def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale,
         if validate:  # here, not in the op: the Python checks raise pyembed's exception types
             ids = _checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
         return backend.autograd_op(ids, weight, pos_weight, position_ids, pos_encoding, float(scale), int(offset),
-                                   padding_idx, bool(scale_grad_by_freq), False)
+                                   padding_idx, bool(scale_grad_by_freq), False, error_record)
     config = FusedConfig(pos_encoding, float(scale), int(offset), padding_idx, bool(scale_grad_by_freq),
-                         bool(sparse), bool(validate), backend.name, float(dropout_p), *sinusoid_columns)
+                         bool(sparse), bool(validate), backend.name, float(dropout_p), error_record,
+                         *sinusoid_columns)
     if not torch.compiler.is_compiling():
         function = FusedEmbeddingFunctorch if _functorch_active() else FusedEmbeddingFunctionWithJvp
         return function.apply(*tensors, config)
@@ -248,7 +286,7 @@ def _fused_forward(ids, weight, pos_weight, position_ids, dropout_key, config: F
         ids = _checked_ids(ids, weight, pos_weight, position_ids, config.pos_encoding)
     return dispatch.get(config.backend).forward(
         ids, weight, pos_weight, position_ids, config.pos_encoding, config.scale, config.offset, dropout_key,
-        config.dropout_p, config.sinusoid_column_offset, config.sinusoid_dim)
+        config.dropout_p, config.sinusoid_column_offset, config.sinusoid_dim, config.error_record)
 
 
 def _fused_save(ctx, ids, weight, pos_weight, position_ids, dropout_key, config: FusedConfig):
@@ -470,7 +508,7 @@ def _sparse_grad_setup(ctx, inputs, output):
     (ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, by_freq, backend, dropout_key,
      dropout_p, *sinusoid_columns) = inputs
     ctx.save_for_backward(ids, position_ids, dropout_key)
-    ctx.config = FusedConfig(pos_encoding, scale, offset, padding_idx, by_freq, True, False, backend, dropout_p,
+    ctx.config = FusedConfig(pos_encoding, scale, offset, padding_idx, by_freq, True, False, backend, dropout_p, 0,
                              *sinusoid_columns)
     ctx.weight_shape, ctx.num_positions = weight.shape, (pos_weight.shape[0] if pos_weight is not None else 0)
 

@@ -83,6 +83,7 @@ def embedding_forward(
     dropout_p: float,
     sinusoid_column_offset: int = 0,
     sinusoid_dim: int = 0,
+    error_record: int = 0,
 ) -> torch.Tensor:
     """ids: (B, T) or (T,) int32/int64 (any shape when pos_encoding == "none");
     weight: (V, d); pos_weight: (max_seq_len, d) for "learned"; position_ids: like ids;
@@ -90,6 +91,9 @@ def embedding_forward(
     sinusoid_column_offset, sinusoid_dim: for a column shard of a wider table (DTensor
     Shard(1)): the sinusoid of column j is column sinusoid_column_offset + j (even) of a
     sinusoid_dim-wide encoding (0: d, the whole table).
+    error_record: the address of the GPU backends' in-kernel range check's record
+    (pyembed.checks); this spec, like the cpu backend, is always checked before the call
+    instead, so it takes the argument (the schema every backend shares) and ignores it.
     Returns ids.shape + (d,) in weight.dtype. The range checks run before, in
     pyembed.checks (validate=True); unchecked, an out-of-range id gives a zero output row
     (positional term included) and an out-of-range learned position a zero positional
@@ -278,7 +282,7 @@ def sinusoidal_table(max_seq_len: int, embed_dim: int, *, dtype=torch.float32, d
 # Every backend's ops have the schemas of the three functions above, so one fake
 # implementation each serves them all (registered by each backend).
 def forward_fake(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
-                 sinusoid_column_offset=0, sinusoid_dim=0):
+                 sinusoid_column_offset=0, sinusoid_dim=0, error_record=0):
     return weight.new_empty(*ids.shape, weight.shape[1])
 
 
@@ -295,7 +299,7 @@ def sparse_backward_fake(grad_out, ids, num_embeddings, scale, padding_idx, scal
 
 
 def lookup_fake(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, scale_grad_by_freq,
-                validate=True):
+                validate=True, error_record=0):
     """pyembed::embedding (the C++ backends' lookup with its C++ autograd node)."""
     return weight.new_empty(*ids.shape, weight.shape[1])
 

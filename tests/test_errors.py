@@ -122,3 +122,25 @@ def test_gpu_range_check_transfer_gives_each_tensors_extremes(sizes):
     tensors = [ids if n_ids else None, positions]
     expected = [None if t is None else [int(t.min()), int(t.max())] for t in tensors]
     assert transferred_bounds(tensors) == expected
+
+
+def test_validate_modes_choose_where_the_ranges_are_checked(monkeypatch):
+    """True: in the kernel on a GPU backend's CUDA tensors (the record's address goes to
+    the kernel, nothing runs before it), before the call everywhere else; "sync": before the
+    call everywhere; False: nowhere; anything else: ValueError."""
+    from pyembed import checks, dispatch
+    from pyembed.functional import range_checks
+
+    in_kernel = dispatch.Backend("gpu-like", None, None, None, lambda device: None, checks_in_kernel=True)
+    host_only = dispatch.Backend("host-like", None, None, None, lambda device: None)
+    monkeypatch.setattr(checks, "error_record_address", lambda device: 4096)  # no CUDA memory here
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert range_checks(True, in_kernel, cuda) == (False, 4096)
+    assert range_checks(True, host_only, cuda) == (True, 0)
+    assert range_checks(True, in_kernel, cpu) == (True, 0)
+    assert range_checks("sync", in_kernel, cuda) == (True, 0)
+    assert range_checks(False, in_kernel, cuda) == (False, 0)
+    for backend in CPU_BACKENDS:
+        with pytest.raises(ValueError, match="validate must be True, False or 'sync', got 'yes'") as raised:
+            pyembed.fused_embedding(torch.tensor([[1]]), torch.randn(V, D), validate="yes", backend=backend)
+        assert isinstance(raised.value, RuntimeError)

@@ -138,3 +138,84 @@ def test_triton_dense_backward_is_a_few_ops(monkeypatch):
         k.sum_segments(dout.reshape(-1, 8), k.sorted_segments(ids, VOCAB, -1), 1.0, False, dw, dense=True)
     assert rec.ops <= MAX_ATEN_OPS, rec.ops
     torch.testing.assert_close(dw.double(), _eager_grad(ids, dout, VOCAB, -1), rtol=1e-5, atol=1e-4)
+
+
+# ----------------------------------------------------------------- the default check on a GPU
+# validate=True on CUDA tensors checks the ranges inside the forward kernel (pyembed.checks):
+# no sync; the next forward on the device raises what the kernel recorded. Shown here on the
+# CPU by letting the CPU count as such a device, with the Triton interpreter and the CUDA
+# kernels under host emulation writing the same record.
+def _bad_inputs():
+    weight, pos_weight = torch.randn(10, 8, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64)
+    return torch.tensor([[1, 2, 12, 3], [-5, 4, 9, 0]]), weight, pos_weight
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
+def test_triton_default_check_never_syncs_and_the_next_call_raises(monkeypatch):
+    pytest.importorskip("triton", reason="triton is not installed")
+    import pyembed
+    from pyembed import checks
+
+    monkeypatch.setattr(checks, "KERNEL_CHECKED_DEVICES", ("cuda", "cpu"))
+    checks.check_errors("cpu")  # nothing left over
+    ids, weight, pos_weight = _bad_inputs()
+    with HostSyncRecorder() as rec:
+        out = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="triton")
+    assert rec.syncs == []
+    bad = (ids < 0) | (ids >= 10)
+    assert not out[bad].any()  # zero rows, positional term included
+    expected = pyembed.fused_embedding(ids.clamp(0, 9), weight, pos_weight, scale=2.0, backend="reference")
+    torch.testing.assert_close(out[~bad], expected[~bad], rtol=1e-12, atol=1e-12)
+    with pytest.raises(IndexError, match=r"earlier call on cpu: id (12|-5), but the embedding table has V=10 rows"):
+        pyembed.fused_embedding(ids[:, :2].clamp(0, 9), weight, backend="triton")
+    pyembed.fused_embedding(ids.clamp(0, 9), weight, backend="triton")  # raised once, then cleared
+    checks.check_errors("cpu")
+
+    positions = torch.tensor([[0, 1, 7, 2]])  # 7 >= max_seq_len = 6
+    out = pyembed.fused_embedding(ids[:1].clamp(0, 9), weight, pos_weight, position_ids=positions, backend="triton")
+    assert torch.equal(out[0, 2], weight[ids[0, 2].clamp(0, 9)])  # a bad position adds nothing
+    with pytest.raises(ValueError, match=r"position 7, positions must be in 0..5 \(.*max_seq_len=6\)") as raised:
+        checks.check_errors("cpu")
+    assert isinstance(raised.value, RuntimeError)  # as every pyembed ValueError (DESIGN §3)
+    pyembed.fused_embedding(ids[:1].clamp(0, 9), weight, pos_encoding="sinusoidal", position_ids=-positions,
+                            backend="triton")
+    with pytest.raises(ValueError, match="position -(1|7|2), positions must be >= 0"):
+        pyembed.fused_embedding(ids[:1].clamp(0, 9), weight, backend="triton")
+    # validate="sync" raises in the call itself; False records nothing.
+    with pytest.raises(IndexError, match="min id -5, max id 12"):
+        pyembed.fused_embedding(ids, weight, validate="sync", backend="triton")
+    pyembed.fused_embedding(ids, weight, validate=False, backend="triton")
+    checks.check_errors("cpu")
+
+
+def test_emulated_cuda_kernel_records_bad_ranges_and_the_next_call_raises(emulated):
+    from pyembed import checks
+
+    checks.check_errors("cpu")
+    record = checks.error_record_address(torch.device("cpu"))
+    ids, weight, pos_weight = _bad_inputs()
+    with HostSyncRecorder() as rec:
+        out = emulated.embedding_forward(ids, weight, pos_weight, None, "learned", 2.0, 0, None, 0.0, 0, 0, record)
+    assert rec.syncs == []
+    bad = (ids < 0) | (ids >= 10)
+    assert not out[bad].any()
+    found = list(checks._error_records[torch.device("cpu")][1])
+    assert found[0] == 1 and found[1] in (12, -5) and found[2] == 10 and found[3] == 0
+    with pytest.raises(IndexError) as raised:  # the C++ op reads the record before its launch
+        emulated.embedding_forward(ids.clamp(0, 9), weight, None, None, "none", 1.0, 0, None, 0.0, 0, 0, record)
+    assert str(raised.value) == str(checks.deferred_error(torch.device("cpu"), found))  # one message, two languages
+    checks.check_errors("cpu")  # the op cleared it
+
+    positions = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 2]])  # 6 >= max_seq_len
+    emulated.embedding_forward(ids.clamp(0, 9), weight, pos_weight, positions, "learned", 1.0, 0, None, 0.0, 0, 0,
+                               record)
+    found = list(checks._error_records[torch.device("cpu")][1])
+    assert found[:6] == [0, 0, 0, 1, 6, 6]
+    with pytest.raises(ValueError) as raised:
+        emulated.embedding_forward(ids.clamp(0, 9), weight, None, None, "none", 1.0, 0, None, 0.0, 0, 0, record)
+    assert str(raised.value) == str(checks.deferred_error(torch.device("cpu"), found))
+    emulated.embedding_forward(ids.clamp(0, 9), weight, None, -positions, "sinusoidal", 1.0, 0, None, 0.0, 0, 0,
+                               record)
+    found = list(checks._error_records[torch.device("cpu")][1])
+    assert found[3] == 1 and found[4] < 0 and found[5] == -1
+    checks._error_records[torch.device("cpu")][0].zero_()

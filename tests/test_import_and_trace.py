@@ -43,3 +43,33 @@ def test_compiled_graph_holds_the_triton_kernel_not_an_opaque_call():
         "    aot_function(f, fw_compiler=keep)(ids, w)\n"
         "print(graphs[0])\n")
     assert "triton_kernel_wrapper_functional" in out and "pyembed.triton_forward" not in out, out
+
+
+def test_compiled_kernel_with_the_range_check_writes_no_input_tensor():
+    # The in-kernel range check (validate=True on a GPU) stores into the error record
+    # through an integer address. Inductor's mutation analysis of the kernel (it needs a
+    # target: sm_90, as the AOT tests use) must still find that only the output is written,
+    # or functionalisation would copy the ids and the whole table on every call.
+    out = _run(
+        "import re, torch, pyembed, triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+        "from functorch.compile import aot_function\n"
+        "class Sm90:\n"
+        "    def get_current_target(self):\n"
+        "        return GPUTarget('cuda', 90, 32)\n"
+        "triton.runtime.driver.set_active(Sm90())\n"
+        "graphs = []\n"
+        "def keep(gm, _):\n"
+        "    graphs.append(gm.code)\n"
+        "    return gm\n"
+        "f = lambda ids, w, p, pos: torch.ops.pyembed.triton_forward(ids, w, p, pos, 'learned', 2.0, 0, None, 0.0,\n"
+        "                                                              0, 0, 140000000000000)\n"
+        "with FakeTensorMode():\n"
+        "    ids = torch.empty(2, 8, dtype=torch.long, device='cuda')\n"
+        "    pos = torch.empty(2, 8, dtype=torch.long, device='cuda')\n"
+        "    w, p = torch.empty(100, 64, device='cuda'), torch.empty(8, 64, device='cuda')\n"
+        "    aot_function(f, fw_compiler=keep)(ids, w, p, pos)\n"
+        "print(re.search(r'tensors_to_clone = \\[[^\\]]*\\]', graphs[0]).group(0))\n"
+        "print('CHECK_RANGES' in graphs[0] and \"'CHECK_RANGES': True\" in graphs[0])\n")
+    assert out.split("\n")[:2] == ["tensors_to_clone = ['out_ptr']", "True"], out

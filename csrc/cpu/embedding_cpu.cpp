@@ -45,7 +45,10 @@ at::Tensor embedding_forward_cpu(const at::Tensor& ids_in, const at::Tensor& wei
                                  const std::optional<at::Tensor>& pos_weight_in,
                                  const std::optional<at::Tensor>& position_ids_in, std::string_view pos_encoding,
                                  double scale, int64_t offset, const std::optional<at::Tensor>& dropout_key,
-                                 double dropout_p, int64_t sinusoid_column_offset, int64_t sinusoid_dim) {
+                                 double dropout_p, int64_t sinusoid_column_offset, int64_t sinusoid_dim,
+                                 int64_t /*error_record*/) {
+  // On the CPU the ranges are checked before the op (synchronously: nothing to wait for),
+  // so the in-kernel check's record is not used here.
   const ForwardInputs in = prepare_forward(ids_in, weight_in, pos_weight_in, position_ids_in, pos_encoding,
                                            dropout_key, dropout_p, sinusoid_column_offset, sinusoid_dim);
   if (in.empty()) return in.out;

@@ -24,10 +24,11 @@ at::Tensor embedding_forward_cuda(const at::Tensor& ids, const at::Tensor& weigh
                                   const std::optional<at::Tensor>& pos_weight,
                                   const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
                                   double scale, int64_t offset, const std::optional<at::Tensor>& dropout_key,
-                                  double dropout_p, int64_t sinusoid_column_offset, int64_t sinusoid_dim) {
+                                  double dropout_p, int64_t sinusoid_column_offset, int64_t sinusoid_dim,
+                                  int64_t error_record) {
   const c10::cuda::CUDAGuard guard(weight.device());
   return forward_op<CudaLaunch>(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key,
-                                dropout_p, sinusoid_column_offset, sinusoid_dim);
+                                dropout_p, sinusoid_column_offset, sinusoid_dim, error_record);
 }
 
 std::tuple<at::Tensor, at::Tensor> embedding_backward_cuda(

@@ -82,13 +82,24 @@ __global__ void embedding_forward_kernel(
     int pos_mode, acc_t<T> scale, int64_t offset,
     acc_t<T> neg_log_base_over_dim,              // -ln(10000) / d_total: w_i = exp(2i * this)
     int64_t sinusoid_column_offset,              // even: the table's column 0 is this column of PE
-    Dropout dropout) {                           // applied to the sum before the rounding
+    Dropout dropout,                             // applied to the sum before the rounding
+    int64_t* error_record) {                     // host-mapped record of bad ids / positions, or nullptr
   using A = acc_t<T>;
   const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (token >= num_tokens) return;
   const int64_t id = static_cast<int64_t>(ids[token]);
   const bool id_ok = id >= 0 && id < num_embeddings;
   const int64_t p = position_ids != nullptr ? position_ids[token] : offset + token % seq_len;
+  if (error_record != nullptr && threadIdx.x == 0) {
+    // validate=True on a GPU: record what is wrong (checks.h: raise_recorded_error) instead of
+    // making the host wait; any one offender serves the message, so plain stores, no atomics.
+    const bool learned_table = pos_mode == static_cast<int>(PosEncoding::kLearned);
+    if (!id_ok) error_record[1] = id, error_record[2] = num_embeddings, error_record[0] = 1;
+    if (position_ids != nullptr && pos_mode != static_cast<int>(PosEncoding::kNone) &&
+        (p < 0 || (learned_table && p >= num_positions))) {
+      error_record[4] = p, error_record[5] = learned_table ? num_positions : -1, error_record[3] = 1;
+    }
+  }
   // An out-of-range id gives a zero row, positional term included (vocab-parallel ranks
   // sum their rows: each token's is then added by the one rank holding its id).
   const bool learned = id_ok && pos_mode == static_cast<int>(PosEncoding::kLearned) && p >= 0 && p < num_positions;
@@ -313,7 +324,8 @@ int vector_width(int64_t dim, std::initializer_list<const void*> pointers) {
 template <class Launch, typename T, typename index_t>
 void launch_forward(const at::Tensor& ids, const at::Tensor& weight, const at::Tensor& pos_weight,
                     const at::Tensor& position_ids, PosEncoding mode, double scale, int64_t offset,
-                    const Dropout& dropout, int64_t sinusoid_column_offset, int64_t sinusoid_dim, at::Tensor& out) {
+                    const Dropout& dropout, int64_t sinusoid_column_offset, int64_t sinusoid_dim,
+                    int64_t* error_record, at::Tensor& out) {
   const int64_t num_tokens = ids.numel(), dim = weight.size(1);
   const T* pw = pos_weight.defined() ? pos_weight.data_ptr<T>() : nullptr;
   const int vec = vector_width<T>(dim, {weight.data_ptr(), pw, out.data_ptr()});
@@ -324,7 +336,8 @@ void launch_forward(const at::Tensor& ids, const at::Tensor& weight, const at::T
     Launch::run(g.grid, g.block, kernel, ids.data_ptr<index_t>(), weight.data_ptr<T>(), pw, pid, out.data_ptr<T>(),
                 num_tokens, ids.dim() > 0 ? ids.size(-1) : int64_t(1), weight.size(0),
                 pos_weight.defined() ? pos_weight.size(0) : int64_t(0), dim, static_cast<int>(mode),
-                static_cast<acc_t<T>>(scale), offset, neg_log_base_over_dim, sinusoid_column_offset, dropout);
+                static_cast<acc_t<T>>(scale), offset, neg_log_base_over_dim, sinusoid_column_offset, dropout,
+                error_record);
   };
   if (vec > 1) {
     run(embedding_forward_kernel<T, index_t, 16 / sizeof(T)>);
@@ -337,16 +350,17 @@ template <class Launch>
 at::Tensor forward_op(const at::Tensor& ids_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& pos_weight_in,
                       const std::optional<at::Tensor>& position_ids_in, std::string_view pos_encoding, double scale,
                       int64_t offset, const std::optional<at::Tensor>& dropout_key, double dropout_p,
-                      int64_t sinusoid_column_offset, int64_t sinusoid_dim) {
+                      int64_t sinusoid_column_offset, int64_t sinusoid_dim, int64_t error_record) {
   ForwardInputs in = prepare_forward(ids_in, weight_in, pos_weight_in, position_ids_in, pos_encoding, dropout_key,
-                                     dropout_p, sinusoid_column_offset, sinusoid_dim);
+                                     dropout_p, sinusoid_column_offset, sinusoid_dim, error_record);
   if (in.empty()) return in.out;
   const at::Tensor &ids = in.ids, &weight = in.weight;
   at::Tensor& out = in.out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "pyembed_forward_cuda", [&] {
     AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "pyembed_forward_cuda", [&] {
       launch_forward<Launch, scalar_t, index_t>(ids, weight, in.pos_weight, in.position_ids, in.mode, scale, offset,
-                                                  in.dropout, in.sinusoid_column_offset, in.sinusoid_dim, out);
+                                                  in.dropout, in.sinusoid_column_offset, in.sinusoid_dim,
+                                                  in.error_record, out);
     });
   });
   return out;

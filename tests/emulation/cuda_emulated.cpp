@@ -8,8 +8,12 @@
 using pyembed::emulation::EmulatedLaunch;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
   m.def("embedding_forward", &pyembed::cuda::forward_op<EmulatedLaunch>,
-        "the CUDA forward, emulated on CPU tensors (same arguments as torch.ops.pyembed.embedding_forward)");
+        "the CUDA forward, emulated on CPU tensors (same arguments as torch.ops.pyembed.embedding_forward)",
+        py::arg("ids"), py::arg("weight"), py::arg("pos_weight"), py::arg("position_ids"), py::arg("pos_encoding"),
+        py::arg("scale"), py::arg("offset"), py::arg("dropout_key"), py::arg("dropout_p"),
+        py::arg("sinusoid_column_offset") = 0, py::arg("sinusoid_dim") = 0, py::arg("error_record") = 0);
   m.def("embedding_backward", &pyembed::cuda::backward_op<EmulatedLaunch>,
         "the CUDA dense backward, emulated on CPU tensors (same arguments as torch.ops.pyembed.embedding_backward)");
   m.def("embedding_sparse_backward", &pyembed::cuda::sparse_backward_op<EmulatedLaunch>,

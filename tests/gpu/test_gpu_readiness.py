@@ -116,10 +116,38 @@ def test_unchecked_out_of_range_ids_give_zero_rows_without_a_fault(backend, pos_
                                    position_ids=None if pos_encoding == "none" else torch.tensor([[0, 3]], device="cuda"),
                                    backend="reference")
     torch.testing.assert_close(out[0, [0, 3]], good[0], rtol=1e-5, atol=1e-5)
-    # validate=True raises the CPU's IndexError and leaves the context usable.
+    # validate="sync" raises the CPU's IndexError in the call and leaves the context usable.
     with pytest.raises(IndexError, match="max id 1099511627776"):
-        pyembed.fused_embedding(ids, weight, pos_weight, pos_encoding=pos_encoding, backend=backend)
+        pyembed.fused_embedding(ids, weight, pos_weight, pos_encoding=pos_encoding, validate="sync", backend=backend)
     assert pyembed.fused_embedding(ids[:, :1], weight, backend=backend).isfinite().all()
+
+
+@pytest.mark.parametrize("pos_encoding", ["none", "learned", "sinusoidal"])
+def test_default_check_runs_in_the_kernel_and_reports_at_the_next_call(backend, pos_encoding):
+    """validate=True on a GPU: no host sync; the bad ids get zero rows, the kernel writes
+    the host-mapped error record, and the next forward on the device raises IndexError
+    (one of the ids and V in the message); the context stays usable."""
+    _check_backend(backend)
+    pyembed.checks.check_errors("cuda")  # nothing left over from another test
+    weight = torch.randn(50, 64, device="cuda")
+    pos_weight = torch.randn(16, 64, device="cuda") if pos_encoding == "learned" else None
+    ids = torch.tensor([[0, 50, 49, 2**40]], device="cuda")
+    out = pyembed.fused_embedding(ids, weight, pos_weight, pos_encoding=pos_encoding, backend=backend)
+    torch.cuda.synchronize()
+    assert not out[0, [1, 3]].any()
+    unchecked = pyembed.fused_embedding(ids, weight, pos_weight, pos_encoding=pos_encoding, validate=False,
+                                        backend=backend)
+    assert torch.equal(out, unchecked)
+    with pytest.raises(IndexError, match=r"earlier call on cuda:\d: id (50|1099511627776), .*V=50"):
+        pyembed.fused_embedding(ids[:, :1], weight, backend=backend)
+    assert pyembed.fused_embedding(ids[:, :1], weight, backend=backend).isfinite().all()  # raised once
+    if pos_encoding != "none":
+        positions = torch.tensor([[0, 1, -4, 2]], device="cuda")
+        pyembed.fused_embedding(ids[:, [0, 2, 0, 2]], weight, pos_weight, pos_encoding=pos_encoding,
+                                position_ids=positions, backend=backend)
+        with pytest.raises(ValueError, match="position -4"):
+            pyembed.checks.check_errors("cuda")
+    pyembed.checks.check_errors("cuda")  # cleared: nothing more to raise
 
 
 def test_forward_and_dense_backward_capture_in_a_cuda_graph(backend):
@@ -131,8 +159,8 @@ def test_forward_and_dense_backward_capture_in_a_cuda_graph(backend):
     pos_weight = torch.randn(256, 128, device="cuda", requires_grad=True)
     dout = torch.randn(4, 256, 128, device="cuda")
 
-    def step():
-        out = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, validate=False, backend=backend)
+    def step():  # the default validate=True: the range check is in the kernel, so it is captured too
+        out = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend=backend)
         out.backward(dout)
         return out
 
@@ -155,6 +183,11 @@ def test_forward_and_dense_backward_capture_in_a_cuda_graph(backend):
     want = _reference(ids, weight, pos_weight, dout, scale=2.0)
     for a, b in zip((static_out, weight.grad, pos_weight.grad), want):
         torch.testing.assert_close(a.cpu().double(), b, rtol=1e-5, atol=1e-5)
+    pyembed.checks.check_errors("cuda")  # good ids: nothing recorded
+    ids[1, 7] = 64  # a bad id in a replay: recorded by the captured kernel
+    graph.replay()
+    with pytest.raises(IndexError, match="id 64, .*V=64"):
+        pyembed.checks.check_errors("cuda")
 
 
 def test_compiled_reduce_overhead_captures_forward_and_dense_backward(backend):
@@ -167,9 +200,8 @@ def test_compiled_reduce_overhead_captures_forward_and_dense_backward(backend):
     weight = torch.randn(1000, 128, device="cuda", requires_grad=True)
     pos_weight = torch.randn(64, 128, device="cuda", requires_grad=True)
 
-    def layer(ids):
-        return pyembed.fused_embedding(ids, weight, pos_weight, scale=math.sqrt(128), validate=False,
-                                       backend=backend)
+    def layer(ids):  # the default validate=True: checked inside the kernel, no sync, graphs captured
+        return pyembed.fused_embedding(ids, weight, pos_weight, scale=math.sqrt(128), backend=backend)
 
     compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
     for step in range(4):  # recorded, then replayed
