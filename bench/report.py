@@ -71,22 +71,26 @@ def markdown(rows: list[dict], providers: list[str]) -> str:
 
 
 def summary(rows: list[dict]) -> list[str]:
-    """Per mode and pyembed provider: the geometric mean over cases of its speed-up over
-    the faster of eager and compile (and the worst case), from rows measured side by side."""
+    """Per mode and pyembed provider: the geometric mean over cases of its speed-up (and
+    the worst case), from rows measured side by side -- an eager pyembed provider against
+    the faster of eager and compile, a compiled one (compile(pyembed-*)) against compile."""
     lines = []
     for mode in dict.fromkeys(r["mode"] for r in rows):
-        for provider in dict.fromkeys(r["provider"] for r in rows if r["provider"].startswith("pyembed")):
+        for provider in dict.fromkeys(r["provider"] for r in rows if "pyembed" in r["provider"]):
+            compiled = provider.startswith("compile(")
+            keys = ("speedup_vs_compile",) if compiled else ("speedup_vs_eager", "speedup_vs_compile")
             ratios = []
             for r in rows:
                 if r["mode"] != mode or r["provider"] != provider or not r.get("median_ms"):
                     continue
-                bests = [r[k] for k in ("speedup_vs_eager", "speedup_vs_compile") if r.get(k)]
+                bests = [r[k] for k in keys if r.get(k)]
                 if bests:
-                    ratios.append((min(bests), r["label"]))  # vs the faster of the two
+                    ratios.append((min(bests), r["label"]))  # vs the faster baseline
             if ratios:
                 geomean = math.exp(sum(math.log(x) for x, _ in ratios) / len(ratios))
                 worst = min(ratios)
-                lines.append(f"{mode:8s} {provider}: {geomean:.2f}x the faster of eager/compile (geometric mean of "
+                against = "compiled nn ops" if compiled else "the faster of eager/compile"
+                lines.append(f"{mode:8s} {provider}: {geomean:.2f}x {against} (geometric mean of "
                              f"{len(ratios)} cases; lowest {worst[0]:.2f}x, {worst[1]})")
     return lines
 

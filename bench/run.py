@@ -179,11 +179,14 @@ def step_fn(provider: Provider, case: Case, ids, tables: Tables, dout):
 
 def make_optimizers(tables: Tables, sparse: bool) -> list:
     """What a user trains the layer with: AdamW, or SparseAdam for a sparse token table
-    (AdamW for a learned positional table, whose gradient stays dense)."""
+    (AdamW for a learned positional table, whose gradient stays dense). AdamW in torch's
+    fastest form, the same for every provider: fused=True on CUDA, foreach on the CPU."""
     dense = [t for t in (tables.pos_weight,) if t is not None]
+    fastest = {"fused": True} if tables.weight.is_cuda else {"foreach": True}
     if not sparse:
-        return [torch.optim.AdamW([tables.weight, *dense], lr=1e-4)]
-    return [torch.optim.SparseAdam([tables.weight], lr=1e-4)] + ([torch.optim.AdamW(dense, lr=1e-4)] if dense else [])
+        return [torch.optim.AdamW([tables.weight, *dense], lr=1e-4, **fastest)]
+    return [torch.optim.SparseAdam([tables.weight], lr=1e-4)] + (
+        [torch.optim.AdamW(dense, lr=1e-4, **fastest)] if dense else [])
 
 
 def time_cpu(fns: dict, budget_s: float, min_reps: int, max_reps: int) -> dict:

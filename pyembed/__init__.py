@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 import importlib.util as _importlib_util
 
 from ._extension import build_info
+from .checks import check_errors
 from .dispatch import available_backends
 from .functional import fused_embedding
 from .modules import EmbeddingLayer, FusedEmbedding, replace_embeddings
@@ -27,6 +28,7 @@ __all__ = [
     "FusedEmbedding",
     "available_backends",
     "build_info",
+    "check_errors",
     "fused_embedding",
     "replace_embeddings",
     "sinusoidal_table",

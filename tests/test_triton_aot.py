@@ -47,7 +47,7 @@ def test_forward_uses_128_bit_global_accesses_on_16_byte_rows(report, arch):
     # d = 768 and 4096 rows are multiples of 16 bytes in every 2- and 4-byte dtype.
     wide = [k for k in report if k.startswith("forward") and k.endswith(arch) and "fp64" not in k
             and re.search(r"d=(768|4096) ", k)]
-    assert len(wide) == 3 * 9 * 2 + 2  # dtypes x variants x d, plus int32 ids
+    assert len(wide) == 3 * 11 * 2 + 2  # dtypes x variants x d, plus int32 ids
     narrow = [k for k, v in report.items() if k in wide and not (v["v4_loads"] and v["v4_stores"])]
     assert not narrow, narrow
 

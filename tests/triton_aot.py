@@ -63,15 +63,23 @@ def _source(kernel, args: dict, constexprs: dict):
     return ASTSource(kernel, sig, consts, attrs)
 
 
-def forward_source(dtype, pos_mode, dim, *, position_ids=False, id_type="i64", seq_len=TOKENS, dropout=False):
+# A pinned host allocation's address: what validate=True on a GPU passes as the error record.
+ERROR_RECORD = 0x7F3A_2C00_0400
+
+
+def forward_source(dtype, pos_mode, dim, *, position_ids=False, id_type="i64", seq_len=TOKENS, dropout=False,
+                   check=True):
+    """The forward kernel; check: the in-kernel range check (validate=True on a GPU, the
+    default) or not (validate=False / "sync")."""
     block_t, block_d = k._blocks(dim, pos_mode, dropout)
     args = {"ids_ptr": f"*{id_type}", "weight_ptr": f"*{dtype}", "pos_weight_ptr": f"*{dtype}",
             "position_ids_ptr": "*i64", "dropout_key_ptr": "*i64", "out_ptr": f"*{dtype}", "num_tokens": TOKENS,
             "seq_len": seq_len, "num_embeddings": 50257, "num_positions": 2048, "dim": dim, "offset": 3,
-            "scale": 27.7, "neg_log_base_over_dim": -0.012, "sinusoid_pair_offset": 0, "dropout_threshold": 429496730, "dropout_scale": 1.1}
+            "scale": 27.7, "neg_log_base_over_dim": -0.012, "sinusoid_pair_offset": 0, "dropout_threshold": 429496730, "dropout_scale": 1.1,
+            "error_record": ERROR_RECORD if check else 0}
     return _source(k._embedding_forward_kernel, args, {
         "POS_MODE": pos_mode, "HAS_POSITION_IDS": position_ids, "HAS_DROPOUT": dropout,
-        "COMPUTE_F64": dtype == "fp64", "BLOCK_T": block_t, "BLOCK_D": block_d})
+        "COMPUTE_F64": dtype == "fp64", "CHECK_RANGES": check, "BLOCK_T": block_t, "BLOCK_D": block_d})
 
 
 def finish_source(src, dst, dim, *, first):
@@ -116,7 +124,9 @@ def sources():
     variants = [("none", 0, {}), ("learned", 1, {}), ("learned position_ids", 1, {"position_ids": True}),
                 ("learned seq_len=1", 1, {"seq_len": 1}), ("sinusoidal", 2, {}),
                 ("sinusoidal position_ids", 2, {"position_ids": True}), ("sinusoidal seq_len=1", 2, {"seq_len": 1}),
-                ("learned dropout", 1, {"dropout": True}), ("sinusoidal dropout", 2, {"dropout": True})]
+                ("learned dropout", 1, {"dropout": True}), ("sinusoidal dropout", 2, {"dropout": True}),
+                ("learned unchecked", 1, {"check": False}),
+                ("sinusoidal position_ids unchecked", 2, {"position_ids": True, "check": False})]
     for dtype, (vname, mode, kw), dim in itertools.product(("fp32", "fp16", "bf16"), variants, DIMS):
         out[f"forward {dtype} {vname} d={dim}"] = (forward_source, (dtype, mode, dim), kw)
     for dim in DIMS:

@@ -41,7 +41,7 @@ def profile(backends, shapes):
 
         calls = {"eager": eager}
         for backend in backends:
-            for validate in (True, False):
+            for validate in (True, "sync", False):
                 calls[f"pyembed-{backend} validate={validate}"] = (
                     lambda b=backend, v=validate: pyembed.fused_embedding(ids, weight, pos_weight, scale=scale,
                                                                           validate=v, backend=b))
@@ -91,7 +91,7 @@ def host_costs(backends, calls=300):
 
     layers = {"eager F.embedding * scale + pos": lambda: torch.nn.functional.embedding(ids, weight) * 2.0 + pos_weight[:1]}
     for backend in backends:
-        for validate in (True, False):
+        for validate in (True, "sync", False):
             layers[f"{backend}: fused_embedding validate={validate}"] = (
                 lambda b=backend, v=validate: pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, validate=v,
                                                                       backend=b))

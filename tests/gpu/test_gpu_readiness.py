@@ -128,7 +128,7 @@ def test_default_check_runs_in_the_kernel_and_reports_at_the_next_call(backend, 
     the host-mapped error record, and the next forward on the device raises IndexError
     (one of the ids and V in the message); the context stays usable."""
     _check_backend(backend)
-    pyembed.checks.check_errors("cuda")  # nothing left over from another test
+    pyembed.check_errors("cuda")  # nothing left over from another test
     weight = torch.randn(50, 64, device="cuda")
     pos_weight = torch.randn(16, 64, device="cuda") if pos_encoding == "learned" else None
     ids = torch.tensor([[0, 50, 49, 2**40]], device="cuda")
@@ -146,8 +146,8 @@ def test_default_check_runs_in_the_kernel_and_reports_at_the_next_call(backend, 
         pyembed.fused_embedding(ids[:, [0, 2, 0, 2]], weight, pos_weight, pos_encoding=pos_encoding,
                                 position_ids=positions, backend=backend)
         with pytest.raises(ValueError, match="position -4"):
-            pyembed.checks.check_errors("cuda")
-    pyembed.checks.check_errors("cuda")  # cleared: nothing more to raise
+            pyembed.check_errors("cuda")
+    pyembed.check_errors("cuda")  # cleared: nothing more to raise
 
 
 def test_forward_and_dense_backward_capture_in_a_cuda_graph(backend):
@@ -183,11 +183,11 @@ def test_forward_and_dense_backward_capture_in_a_cuda_graph(backend):
     want = _reference(ids, weight, pos_weight, dout, scale=2.0)
     for a, b in zip((static_out, weight.grad, pos_weight.grad), want):
         torch.testing.assert_close(a.cpu().double(), b, rtol=1e-5, atol=1e-5)
-    pyembed.checks.check_errors("cuda")  # good ids: nothing recorded
+    pyembed.check_errors("cuda")  # good ids: nothing recorded
     ids[1, 7] = 64  # a bad id in a replay: recorded by the captured kernel
     graph.replay()
     with pytest.raises(IndexError, match="id 64, .*V=64"):
-        pyembed.checks.check_errors("cuda")
+        pyembed.check_errors("cuda")
 
 
 def test_compiled_reduce_overhead_captures_forward_and_dense_backward(backend):
