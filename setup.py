@@ -28,7 +28,7 @@ MIN_TORCH = (2, 13)  # keep in step with pyproject.toml's dependency "torch>=2.1
 # (make test-compat). PYEMBED_ALLOW_OLD_TORCH=1 builds against an older one anyway, to test it
 # (make gpu-check does, for the GPU machine's torch 2.11).
 MIN_SETUPTOOLS = 77  # pyproject's SPDX `license = "..."` needs it (pip does not enforce it without isolation)
-INSTALL_HINT = "pip install --no-build-isolation pyembed-kernels   (from a checkout: pip install --no-build-isolation .)"
+INSTALL_HINT = "pip install --no-build-isolation .   (in the pyembed checkout; pyembed-kernels is not on PyPI)"
 
 
 def fail(message: str) -> None:

@@ -25,6 +25,7 @@ it changes BLOCK_D = min(next_pow2(d), 512) or Triton's divisibility-by-16 speci
 of d (which is what lets it emit 16-byte accesses); BLOCK_T follows from BLOCK_D.
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -44,10 +45,24 @@ MAX_BLOCK_T = 64
 def _blocks(dim: int, pos_mode: int = POS_NONE, dropout: bool = False) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_D). A sinusoid holds an angle, a sine and a cosine per element, and
     dropout four Philox words per group of four, so their tiles are half as tall (without
-    that the fp16 kernel spills on sm_80/sm_90). Dropout needs whole groups: BLOCK_D >= 4."""
+    that the fp16 kernel spills on sm_80/sm_90). Dropout needs whole groups: BLOCK_D >= 4.
+    Remembered per (d, mode): every launch asks (a symbolic d, under torch.compile's
+    dynamic shapes, is computed afresh)."""
+    if type(dim) is int:
+        return _blocks_of(dim, pos_mode, bool(dropout))
+    return _blocks_of.__wrapped__(dim, pos_mode, dropout)
+
+
+@functools.lru_cache(maxsize=None)
+def _blocks_of(dim: int, pos_mode: int, dropout: bool) -> tuple[int, int]:
     block_d = min(triton.next_power_of_2(max(dim, 4 if dropout else 1)), MAX_BLOCK_D)
     tile = TILE_ELEMENTS // 2 if pos_mode == POS_SINUSOIDAL or dropout else TILE_ELEMENTS
     return max(1, min(tile // block_d, MAX_BLOCK_T)), block_d
+
+
+def _cdiv(a, b):
+    """Plain arithmetic: recent Triton makes triton.cdiv a constexpr function, a call through a wrapper."""
+    return -(-a // b)
 
 
 @triton.jit
@@ -328,7 +343,7 @@ def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scal
     if num_tokens == 0 or dim == 0:
         return
     block_t, block_d = _blocks(dim, pos_mode, dropout_key is not None)
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))
+    grid = (_cdiv(num_tokens, block_t), _cdiv(dim, block_d))
     launch(_embedding_forward_kernel)[grid](
         ids, weight, pos_weight if pos_weight is not None else weight,
         position_ids if position_ids is not None else ids, dropout_key if dropout_key is not None else ids, out,
@@ -369,7 +384,7 @@ def sorted_segments(keys, num_rows: int, skip: int) -> Segments:
     if n == 0:
         return Segments(order, *keys_begin_end, torch.zeros((), dtype=torch.long, device=keys.device))
     scan = torch.empty(n, dtype=torch.long, device=keys.device)
-    grid = (triton.cdiv(n, BOUNDS_BLOCK),)
+    grid = (_cdiv(n, BOUNDS_BLOCK),)
     _segment_starts_kernel[grid](sorted_keys, scan, n, num_rows, skip, BLOCK=BOUNDS_BLOCK)
     scan.cumsum_(0)
     if slots:
@@ -393,7 +408,7 @@ def sum_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool
     # scale / count is fixed at level 0: later levels' ranges count parts, not tokens.
     factors = scale / (end - begin).clamp(min=1).to(acc) if divide_by_count else None
     _, block_d = _blocks(dim)
-    col_blocks = triton.cdiv(dim, block_d)
+    col_blocks = _cdiv(dim, block_d)
     src, src_rows = dout2d, order
     rows = longest = order.numel()  # rows at this level and its longest segment, at most
     while True:
@@ -426,6 +441,6 @@ def batch_sum(dout, out, batch: int, seq_len: int, steps: int, offset: int):
     if steps <= 0 or dim == 0:
         return
     _, block_d = _blocks(dim)
-    _batch_sum_kernel[(steps, triton.cdiv(dim, block_d))](
+    _batch_sum_kernel[(steps, _cdiv(dim, block_d))](
         dout, out, batch, seq_len, offset, dim, COMPUTE_F64=dout.dtype == torch.float64, BLOCK_D=block_d,
     )

@@ -6,26 +6,49 @@ once, says why, and the reference backend serves (DESIGN §5).
 
 from __future__ import annotations
 
+import pathlib
 import warnings
 
 import torch
 
 from . import dispatch, reference
 
-REBUILD = "pip install --no-build-isolation --no-deps --force-reinstall pyembed-kernels (from a checkout: .)"
+# pyembed is installed from a checkout of its sources (it is not on PyPI).
+REBUILD = "in the pyembed checkout: pip install --no-build-isolation --no-deps --force-reinstall ."
+_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+
+
+def _source_checkout_without_build() -> bool:
+    """This pyembed is the source folder of a checkout (setup.py and csrc/ beside it) whose
+    extension was never built in place -- typically Python started inside the clone after a
+    non-editable install, so the folder shadows the installed copy."""
+    root = _PACKAGE_DIR.parent
+    return (root / "setup.py").is_file() and (root / "csrc").is_dir() and not any(_PACKAGE_DIR.glob("_C*.so"))
+
 
 try:
     from . import _C
 except Exception as exc:  # noqa: BLE001 - any load failure (missing .so, ABI, symbols)
     _C = None
     _load_error = f"{type(exc).__name__}: {exc}"
-    warnings.warn(
-        f"pyembed: the compiled extension pyembed._C could not be loaded ({_load_error}); only the reference "
-        f"backend is available (torch {torch.__version__} is installed; an 'undefined symbol' means _C was built "
-        f"against another torch). Rebuild it against this torch: {REBUILD}",
-        RuntimeWarning,
-        stacklevel=2,
-    )
+    if _source_checkout_without_build():
+        _load_error = f"{_PACKAGE_DIR} is the source folder of a checkout, with no extension built in it"
+        warnings.warn(
+            f"pyembed: imported from the source checkout {_PACKAGE_DIR} (Python looks in the current directory "
+            "first), which has no compiled extension, so only the slow reference backend is available. An "
+            "installed pyembed, if any, is hidden by it. Run from another directory, or build in place: "
+            "pip install --no-build-isolation -e .",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    else:
+        warnings.warn(
+            f"pyembed: the compiled extension pyembed._C could not be loaded ({_load_error}); only the reference "
+            f"backend is available (torch {torch.__version__} is installed; an 'undefined symbol' means _C was "
+            f"built against another torch). Rebuild it against this torch: {REBUILD}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     dispatch.mark_missing("cpu", f"pyembed._C could not be loaded ({_load_error})")
     dispatch.mark_missing("cuda", f"pyembed._C could not be loaded ({_load_error})")
 

@@ -46,10 +46,17 @@ def _why_unavailable(device: torch.device) -> Optional[str]:
     return f"the triton backend takes CUDA tensors, not {device.type}"
 
 
+_NO_GUARD = contextlib.nullcontext()
+
+
 def _on_device(t: torch.Tensor):
     """Triton launches on the *current* CUDA device; make it the tensors' device (a
-    torchrun script may move tensors to cuda:rank without set_device)."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+    torchrun script may move tensors to cuda:rank without set_device). Usually it already
+    is, and then no guard is entered (a device switch costs the host microseconds)."""
+    device = t.device
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return _NO_GUARD
+    return torch.cuda.device(device)
 
 
 def _forward(ids, weight, pos_weight, position_ids, pos_encoding: str, scale: float, offset: int, dropout_key,
@@ -68,8 +75,7 @@ def _forward(ids, weight, pos_weight, position_ids, pos_encoding: str, scale: fl
     return out
 
 
-@torch.library.custom_op("pyembed::triton_forward", mutates_args=())
-def triton_forward(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.Tensor],
+def forward(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.Tensor],
                    position_ids: Optional[torch.Tensor], pos_encoding: str, scale: float, offset: int,
                    dropout_key: Optional[torch.Tensor], dropout_p: float, sinusoid_column_offset: int = 0,
                    sinusoid_dim: int = 0, error_record: int = 0) -> torch.Tensor:
@@ -80,7 +86,14 @@ def triton_forward(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional
     if error_record:
         checks.raise_pending_error(weight.device)
     return _forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
-                    sinusoid_column_offset, sinusoid_dim, error_record, launch=lambda kernel: kernel)
+                    sinusoid_column_offset, sinusoid_dim, error_record, launch=_direct)
+
+
+def _direct(kernel):
+    return kernel
+
+
+triton_forward = torch.library.custom_op("pyembed::triton_forward", mutates_args=())(forward)
 
 
 if not _INTERPRETED:
@@ -98,8 +111,7 @@ if not _INTERPRETED:
             return _forward(*args, **kwargs, launch=torch.library.wrap_triton, device_guard=False)
 
 
-@torch.library.custom_op("pyembed::triton_backward", mutates_args=())
-def triton_backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[torch.Tensor], offset: int,
+def backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[torch.Tensor], offset: int,
                     num_embeddings: int, num_positions: int, scale: float, padding_idx: Optional[int],
                     scale_grad_by_freq: bool, need_weight_grad: bool,
                     need_pos_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,6 +137,9 @@ def triton_backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Opt
     return weight_grad, pos_grad
 
 
+triton_backward = torch.library.custom_op("pyembed::triton_backward", mutates_args=())(backward)
+
+
 @torch.library.custom_op("pyembed::triton_sparse_backward", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def triton_sparse_backward(grad_out: torch.Tensor, ids: torch.Tensor, num_embeddings: int, scale: float,
                            padding_idx: Optional[int], scale_grad_by_freq: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,4 +160,5 @@ reference.register_fakes("pyembed::triton_forward", "pyembed::triton_backward", 
 
 dispatch.register_backend(dispatch.Backend(
     "triton", torch.ops.pyembed.triton_forward, torch.ops.pyembed.triton_backward,
-    torch.ops.pyembed.triton_sparse_backward, _why_unavailable, checks_in_kernel=True))
+    torch.ops.pyembed.triton_sparse_backward, _why_unavailable, checks_in_kernel=True,
+    eager_forward=forward, eager_backward=backward))

@@ -160,7 +160,7 @@ def _figure(figsize):
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise ImportError("pyembed.analysis: plots need matplotlib: pip install 'pyembed-kernels[analysis]'") from exc
+        raise ImportError("pyembed.analysis: plots need matplotlib: pip install matplotlib") from exc
     fig = Figure(figsize=figsize)
     FigureCanvasAgg(fig)
     return fig, fig.add_subplot()

@@ -162,7 +162,7 @@ def _autograd_may_be_cpp() -> bool:
 def check_dropout_p(p) -> None:
     """A probability: a real number in [0, 1] (ValueError otherwise, as nn.Dropout)."""
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
-        raise ValueError(f"pyembed: dropout probability has to be between 0 and 1, but got {p!r}")
+        raise checks.InputValueError(f"pyembed: dropout probability has to be between 0 and 1, but got {p!r}")
 
 
 def normalize_padding_idx(padding_idx: Optional[int], num_embeddings: int) -> Optional[int]:
@@ -284,7 +284,7 @@ def _fused_forward(ids, weight, pos_weight, position_ids, dropout_key, config: F
     """One op of the chosen backend (after the range checks, when validate)."""
     if config.validate:
         ids = _checked_ids(ids, weight, pos_weight, position_ids, config.pos_encoding)
-    return dispatch.get(config.backend).forward(
+    return dispatch.get(config.backend).forward_op(weight)(
         ids, weight, pos_weight, position_ids, config.pos_encoding, config.scale, config.offset, dropout_key,
         config.dropout_p, config.sinusoid_column_offset, config.sinusoid_dim, config.error_record)
 
@@ -363,7 +363,7 @@ FusedEmbeddingFunctorch = _functorch_form("FusedEmbeddingFunctorch", _fused_forw
 
 def _dense_grad_forward(grad_out, ids, position_ids, config: FusedConfig, num_embeddings: int, num_positions: int,
                         need_weight_grad: bool, need_pos_grad: bool):
-    return dispatch.get(config.backend).backward(
+    return dispatch.get(config.backend).backward_op(grad_out)(
         grad_out, ids, position_ids, config.offset, num_embeddings, num_positions, config.scale,
         config.padding_idx, config.scale_grad_by_freq, need_weight_grad, need_pos_grad)
 
@@ -571,7 +571,10 @@ def _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, 
         raise checks.InputValueError(f"pyembed: weight must be 2-D (V, d), got shape {tuple(weight.shape)}")
     if validate:
         checks.check_ids_in_range(ids, weight.shape[0])
-    return torch.nn.functional.embedding(ids, weight, normalize_padding_idx(padding_idx, weight.shape[0]))
+    # The aten op, not F.embedding: a program that routes F.embedding to pyembed (test
+    # harnesses, profilers patching it) would otherwise recurse here forever.
+    padding_idx = normalize_padding_idx(padding_idx, weight.shape[0])
+    return torch.embedding(weight, ids, -1 if padding_idx is None else padding_idx)
 
 
 def _check_integer_tensor(name: str, t) -> None:

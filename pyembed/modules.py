@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from . import checks
 from .functional import check_dropout_p, embedding_renorm_, fused_embedding
 
 _INIT_POS_STD = 0.02  # learned positions start small, as in GPT-2 / BERT
@@ -66,7 +67,7 @@ class FusedEmbedding(nn.Embedding):
         backend: str = "auto",
     ) -> "FusedEmbedding":
         if embeddings.dim() != 2:
-            raise ValueError(f"pyembed: embeddings must be 2-D, got shape {tuple(embeddings.shape)}")
+            raise checks.InputValueError(f"pyembed: embeddings must be 2-D, got shape {tuple(embeddings.shape)}")
         rows, cols = embeddings.shape
         return cls(
             rows, cols, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
@@ -135,8 +136,9 @@ class EmbeddingLayer(nn.Module):
         """One fused layer over a model's existing tables (GPT-2's ``wte`` / ``wpe``),
         sharing the *same* Parameters: ``token(ids) * scale + position(positions)``."""
         if position is not None and position.embedding_dim != token.embedding_dim:
-            raise ValueError(f"pyembed: embedding dimension mismatch: token table has d={token.embedding_dim}, "
-                             f"position table d={position.embedding_dim}")
+            raise checks.InputValueError(
+                f"pyembed: embedding dimension mismatch: token table has d={token.embedding_dim}, "
+                f"position table d={position.embedding_dim}")
         layer = cls(token.num_embeddings, token.embedding_dim,
                     position.num_embeddings if position is not None else 0,
                     "learned" if position is not None else None, device="meta", dtype=token.weight.dtype,
@@ -168,9 +170,10 @@ class EmbeddingLayer(nn.Module):
 def check_layer_pos_encoding(pos_encoding: Optional[str], embed_dim: int) -> None:
     """The layers' constructor checks (the functional op checks the same per call)."""
     if pos_encoding not in (None, "learned", "sinusoidal"):
-        raise ValueError(f"pyembed: pos_encoding must be None, 'learned' or 'sinusoidal', got {pos_encoding!r}")
+        raise checks.InputValueError(
+            f"pyembed: pos_encoding must be None, 'learned' or 'sinusoidal', got {pos_encoding!r}")
     if pos_encoding == "sinusoidal" and embed_dim % 2:
-        raise ValueError(f"pyembed: sinusoidal encoding requires an even embedding dim, got d={embed_dim}")
+        raise checks.InputValueError(f"pyembed: sinusoidal encoding requires an even embedding dim, got d={embed_dim}")
 
 
 def replace_embeddings(model: nn.Module, *, backend: str = "auto") -> nn.Module:

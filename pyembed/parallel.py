@@ -106,7 +106,7 @@ class VocabParallelEmbeddingLayer(nn.Module):
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         if vocab_size < self.world_size:
-            raise ValueError(f"pyembed: cannot split V={vocab_size} rows over {self.world_size} ranks")
+            raise checks.InputValueError(f"pyembed: cannot split V={vocab_size} rows over {self.world_size} ranks")
         self.vocab_size, self.embed_dim, self.max_seq_len = vocab_size, embed_dim, max_seq_len
         self.pos_encoding, self.scale_embeddings = pos_encoding, scale_embeddings
         self.scale = math.sqrt(embed_dim) if scale_embeddings else 1.0
@@ -138,10 +138,11 @@ class VocabParallelEmbeddingLayer(nn.Module):
         """This rank's shard of a single-device ``layer`` (which every rank holds, e.g.
         built from one seed or loaded from one checkpoint). Parameters are copied."""
         if layer.dropout != 0:
-            raise ValueError("pyembed: VocabParallelEmbeddingLayer has no dropout; apply it after the layer")
+            raise checks.InputValueError(
+                "pyembed: VocabParallelEmbeddingLayer has no dropout; apply it after the layer")
         token = layer.token_embedding
         if token.scale_grad_by_freq:
-            raise ValueError("pyembed: scale_grad_by_freq is not supported by VocabParallelEmbeddingLayer")
+            raise checks.InputValueError("pyembed: scale_grad_by_freq is not supported by VocabParallelEmbeddingLayer")
         new = cls(layer.vocab_size, layer.embed_dim, layer.max_seq_len, layer.pos_encoding, layer.scale_embeddings,
                   padding_idx=token.padding_idx, sparse=token.sparse, process_group=process_group,
                   backend=layer.backend, device=token.weight.device, dtype=token.weight.dtype)
@@ -201,9 +202,10 @@ class VocabParallelEmbeddingLayer(nn.Module):
     def set_extra_state(self, state: dict[str, int]) -> None:
         mine = self.get_extra_state()
         if state != mine:
-            raise ValueError(f"pyembed: this checkpoint shard holds rows {state['vocab_start']}..{state['vocab_end']} "
-                             f"of V={state['vocab_size']}, but this rank holds rows "
-                             f"{self.vocab_start}..{self.vocab_end} of V={self.vocab_size}")
+            raise checks.InputValueError(
+                f"pyembed: this checkpoint shard holds rows {state['vocab_start']}..{state['vocab_end']} "
+                f"of V={state['vocab_size']}, but this rank holds rows "
+                f"{self.vocab_start}..{self.vocab_end} of V={self.vocab_size}")
 
     def extra_repr(self) -> str:
         return (

@@ -144,3 +144,31 @@ def test_validate_modes_choose_where_the_ranges_are_checked(monkeypatch):
         with pytest.raises(ValueError, match="validate must be True, False or 'sync', got 'yes'") as raised:
             pyembed.fused_embedding(torch.tensor([[1]]), torch.randn(V, D), validate="yes", backend=backend)
         assert isinstance(raised.value, RuntimeError)
+
+
+def test_layer_construction_errors_are_also_runtime_errors():
+    """As promised for every pyembed ValueError (DESIGN §3): nn.Embedding code catching
+    RuntimeError keeps working."""
+    cases = [lambda: pyembed.EmbeddingLayer(10, 7, pos_encoding="sinusoidal"),
+             lambda: pyembed.EmbeddingLayer(10, 8, pos_encoding="rotary"),
+             lambda: pyembed.EmbeddingLayer.from_modules(torch.nn.Embedding(10, 8), torch.nn.Embedding(6, 4)),
+             lambda: pyembed.EmbeddingLayer(10, 8, dropout=1.5)]
+    for make in cases:
+        with pytest.raises(ValueError) as raised:
+            make()
+        assert isinstance(raised.value, RuntimeError), raised.value
+
+
+def test_integer_tables_do_not_call_f_embedding(monkeypatch):
+    """A program that routes F.embedding to pyembed (a test harness, a profiler) must not
+    recurse through an integer table's lookup."""
+    table = torch.arange(12).reshape(6, 2)
+    ids = torch.tensor([[1, 5, 0]])
+
+    def routed(input, weight, padding_idx=None, *args, **kwargs):
+        return pyembed.fused_embedding(input, weight, padding_idx=padding_idx)
+
+    expected = torch.nn.functional.embedding(ids, table)
+    monkeypatch.setattr(torch.nn.functional, "embedding", routed)
+    assert torch.equal(torch.nn.functional.embedding(ids, table), expected)
+    assert torch.equal(pyembed.fused_embedding(ids, table, padding_idx=-1), table[ids])

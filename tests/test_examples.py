@@ -3,6 +3,7 @@ where an argument allows, and print what they promise."""
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -47,3 +48,48 @@ def test_vocab_parallel_with_torchrun():
     assert out.count("output equals the single-device layer's: True; weight gradient equals its slice "
                      "of the full one: True") == world_size, out
     assert "rank 0 gathered the full state_dict" in out, out
+
+
+def _numbers(line: str) -> list[float]:
+    return [float(x) for x in re.findall(r"= ([+-]?\d+\.\d+)", line)]
+
+
+def test_learn_embeddings(tmp_path):
+    """Context pairs pull words of one group together: after training king and queen are
+    close and both far from man (before, the random start says nothing), and the 2-D plot
+    is written."""
+    plot = tmp_path / "emb.png"
+    out = run(sys.executable, str(EXAMPLES / "learn_embeddings.py"), "--plot", str(plot))
+    after = next(line for line in out.splitlines() if line.startswith("after:"))
+    king_queen, king_man, queen_man = _numbers(after)
+    assert king_queen > 0.8 and king_man < king_queen - 0.5 and queen_man < king_queen - 0.5, out
+    nearest = next(line for line in out.splitlines() if line.startswith("nearest to king:"))
+    assert "man" not in nearest.replace("woman", "") and "queen" in nearest, out
+    assert plot.stat().st_size > 10_000  # a PNG with the points and labels
+
+
+def test_text_to_embeddings_equals_the_textbook_formula():
+    out = run(sys.executable, str(EXAMPLES / "text_to_embeddings.py"))
+    assert "output: (4, 10, 16)" in out, out
+    assert out.count(": True") == 5 and ": False" not in out, out  # formula, padding row, padded positions, grads
+    # The same pipeline checked here, independently of the script's own printout.
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import text_to_embeddings as example
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    import torch
+
+    import pyembed
+
+    vocab = example.build_vocab(["b a", "c"])
+    assert vocab == {"[PAD]": 0, "[UNK]": 1, "b": 2, "a": 3, "c": 4}
+    assert example.encode(["a z b", "c"], vocab, max_len=2).tolist() == [[3, 1], [4, 0]]  # [UNK], truncated, padded
+    ids = example.encode(example.SENTENCES, example.build_vocab(example.SENTENCES), max_len=64)
+    layer = pyembed.EmbeddingLayer(40, 8, max_seq_len=64, pos_encoding="sinusoidal", scale_embeddings=True,
+                                   padding_idx=0)
+    expected = example.textbook_formula(ids, layer.token_embedding.weight.detach())
+    reference = pyembed.fused_embedding(ids, layer.token_embedding.weight.detach().double(),
+                                        pos_encoding="sinusoidal", scale=8 ** 0.5, backend="reference")
+    torch.testing.assert_close(expected, reference, rtol=1e-12, atol=1e-12)  # the textbook PE is pyembed's
+    torch.testing.assert_close(layer(ids).double(), expected, rtol=0, atol=1e-5)

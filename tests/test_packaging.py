@@ -86,3 +86,22 @@ def test_link_args_name_the_shared_runtime_only_when_a_probe_links_without_it(tm
     assert link_args(_fake_compiler(tmp_path / "shared", "ELF ... libstdc++.so.6 ...")) == []
     assert link_args(_fake_compiler(tmp_path / "libcxx", "ELF ... libc++.so.1 ...")) == []
     assert link_args(str(tmp_path / "no-such-compiler")) == []
+
+
+def test_import_from_a_source_folder_without_a_build_says_so(tmp_path):
+    """Python run inside a clone imports its source folder, not the installed copy: with no
+    extension built there, the warning says that (not a 'circular import')."""
+    checkout = tmp_path / "clone"
+    shutil.copytree(ROOT / "pyembed", checkout / "pyembed", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    (checkout / "csrc").mkdir()
+    (checkout / "setup.py").write_text("# the checkout's build script\n")
+    # -S: no .pth files, so no editable-install finder (which would map pyembed._C to this
+    # build whatever folder pyembed came from); site-packages stays importable for torch.
+    site_packages = os.pathsep.join(p for p in sys.path if p.endswith("site-packages"))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": site_packages}
+    proc = subprocess.run([sys.executable, "-S", "-c", "import pyembed; print(pyembed.available_backends())"],
+                          capture_output=True, text=True, cwd=checkout, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['reference']"
+    assert f"imported from the source checkout {checkout / 'pyembed'}" in proc.stderr, proc.stderr
+    assert "pip install --no-build-isolation -e ." in proc.stderr and "circular" not in proc.stderr, proc.stderr
