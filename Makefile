@@ -14,7 +14,7 @@ BUILD_INPUTS  := setup.py pyproject.toml pyembed/_cuda_home.py $(shell find csrc
 .PHONY: test bench install clean gpu-check test-compat
 
 test: $(INSTALL_STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=15
 
 bench: $(INSTALL_STAMP)
 	$(PY) -m bench $(BENCH_ARGS)

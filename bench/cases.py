@@ -82,20 +82,26 @@ TOKENS_GPU = TOKENS_DEFAULT + [(8, 2048)]
 
 
 def suite(name: str) -> list[Case]:
-    """default: CPU-friendly -- the main grid (GPT-2 and BERT, 1x1 .. 8x512 tokens, every
+    """main (``make bench`` on a CPU, a few minutes): what a user asks first -- GPT-2 at
+    8x512 tokens: forward, forward + backward, a training step with AdamW and one with a
+    sparse table and SparseAdam -- and a one-token forward (decoding).
+    cpu (``--full`` on a CPU; the README's CPU figures): the main grid (GPT-2 and BERT, 1x1 .. 8x512 tokens, every
     mode, fp32, learned positions, uniform ids, dense grads) plus one-axis sweeps around
     GPT-2 8x512. gpu: what a GPU user compares -- GPT-2, Llama-2 and Llama-3 tables, 1x1
     (decoding) and 8x2048 (training) tokens, fp32 and bf16, learned and sinusoidal
     positions, fwd / fwd+bwd / step, plus a sparse step and the Zipf and one-hot id
     distributions at GPT-2 8x2048 (one GPU call must hold it: every case compiles afresh).
-    full: the whole cross product. quick: one tiny shape, every mode (seconds; used by
-    the tests)."""
+    all: the whole cross product (hours). quick: one tiny shape, every mode (seconds; used
+    by the tests)."""
     if name == "quick":
         return [Case("tiny", 2, 16, mode) for mode in MODES] + [Case("tiny", 2, 16, "fwd+bwd", grad="sparse"),
                                                                  Case("tiny", 2, 16, "fwd+bwd", dropout=0.1)]
-    shapes, tokens = (["gpt2", "bert"], TOKENS_DEFAULT) if name == "default" else (
+    if name == "main":
+        return [Case("gpt2", 8, 512, mode) for mode in ("fwd", "fwd+bwd", "step")] + [
+            Case("gpt2", 8, 512, "step", grad="sparse"), Case("gpt2", 1, 1, "fwd")]
+    shapes, tokens = (["gpt2", "bert"], TOKENS_DEFAULT) if name == "cpu" else (
         ["gpt2", "bert", "llama2", "llama3"], TOKENS_GPU)
-    if name == "full":
+    if name == "all":
         return [Case(s, b, t, m, dt, p, di, g) for s, (b, t), m, dt, p, di, g in itertools.product(
             shapes, tokens, MODES, DTYPES, ("learned", "sinusoidal", "none"), ("uniform", "zipf", "onehot"),
             ("dense", "sparse"))]
@@ -105,7 +111,7 @@ def suite(name: str) -> list[Case]:
             ("learned", "sinusoidal"))]
         cases += [Case("gpt2", 8, 2048, "step", grad="sparse")]
         return cases + [Case("gpt2", 8, 2048, "fwd+bwd", dist=d) for d in ("zipf", "onehot")]
-    if name != "default":
+    if name != "cpu":
         raise ValueError(f"unknown suite {name!r}")
     cases = [Case(s, b, t, m) for s, (b, t), m in itertools.product(shapes, tokens, MODES)]
     b, t = tokens[-1]

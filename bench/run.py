@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime
+import io
 import multiprocessing
 import platform
 import time
@@ -219,6 +221,21 @@ def time_gpu(fns: dict) -> dict:
     return {k: list(triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])) for k, fn in fns.items()}
 
 
+def time_gpu_graphs(fns: dict) -> dict:
+    """GPU-only time: each callable captured in a CUDA graph and replayed (no host work
+    between kernels), median ms; a callable that cannot be captured (it waits for the
+    device) is left out."""
+    import triton.testing
+
+    timings = {}
+    for name, fn in fns.items():
+        try:
+            timings[name] = triton.testing.do_bench_cudagraph(fn, quantiles=[0.5])[0]
+        except Exception:  # noqa: BLE001 - a host sync inside the call: not capturable, no GPU-only time
+            torch.cuda.synchronize()
+    return timings
+
+
 def run_case(case: Case, device, provs: list[Provider], args) -> list[dict]:
     generator = torch.Generator().manual_seed(0)
     shared_tables = build_tables(case, device, generator)
@@ -259,9 +276,12 @@ def run_case(case: Case, device, provs: list[Provider], args) -> list[dict]:
     src = torch.empty(max(nbytes // 2 // 4, 1), dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     fns["copy"] = lambda: dst.copy_(src)
+    graphed = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         timings = time_gpu(fns)
+        if case.mode in ("fwd", "fwd+bwd"):  # against the bytes floor (DESIGN §8); after the wall-clock timings
+            graphed = time_gpu_graphs(fns)
     else:
         timings = time_cpu(fns, args.budget, args.min_reps, args.max_reps)
     copy_ms = timings["copy"][0]
@@ -273,6 +293,9 @@ def run_case(case: Case, device, provs: list[Provider], args) -> list[dict]:
             if p80 / p20 > SPREAD_WARN:
                 row["note"] = (row["note"] + "; " if row["note"] else "") + f"noisy (p80/p20 = {p80 / p20:.2f})"
         row.update(copy_ms=copy_ms, min_bytes=nbytes)
+        if row["provider"] in graphed and "copy" in graphed:
+            row.update(graph_ms=graphed[row["provider"]],
+                       graph_pct_of_copy=100.0 * graphed["copy"] / graphed[row["provider"]])
     by_name = {r["provider"]: r for r in rows}
     for row in rows:
         for base in ("eager", "compile"):
@@ -282,8 +305,18 @@ def run_case(case: Case, device, provs: list[Provider], args) -> list[dict]:
     return rows
 
 
+def _quiet_cpp_extension_import() -> None:
+    """Inductor imports torch.utils.cpp_extension, which prints "No CUDA runtime is found,
+    using CUDA_HOME=..." once per process on a machine with a CUDA toolkit and no GPU: once
+    per compiled case, each in a process of its own. The benchmark imports it first with
+    that line silenced (in its own processes: the library changes nothing)."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        import torch.utils.cpp_extension  # noqa: F401
+
+
 def _run_case_in_worker(case: Case, device_type: str, provider_names: list, args) -> list[dict]:
     """run_case in this (fresh) process, with the providers rebuilt by name."""
+    _quiet_cpp_extension_import()
     device = torch.device(device_type)
     provs = [p for p in providers(device, args.reference) if p.name in provider_names]
     return run_case(case, device, provs, args)
@@ -298,10 +331,11 @@ def run_case_isolated(case: Case, device, provs: list[Provider], args) -> list[d
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--suite", default=None, choices=["quick", "default", "gpu", "full"],
-                    help="default on a CPU, gpu on a GPU")
+    ap.add_argument("--suite", default=None, choices=["quick", "main", "cpu", "gpu", "all"],
+                    help="default: main on a CPU (a few minutes), gpu on a GPU; all: the whole cross product (hours)")
     ap.add_argument("--quick", action="store_true", help="the quick suite: one tiny shape, seconds")
-    ap.add_argument("--full", action="store_true", help="the whole cross product (long)")
+    ap.add_argument("--full", action="store_true",
+                    help="the whole suite of this device: cpu (46 cases, ~10 min on 2 cores) or gpu")
     ap.add_argument("--shape", nargs="*", choices=sorted(SHAPES), help="only these shapes")
     ap.add_argument("--mode", nargs="*", choices=list(MODES), help="only these modes")
     ap.add_argument("--provider", nargs="*", help="only these providers (eager, compile, pyembed-cpu, ...)")
@@ -316,15 +350,18 @@ def parse_args(argv=None):
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                     help="run each case in a fresh process (default: on a CPU)")
     ap.add_argument("--out", default=str(DEFAULT_OUT),
-                    help="folder for results.csv (appended) and the PNG plots (default build/bench, git-ignored; "
+                    help="folder for results.csv, results.md and the PNG plots, written anew by each run "
+                         "(default build/bench, git-ignored; "
                          "the README's figures are refreshed on purpose with --out docs/bench)")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    _quiet_cpp_extension_import()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    name = "quick" if args.quick else "full" if args.full else args.suite or ("gpu" if device.type == "cuda" else "default")
+    on_gpu = device.type == "cuda"
+    name = "quick" if args.quick else args.suite or ("gpu" if on_gpu else "cpu" if args.full else "main")
     cases = [c for c in suite(name)
              if (not args.shape or c.shape in args.shape) and (not args.mode or c.mode in args.mode)
              and (not args.dtype or c.dtype in args.dtype)
@@ -347,6 +384,7 @@ def main(argv=None) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     csv_path = out / "results.csv"
+    csv_path.unlink(missing_ok=True)  # this run's results only (an earlier run's are not mixed in)
     for case in tqdm(cases, desc="cases", unit="case"):
         measured = run_case_isolated(case, device, provs, args) if isolate else run_case(case, device, provs, args)
         case_rows = [{**meta, **r} for r in measured]
@@ -355,10 +393,12 @@ def main(argv=None) -> list[dict]:
     table = report.table(rows, [p.name for p in provs])
     (out / "results.md").write_text(table)
     print(table)
+    if name == "main":
+        print("(the main cases only; --full runs the whole suite of this device)")
     noisy = [f"{r['label']} {r['provider']}" for r in rows if "noisy" in r.get("note", "")]
     if noisy:
         print(f"warning: {len(noisy)} timings had p80/p20 > {SPREAD_WARN} (a busy machine?): {'; '.join(noisy)}")
     pngs = report.plots(rows, out, meta)
     plots = ", ".join(str(p) for p in pngs) or "none (the plots show the fp32 / learned / uniform / dense grid, not in this run)"
-    print(f"\nCSV appended to {csv_path}, this run's table in {out / 'results.md'}; plots: {plots}")
+    print(f"\nCSV written to {csv_path}, this run's table in {out / 'results.md'}; plots: {plots}")
     return rows

@@ -27,7 +27,7 @@ of d (which is what lets it emit 16-byte accesses); BLOCK_T follows from BLOCK_D
 
 import functools
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -186,40 +186,59 @@ def _used_key(key, num_rows, skip):
 
 
 @triton.jit
-def _segment_starts_kernel(
-    sorted_ptr,  # (n,) int64 sorted keys
-    starts_ptr,  # (n,) int64 out: 1 where a segment starts; its inclusive scan numbers the segments
+def _compact_keys_kernel(
+    keys_ptr,  # (n,) int32/int64 ids or positions
+    out_ptr,  # (n,) int32 (or int64 for a table of 2^31 rows) out: the key, or num_rows if unused
     n, num_rows, skip,
+    BLOCK: tl.constexpr,
+):
+    """The keys the sort sees: used ones as they are, the rest as num_rows (after every
+    used key) -- in 32 bits when the table allows: half the radix passes of 64-bit keys."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < n
+    key = tl.load(keys_ptr + r, mask=ok, other=0).to(tl.int64)
+    out = tl.where(_used_key(key, num_rows, skip), key, num_rows)
+    tl.store(out_ptr + r, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _segment_starts_kernel(
+    sorted_ptr,  # (n,) sorted compacted keys (num_rows: unused)
+    starts_ptr,  # (n,) int64 out: 1 where a segment starts; its inclusive scan numbers the segments
+    n, num_rows,
     BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = r < n
-    key = tl.load(sorted_ptr + r, mask=ok, other=-1)
-    prev = tl.load(sorted_ptr + r - 1, mask=ok & (r > 0), other=-1)
-    starts = _used_key(key, num_rows, skip) & ((r == 0) | (prev != key))
+    key = tl.load(sorted_ptr + r, mask=ok, other=0).to(tl.int64)
+    prev = tl.load(sorted_ptr + r - 1, mask=ok & (r > 0), other=-1).to(tl.int64)
+    starts = (key < num_rows) & ((r == 0) | (prev != key))
     tl.store(starts_ptr + r, starts.to(tl.int64), mask=ok)
 
 
 @triton.jit
 def _segment_bounds_kernel(
-    sorted_ptr,  # (n,) int64 sorted keys
+    sorted_ptr,  # (n,) sorted compacted keys (num_rows: unused)
     scan_ptr,  # (n,) int64 inclusive scan of the starts: scan - 1 is the slot of r's segment
     keys_ptr, begin_ptr, end_ptr,  # (slots,) int64 out, zero-filled: empty ranges where untouched
-    n, num_rows, skip,
-    BLOCK: tl.constexpr,
+    row_segment_ptr,  # (num_rows,) int64 out, -1-filled: each used row's slot, when BY_ROW
+    n, num_rows,
+    BY_ROW: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Each segment's key and range are written by the threads at the range's edges.
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = r < n
-    key = tl.load(sorted_ptr + r, mask=ok, other=-1)
-    used = ok & _used_key(key, num_rows, skip)
+    key = tl.load(sorted_ptr + r, mask=ok, other=0).to(tl.int64)
+    used = ok & (key < num_rows)
     slot = tl.load(scan_ptr + r, mask=used, other=1) - 1
-    prev = tl.load(sorted_ptr + r - 1, mask=used & (r > 0), other=-1)
-    nxt = tl.load(sorted_ptr + r + 1, mask=used & (r + 1 < n), other=-1)
+    prev = tl.load(sorted_ptr + r - 1, mask=used & (r > 0), other=-1).to(tl.int64)
+    nxt = tl.load(sorted_ptr + r + 1, mask=used & (r + 1 < n), other=-1).to(tl.int64)
     first = used & ((r == 0) | (prev != key))
     last = used & ((r == n - 1) | (nxt != key))
     tl.store(begin_ptr + slot, r, mask=first)
     tl.store(keys_ptr + slot, key, mask=first)
+    if BY_ROW:
+        tl.store(row_segment_ptr + key, slot, mask=first)
     tl.store(end_ptr + slot, r + 1, mask=last)
 
 
@@ -274,6 +293,53 @@ def _finish_segments_kernel(
     else:
         dst_row = g
     tl.store(dst_ptr + dst_row * dim + cols, _rounded(acc, dst_ptr), mask=col_ok & write)
+
+
+@triton.jit
+def _finish_rows_kernel(
+    src_ptr,  # (tokens, dim) the output gradient
+    src_rows_ptr,  # (tokens,) int64 its row for sorted position r
+    begin_ptr, end_ptr,  # (num_segments,) int64: segment g sums positions [begin, end)
+    row_segment_ptr,  # (num_rows,) int64: the segment of table row v, -1 if none
+    dst_ptr,  # (num_rows, dim) the dense gradient, every row written here or at a later level
+    factors_ptr,  # (num_segments,) compute dtype scale / count, when HAS_FACTORS (else scale)
+    parts_ptr,  # (num_segments,) int64, zeros: the parts of a segment left to later levels
+    scale: tl.float64, max_rows, num_rows, dim,
+    HAS_FACTORS: tl.constexpr, COMPUTE_F64: tl.constexpr, PART_ROWS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """A dense gradient's first tree level, over every table row, so that the (V, d)
+    gradient is written exactly once with no zero fill before it: an untouched row gets
+    zeros, a row whose segment has at most max_rows tokens its scaled sum (summed in
+    token order, as _sum_rows), a longer one its part count for the later levels. BLOCK_R
+    rows per program; their segments fit in PART_ROWS rows or are left for later levels,
+    so the loop runs at most PART_ROWS times unless this is the only level."""
+    acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_ok = rows < num_rows
+    col_ok = cols < dim
+    seg = tl.load(row_segment_ptr + rows, mask=row_ok, other=-1)
+    touched = seg >= 0
+    seg = tl.where(touched, seg, 0)
+    begin = tl.load(begin_ptr + seg, mask=touched, other=0)
+    length = tl.load(end_ptr + seg, mask=touched, other=0) - begin
+    fits = length <= max_rows
+    tl.store(parts_ptr + seg, tl.cdiv(length, PART_ROWS), mask=touched & ~fits & (tl.program_id(1) == 0))
+    length = tl.where(fits, length, 0)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype)
+    for k in range(0, tl.max(length, 0)):
+        take = k < length
+        token = tl.load(src_rows_ptr + begin + k, mask=take, other=0)
+        acc += tl.load(src_ptr + token[:, None] * dim + cols[None, :], mask=take[:, None] & col_ok[None, :],
+                       other=0.0).to(acc_dtype)
+    if HAS_FACTORS:
+        acc = acc * tl.load(factors_ptr + seg, mask=touched, other=0.0)[:, None]
+    else:
+        acc = acc * tl.full([], scale, acc_dtype)
+    acc = tl.where(touched[:, None], acc, 0.0)
+    tl.store(dst_ptr + rows[:, None] * dim + cols[None, :], _rounded(acc, dst_ptr),
+             mask=(row_ok & fits)[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -369,27 +435,35 @@ class Segments(NamedTuple):
     keys: torch.Tensor  # (slots,) the key of segment s
     begin: torch.Tensor  # (slots,) its sorted positions [begin, end)
     end: torch.Tensor
+    parts: torch.Tensor  # (slots,) zeros: the first tree level's part counts (dense gradients)
     count: torch.Tensor  # () int64 on the device: the number of segments
+    row_segment: Optional[torch.Tensor]  # (num_rows,) each table row's slot, -1 if untouched (by_row)
 
 
-def sorted_segments(keys, num_rows: int, skip: int) -> Segments:
+def sorted_segments(keys, num_rows: int, skip: int, by_row: bool = True) -> Segments:
     """Segments of the keys in [0, num_rows) other than ``skip`` (out-of-range ids and the
-    padding row are left out), without a device->host sync: a sort, two small kernels
-    around one scan."""
-    keys = keys.reshape(-1).long()
-    n = keys.numel()
+    padding row are left out), without a device->host sync: a compaction to 32-bit keys, a
+    sort, two small kernels around one scan. by_row: also map every table row to its
+    segment (what a dense gradient's first level needs; a sparse one does not)."""
+    keys = keys.reshape(-1)
+    n, device = keys.numel(), keys.device
     slots = min(n, max(num_rows, 0))
-    sorted_keys, order = keys.sort(stable=True)  # unused keys sort among the used ones: the kernels skip them
-    keys_begin_end = torch.zeros(3, slots, dtype=torch.long, device=keys.device)
+    bounds = torch.zeros(4, slots, dtype=torch.long, device=device)  # keys, begin, end, parts
+    row_segment = torch.full((max(num_rows, 0),), -1, dtype=torch.long, device=device) if by_row else None
     if n == 0:
-        return Segments(order, *keys_begin_end, torch.zeros((), dtype=torch.long, device=keys.device))
-    scan = torch.empty(n, dtype=torch.long, device=keys.device)
+        order = torch.empty(0, dtype=torch.long, device=device)
+        return Segments(order, *bounds, torch.zeros((), dtype=torch.long, device=device), row_segment)
     grid = (_cdiv(n, BOUNDS_BLOCK),)
-    _segment_starts_kernel[grid](sorted_keys, scan, n, num_rows, skip, BLOCK=BOUNDS_BLOCK)
+    compact = torch.empty(n, dtype=torch.int32 if num_rows < 2**31 - 1 else torch.long, device=device)
+    _compact_keys_kernel[grid](keys, compact, n, num_rows, skip, BLOCK=BOUNDS_BLOCK)
+    sorted_keys, order = compact.sort(stable=True)  # unused keys (num_rows) sort last
+    scan = torch.empty(n, dtype=torch.long, device=device)
+    _segment_starts_kernel[grid](sorted_keys, scan, n, num_rows, BLOCK=BOUNDS_BLOCK)
     scan.cumsum_(0)
     if slots:
-        _segment_bounds_kernel[grid](sorted_keys, scan, *keys_begin_end, n, num_rows, skip, BLOCK=BOUNDS_BLOCK)
-    return Segments(order, *keys_begin_end, scan[-1])
+        _segment_bounds_kernel[grid](sorted_keys, scan, *bounds[:3], row_segment if by_row else scan, n, num_rows,
+                                     BY_ROW=by_row, BLOCK=BOUNDS_BLOCK)
+    return Segments(order, *bounds, scan[-1], row_segment)
 
 
 def sum_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool, out, dense: bool):
@@ -398,11 +472,15 @@ def sum_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool
     of parts of at most PART_ROWS rows: each level finishes the segments that fit in one
     part (sum, scale, round once, write) and cuts the longer ones into parts whose sums
     are the next level's rows. Every size is bounded on the host from the token count (no
-    sync). Per level: finish (which counts the parts), scan, sum the parts, subtract."""
-    order, seg_keys, begin, end, _ = segments
+    sync). Per level: finish (which counts the parts), scan, sum the parts, subtract. A
+    dense gradient's first level runs over every table row (_finish_rows_kernel), so
+    ``out`` needs no zero fill: each row is written once, untouched ones as zeros."""
+    order, seg_keys, begin, end, first_parts, _, row_segment = segments
     slots, dim = seg_keys.numel(), dout2d.shape[1]
-    if slots == 0 or dim == 0:
+    if dim == 0 or (slots == 0 and not dense):
         return
+    if dense and row_segment is None:
+        raise ValueError("pyembed: a dense gradient needs sorted_segments(..., by_row=True)")
     acc = torch.float64 if dout2d.dtype == torch.float64 else torch.float32
     compute_f64 = acc == torch.float64
     # scale / count is fixed at level 0: later levels' ranges count parts, not tokens.
@@ -413,15 +491,27 @@ def sum_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool
     rows = longest = order.numel()  # rows at this level and its longest segment, at most
     while True:
         last = longest <= PART_ROWS  # every segment fits in one part: the last level
-        parts = None if last else torch.empty(slots, dtype=torch.long, device=dout2d.device)
-        _finish_segments_kernel[(slots, col_blocks)](
-            src, src_rows if src_rows is not None else begin, begin, end, out,
-            seg_keys, factors if factors is not None else begin, parts if parts is not None else begin,
-            scale, rows if last else PART_ROWS, dim,
-            HAS_SRC_ROWS=src_rows is not None, HAS_DST_ROWS=dense, HAS_FACTORS=factors is not None,
-            HAS_PARTS=parts is not None, COMPUTE_F64=compute_f64, PART_ROWS=PART_ROWS, BLOCK_D=block_d,
-        )
-        if last:
+        if dense and src is dout2d:  # the first level of a dense gradient: every table row
+            parts = first_parts  # zeros: only the segments left to later levels get a count
+            num_rows = out.shape[0]
+            block_r, _ = _blocks(dim)
+            if num_rows == 0:
+                return
+            _finish_rows_kernel[(_cdiv(num_rows, block_r), col_blocks)](
+                src, order, begin, end, row_segment, out, factors if factors is not None else begin, parts,
+                scale, rows if last else PART_ROWS, num_rows, dim, HAS_FACTORS=factors is not None,
+                COMPUTE_F64=compute_f64, PART_ROWS=PART_ROWS, BLOCK_R=block_r, BLOCK_D=block_d,
+            )
+        else:
+            parts = None if last else torch.empty(slots, dtype=torch.long, device=dout2d.device)
+            _finish_segments_kernel[(slots, col_blocks)](
+                src, src_rows if src_rows is not None else begin, begin, end, out,
+                seg_keys, factors if factors is not None else begin, parts if parts is not None else begin,
+                scale, rows if last else PART_ROWS, dim,
+                HAS_SRC_ROWS=src_rows is not None, HAS_DST_ROWS=dense, HAS_FACTORS=factors is not None,
+                HAS_PARTS=parts is not None, COMPUTE_F64=compute_f64, PART_ROWS=PART_ROWS, BLOCK_D=block_d,
+            )
+        if last or slots == 0:
             return
         # A segment of length > PART_ROWS has ceil(length / PART_ROWS) < 2 length / PART_ROWS parts.
         rows = 2 * rows // PART_ROWS

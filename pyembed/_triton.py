@@ -121,16 +121,17 @@ def backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[t
     dout = grad_out.contiguous().reshape(ids.numel(), dim)  # not -1: d may be 0
     weight_grad, pos_grad = grad_out.new_empty(0, dim), grad_out.new_empty(0, dim)
     with _on_device(grad_out):
+        # Dense gradients are written once, every row, by sum_segments: no zero fill first.
         if need_weight_grad:
-            weight_grad = grad_out.new_zeros(num_embeddings, dim)
+            weight_grad = grad_out.new_empty(num_embeddings, dim)
             segments = k.sorted_segments(ids, num_embeddings, -1 if padding_idx is None else padding_idx)
             k.sum_segments(dout, segments, scale, scale_grad_by_freq, weight_grad, dense=True)
-        if need_pos_grad:
-            pos_grad = grad_out.new_zeros(num_positions, dim)
-            if position_ids is not None:
-                k.sum_segments(dout, k.sorted_segments(position_ids, num_positions, -1), 1.0, False, pos_grad,
-                               dense=True)
-            elif ids.numel() > 0:
+        if need_pos_grad and position_ids is not None:
+            pos_grad = grad_out.new_empty(num_positions, dim)
+            k.sum_segments(dout, k.sorted_segments(position_ids, num_positions, -1), 1.0, False, pos_grad, dense=True)
+        elif need_pos_grad:
+            pos_grad = grad_out.new_zeros(num_positions, dim)  # the rows past the sequence get nothing
+            if ids.numel() > 0:
                 seq_len = ids.shape[-1]
                 k.batch_sum(dout, pos_grad, ids.numel() // seq_len, seq_len,
                             min(max(num_positions - offset, 0), seq_len), offset)
@@ -148,7 +149,7 @@ def triton_sparse_backward(grad_out: torch.Tensor, ids: torch.Tensor, num_embedd
     k = _kernels()
     dim = grad_out.shape[-1]
     with _on_device(grad_out):
-        segments = k.sorted_segments(ids, num_embeddings, -1 if padding_idx is None else padding_idx)
+        segments = k.sorted_segments(ids, num_embeddings, -1 if padding_idx is None else padding_idx, by_row=False)
         touched = int(segments.count)
         values = grad_out.new_empty(touched, dim)
         k.sum_segments(grad_out.contiguous().reshape(ids.numel(), dim), segments, scale, scale_grad_by_freq, values,

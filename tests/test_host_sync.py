@@ -255,3 +255,94 @@ def test_eager_triton_calls_skip_the_dispatcher_and_issue_few_aten_ops(monkeypat
     expected = torch.zeros(50, 16).index_add_(0, ids.reshape(-1), torch.full((16, 16), 2.0))
     torch.testing.assert_close(weight.grad, expected)
     torch.testing.assert_close(pos_weight.grad, torch.full((8, 16), 2.0))
+
+
+class TensorOpRecorder(TorchDispatchMode):
+    """Records (op name, dtype and numel of its first tensor argument) for every ATen op."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        self.calls.append((func._schema.name, None if first is None else first.dtype,
+                           0 if first is None else first.numel()))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("position_ids", [False, True])
+def test_emulated_cuda_dense_gradient_is_written_once_and_sorted_on_32_bit_keys(emulated, position_ids):
+    """The (V, d) gradient gets no zero fill before its kernels (a whole extra pass over
+    the table: ~47 us of a GPT-2 backward on an H100): the first tree level runs over every
+    row, writing sums or zeros. The sort sees 32-bit keys (half the radix passes of 64-bit
+    ones). Memory that held NaNs before is reused, so a row the kernels missed would show."""
+    vocab, dim = 300, 16
+    ids = torch.randint(0, vocab, (4, 256), generator=torch.Generator().manual_seed(6))
+    ids[:, :100] = 7  # a hot row, finished at a later tree level than the rest
+    ids[0, :3] = torch.tensor([-1, vocab, 5])  # out of range, and the padding row
+    dout = torch.randn(4, 256, dim)
+    positions = torch.randint(0, 40, ids.shape) if position_ids else None
+    for _ in range(3):
+        torch.full((vocab, dim), float("nan"))  # freed at once: the allocator hands it out again
+    with TensorOpRecorder() as rec:
+        dw, dp = emulated.embedding_backward(dout, ids, positions, 0, vocab, 40, 1.5, 5, False, True, position_ids)
+    fills = [c for c in rec.calls if c[0] in ("aten::zero_", "aten::fill_") and c[1].is_floating_point]
+    assert fills == [], fills  # (the int64 segment bounds and row map are small: V and token counts)
+    sorts = [c for c in rec.calls if c[0] == "aten::sort"]
+    assert sorts and all(c[1] == torch.int32 for c in sorts), sorts
+    keep = (ids >= 0) & (ids < vocab) & (ids != 5)
+    expected = torch.zeros(vocab, dim, dtype=torch.float64).index_add_(
+        0, ids[keep], 1.5 * dout[keep].double())
+    torch.testing.assert_close(dw.double(), expected, rtol=1e-5, atol=1e-5)
+    if position_ids:
+        expected_p = torch.zeros(40, dim, dtype=torch.float64).index_add_(
+            0, positions.reshape(-1), dout.reshape(-1, dim).double())
+        torch.testing.assert_close(dp.double(), expected_p, rtol=1e-5, atol=1e-5)
+
+
+def test_emulated_cuda_dense_gradient_of_no_tokens_is_zeros(emulated):
+    for _ in range(3):
+        torch.full((30, 8), float("nan"))
+    dw, dp = emulated.embedding_backward(torch.empty(0, 8), torch.empty(0, dtype=torch.long),
+                                         torch.empty(0, dtype=torch.long), 0, 30, 12, 1.0, None, False, True, True)
+    assert torch.equal(dw, torch.zeros(30, 8)) and torch.equal(dp, torch.zeros(12, 8))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
+@pytest.mark.parametrize("position_ids", [False, True])
+def test_triton_dense_gradient_is_written_once_and_sorted_on_32_bit_keys(monkeypatch, position_ids):
+    """As the emulated CUDA test above, for the triton backend's dense backward."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    import triton.runtime.interpreter as interpreter
+
+    from pyembed import _triton
+
+    launch = interpreter.GridExecutor.__call__
+
+    def unrecorded_launch(self, *args, **kwargs):  # the interpreter's own tensor ops are not the host's
+        with torch.utils._python_dispatch._disable_current_modes():
+            return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", unrecorded_launch)
+    vocab, dim = 300, 16
+    ids = torch.randint(0, vocab, (4, 256), generator=torch.Generator().manual_seed(6))
+    ids[:, :100] = 7
+    ids[0, :3] = torch.tensor([-1, vocab, 5])
+    dout = torch.randn(4, 256, dim)
+    positions = torch.randint(0, 40, ids.shape) if position_ids else None
+    for _ in range(3):
+        torch.full((vocab, dim), float("nan"))
+    with TensorOpRecorder() as rec:
+        dw, dp = _triton.backward(dout, ids, positions, 0, vocab, 40, 1.5, 5, False, True, position_ids)
+    fills = [c for c in rec.calls if c[0] in ("aten::zero_", "aten::fill_") and c[1].is_floating_point]
+    assert fills == [], fills
+    sorts = [c for c in rec.calls if c[0] == "aten::sort"]
+    assert sorts and all(c[1] == torch.int32 for c in sorts), sorts
+    keep = (ids >= 0) & (ids < vocab) & (ids != 5)
+    expected = torch.zeros(vocab, dim, dtype=torch.float64).index_add_(0, ids[keep], 1.5 * dout[keep].double())
+    torch.testing.assert_close(dw.double(), expected, rtol=1e-5, atol=1e-5)
+    if position_ids:
+        expected_p = torch.zeros(40, dim, dtype=torch.float64).index_add_(
+            0, positions.reshape(-1), dout.reshape(-1, dim).double())
+        torch.testing.assert_close(dp.double(), expected_p, rtol=1e-5, atol=1e-5)

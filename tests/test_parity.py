@@ -3,6 +3,7 @@
 gradients, over dtypes, id dtypes, positional encodings and awkward shapes."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -291,6 +292,12 @@ def test_gradcheck_float64(backend):
 def test_backward_is_bitwise_identical_across_runs_and_thread_counts(backend, vocab):
     # A small vocabulary with many duplicates, and a large one with few tokens (the CPU
     # backend groups ids by a counting sort or a comparison sort accordingly).
+    if vocab > 50 and backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+        # The interpreter copies every tensor argument in and out at each launch: a 300k-row
+        # gradient costs ~100 s. The Triton kernels take no vocabulary-dependent path (the
+        # sort choice above is the CPU backend's), so a table still far larger than the
+        # token count (the same spread-out ids) tests the same code.
+        vocab = 5000
     g = torch.Generator().manual_seed(8)
     ids = torch.randint(0, 50, (4, 700), generator=g) * (vocab // 50)
     ids[0, :600] = 7  # a hot row: split into parts, summed in a fixed order

@@ -104,12 +104,30 @@ def parts_source(src, dim, *, first):
         "HAS_SRC_ROWS": first, "COMPUTE_F64": acc == "fp64", "PART_ROWS": k.PART_ROWS, "BLOCK_D": k._blocks(dim)[1]})
 
 
-def bounds_source(kernel):
-    args = {"sorted_ptr": "*i64", "starts_ptr": "*i64"} if kernel == "starts" else {
-        "sorted_ptr": "*i64", "scan_ptr": "*i64", "keys_ptr": "*i64", "begin_ptr": "*i64", "end_ptr": "*i64"}
-    args.update({"n": TOKENS, "num_rows": 50257, "skip": 3})
-    fn = k._segment_starts_kernel if kernel == "starts" else k._segment_bounds_kernel
-    return _source(fn, args, {"BLOCK": k.BOUNDS_BLOCK})
+def bounds_source(kernel, key_type="i32"):
+    """The sort's key kernels: compaction (int64 ids in, key_type out), segment starts and
+    bounds (on key_type sorted keys; bounds with the per-row map of a dense gradient)."""
+    if kernel == "compact":
+        return _source(k._compact_keys_kernel, {"keys_ptr": "*i64", "out_ptr": f"*{key_type}", "n": TOKENS,
+                                                "num_rows": 50257, "skip": 3}, {"BLOCK": k.BOUNDS_BLOCK})
+    if kernel == "starts":
+        return _source(k._segment_starts_kernel, {"sorted_ptr": f"*{key_type}", "starts_ptr": "*i64", "n": TOKENS,
+                                                  "num_rows": 50257}, {"BLOCK": k.BOUNDS_BLOCK})
+    args = {"sorted_ptr": f"*{key_type}", "scan_ptr": "*i64", "keys_ptr": "*i64", "begin_ptr": "*i64",
+            "end_ptr": "*i64", "row_segment_ptr": "*i64", "n": TOKENS, "num_rows": 50257}
+    return _source(k._segment_bounds_kernel, args, {"BY_ROW": True, "BLOCK": k.BOUNDS_BLOCK})
+
+
+def rows_source(dtype, dim, *, factors):
+    """A dense gradient's first level over every table row (with scale_grad_by_freq's factors or not)."""
+    acc = "fp64" if dtype == "fp64" else "fp32"
+    block_r, block_d = k._blocks(dim)
+    args = {"src_ptr": f"*{dtype}", "src_rows_ptr": "*i64", "begin_ptr": "*i64", "end_ptr": "*i64",
+            "row_segment_ptr": "*i64", "dst_ptr": f"*{dtype}", "factors_ptr": f"*{acc}", "parts_ptr": "*i64",
+            "scale": 27.7, "max_rows": 32, "num_rows": 50257, "dim": dim}
+    return _source(k._finish_rows_kernel, args, {
+        "HAS_FACTORS": factors, "COMPUTE_F64": acc == "fp64", "PART_ROWS": k.PART_ROWS, "BLOCK_R": block_r,
+        "BLOCK_D": block_d})
 
 
 def batch_source(dtype, dim):
@@ -136,13 +154,15 @@ def sources():
     for dtype, dim in itertools.product(("fp32", "fp16", "bf16", "fp64"), DIMS):
         acc = "fp64" if dtype == "fp64" else "fp32"
         out[f"finish_segments {dtype} d={dim}"] = (finish_source, (dtype, dtype, dim), {"first": True})
+        out[f"finish_rows {dtype} d={dim}"] = (rows_source, (dtype, dim), {"factors": False})
+        out[f"finish_rows {dtype} by_freq d={dim}"] = (rows_source, (dtype, dim), {"factors": True})
         out[f"finish_segments partials->{dtype} d={dim}"] = (finish_source, (acc, dtype, dim), {"first": False})
         out[f"sum_parts {dtype} d={dim}"] = (parts_source, (dtype, dim), {"first": True})
         if dtype in ("fp32", "fp64"):
             out[f"sum_parts partials {dtype} d={dim}"] = (parts_source, (dtype, dim), {"first": False})
         out[f"batch_sum {dtype} d={dim}"] = (batch_source, (dtype, dim), {})
-    for kernel in ("starts", "bounds"):
-        out[f"segment_{kernel}"] = (bounds_source, (kernel,), {})
+    for kernel, key_type in itertools.product(("compact", "starts", "bounds"), ("i32", "i64")):
+        out[f"segment_{kernel} {key_type}"] = (bounds_source, (kernel, key_type), {})
     return out
 
 

@@ -167,29 +167,48 @@ __device__ __forceinline__ bool used_key(int64_t key, int64_t num_rows, int64_t 
   return key >= 0 && key < num_rows && key != skip;
 }
 
-// starts[r] = 1 where sorted position r begins a segment: a used key unlike the previous
-// one. Its inclusive scan then numbers the segments: scan[r] - 1 is the slot of r's.
-__global__ void segment_starts_kernel(const int64_t* __restrict__ sorted, int64_t n, int64_t num_rows, int64_t skip,
+// The keys the sort sees: a used key as it is, every other one as num_rows (sorted after
+// all used ones), in K -- 32 bits when the table allows, so the radix sort makes half the
+// passes of a 64-bit one (PyTorch's embedding backward likewise sorts only the bits V needs).
+template <typename index_t, typename K>
+__global__ void compact_keys_kernel(const index_t* __restrict__ keys, int64_t n, int64_t num_rows, int64_t skip,
+                                    K* __restrict__ out) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= n) return;
+  const int64_t key = static_cast<int64_t>(keys[r]);
+  out[r] = static_cast<K>(used_key(key, num_rows, skip) ? key : num_rows);
+}
+
+// starts[r] = 1 where sorted position r begins a segment: a used key (< num_rows, after
+// compact_keys) unlike the previous one. Its inclusive scan then numbers the segments:
+// scan[r] - 1 is the slot of r's.
+template <typename K>
+__global__ void segment_starts_kernel(const K* __restrict__ sorted, int64_t n, int64_t num_rows,
                                       int64_t* __restrict__ starts) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= n) return;
   const int64_t key = sorted[r];
-  starts[r] = used_key(key, num_rows, skip) && (r == 0 || sorted[r - 1] != key);
+  starts[r] = key < num_rows && (r == 0 || sorted[r - 1] != sorted[r]);
 }
 
 // Slot s = scan[r] - 1 of the segment holding sorted position r gets its key and its
 // range [begin, end) of sorted positions, each written by the one thread at the range's
-// edge. Slots past the last segment keep the zeros they were made with: empty ranges.
-__global__ void segment_bounds_kernel(const int64_t* __restrict__ sorted, const int64_t* __restrict__ scan, int64_t n,
-                                      int64_t num_rows, int64_t skip, int64_t* __restrict__ keys,
-                                      int64_t* __restrict__ begin, int64_t* __restrict__ end) {
+// edge; with row_segment (a dense gradient), the key's row learns its slot. Slots past the
+// last segment keep the zeros they were made with: empty ranges.
+template <typename K>
+__global__ void segment_bounds_kernel(const K* __restrict__ sorted, const int64_t* __restrict__ scan, int64_t n,
+                                      int64_t num_rows, int64_t* __restrict__ keys, int64_t* __restrict__ begin,
+                                      int64_t* __restrict__ end, int64_t* __restrict__ row_segment) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= n) return;
   const int64_t key = sorted[r];
-  if (!used_key(key, num_rows, skip)) return;
+  if (key >= num_rows) return;  // an unused key (compact_keys)
   const int64_t s = scan[r] - 1;
-  if (r == 0 || sorted[r - 1] != key) begin[s] = r, keys[s] = key;
-  if (r == n - 1 || sorted[r + 1] != key) end[s] = r + 1;
+  if (r == 0 || sorted[r - 1] != sorted[r]) {
+    begin[s] = r, keys[s] = key;
+    if (row_segment != nullptr) row_segment[key] = s;
+  }
+  if (r == n - 1 || sorted[r + 1] != sorted[r]) end[s] = r + 1;
 }
 
 // The parts of at most kPartRows rows a segment of `length` rows is cut into.
@@ -236,6 +255,36 @@ __global__ void finish_segments_kernel(
   if (r0 == r1 || !fits) return;  // an unused slot, or a segment finished at a later level
   D* d_row = dst + (dst_rows != nullptr ? dst_rows[g] : g) * dim;
   sum_rows<VEC>(src, src_rows, r0, r1, d_row, factors != nullptr ? factors[g] : scale, dim);
+}
+
+// The first tree level of a dense gradient, over every row of the table: so the (V, d)
+// gradient is written exactly once, with no zero fill before it. Row v holds segment
+// s = row_segment[v] (-1: untouched, written as zeros); a segment of at most max_rows
+// sorted tokens is summed, scaled and rounded here; a longer one gets its part count in
+// parts[s] (zero-initialised) and is written by a later level's finish_segments_kernel.
+template <typename T, typename A, int VEC>
+__global__ void finish_rows_kernel(
+    const T* __restrict__ dout, const int64_t* __restrict__ order,  // token rows, in sorted order
+    const int64_t* __restrict__ begin, const int64_t* __restrict__ end, const int64_t* __restrict__ row_segment,
+    T* __restrict__ out, A scale, const A* __restrict__ factors, int64_t* __restrict__ parts, int64_t max_rows,
+    int64_t num_rows, int64_t dim) {
+  const int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (v >= num_rows) return;
+  const int64_t s = row_segment[v];
+  T* d_row = out + v * dim;
+  if (s < 0) {
+    const A zeros[VEC] = {};
+    for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
+      store_pack<VEC>(d_row + j, zeros);
+    }
+    return;
+  }
+  const int64_t r0 = begin[s], r1 = end[s];
+  if (r1 - r0 > max_rows) {
+    if (threadIdx.x == 0) parts[s] = parts_of(r1 - r0);
+    return;
+  }
+  sum_rows<VEC>(dout, order, r0, r1, d_row, factors != nullptr ? factors[s] : scale, dim);
 }
 
 // One tree level's parts: part j of the level belongs to the first segment g whose
@@ -382,36 +431,62 @@ struct SortedSegments {
   at::Tensor order;       // (tokens,) token index of each sorted position
   at::Tensor keys;        // (slots,) the key of segment s (0 for an empty slot)
   at::Tensor begin, end;  // (slots,) the segment's sorted positions [begin, end)
+  at::Tensor parts;       // (slots,) zeros: the first tree level's part counts (dense gradients)
   at::Tensor count;       // () int64 on the device: U
+  at::Tensor row_segment;  // (num_rows,) the slot of each table row's segment, -1 if none (dense only)
   int64_t tokens = 0;
 };
 
 // Keys outside [0, num_rows) (out-of-range ids, validate=False) and `skip` (the padding
-// row) are left out. Five launches (sort, starts, scan, zeros, bounds); no device->host sync.
+// row) are left out. With `by_row` (a dense gradient) each used row also learns its
+// segment's slot. Launches: compact, the sort, starts, scan, zeros, bounds (+ a -1 fill of
+// row_segment); no device->host sync.
 template <class Launch>
-SortedSegments sorted_segments(const at::Tensor& keys_in, int64_t num_rows, int64_t skip) {
+SortedSegments sorted_segments(const at::Tensor& keys_in, int64_t num_rows, int64_t skip, bool by_row) {
   SortedSegments seg;
-  const at::Tensor keys = keys_in.reshape(-1).to(at::kLong);
+  const at::Tensor keys = keys_in.reshape(-1);
   const int64_t n = seg.tokens = keys.numel();
   const int64_t slots = std::min(n, std::max<int64_t>(num_rows, 0));
-  // Unused keys sort among the used ones; the kernels step over them.
-  auto [sorted, order] = keys.sort(/*stable=*/true, 0, false);
-  seg.order = order;
-  const at::Tensor bounds = at::zeros({3, slots}, keys.options());  // keys, begin, end
-  seg.keys = bounds[0], seg.begin = bounds[1], seg.end = bounds[2];
+  const auto long_options = keys.options().dtype(at::kLong);
+  const at::Tensor bounds = at::zeros({4, slots}, long_options);  // keys, begin, end, parts
+  seg.keys = bounds[0], seg.begin = bounds[1], seg.end = bounds[2], seg.parts = bounds[3];
+  if (by_row) seg.row_segment = at::full({std::max<int64_t>(num_rows, 0)}, -1, long_options);
   if (n == 0) {
-    seg.count = at::zeros({}, keys.options());
+    seg.order = at::empty({0}, long_options);
+    seg.count = at::zeros({}, long_options);
     return seg;
   }
-  at::Tensor scan = at::empty({n}, keys.options());
   const RowGrid g = linear_grid(n);
-  Launch::run(g.grid, g.block, segment_starts_kernel, sorted.data_ptr<int64_t>(), n, num_rows, skip,
-              scan.data_ptr<int64_t>());
-  scan.cumsum_(0);
-  if (slots > 0) {
-    Launch::run(g.grid, g.block, segment_bounds_kernel, sorted.data_ptr<int64_t>(), scan.data_ptr<int64_t>(), n,
-                num_rows, skip, seg.keys.data_ptr<int64_t>(), seg.begin.data_ptr<int64_t>(),
-                seg.end.data_ptr<int64_t>());
+  // 32-bit sort keys when V (the unused keys' stand-in) fits: half the radix passes.
+  const bool narrow = num_rows < std::numeric_limits<int32_t>::max();
+  at::Tensor compact = at::empty({n}, keys.options().dtype(narrow ? at::kInt : at::kLong));
+  AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_compact_keys", [&] {
+    if (narrow) {
+      Launch::run(g.grid, g.block, compact_keys_kernel<index_t, int32_t>, keys.data_ptr<index_t>(), n, num_rows,
+                  skip, compact.data_ptr<int32_t>());
+    } else {
+      Launch::run(g.grid, g.block, compact_keys_kernel<index_t, int64_t>, keys.data_ptr<index_t>(), n, num_rows,
+                  skip, compact.data_ptr<int64_t>());
+    }
+  });
+  auto [sorted, order] = compact.sort(/*stable=*/true, 0, false);  // stable: the order depends on the data alone
+  seg.order = order;
+  at::Tensor scan = at::empty({n}, long_options);
+  auto bounds_of = [&](auto key_type) {
+    using K = decltype(key_type);
+    Launch::run(g.grid, g.block, segment_starts_kernel<K>, sorted.template data_ptr<K>(), n, num_rows,
+                scan.data_ptr<int64_t>());
+    scan.cumsum_(0);
+    if (slots > 0) {
+      Launch::run(g.grid, g.block, segment_bounds_kernel<K>, sorted.template data_ptr<K>(), scan.data_ptr<int64_t>(),
+                  n, num_rows, seg.keys.data_ptr<int64_t>(), seg.begin.data_ptr<int64_t>(),
+                  seg.end.data_ptr<int64_t>(), by_row ? seg.row_segment.data_ptr<int64_t>() : nullptr);
+    }
+  };
+  if (narrow) {
+    bounds_of(int32_t{});
+  } else {
+    bounds_of(int64_t{});
   }
   seg.count = scan[n - 1];
   return seg;
@@ -423,13 +498,17 @@ SortedSegments sorted_segments(const at::Tensor& keys_in, int64_t num_rows, int6
 // kPartRows rows: at each level the segments that fit in one part are finished (summed,
 // scaled, rounded once, written); the longer ones are cut into parts whose fp32 sums
 // become the next level's rows. The host bounds every size from the token count. Per
-// level: finish (which also counts the parts), scan, subtract, sum the parts.
+// level: finish (which also counts the parts), scan, subtract, sum the parts. A dense
+// gradient's first level runs over every table row (finish_rows_kernel), so `out` needs
+// no zero fill: each of its rows is written once, untouched ones as zeros.
 template <class Launch, typename T>
 void sum_segments(const at::Tensor& dout, const SortedSegments& seg, double scale, bool divide_by_count, bool dense,
                   at::Tensor& out) {
   using A = acc_t<T>;
   const int64_t dim = dout.size(1), slots = seg.keys.numel();
-  if (slots == 0 || dim == 0) return;
+  if (dim == 0) return;
+  TORCH_CHECK(!dense || seg.row_segment.defined(), "pyembed: a dense gradient needs sorted_segments(by_row=true)");
+  if (slots == 0 && !dense) return;
   const auto acc_opts = dout.options().dtype(c10::CppTypeToScalarType<A>::value);
   const int vec = vector_width<T>(dim, {dout.data_ptr(), out.data_ptr()});
   at::Tensor factors;  // scale / count, fixed at level 0 (later levels' ranges count parts, not tokens)
@@ -451,18 +530,35 @@ void sum_segments(const at::Tensor& dout, const SortedSegments& seg, double scal
   int64_t rows = seg.tokens;     // rows at this level, at most
   int64_t longest = seg.tokens;  // the longest segment at this level, at most
   // One level; true when it was the last (every segment fit in one part).
-  auto level = [&](const auto* src, const int64_t* src_rows) {
+  auto level = [&](const auto* src, const int64_t* src_rows, bool first) {
     using S = std::remove_cv_t<std::remove_pointer_t<decltype(src)>>;
     const bool last = longest <= kPartRows;
-    const at::Tensor parts = last ? at::Tensor() : at::empty({slots}, begin.options());
-    const RowGrid g = row_grid(slots, dim, vec);
-    with_vec([&](auto v) {
-      Launch::run(g.grid, g.block, finish_segments_kernel<S, T, A, decltype(v)::value>, src, src_rows,
-                  begin.data_ptr<int64_t>(), end.data_ptr<int64_t>(), out.data_ptr<T>(), dst_rows,
-                  static_cast<A>(scale), factor_ptr, last ? nullptr : parts.data_ptr<int64_t>(),
-                  last ? std::numeric_limits<int64_t>::max() : kPartRows, slots, dim);
-    });
-    if (last) return true;
+    const int64_t max_rows = last ? std::numeric_limits<int64_t>::max() : kPartRows;
+    at::Tensor parts;
+    if constexpr (std::is_same_v<S, T>) {
+      if (dense && first) {  // the first level of a dense gradient: every table row
+        const int64_t num_rows = out.size(0);
+        const RowGrid g = row_grid(num_rows, dim, vec);
+        parts = seg.parts;  // zeros: only the segments left to later levels get a count
+        with_vec([&](auto v) {
+          Launch::run(g.grid, g.block, finish_rows_kernel<T, A, decltype(v)::value>, src, src_rows,
+                      begin.data_ptr<int64_t>(), end.data_ptr<int64_t>(), seg.row_segment.data_ptr<int64_t>(),
+                      out.data_ptr<T>(), static_cast<A>(scale), factor_ptr, parts.data_ptr<int64_t>(), max_rows,
+                      num_rows, dim);
+        });
+      }
+    }
+    if (!parts.defined()) {
+      if (!last) parts = at::empty({slots}, begin.options());
+      const RowGrid g = row_grid(slots, dim, vec);
+      with_vec([&](auto v) {
+        Launch::run(g.grid, g.block, finish_segments_kernel<S, T, A, decltype(v)::value>, src, src_rows,
+                    begin.data_ptr<int64_t>(), end.data_ptr<int64_t>(), out.data_ptr<T>(), dst_rows,
+                    static_cast<A>(scale), factor_ptr, last ? nullptr : parts.data_ptr<int64_t>(), max_rows, slots,
+                    dim);
+      });
+    }
+    if (last || slots == 0) return true;
     // A segment of length > kPartRows has ceil(length / kPartRows) < 2 length / kPartRows parts.
     const int64_t next_rows = 2 * rows / kPartRows;
     const at::Tensor part_end = parts.cumsum(0);
@@ -478,8 +574,8 @@ void sum_segments(const at::Tensor& dout, const SortedSegments& seg, double scal
     longest = (longest + kPartRows - 1) / kPartRows;
     return false;
   };
-  bool done = level(dout.data_ptr<T>(), seg.order.data_ptr<int64_t>());
-  while (!done) done = level(static_cast<const A*>(partials.data_ptr<A>()), nullptr);
+  bool done = level(dout.data_ptr<T>(), seg.order.data_ptr<int64_t>(), true);
+  while (!done) done = level(static_cast<const A*>(partials.data_ptr<A>()), nullptr, false);
 }
 
 // Dense gradients (weight_grad (V, d) and / or pos_grad (max_seq_len, d); (0, d) when not
@@ -498,19 +594,22 @@ std::tuple<at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out_in, co
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dout.scalar_type(), "pyembed_backward_cuda", [&] {
     using T = scalar_t;
+    // The dense gradients are written once, every row (sum_segments), not zero-filled first.
     if (need_weight_grad) {
-      weight_grad = at::zeros({num_embeddings, dim}, options);
-      sum_segments<Launch, T>(dout, sorted_segments<Launch>(ids_in, num_embeddings, padding_idx.value_or(-1)), scale,
-                              scale_grad_by_freq, /*dense=*/true, weight_grad);
+      weight_grad = at::empty({num_embeddings, dim}, options);
+      sum_segments<Launch, T>(dout, sorted_segments<Launch>(ids_in, num_embeddings, padding_idx.value_or(-1), true),
+                              scale, scale_grad_by_freq, /*dense=*/true, weight_grad);
     }
     if (need_pos_grad) {
-      pos_grad = at::zeros({num_positions, dim}, options);
       if (position_ids_in) {
-        sum_segments<Launch, T>(dout, sorted_segments<Launch>(*position_ids_in, num_positions, -1), 1.0, false,
+        pos_grad = at::empty({num_positions, dim}, options);
+        sum_segments<Launch, T>(dout, sorted_segments<Launch>(*position_ids_in, num_positions, -1, true), 1.0, false,
                                 /*dense=*/true, pos_grad);
-      } else if (num_tokens > 0 && dim > 0) {
-        const int64_t seq_len = ids_in.size(-1), steps = std::clamp<int64_t>(num_positions - offset, 0, seq_len);
-        if (steps > 0) {
+      } else {
+        pos_grad = at::zeros({num_positions, dim}, options);  // the rows past the sequence get nothing
+        const int64_t seq_len = num_tokens > 0 ? ids_in.size(-1) : 0;
+        const int64_t steps = std::clamp<int64_t>(num_positions - offset, 0, seq_len);
+        if (steps > 0 && dim > 0) {
           const int vec = vector_width<T>(dim, {dout.data_ptr(), pos_grad.data_ptr()});
           const RowGrid g = row_grid(steps, dim, vec);
           auto run = [&](auto kernel) {
@@ -538,7 +637,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_backward_op(const at::Tensor& grad_out
   check_same_device(grad_out_in.device(), {&ids_in});
   const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
   const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
-  const SortedSegments seg = sorted_segments<Launch>(ids_in, num_embeddings, padding_idx.value_or(-1));
+  const SortedSegments seg = sorted_segments<Launch>(ids_in, num_embeddings, padding_idx.value_or(-1), false);
   const int64_t touched = seg.count.item<int64_t>();
   at::Tensor rows = seg.keys.slice(0, 0, touched).clone();
   at::Tensor values = at::empty({touched, dim}, dout.options());

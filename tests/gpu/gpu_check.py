@@ -164,6 +164,8 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
                     help="pytest-xdist workers for the test suite, where xdist is installed (0: none)")
     ap.add_argument("--tests-timeout", type=int, default=1800, help="seconds for the tests and each sanitizer")
+    ap.add_argument("--all-tests", action="store_true",
+                    help="the whole suite, CPU-only tests included (default: tests/gpu and the CUDA / triton tests)")
     ap.add_argument("--bench-timeout", type=int, default=1800, help="seconds for the benchmark")
     ap.add_argument("--bench-args", default="", help="extra arguments for python -m bench")
     ap.add_argument("--rehearse", action="store_true", help="no GPU: check the CPU-side parts of this script")
@@ -217,8 +219,13 @@ def main() -> int:
             tests = [f"{tests_dir}/test_dispatch.py", f"{tests_dir}/gpu", "-k", "opcheck or gpu"]
             check.run("sanitizer workload on CPU (rehearsal)", [args.python, workload, "--device", "cpu"],
                       "sanitizer-rehearsal.log", 600, {"TRITON_INTERPRET": "1"}, cwd=stage)
+        elif args.all_tests:
+            tests = [f"{tests_dir}/gpu", tests_dir]
         else:
-            tests = [tests_dir]
+            # What needs the GPU, first: tests/gpu, then the suite's CUDA / triton
+            # parametrisations. The CPU-only rest (Inductor on CPU, emulation, packaging) is
+            # CI's, and would not fit one 10-minute call (--all-tests runs it too).
+            tests = [f"{tests_dir}/gpu", tests_dir, "-k", "cuda or gpu or triton"]
         if not args.skip_tests:
             check.start("pytest tests/ tests/gpu/",
                         [args.python, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider", f"--rootdir={ROOT}",
