@@ -252,12 +252,21 @@ def main(argv=None) -> None:
         plot_positional_encoding(args.len, args.dim, path=args.out)
         print(f"wrote {args.out}")
     else:
-        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise SystemExit(f"pyembed.analysis: no file {args.checkpoint!r}; make one with "
+                             "torch.save(model.state_dict(), 'model.pt')") from None
         if isinstance(state, dict):
             if args.key not in state:
                 raise SystemExit(f"no key {args.key!r} in {args.checkpoint}; keys: {sorted(state)[:20]}")
             state = state[args.key]
-        for token, cos in most_similar(state, args.id, k=args.k):
+        try:
+            neighbours = most_similar(state, args.id, k=args.k)
+        except (ValueError, IndexError) as exc:
+            raise SystemExit(str(exc)) from None
+        print("id\tcosine")
+        for token, cos in neighbours:
             print(f"{token}\t{cos:.4f}")
 
 

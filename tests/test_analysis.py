@@ -113,7 +113,11 @@ def test_cli_memory_heatmap_and_neighbors(tmp_path):
     torch.save(layer.state_dict(), tmp_path / "model.pt")
     out = run("neighbors", "--checkpoint", str(tmp_path / "model.pt"), "--key", "token_embedding.weight",
               "--id", "0", "-k", "2")
-    assert [line.split("\t")[0] for line in out.splitlines()] == ["1", "2"]
+    assert [line.split("\t")[0] for line in out.splitlines()] == ["id", "1", "2"]  # a header, then the rows
+    missing = subprocess.run([sys.executable, "-m", "pyembed.analysis", "neighbors", "--checkpoint",
+                              str(tmp_path / "absent.pt"), "--id", "0"], capture_output=True, text=True)
+    assert missing.returncode != 0 and "Traceback" not in missing.stderr, missing.stderr
+    assert "no file" in missing.stderr and "torch.save(model.state_dict()" in missing.stderr, missing.stderr
 
 
 def test_plots_leave_the_users_matplotlib_state_alone(tmp_path):

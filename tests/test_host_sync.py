@@ -277,27 +277,38 @@ def test_emulated_cuda_dense_gradient_is_written_once_and_sorted_on_32_bit_keys(
     the table: ~47 us of a GPT-2 backward on an H100): the first tree level runs over every
     row, writing sums or zeros. The sort sees 32-bit keys (half the radix passes of 64-bit
     ones). Memory that held NaNs before is reused, so a row the kernels missed would show."""
-    vocab, dim = 300, 16
-    ids = torch.randint(0, vocab, (4, 256), generator=torch.Generator().manual_seed(6))
-    ids[:, :100] = 7  # a hot row, finished at a later tree level than the rest
-    ids[0, :3] = torch.tensor([-1, vocab, 5])  # out of range, and the padding row
-    dout = torch.randn(4, 256, dim)
-    positions = torch.randint(0, 40, ids.shape) if position_ids else None
-    for _ in range(3):
-        torch.full((vocab, dim), float("nan"))  # freed at once: the allocator hands it out again
+    ids, dout, positions = _written_once_inputs(position_ids)
     with TensorOpRecorder() as rec:
-        dw, dp = emulated.embedding_backward(dout, ids, positions, 0, vocab, 40, 1.5, 5, False, True, position_ids)
+        dw, dp = emulated.embedding_backward(dout, ids, positions, 0, 300, 40, 1.5, 5, False, True, position_ids)
+    _assert_written_once(rec, ids, dout, positions, dw, dp)
+
+
+def _written_once_inputs(position_ids: bool):
+    """(ids, dout, positions or None) for a (300, 16) table with a hot row, out-of-range
+    ids and the padding row 5; memory that held NaNs is freed first, so the allocator hands
+    it to the gradient and a row the kernels missed would show."""
+    ids = torch.randint(0, 300, (4, 256), generator=torch.Generator().manual_seed(6))
+    ids[:, :100] = 7  # a hot row, finished at a later tree level than the rest
+    ids[0, :3] = torch.tensor([-1, 300, 5])  # out of range, and the padding row
+    dout = torch.randn(4, 256, 16)
+    for _ in range(3):
+        torch.full((300, 16), float("nan"))
+    return ids, dout, torch.randint(0, 40, ids.shape) if position_ids else None
+
+
+def _assert_written_once(rec, ids, dout, positions, dw, dp):
+    """No float fill among the recorded ops, int32 sort keys, and (dW, dP) equal to the
+    float64 index_add of the kept tokens (scale 1.5, padding row 5)."""
     fills = [c for c in rec.calls if c[0] in ("aten::zero_", "aten::fill_") and c[1].is_floating_point]
     assert fills == [], fills  # (the int64 segment bounds and row map are small: V and token counts)
     sorts = [c for c in rec.calls if c[0] == "aten::sort"]
     assert sorts and all(c[1] == torch.int32 for c in sorts), sorts
-    keep = (ids >= 0) & (ids < vocab) & (ids != 5)
-    expected = torch.zeros(vocab, dim, dtype=torch.float64).index_add_(
-        0, ids[keep], 1.5 * dout[keep].double())
+    keep = (ids >= 0) & (ids < 300) & (ids != 5)
+    expected = torch.zeros(300, 16, dtype=torch.float64).index_add_(0, ids[keep], 1.5 * dout[keep].double())
     torch.testing.assert_close(dw.double(), expected, rtol=1e-5, atol=1e-5)
-    if position_ids:
-        expected_p = torch.zeros(40, dim, dtype=torch.float64).index_add_(
-            0, positions.reshape(-1), dout.reshape(-1, dim).double())
+    if positions is not None:
+        expected_p = torch.zeros(40, 16, dtype=torch.float64).index_add_(
+            0, positions.reshape(-1), dout.reshape(-1, 16).double())
         torch.testing.assert_close(dp.double(), expected_p, rtol=1e-5, atol=1e-5)
 
 
@@ -325,24 +336,7 @@ def test_triton_dense_gradient_is_written_once_and_sorted_on_32_bit_keys(monkeyp
             return launch(self, *args, **kwargs)
 
     monkeypatch.setattr(interpreter.GridExecutor, "__call__", unrecorded_launch)
-    vocab, dim = 300, 16
-    ids = torch.randint(0, vocab, (4, 256), generator=torch.Generator().manual_seed(6))
-    ids[:, :100] = 7
-    ids[0, :3] = torch.tensor([-1, vocab, 5])
-    dout = torch.randn(4, 256, dim)
-    positions = torch.randint(0, 40, ids.shape) if position_ids else None
-    for _ in range(3):
-        torch.full((vocab, dim), float("nan"))
+    ids, dout, positions = _written_once_inputs(position_ids)
     with TensorOpRecorder() as rec:
-        dw, dp = _triton.backward(dout, ids, positions, 0, vocab, 40, 1.5, 5, False, True, position_ids)
-    fills = [c for c in rec.calls if c[0] in ("aten::zero_", "aten::fill_") and c[1].is_floating_point]
-    assert fills == [], fills
-    sorts = [c for c in rec.calls if c[0] == "aten::sort"]
-    assert sorts and all(c[1] == torch.int32 for c in sorts), sorts
-    keep = (ids >= 0) & (ids < vocab) & (ids != 5)
-    expected = torch.zeros(vocab, dim, dtype=torch.float64).index_add_(0, ids[keep], 1.5 * dout[keep].double())
-    torch.testing.assert_close(dw.double(), expected, rtol=1e-5, atol=1e-5)
-    if position_ids:
-        expected_p = torch.zeros(40, dim, dtype=torch.float64).index_add_(
-            0, positions.reshape(-1), dout.reshape(-1, dim).double())
-        torch.testing.assert_close(dp.double(), expected_p, rtol=1e-5, atol=1e-5)
+        dw, dp = _triton.backward(dout, ids, positions, 0, 300, 40, 1.5, 5, False, True, position_ids)
+    _assert_written_once(rec, ids, dout, positions, dw, dp)
