@@ -80,8 +80,9 @@ def fused_embedding(
         ``ids.shape + (d,)`` tensor of ``weight.dtype``. Differentiable to any order, in
         forward mode too, and under ``torch.func`` transforms (``vmap``, ``grad``).
     """
+    eager = _eager_backend(ids, weight, backend)  # resolved once, for either path below
     plain = not sparse and type(dropout_p) in (float, int) and dropout_p == 0 and type(offset) is int
-    fast = _eager_backend(ids, weight, backend) if plain else None
+    fast = eager if plain and eager is not None and eager.autograd_op is not None else None
     if fast is not None:
         if pos_encoding is None or pos_encoding == "none":
             pos_encoding = "learned" if pos_weight is not None else "none"
@@ -101,7 +102,7 @@ def fused_embedding(
         check_dropout_p(dropout_p)
     if padding_idx is not None:
         padding_idx = normalize_padding_idx(padding_idx, weight.shape[0])
-    chosen = dispatch.resolve(backend, weight.device)
+    chosen = eager if eager is not None else dispatch.resolve(backend, weight.device)
     if _dtensor.is_dtensor(weight):  # a table sharded by torch.distributed (parallelize_module)
         # Checked in the call (every rank sees the same global ids): the shards' kernels
         # hold local ids, which are out of range by design on all but one rank.
@@ -121,20 +122,20 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _eager_backend(ids, weight, backend: str) -> Optional[dispatch.Backend]:
-    """The backend of the common eager call when it is a C++ one -- whose pyembed::embedding
-    op checks every argument itself and has a C++ autograd node (csrc/autograd.cpp) -- or
-    None when the call needs the Python path: torch.compile, forward-mode AD, torch.func
-    transforms, tensor subclasses (DTensor), integer tables, a Python backend. A one-token
-    lookup is ~10 us; the Python checks and autograd.Function it skips were half of that."""
+    """The backend of a common eager call -- plain tensors, a float table; not compiling,
+    no forward-mode AD, no torch.func transform -- or None when the call needs more care
+    (or its arguments are wrong: the checks then say what). A C++ backend's
+    pyembed::embedding op checks every argument itself and has a C++ autograd node
+    (csrc/autograd.cpp): a one-token lookup is ~10 us, and the Python checks and
+    autograd.Function it skips were half of that."""
     if not _autograd_may_be_cpp():
         return None
     if type(weight) not in _PLAIN_TENSORS or type(ids) is not torch.Tensor or not weight.is_floating_point():
         return None
     try:
-        chosen = dispatch.resolve(backend, weight.device)
+        return dispatch.resolve(backend, weight.device)
     except (RuntimeError, ValueError):
         return None  # the slow path raises it, after the argument checks
-    return chosen if chosen.autograd_op is not None else None
 
 
 _VALIDATE_VALUES = (True, False, "sync")
