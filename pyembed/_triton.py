@@ -10,6 +10,11 @@ registered as ops so ``torch.compile`` sees them:
 - ``pyembed::triton_sparse_backward``: the sparse backward, tagged cudagraph_unsafe (the
   number of touched rows is read back from the device).
 
+Eager calls on real tensors run the forward and dense backward bodies (``forward``,
+``backward``) directly: a Python custom op's dispatch costs more host time than the
+launch itself (pyembed.dispatch.Backend.eager_forward). The ops serve torch.compile,
+torch.func and fake-tensor tracing.
+
 Imported by pyembed/__init__.py only when the triton package exists; triton itself is
 imported on first use, so ``import pyembed`` stays cheap. On CPU tensors
 the backend runs only under ``TRITON_INTERPRET=1`` (how it is tested without a GPU).
@@ -18,6 +23,7 @@ the backend runs only under ``TRITON_INTERPRET=1`` (how it is tested without a G
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Optional
 
@@ -30,8 +36,11 @@ _POS_MODES = {"none": 0, "learned": 1, "sinusoidal": 2}
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.cache
 def _kernels():
-    from .kernels import embedding  # imports triton
+    """pyembed.kernels.embedding, imported on first use (it imports triton); then remembered:
+    an import statement per call costs the host a microsecond."""
+    from .kernels import embedding
 
     return embedding
 
@@ -76,9 +85,9 @@ def _forward(ids, weight, pos_weight, position_ids, pos_encoding: str, scale: fl
 
 
 def forward(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.Tensor],
-                   position_ids: Optional[torch.Tensor], pos_encoding: str, scale: float, offset: int,
-                   dropout_key: Optional[torch.Tensor], dropout_p: float, sinusoid_column_offset: int = 0,
-                   sinusoid_dim: int = 0, error_record: int = 0) -> torch.Tensor:
+            position_ids: Optional[torch.Tensor], pos_encoding: str, scale: float, offset: int,
+            dropout_key: Optional[torch.Tensor], dropout_p: float, sinusoid_column_offset: int = 0,
+            sinusoid_dim: int = 0, error_record: int = 0) -> torch.Tensor:
     """The forward (schema of reference.embedding_forward); eagerly, a direct launch. With
     an error_record the kernel checks the ranges into it, and an earlier call's finding is
     raised first (pyembed.checks; csrc/checks.h does the same for the cuda backend)."""
@@ -112,9 +121,9 @@ if not _INTERPRETED:
 
 
 def backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[torch.Tensor], offset: int,
-                    num_embeddings: int, num_positions: int, scale: float, padding_idx: Optional[int],
-                    scale_grad_by_freq: bool, need_weight_grad: bool,
-                    need_pos_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             num_embeddings: int, num_positions: int, scale: float, padding_idx: Optional[int],
+             scale_grad_by_freq: bool, need_weight_grad: bool,
+             need_pos_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense gradients (schema of reference.embedding_backward), without a host sync."""
     k = _kernels()
     dim = grad_out.shape[-1]
