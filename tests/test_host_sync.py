@@ -340,3 +340,33 @@ def test_triton_dense_gradient_is_written_once_and_sorted_on_32_bit_keys(monkeyp
     with TensorOpRecorder() as rec:
         dw, dp = _triton.backward(dout, ids, positions, 0, 300, 40, 1.5, 5, False, True, position_ids)
     _assert_written_once(rec, ids, dout, positions, dw, dp)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
+def test_compiled_default_check_is_one_graph_and_reports_at_the_next_call(monkeypatch):
+    """Under torch.compile(fullgraph=True) the in-kernel check's record address is a
+    constant of the graph (no graph break, no recompile), and the next compiled call
+    raises what the kernel recorded."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    import pyembed
+    from pyembed import checks
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    monkeypatch.setattr(checks, "KERNEL_CHECKED_DEVICES", ("cuda", "cpu"))
+    checks.check_errors("cpu")
+    torch._dynamo.reset()
+    weight = torch.randn(10, 8, requires_grad=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    layer = torch.compile(lambda ids: pyembed.fused_embedding(ids, weight, pos_encoding="sinusoidal", scale=2.0,
+                                                              backend="triton"), backend=counter, fullgraph=True)
+    out = layer(torch.tensor([[1, 12, 3]]))
+    assert not out[0, 1].any()
+    out.sum().backward()
+    with pytest.raises(IndexError, match="id 12, but the embedding table has V=10"):
+        layer(torch.tensor([[1, 2, 3]]))
+    good = layer(torch.tensor([[1, 2, 3]]))
+    expected = pyembed.fused_embedding(torch.tensor([[1, 2, 3]]), weight.detach(), pos_encoding="sinusoidal",
+                                       scale=2.0, backend="reference")
+    torch.testing.assert_close(good, expected)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
