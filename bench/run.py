@@ -280,7 +280,9 @@ def run_case(case: Case, device, provs: list[Provider], args) -> list[dict]:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         timings = time_gpu(fns)
-        if case.mode in ("fwd", "fwd+bwd"):  # against the bytes floor (DESIGN §8); after the wall-clock timings
+        # Against the bytes floor (DESIGN §8), after the wall-clock timings; training-sized
+        # batches only (a one-token call is all host time, and each capture costs seconds).
+        if case.mode in ("fwd", "fwd+bwd") and case.tokens >= 4096:
             graphed = time_gpu_graphs(fns)
     else:
         timings = time_cpu(fns, args.budget, args.min_reps, args.max_reps)
