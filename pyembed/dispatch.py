@@ -66,6 +66,11 @@ def _eager(tensor: torch.Tensor) -> bool:
 
 
 _registry: dict[str, Backend] = {}
+# resolve()'s answers: availability does not change within a process (a device appears or
+# a backend registers only at start-up), and finding it costs a one-token lookup ~2 us
+# (torch.cuda.is_available and friends) of its ~10. An answer is used only while the
+# registry still holds that very backend (a test may swap one in and out).
+_resolved: dict[tuple[str, torch.device], Backend] = {}
 # Why a known backend is not registered at all (set by the code that tried to load it).
 _missing_reason: dict[str, str] = {
     "cpu": "the pyembed._C extension was not built with CPU kernels",
@@ -79,6 +84,7 @@ def register_backend(backend: Backend) -> None:
         raise ValueError(f"pyembed: unknown backend name {backend.name!r}")
     _registry[backend.name] = backend
     _missing_reason.pop(backend.name, None)
+    _resolved.clear()  # "auto" may now pick it
     _vmap.register_rules(backend.forward, backend.backward)
 
 
@@ -115,9 +121,20 @@ def available_backends() -> list[str]:
 
 def resolve(requested: str, device: torch.device) -> Backend:
     """The backend to run for tensors on ``device``. ``requested`` is "auto" or a name;
-    under "auto", a set PYEMBED_BACKEND counts as an explicit request."""
+    under "auto", a set PYEMBED_BACKEND counts as an explicit request (read every call)."""
     if requested == "auto":
         requested = os.environ.get(ENV_VAR, "") or "auto"
+    if torch.compiler.is_compiling():  # traced once per graph: no cache for Dynamo to guard on
+        return _resolve(requested, device)
+    known = _resolved.get((requested, device))
+    if known is not None and _registry.get(known.name) is known:
+        return known
+    chosen = _resolve(requested, device)
+    _resolved[(requested, device)] = chosen
+    return chosen
+
+
+def _resolve(requested: str, device: torch.device) -> Backend:
     if requested == "auto":
         for name in _AUTO_ORDER.get(device.type, ("reference",)):
             if _why_unavailable(name, device) is None:
