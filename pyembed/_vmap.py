@@ -14,9 +14,14 @@ op's own batch, so a batch of N samples is still one kernel launch:
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
+from . import reference
+
 _registered: set[str] = set()
+_FORWARD_INPUTS = tuple(inspect.signature(reference.embedding_forward).parameters)  # the forward ops' schema
 
 
 def _batch_first(t, bdim, n):
@@ -33,7 +38,9 @@ def _forward_rule(op):
     def rule(info, in_dims, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key,
              dropout_p, sinusoid_column_offset=0, sinusoid_dim=0, error_record=0):
         columns = (sinusoid_column_offset, sinusoid_dim, error_record)
-        ids_dim, weight_dim, pos_weight_dim, position_ids_dim, key_dim = in_dims[:4] + in_dims[7:8]
+        dims = dict(zip(_FORWARD_INPUTS, in_dims))  # by name: a new argument shifts nothing here
+        ids_dim, weight_dim, pos_weight_dim = dims["ids"], dims["weight"], dims["pos_weight"]
+        position_ids_dim, key_dim = dims["position_ids"], dims["dropout_key"]
         n = info.batch_size
         if weight_dim is None and pos_weight_dim is None and dropout_key is None:
             ids = _batch_first(ids, ids_dim, n)

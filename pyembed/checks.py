@@ -219,12 +219,18 @@ def deferred_error(device, found: list[int]) -> Exception:
 
 
 def check_errors(device=None) -> None:
-    """Wait for ``device`` (default: the current CUDA device) and raise what its kernels'
-    range checks recorded (``validate=True`` on a GPU checks inside the kernels and
-    reports at the next call): IndexError for an id, ValueError for a position."""
-    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    raise_pending_error(device)
+    """Wait for ``device`` (default: every device a pyembed kernel has checked ids on) and
+    raise what the kernels' range checks recorded: validate=True on a GPU checks inside the
+    kernels and reports at the next call; this reports now. IndexError for an id,
+    ValueError for a position."""
+    if device is None:
+        devices = list(_error_records)
+    else:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        devices = [device]
+    for each in devices:
+        if each.type == "cuda":
+            torch.cuda.synchronize(each)
+        raise_pending_error(each)
