@@ -1,9 +1,13 @@
-"""Data checks of DESIGN §3: id and position ranges, for every backend.
+"""Data checks of DESIGN §3: id and position ranges, two ways.
 
-They read the data (a device->host sync on a GPU), so they live in one op of their own,
-``pyembed::check_ranges``, tagged ``torch.Tag.cudagraph_unsafe``; the kernels' ops then
-never sync and can be captured in a CUDA graph (``torch.compile(mode="reduce-overhead")``)
-when ``validate=False``. All extremes come back to the host in one transfer.
+- In the call (CPU tensors by default, ``validate="sync"`` anywhere): they read the data
+  (a device->host sync on a GPU), so under torch.compile they are one op of their own,
+  ``pyembed::check_ranges``, tagged ``torch.Tag.cudagraph_unsafe``. All extremes come back
+  to the host in one transfer.
+- Inside the forward kernel (``validate=True`` on CUDA tensors, the cuda and triton
+  backends): no sync; the kernel records a bad id into an error record in host memory and
+  the next call raises it (the second half of this file). The kernels' ops then never sync
+  and can be captured in a CUDA graph (``torch.compile(mode="reduce-overhead")``).
 """
 
 from __future__ import annotations
