@@ -52,7 +52,8 @@ test-compat:
 	$(COMPAT_VENV)/bin/pip install --no-build-isolation --no-deps $(COMPAT_VENV)/dist/*.tar.gz
 	cd $(COMPAT_VENV) && bin/python -m pyembed.info && bin/python -m pytest -q -p no:cacheprovider \
 		--rootdir=$(CURDIR) $(CURDIR)/tests/test_parity.py $(CURDIR)/tests/test_dropin.py $(CURDIR)/tests/test_errors.py \
-		$(CURDIR)/tests/test_dropout.py $(CURDIR)/tests/test_dtensor.py
+		$(CURDIR)/tests/test_dropout.py $(CURDIR)/tests/test_dtensor.py \
+		"$(CURDIR)/tests/test_packaging.py::test_readme_python_blocks_run_as_written"
 
 clean:
 	rm -rf build *.egg-info pyembed/*.so

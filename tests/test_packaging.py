@@ -20,9 +20,11 @@ ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 @pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
-def test_readme_python_blocks_run_as_written(index):
+def test_readme_python_blocks_run_as_written(index, tmp_path):
+    # From an empty folder, as a user's script: inside the checkout, Python would import
+    # the source folder rather than the installed copy (make test-compat installs the sdist).
     proc = subprocess.run([sys.executable, "-c", PYTHON_BLOCKS[index]], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env=ENV)
+                          timeout=300, cwd=tmp_path, env=ENV)
     assert proc.returncode == 0, f"README python block {index}:\n{PYTHON_BLOCKS[index]}\n{proc.stderr[-3000:]}"
 
 
