@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -167,23 +167,28 @@ def check_ids_in_range(ids: torch.Tensor, num_embeddings: int) -> None:
 # any offending value serves the message. csrc/checks.h reads the same layout.
 ERROR_RECORD_SLOTS = 8
 KERNEL_CHECKED_DEVICES = ("cuda",)  # where validate=True means the in-kernel check
-_error_records: dict[torch.device, tuple[torch.Tensor, "ctypes.Array"]] = {}  # the memory, and a view to read it
-_error_record_addresses: dict[torch.device, int] = {}
+class ErrorRecord(NamedTuple):
+    memory: torch.Tensor  # (ERROR_RECORD_SLOTS,) int64, owned here for the process's life
+    view: "ctypes.Array"  # the same memory, read without a tensor op (~0.1 us)
+    address: int  # what the kernels take
+
+
+_error_records: dict[torch.device, ErrorRecord] = {}
 
 
 def error_record_address(device: torch.device) -> int:
     """The address of ``device``'s error record (made on first use), which the forward
     kernels of the cuda and triton backends take as ``error_record``."""
-    address = _error_record_addresses.get(device)
-    if address is None:
+    record = _error_records.get(device)
+    if record is None:
         # Host memory the device writes through its own address: pinned memory is mapped
         # for every GPU under unified addressing. A CPU device (kernels run by the Triton
         # interpreter or the CUDA host emulation, in the tests) gets plain memory.
-        record = torch.zeros(ERROR_RECORD_SLOTS, dtype=torch.long, pin_memory=device.type == "cuda")
-        address = record.data_ptr()
-        _error_records[device] = record, (ctypes.c_int64 * ERROR_RECORD_SLOTS).from_address(address)
-        _error_record_addresses[device] = address
-    return address
+        memory = torch.zeros(ERROR_RECORD_SLOTS, dtype=torch.long, pin_memory=device.type == "cuda")
+        address = memory.data_ptr()
+        record = ErrorRecord(memory, (ctypes.c_int64 * ERROR_RECORD_SLOTS).from_address(address), address)
+        _error_records[device] = record
+    return record.address
 
 
 # Under torch.compile the address is a constant of the graph, taken when it is traced (the
@@ -196,10 +201,10 @@ error_record_address._dynamo_marked_constant = True
 def raise_pending_error(device: torch.device) -> None:
     """Raise (and clear) what a kernel on ``device`` recorded since the last call: an
     IndexError for an id, a ValueError for a position. Reads host memory only (~0.1 us)."""
-    entry = _error_records.get(device)
-    if entry is None:
+    record = _error_records.get(device)
+    if record is None:
         return
-    view = entry[1]
+    view = record.view
     if view[0] or view[3]:
         found = list(view)
         ctypes.memset(view, 0, ctypes.sizeof(view))

@@ -23,18 +23,26 @@ _SYNCING = {"aten::_local_scalar_dense", "aten::item", "aten::unique_consecutive
 
 
 class HostSyncRecorder(TorchDispatchMode):
-    """Records the ATen ops that would make the host wait for a GPU, and counts all ATen ops."""
+    """Records the ATen ops that would make the host wait for a GPU, and every ATen op as
+    (name, dtype and numel of its first tensor argument)."""
 
     def __init__(self):
         super().__init__()
         self.syncs = []
-        self.ops = 0
-        self.names = []
+        self.calls = []
+
+    @property
+    def ops(self) -> int:
+        return len(self.calls)
+
+    @property
+    def names(self) -> list:
+        return [call[0] for call in self.calls]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
-        self.ops += 1
-        self.names.append(name)
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        self.calls.append((name, None if first is None else first.dtype, 0 if first is None else first.numel()))
         bool_index = name == "aten::index" and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
         if name in _SYNCING or bool_index:
@@ -201,7 +209,7 @@ def test_emulated_cuda_kernel_records_bad_ranges_and_the_next_call_raises(emulat
     assert rec.syncs == []
     bad = (ids < 0) | (ids >= 10)
     assert not out[bad].any()
-    found = list(checks._error_records[torch.device("cpu")][1])
+    found = list(checks._error_records[torch.device("cpu")].view)
     assert found[0] == 1 and found[1] in (12, -5) and found[2] == 10 and found[3] == 0
     with pytest.raises(IndexError) as raised:  # the C++ op reads the record before its launch
         emulated.embedding_forward(ids.clamp(0, 9), weight, None, None, "none", 1.0, 0, None, 0.0, 0, 0, record)
@@ -211,16 +219,16 @@ def test_emulated_cuda_kernel_records_bad_ranges_and_the_next_call_raises(emulat
     positions = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 2]])  # 6 >= max_seq_len
     emulated.embedding_forward(ids.clamp(0, 9), weight, pos_weight, positions, "learned", 1.0, 0, None, 0.0, 0, 0,
                                record)
-    found = list(checks._error_records[torch.device("cpu")][1])
+    found = list(checks._error_records[torch.device("cpu")].view)
     assert found[:6] == [0, 0, 0, 1, 6, 6]
     with pytest.raises(ValueError) as raised:
         emulated.embedding_forward(ids.clamp(0, 9), weight, None, None, "none", 1.0, 0, None, 0.0, 0, 0, record)
     assert str(raised.value) == str(checks.deferred_error(torch.device("cpu"), found))
     emulated.embedding_forward(ids.clamp(0, 9), weight, None, -positions, "sinusoidal", 1.0, 0, None, 0.0, 0, 0,
                                record)
-    found = list(checks._error_records[torch.device("cpu")][1])
+    found = list(checks._error_records[torch.device("cpu")].view)
     assert found[3] == 1 and found[4] < 0 and found[5] == -1
-    checks._error_records[torch.device("cpu")][0].zero_()
+    checks._error_records[torch.device("cpu")].memory.zero_()
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
@@ -257,20 +265,6 @@ def test_eager_triton_calls_skip_the_dispatcher_and_issue_few_aten_ops(monkeypat
     torch.testing.assert_close(pos_weight.grad, torch.full((8, 16), 2.0))
 
 
-class TensorOpRecorder(TorchDispatchMode):
-    """Records (op name, dtype and numel of its first tensor argument) for every ATen op."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        self.calls.append((func._schema.name, None if first is None else first.dtype,
-                           0 if first is None else first.numel()))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("position_ids", [False, True])
 def test_emulated_cuda_dense_gradient_is_written_once_and_sorted_on_32_bit_keys(emulated, position_ids):
     """The (V, d) gradient gets no zero fill before its kernels (a whole extra pass over
@@ -278,7 +272,7 @@ def test_emulated_cuda_dense_gradient_is_written_once_and_sorted_on_32_bit_keys(
     row, writing sums or zeros. The sort sees 32-bit keys (half the radix passes of 64-bit
     ones). Memory that held NaNs before is reused, so a row the kernels missed would show."""
     ids, dout, positions = _written_once_inputs(position_ids)
-    with TensorOpRecorder() as rec:
+    with HostSyncRecorder() as rec:
         dw, dp = emulated.embedding_backward(dout, ids, positions, 0, 300, 40, 1.5, 5, False, True, position_ids)
     _assert_written_once(rec, ids, dout, positions, dw, dp)
 
@@ -337,7 +331,7 @@ def test_triton_dense_gradient_is_written_once_and_sorted_on_32_bit_keys(monkeyp
 
     monkeypatch.setattr(interpreter.GridExecutor, "__call__", unrecorded_launch)
     ids, dout, positions = _written_once_inputs(position_ids)
-    with TensorOpRecorder() as rec:
+    with HostSyncRecorder() as rec:
         dw, dp = _triton.backward(dout, ids, positions, 0, 300, 40, 1.5, 5, False, True, position_ids)
     _assert_written_once(rec, ids, dout, positions, dw, dp)
 
