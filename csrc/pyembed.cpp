@@ -53,6 +53,11 @@ TORCH_LIBRARY(pyembed, m) {
       "embedding_sparse_backward(Tensor grad_out, Tensor ids, int num_embeddings, float scale, int? padding_idx, "
       "bool scale_grad_by_freq) -> (Tensor, Tensor)",
       sparse_tags);
+  // The optimizer inside the backward (pyembed/optim.py, csrc/optim.h): table rows `rows`
+  // got the gradient rows `values`; all_rows updates every row (the rest with g = 0).
+  m.def(
+      "optimizer_update(Tensor(a!) param, Tensor(b!) state1, Tensor(c!) state2, Tensor rows, Tensor values, "
+      "int rule, float[] hyper, bool all_rows) -> ()");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

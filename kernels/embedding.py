@@ -397,7 +397,122 @@ def _batch_sum_kernel(
     tl.store(out_ptr + (offset + t) * dim + cols, _rounded(acc, out_ptr), mask=col_ok)
 
 
+@triton.jit
+def _optimizer_update_kernel(
+    param_ptr,  # (num_rows, dim) the table, updated in place
+    state1_ptr, state2_ptr,  # (num_rows, dim) its optimizer state, when HAS_STATE1 / HAS_STATE2
+    rows_ptr,  # (touched,) int64: the table row of gradient row k (not ALL_ROWS)
+    row_slot_ptr,  # (num_rows,) int64: the gradient row of table row r, -1 if none (ALL_ROWS)
+    values_ptr,  # (touched, dim) the gradient rows
+    num_rows, touched, dim,
+    lr: tl.float64, beta1: tl.float64, beta2: tl.float64, eps: tl.float64, weight_decay: tl.float64,
+    momentum: tl.float64, dampening: tl.float64, bias_correction1: tl.float64, bias_correction2_sqrt: tl.float64,
+    RULE: tl.constexpr, DECOUPLED: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
+    FIRST: tl.constexpr, ALL_ROWS: tl.constexpr, HAS_STATE1: tl.constexpr, HAS_STATE2: tl.constexpr,
+    COMPUTE_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The optimizer inside the backward: csrc/optim.h's rules (RULE 0 SGD, 1 Adam/AdamW,
+    2 Adagrad, 3 SparseAdam) on a (BLOCK_R rows x BLOCK_D) tile -- every table row when
+    ALL_ROWS (g = 0 where untouched: dense semantics), else the touched rows; p and each
+    state read and written once, rounded once. A row outside the table is masked."""
+    acc = tl.float64 if COMPUTE_F64 else tl.float32
+    i = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    if ALL_ROWS:
+        row = i
+        slot = tl.load(row_slot_ptr + i, mask=i < num_rows, other=-1)
+    else:
+        slot = i
+        row = tl.load(rows_ptr + i, mask=i < touched, other=-1)
+    ok = ((row >= 0) & (row < num_rows))[:, None] & (cols < dim)[None, :]
+    at = row[:, None] * dim + cols[None, :]
+    p = tl.load(param_ptr + at, mask=ok, other=0.0).to(acc)
+    g = tl.load(values_ptr + slot[:, None] * dim + cols[None, :], mask=ok & (slot >= 0)[:, None], other=0.0).to(acc)
+    s1 = tl.load(state1_ptr + at, mask=ok, other=0.0).to(acc) if HAS_STATE1 else tl.zeros_like(p)
+    s2 = tl.load(state2_ptr + at, mask=ok, other=0.0).to(acc) if HAS_STATE2 else tl.zeros_like(p)
+    lr, beta1, beta2 = tl.full([], lr, acc), tl.full([], beta1, acc), tl.full([], beta2, acc)
+    eps, wd = tl.full([], eps, acc), tl.full([], weight_decay, acc)
+    if MAXIMIZE:
+        g = -g
+    # A zero weight decay adds nothing, not 0 * p (NaN for an infinite p), as torch skips it.
+    if RULE == 0:  # SGD
+        if weight_decay != 0:
+            g = g + wd * p
+        if HAS_STATE1:
+            m = tl.full([], momentum, acc)
+            if FIRST:
+                s1 = g
+            else:
+                s1 = m * s1 + (1 - tl.full([], dampening, acc)) * g
+            if NESTEROV:
+                g = g + m * s1
+            else:
+                g = s1
+        p = p - lr * g
+    elif RULE == 1:  # Adam / AdamW
+        if weight_decay != 0:
+            if DECOUPLED:
+                p = p * (1 - lr * wd)
+            else:
+                g = g + wd * p
+        s1 = s1 + (1 - beta1) * (g - s1)
+        s2 = s2 * beta2 + (1 - beta2) * (g * g)
+        denom = tl.sqrt(s2) / tl.full([], bias_correction2_sqrt, acc) + eps
+        p = p - (lr / tl.full([], bias_correction1, acc)) * (s1 / denom)
+    elif RULE == 2:  # Adagrad (lr: clr)
+        if weight_decay != 0:
+            g = g + wd * p
+        s1 = s1 + g * g
+        p = p - lr * (g / (tl.sqrt(s1) + eps))
+    else:  # SparseAdam (lr: step_size)
+        s1 = s1 + (1 - beta1) * (g - s1)
+        s2 = s2 + (1 - beta2) * (g * g - s2)
+        p = p - lr * (s1 / (tl.sqrt(s2) + eps))
+    tl.store(param_ptr + at, _rounded(p, param_ptr), mask=ok)
+    if HAS_STATE1:
+        tl.store(state1_ptr + at, _rounded(s1, state1_ptr), mask=ok)
+    if HAS_STATE2:
+        tl.store(state2_ptr + at, _rounded(s2, state2_ptr), mask=ok)
+
+
 # --------------------------------------------------------------------------- launchers
+def optimizer_update(param, state1, state2, rows, values, rule: int, hyper, all_rows: bool):
+    """torch.ops.pyembed.optimizer_update's schema (csrc/pyembed.cpp) on the Triton kernel:
+    rows (touched,) int64 got gradient rows values (touched, d); hyper as pyembed/optim.py
+    builds it per rule. With all_rows a (V,) map from table row to gradient row is built
+    on the device (no host sync)."""
+    num_rows, dim = param.shape
+    touched = rows.numel()
+    count = num_rows if all_rows else touched
+    if count == 0 or dim == 0:
+        return
+    row_slot = rows
+    if all_rows:
+        row_slot = torch.full((num_rows,), -1, dtype=torch.long, device=param.device)
+        row_slot[rows] = torch.arange(touched, device=param.device)
+    # Named scalars from the rule's tuple (csrc/optim.h, Scalars::from); the rest unused.
+    lr = beta1 = beta2 = eps = wd = momentum = dampening = 0.0
+    bc1 = bc2_sqrt = 1.0
+    decoupled = nesterov = maximize = first = False
+    if rule == 0:
+        lr, momentum, dampening, wd, nesterov, maximize, first = hyper[:7]
+    elif rule == 1:
+        lr, beta1, beta2, eps, wd, decoupled, maximize, bc1, bc2_sqrt = hyper[:9]
+    elif rule == 2:
+        lr, wd, eps, maximize = hyper[:4]
+    else:
+        lr, beta1, beta2, eps, maximize = hyper[:5]
+    _, block_d = _blocks(dim)
+    block_r = max(1, TILE_ELEMENTS // 2 // block_d)  # five tiles live: p, g, two states, a temporary
+    has1, has2 = state1.numel() > 0, state2.numel() > 0
+    _optimizer_update_kernel[(_cdiv(count, block_r), _cdiv(dim, block_d))](
+        param, state1 if has1 else param, state2 if has2 else param, rows, row_slot, values, num_rows, touched, dim,
+        lr, beta1, beta2, eps, wd, momentum, dampening, bc1, bc2_sqrt,
+        RULE=rule, DECOUPLED=bool(decoupled), NESTEROV=bool(nesterov), MAXIMIZE=bool(maximize), FIRST=bool(first),
+        ALL_ROWS=all_rows, HAS_STATE1=has1, HAS_STATE2=has2, COMPUTE_F64=param.dtype == torch.float64,
+        BLOCK_R=block_r, BLOCK_D=block_d,
+    )
+
 def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scale: float, offset: int,
                       dropout_key, dropout_threshold: int, dropout_scale: float, sinusoid_column_offset: int,
                       sinusoid_dim: int, out, launch=lambda kernel: kernel, error_record: int = 0):

@@ -16,6 +16,7 @@ from .checks import check_errors
 from .dispatch import available_backends
 from .functional import fused_embedding
 from .modules import EmbeddingLayer, FusedEmbedding, replace_embeddings
+from .optim import apply_optimizer_in_backward
 from .reference import sinusoidal_table
 
 if _importlib_util.find_spec("triton") is not None:  # else dispatch reports it as not installed
@@ -26,6 +27,7 @@ from . import analysis, parallel  # noqa: E402  (pyembed.analysis.*, pyembed.par
 __all__ = [
     "EmbeddingLayer",
     "FusedEmbedding",
+    "apply_optimizer_in_backward",
     "available_backends",
     "build_info",
     "check_errors",

@@ -166,9 +166,16 @@ def triton_sparse_backward(grad_out: torch.Tensor, ids: torch.Tensor, num_embedd
     return segments.keys[:touched].clone(), values
 
 
+def optimizer_update(param, state1, state2, rows, values, rule: int, hyper: list, all_rows: bool) -> None:
+    """The optimizer inside the backward (schema of torch.ops.pyembed.optimizer_update),
+    one Triton launch; only ever called eagerly (pyembed.optim runs outside compiled graphs)."""
+    with _on_device(param):
+        _kernels().optimizer_update(param, state1, state2, rows, values, rule, hyper, all_rows)
+
+
 reference.register_fakes("pyembed::triton_forward", "pyembed::triton_backward", "pyembed::triton_sparse_backward")
 
 dispatch.register_backend(dispatch.Backend(
     "triton", torch.ops.pyembed.triton_forward, torch.ops.pyembed.triton_backward,
     torch.ops.pyembed.triton_sparse_backward, _why_unavailable, checks_in_kernel=True,
-    eager_forward=forward, eager_backward=backward))
+    eager_forward=forward, eager_backward=backward, optimizer_update=optimizer_update))

@@ -44,6 +44,9 @@ class Backend:
     # per call, more than a kernel launch.
     eager_forward: Optional[Callable] = None
     eager_backward: Optional[Callable] = None
+    # The optimizer inside the backward (pyembed.optim): the schema of
+    # torch.ops.pyembed.optimizer_update; None: the reference (torch's functional optimizer).
+    optimizer_update: Optional[Callable] = None
 
     def forward_op(self, tensor: torch.Tensor) -> Callable:
         """The forward to call on ``tensor`` (an input): the eager body when it is a plain

@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 from torch.autograd import forward_ad
 
-from . import _coalesced, _dtensor, checks, dispatch, reference
+from . import _coalesced, _dtensor, checks, dispatch, optim, reference
 
 _ID_DTYPES = (torch.int32, torch.int64)
 _WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -80,8 +80,22 @@ def fused_embedding(
         ``ids.shape + (d,)`` tensor of ``weight.dtype``. Differentiable to any order, in
         forward mode too, and under ``torch.func`` transforms (``vmap``, ``grad``).
     """
+    if optim.tables_are_fused and (optim.fused_optimizer(weight) or optim.fused_optimizer(pos_weight)):
+        return _with_fused_optimizer(ids, weight, pos_weight, pos_encoding=pos_encoding, scale=scale,
+                                     position_ids=position_ids, offset=offset, padding_idx=padding_idx,
+                                     scale_grad_by_freq=scale_grad_by_freq, sparse=sparse, validate=validate,
+                                     dropout_p=dropout_p, generator=generator, backend=backend)
+    return _fused_embedding(ids, weight, pos_weight, pos_encoding, scale, position_ids, offset, padding_idx,
+                            scale_grad_by_freq, sparse, validate, dropout_p, generator, backend)
+
+
+def _fused_embedding(ids, weight, pos_weight, pos_encoding, scale, position_ids, offset, padding_idx,
+                     scale_grad_by_freq, sparse, validate, dropout_p, generator, backend, cpp_autograd=True):
+    """fused_embedding's body. cpp_autograd=False: never the C++ autograd node (a table with a
+    fused optimizer needs the Python backward, where the update runs)."""
     eager = _eager_backend(ids, weight, backend)  # resolved once, for either path below
-    plain = not sparse and type(dropout_p) in (float, int) and dropout_p == 0 and type(offset) is int
+    plain = (cpp_autograd and not sparse and type(dropout_p) in (float, int) and dropout_p == 0
+             and type(offset) is int)
     fast = eager if plain and eager is not None and eager.autograd_op is not None else None
     if fast is not None:
         if pos_encoding is None or pos_encoding == "none":
@@ -115,7 +129,24 @@ def fused_embedding(
     sync_check, error_record = range_checks(validate, chosen, weight.device)
     return apply_fused(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
                        scale_grad_by_freq, sparse, sync_check, chosen, dropout_key, dropout_p,
-                       error_record=error_record)
+                       error_record=error_record, cpp_autograd=cpp_autograd)
+
+
+@torch.compiler.disable
+def _with_fused_optimizer(ids, weight, pos_weight, **kwargs):
+    """A call on a table whose optimizer runs in the backward (pyembed.optim): the Python
+    autograd.Function, whose backward updates the table; outside any compiled graph (a
+    graph break under torch.compile: AOTAutograd cannot mutate a parameter in a backward)."""
+    if _functorch_active():
+        raise checks.InputValueError("pyembed: a table with a fused optimizer cannot be used under torch.func "
+                                     "transforms")
+    sparse = kwargs["sparse"]
+    for table, positional in ((weight, False), (pos_weight, True)):
+        if optim.fused_optimizer(table) is not None:
+            optim.check_table_use(table, sparse and not positional, positional)
+    args = [kwargs[name] for name in ("pos_encoding", "scale", "position_ids", "offset", "padding_idx",
+                                      "scale_grad_by_freq", "sparse", "validate", "dropout_p", "generator", "backend")]
+    return _fused_embedding(ids, weight, pos_weight, *args, cpp_autograd=False)
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -202,7 +233,7 @@ class FusedConfig(NamedTuple):
 def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale, offset, padding_idx,
                 scale_grad_by_freq, sparse, validate, backend: dispatch.Backend, dropout_key=None,
                 dropout_p: float = 0.0, sinusoid_columns: tuple[int, int] = (0, 0), *,
-                error_record: int = 0) -> torch.Tensor:
+                error_record: int = 0, cpp_autograd: bool = True) -> torch.Tensor:
     """FusedEmbeddingFunction on checked arguments (shared by fused_embedding and the
     sharded tables' rules, pyembed._dtensor); the kernels index rows densely, so tensors
     are made contiguous. validate: check the ranges before the kernel (a sync on a GPU);
@@ -210,8 +241,8 @@ def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale,
     offset, full width) of a column shard (FusedConfig)."""
     tensors = (ids.contiguous(), weight.contiguous(), None if pos_weight is None else pos_weight.contiguous(),
                None if position_ids is None else position_ids.contiguous(), dropout_key)
-    if (backend.autograd_op is not None and dropout_key is None and not sparse and sinusoid_columns == (0, 0)
-            and _autograd_may_be_cpp()):
+    if (cpp_autograd and backend.autograd_op is not None and dropout_key is None and not sparse
+            and sinusoid_columns == (0, 0) and _autograd_may_be_cpp()):
         # The common eager call on a C++ backend: one op whose autograd node is C++ too
         # (csrc/autograd.cpp), a few us less than an autograd.Function -- most of a one-token
         # lookup. Everything else (dropout, sparse, forward AD, torch.func, torch.compile)
@@ -224,6 +255,8 @@ def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale,
     config = FusedConfig(pos_encoding, float(scale), int(offset), padding_idx, bool(scale_grad_by_freq),
                          bool(sparse), bool(validate), backend.name, float(dropout_p), error_record,
                          *sinusoid_columns)
+    if not cpp_autograd:  # tables with a fused optimizer: the backward updates them (pyembed.optim)
+        return FusedEmbeddingFunctionWithJvp.apply(*tensors, config)
     if not torch.compiler.is_compiling():
         function = FusedEmbeddingFunctorch if _functorch_active() else FusedEmbeddingFunctionWithJvp
         return function.apply(*tensors, config)
@@ -246,7 +279,7 @@ def _checked_ids(ids, weight, pos_weight, position_ids, pos_encoding: str) -> to
 
 
 def _gradients(config: FusedConfig, grad_out, ids, position_ids, dropout_key, weight_shape, num_positions: int,
-               need_weight_grad: bool, need_pos_grad: bool):
+               need_weight_grad: bool, need_pos_grad: bool, fused_tables=None):
     """(weight gradient, positional gradient) from the backend's ops, None where not
     needed: dense through DenseGradFunction (differentiable again), sparse as a coalesced
     COO tensor built by the aten op behind torch.sparse_coo_tensor. With dropout, the
@@ -255,6 +288,10 @@ def _gradients(config: FusedConfig, grad_out, ids, position_ids, dropout_key, we
         grad_out = (DropoutMaskFunctorch if _functorch_active() else DropoutMaskFunction).apply(
             grad_out, dropout_key, config)
     grad_out = grad_out.contiguous()
+    if fused_tables is not None:  # tables with an optimizer in the backward: updated here, no gradient
+        need_weight_grad, need_pos_grad = optim.step_tables(
+            dispatch.get(config.backend), config, grad_out, ids, position_ids, fused_tables,
+            (need_weight_grad, need_pos_grad))
     dense_weight_grad = need_weight_grad and not config.sparse
     grad_weight = pos_grad = None
     if dense_weight_grad or need_pos_grad:
@@ -295,6 +332,8 @@ def _fused_save(ctx, ids, weight, pos_weight, position_ids, dropout_key, config:
     ctx.save_for_backward(ids, position_ids, dropout_key)
     ctx.save_for_forward(ids, position_ids, dropout_key)
     ctx.config = config
+    # Tables whose optimizer runs in the backward are held (not saved: the update changes them).
+    ctx.fused_tables = optim.fused_tables(weight, pos_weight) if optim.tables_are_fused else None
     ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
     ctx.num_positions = pos_weight.shape[0] if pos_weight is not None else 0
 
@@ -303,7 +342,7 @@ def _fused_backward(ctx, grad_out):
     ids, position_ids, dropout_key = ctx.saved_tensors
     grad_weight, pos_grad = _gradients(
         ctx.config, grad_out, ids, position_ids, dropout_key, ctx.weight_shape, ctx.num_positions,
-        ctx.needs_input_grad[1], ctx.needs_input_grad[2] and ctx.config.pos_encoding == "learned")
+        ctx.needs_input_grad[1], ctx.needs_input_grad[2] and ctx.config.pos_encoding == "learned", ctx.fused_tables)
     return None, grad_weight, pos_grad, None, None, None
 
 

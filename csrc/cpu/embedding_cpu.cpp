@@ -205,9 +205,34 @@ std::tuple<at::Tensor, at::Tensor> embedding_sparse_backward_cpu(const at::Tenso
   return {rows, values};
 }
 
+void optimizer_update_cpu(const at::Tensor& param, const at::Tensor& state1, const at::Tensor& state2,
+                          const at::Tensor& rows_in, const at::Tensor& values_in, int64_t rule,
+                          c10::ArrayRef<double> hyper, bool all_rows) {
+  check_optimizer_update(param, state1, state2, rows_in, values_in, rule, hyper);
+  const at::Tensor rows = rows_in.contiguous(), values = values_in.contiguous();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t k = 0; k < rows.numel(); ++k) {  // the kernel's walk relies on it
+    TORCH_CHECK_INDEX(r[k] >= 0 && r[k] < param.size(0) && (k == 0 || r[k] > r[k - 1]),
+                      "pyembed: optimizer rows must be ascending, unique and in [0, ", param.size(0), ")");
+  }
+  cpu::OptimizerArgs a{};
+  a.param = param.data_ptr();
+  a.state1 = state1.numel() ? state1.data_ptr() : nullptr;
+  a.state2 = state2.numel() ? state2.data_ptr() : nullptr;
+  a.rows = r;
+  a.values = values.data_ptr();
+  a.dtype = param.scalar_type();
+  a.num_rows = param.size(0), a.touched = rows.numel(), a.dim = param.size(1);
+  a.rule = static_cast<int>(rule);
+  a.hyper = hyper.data();
+  a.all_rows = all_rows;
+  if (a.dim > 0) cpu::row_kernels().optimizer_update(a);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pyembed, CPU, m) {
+  m.impl("optimizer_update", &optimizer_update_cpu);
   m.impl("embedding_forward", &embedding_forward_cpu);
   m.impl("embedding_backward", &embedding_backward_cpu);
   m.impl("embedding_sparse_backward", &embedding_sparse_backward_cpu);

@@ -59,11 +59,28 @@ struct BatchSumArgs {
   void* out;                    // (num_positions, dim)
 };
 
+// The optimizer inside the backward (csrc/optim.h): rows[k] of the table got the gradient
+// row values[k]; all_rows: every table row is updated, the others with g = 0 (dense
+// semantics), else only the rows listed.
+struct OptimizerArgs {
+  void* param;                  // (num_rows, dim) of dtype, updated in place
+  void* state1;                 // (num_rows, dim) of dtype, or nullptr when the rule keeps none
+  void* state2;
+  const int64_t* rows;          // (touched,) ascending, unique
+  const void* values;           // (touched, dim) of dtype
+  c10::ScalarType dtype;
+  int64_t num_rows, touched, dim;
+  int rule;                     // optim::Rule
+  const double* hyper;          // the rule's host scalars (optim::Scalars::from)
+  bool all_rows;
+};
+
 struct Kernels {
   const char* isa;
   void (*forward)(const ForwardArgs&);
   void (*segment_sum)(const SegmentSumArgs&);
   void (*batch_sum)(const BatchSumArgs&);
+  void (*optimizer_update)(const OptimizerArgs&);
 };
 
 const Kernels& kernels_base();

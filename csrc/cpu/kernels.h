@@ -17,6 +17,7 @@
 #include <cstring>
 #include <vector>
 
+#include "../optim.h"
 #include "kernel_api.h"
 
 #ifndef PYEMBED_ISA
@@ -390,6 +391,62 @@ void batch_sum_typed(const BatchSumArgs& a) {
   });
 }
 
+// One table row through the update rule: vectors of Chunk<T> in the compute dtype, a
+// scalar tail. g == nullptr: no gradient for this row (g = 0). Each of p, s1, s2 is read
+// and written once, rounded once.
+template <typename T, int RULE>
+void update_row(T* p, T* s1, T* s2, const T* g, int64_t dim, const optim::Scalars<acc_t<T>>& h) {
+  using A = acc_t<T>;
+  using C = Chunk<T>;
+  int64_t j = 0;
+  for (; j + C::kSize <= dim; j += C::kSize) {
+    C cp = C::load(p + j), c1 = s1 ? C::load(s1 + j) : C::zero(), c2 = s2 ? C::load(s2 + j) : C::zero();
+    const C cg = g ? C::load(g + j) : C::zero();
+    for (int i = 0; i < C::kParts; ++i) optim::update<RULE>(cp.v[i], c1.v[i], c2.v[i], cg.v[i], h);
+    cp.store(p + j);
+    if (s1) c1.store(s1 + j);
+    if (s2) c2.store(s2 + j);
+  }
+  for (; j < dim; ++j) {
+    A vp = static_cast<A>(p[j]), v1 = s1 ? static_cast<A>(s1[j]) : A(0), v2 = s2 ? static_cast<A>(s2[j]) : A(0);
+    optim::update<RULE>(vp, v1, v2, g ? static_cast<A>(g[j]) : A(0), h);
+    p[j] = static_cast<T>(vp);
+    if (s1) s1[j] = static_cast<T>(v1);
+    if (s2) s2[j] = static_cast<T>(v2);
+  }
+}
+
+// Rows split over threads; with all_rows each task walks the table rows of its range and
+// the sorted touched rows in step (one binary search per task), so a row's gradient is
+// found without a (V,) map.
+template <typename T, int RULE>
+void optimizer_update_typed(const OptimizerArgs& a) {
+  const auto h = optim::Scalars<acc_t<T>>::from(a.rule, a.hyper);
+  auto* p = static_cast<T*>(a.param);
+  auto* s1 = static_cast<T*>(a.state1);
+  auto* s2 = static_cast<T*>(a.state2);
+  const auto* values = static_cast<const T*>(a.values);
+  const int64_t dim = a.dim;
+  auto row = [&](int64_t r, const T* g) {
+    update_row<T, RULE>(p + r * dim, s1 ? s1 + r * dim : nullptr, s2 ? s2 + r * dim : nullptr, g, dim, h);
+  };
+  const int64_t grain = grain_for(3 * dim * sizeof(T));
+  if (!a.all_rows) {
+    at::parallel_for(0, a.touched, grain, [&](int64_t k0, int64_t k1) {
+      for (int64_t k = k0; k < k1; ++k) row(a.rows[k], values + k * dim);
+    });
+    return;
+  }
+  at::parallel_for(0, a.num_rows, grain, [&](int64_t r0, int64_t r1) {
+    int64_t k = std::lower_bound(a.rows, a.rows + a.touched, r0) - a.rows;
+    for (int64_t r = r0; r < r1; ++r) {
+      const bool touched = k < a.touched && a.rows[k] == r;
+      row(r, touched ? values + k * dim : nullptr);
+      k += touched;
+    }
+  });
+}
+
 void forward(const ForwardArgs& a) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.dtype, "pyembed_forward_cpu", [&] {
     AT_DISPATCH_INDEX_TYPES(a.id_type, "pyembed_forward_cpu", [&] { forward_typed<scalar_t, index_t>(a); });
@@ -406,10 +463,21 @@ void batch_sum(const BatchSumArgs& a) {
                                   [&] { batch_sum_typed<scalar_t>(a); });
 }
 
+void optimizer_update(const OptimizerArgs& a) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.dtype, "pyembed_optimizer_update_cpu", [&] {
+    switch (a.rule) {
+      case optim::kSGD: return optimizer_update_typed<scalar_t, optim::kSGD>(a);
+      case optim::kAdam: return optimizer_update_typed<scalar_t, optim::kAdam>(a);
+      case optim::kAdagrad: return optimizer_update_typed<scalar_t, optim::kAdagrad>(a);
+      default: return optimizer_update_typed<scalar_t, optim::kSparseAdam>(a);
+    }
+  });
+}
+
 }  // namespace
 
 #define PYEMBED_STR2(x) #x
 #define PYEMBED_STR(x) PYEMBED_STR2(x)
-const Kernels kKernels = {PYEMBED_STR(PYEMBED_ISA), &forward, &segment_sum, &batch_sum};
+const Kernels kKernels = {PYEMBED_STR(PYEMBED_ISA), &forward, &segment_sum, &batch_sum, &optimizer_update};
 
 }  // namespace pyembed::cpu::PYEMBED_ISA

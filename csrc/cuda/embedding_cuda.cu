@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "embedding_kernels.cuh"
+#include "optim_kernels.cuh"
 
 namespace pyembed::cuda {
 namespace {
@@ -48,9 +49,17 @@ std::tuple<at::Tensor, at::Tensor> embedding_sparse_backward_cuda(const at::Tens
   return sparse_backward_op<CudaLaunch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq);
 }
 
+void optimizer_update_cuda(const at::Tensor& param, const at::Tensor& state1, const at::Tensor& state2,
+                           const at::Tensor& rows, const at::Tensor& values, int64_t rule, c10::ArrayRef<double> hyper,
+                           bool all_rows) {
+  const c10::cuda::CUDAGuard guard(param.device());
+  optimizer_update_op<CudaLaunch>(param, state1, state2, rows, values, rule, hyper, all_rows);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pyembed, CUDA, m) {
+  m.impl("optimizer_update", &optimizer_update_cuda);
   m.impl("embedding_forward", &embedding_forward_cuda);
   m.impl("embedding_backward", &embedding_backward_cuda);
   m.impl("embedding_sparse_backward", &embedding_sparse_backward_cuda);

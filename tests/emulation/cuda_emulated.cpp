@@ -4,6 +4,7 @@
 
 #include "cuda/host_emulation.h"
 #include "cuda/embedding_kernels.cuh"
+#include "cuda/optim_kernels.cuh"
 
 using pyembed::emulation::EmulatedLaunch;
 
@@ -19,4 +20,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("embedding_sparse_backward", &pyembed::cuda::sparse_backward_op<EmulatedLaunch>,
         "the CUDA sparse backward, emulated on CPU tensors (same arguments as "
         "torch.ops.pyembed.embedding_sparse_backward)");
+  m.def("optimizer_update",
+        [](const at::Tensor& param, const at::Tensor& state1, const at::Tensor& state2, const at::Tensor& rows,
+           const at::Tensor& values, int64_t rule, const std::vector<double>& hyper, bool all_rows) {
+          pyembed::cuda::optimizer_update_op<EmulatedLaunch>(param, state1, state2, rows, values, rule, hyper,
+                                                             all_rows);
+        },
+        "the CUDA optimizer update, emulated on CPU tensors (same arguments as torch.ops.pyembed.optimizer_update)");
 }

@@ -1,0 +1,82 @@
+// The optimizer inside the backward on CUDA tensors (pyembed/optim.py): the rules of
+// csrc/optim.h, one thread per element of an updated row. Compiled by nvcc into
+// pyembed._C (embedding_cuda.cu) and by g++ with host_emulation.h into the test module,
+// like embedding_kernels.cuh; no shared memory, no synchronisation, no host sync.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "../checks.h"
+#include "../optim.h"
+#include "embedding_kernels.cuh"
+
+namespace pyembed::cuda {
+
+// Element e = (i, j) of the updated rows: all_rows: table row i, whose gradient is row
+// row_slot[i] of values (-1: none, g = 0); else touched row i, table row rows[i] (one
+// outside the table is skipped: nothing is read or written out of bounds).
+template <typename T, int RULE>
+__global__ void optimizer_update_kernel(T* param, T* state1, T* state2, const int64_t* rows, const int64_t* row_slot,
+                                        const T* values, int64_t num_rows, int64_t touched, int64_t dim,
+                                        optim::Scalars<acc_type<T>> h, bool all_rows) {
+  using A = acc_type<T>;
+  const int64_t total = (all_rows ? num_rows : touched) * dim;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += stride) {
+    const int64_t i = e / dim, j = e - i * dim;
+    const int64_t row = all_rows ? i : rows[i];
+    const int64_t slot = all_rows ? row_slot[i] : i;
+    if (row < 0 || row >= num_rows) continue;
+    const int64_t at = row * dim + j;
+    A p = static_cast<A>(param[at]);
+    A s1 = state1 ? static_cast<A>(state1[at]) : A(0);
+    A s2 = state2 ? static_cast<A>(state2[at]) : A(0);
+    const A g = slot >= 0 ? static_cast<A>(values[slot * dim + j]) : A(0);
+    optim::update<RULE>(p, s1, s2, g, h);
+    param[at] = static_cast<T>(p);
+    if (state1) state1[at] = static_cast<T>(s1);
+    if (state2) state2[at] = static_cast<T>(s2);
+  }
+}
+
+template <class Launch>
+void optimizer_update_op(const at::Tensor& param, const at::Tensor& state1, const at::Tensor& state2,
+                         const at::Tensor& rows_in, const at::Tensor& values_in, int64_t rule,
+                         c10::ArrayRef<double> hyper, bool all_rows) {
+  check_optimizer_update(param, state1, state2, rows_in, values_in, rule, hyper);
+  const at::Tensor rows = rows_in.contiguous(), values = values_in.contiguous();
+  const int64_t num_rows = param.size(0), touched = rows.numel(), dim = param.size(1);
+  at::Tensor row_slot;  // all_rows: each table row's gradient row, -1 if untouched (no host sync)
+  if (all_rows) {
+    row_slot = at::full({num_rows}, -1, rows.options());
+    if (touched > 0) row_slot.index_copy_(0, rows, at::arange(touched, rows.options()));
+  }
+  const int64_t total = (all_rows ? num_rows : touched) * dim;
+  if (total == 0) return;
+  // A grid-stride loop over at most 64k blocks: any table size, 64-bit offsets.
+  const RowGrid launch_shape = linear_grid(std::min<int64_t>(total, int64_t(65535) * kThreadsPerBlock));
+  const int rule32 = static_cast<int>(rule);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, param.scalar_type(), "pyembed_optimizer_update_cuda", [&] {
+    const auto h = optim::Scalars<acc_type<scalar_t>>::from(rule32, hyper.data());
+    auto* p = param.data_ptr<scalar_t>();
+    auto* s1 = state1.numel() ? state1.data_ptr<scalar_t>() : nullptr;
+    auto* s2 = state2.numel() ? state2.data_ptr<scalar_t>() : nullptr;
+    const int64_t* r = rows.data_ptr<int64_t>();
+    const int64_t* slots = all_rows ? row_slot.data_ptr<int64_t>() : nullptr;
+    const auto* v = values.data_ptr<scalar_t>();
+    auto launch = [&](auto kernel) {
+      Launch::run(launch_shape.grid, launch_shape.block, kernel, p, s1, s2, r, slots, v, num_rows, touched, dim, h,
+                  all_rows);
+    };
+    switch (rule32) {
+      case optim::kSGD: return launch(optimizer_update_kernel<scalar_t, optim::kSGD>);
+      case optim::kAdam: return launch(optimizer_update_kernel<scalar_t, optim::kAdam>);
+      case optim::kAdagrad: return launch(optimizer_update_kernel<scalar_t, optim::kAdagrad>);
+      default: return launch(optimizer_update_kernel<scalar_t, optim::kSparseAdam>);
+    }
+  });
+}
+
+}  // namespace pyembed::cuda

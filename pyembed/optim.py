@@ -1,0 +1,322 @@
+"""The optimizer inside the backward: ``apply_optimizer_in_backward``.
+
+A table registered here is updated by pyembed's backward itself, from the summed
+gradient rows the backward computes anyway: the (V, d) gradient is never allocated, the
+parameter's ``.grad`` stays None, and a dense optimizer makes one pass over the table
+(each of p, m, v read and written once). The optimizer object is a real instance of the
+torch class: its ``param_groups`` are read at every backward (LR schedulers work), its
+``state`` is exactly what the torch optimizer would hold (a checkpoint moves between fused
+and unfused training), its ``step()`` does nothing and ``zero_grad()`` finds no gradient.
+
+The spec is :func:`reference_update`: torch's own functional optimizer applied to the
+gradient that the plain path would have produced. The cpu backend runs a C++ kernel
+(csrc/cpu/kernels.h, ``optimizer_update``), CUDA tensors a Triton kernel
+(kernels/embedding.py, ``_optimizer_update_kernel``); both follow the same math in float32
+(float64 for float64 tables), rounding each of p and the state once.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+from torch.optim import _functional as _sparse_functional, adagrad as _adagrad, adam as _adam, sgd as _sgd
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from . import checks
+
+# The update rules, shared with csrc/common.h (OptimRule) and kernels/embedding.py.
+SGD, ADAM, ADAGRAD, SPARSE_ADAM = 0, 1, 2, 3
+_FUSED = {torch.optim.SGD: SGD, torch.optim.Adam: ADAM, torch.optim.AdamW: ADAM, torch.optim.Adagrad: ADAGRAD,
+          torch.optim.SparseAdam: SPARSE_ADAM}
+_FUSED_NAMES = "SGD, Adam, AdamW, Adagrad, SparseAdam"
+ATTR = "_pyembed_optimizer"  # the Parameter's fused optimizer (the instance apply_optimizer_in_backward made)
+
+
+def apply_optimizer_in_backward(optimizer_class, params: Iterable[torch.nn.Parameter],
+                                optimizer_kwargs: Optional[dict] = None) -> list[torch.optim.Optimizer]:
+    """Update ``params`` (tables of pyembed modules: ``FusedEmbedding.weight``,
+    ``EmbeddingLayer.token_embedding.weight``, ``EmbeddingLayer.pos_embedding``) inside
+    pyembed's backward with ``optimizer_class(params, **optimizer_kwargs)``'s math, never
+    materialising their gradient. Same shape as torch's
+    ``torch.distributed.optim._apply_optimizer_in_backward``.
+
+    Returns ``[optimizer]``: one instance of ``optimizer_class`` over ``params`` whose
+    ``param_groups``, ``state`` and ``state_dict()`` are what the torch optimizer holds
+    (schedulers and checkpoints work on it); its ``step()`` does nothing, the update
+    having happened in the backward. Fused: SGD, Adam, AdamW (not amsgrad), Adagrad,
+    SparseAdam.
+
+    Limits (they raise where a user would otherwise get something else silently):
+    every backward that reaches a table updates it, so gradient accumulation over several
+    backwards and gradient-norm clipping cannot include these tables; a table used twice
+    in one backward, a gradient from outside pyembed (a tied output layer), a torch
+    optimizer stepping the same parameter, torch.compile(fullgraph=True) (the call runs
+    outside the graph), torch.func transforms and create_graph=True raise.
+    """
+    if optimizer_class not in _FUSED:
+        raise checks.InputTypeError(
+            f"pyembed: apply_optimizer_in_backward fuses {_FUSED_NAMES}; got {getattr(optimizer_class, '__name__', optimizer_class)!r}")
+    params = list(params)
+    kwargs = dict(optimizer_kwargs or {})
+    for p in params:
+        if not isinstance(p, torch.nn.Parameter) or type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
+            raise checks.InputTypeError(f"pyembed: apply_optimizer_in_backward takes the Parameters of pyembed tables "
+                                        f"(not sharded DTensor tables); got {type(p).__name__}")
+        if not p.is_floating_point() or p.dim() != 2:
+            raise checks.InputValueError(f"pyembed: a fused optimizer needs a 2-D float table, got {p.dtype} "
+                                         f"of shape {tuple(p.shape)}")
+        if getattr(p, ATTR, None) is not None or getattr(p, "_in_backward_optimizers", None):
+            raise checks.InputValueError("pyembed: this parameter already has an optimizer in its backward")
+        if p.grad is not None:
+            raise checks.InputValueError("pyembed: this parameter already holds a gradient (.grad): zero it with "
+                                         "set_to_none=True, and leave it out of other optimizers, first")
+    optimizer = optimizer_class(params, **kwargs)
+    if optimizer_class is not torch.optim.SparseAdam:
+        for group in optimizer.param_groups:
+            if group.get("amsgrad") or group.get("differentiable"):
+                raise checks.InputValueError("pyembed: amsgrad and differentiable are not fused; use the torch "
+                                             "optimizer for these tables")
+    # A bound method, as LR schedulers expect to wrap it; the update already happened in the backward.
+    optimizer.step = types.MethodType(_step_is_done, optimizer)
+    _guard_other_optimizers()
+    global tables_are_fused
+    tables_are_fused = True
+    for p in params:
+        setattr(p, ATTR, optimizer)
+        p._in_backward_optimizers = [optimizer]  # where torch's in-backward optimizers live (torch.distributed.optim)
+        p.register_post_accumulate_grad_hook(_no_outside_gradient)
+    return [optimizer]
+
+
+def _step_is_done(self, closure=None):
+    """A fused optimizer's step: the backward already applied it."""
+    return closure() if closure is not None else None
+
+
+def _no_outside_gradient(param: torch.Tensor) -> None:
+    # Autograd runs this hook after pyembed's backward too (its None gradient accumulates nothing).
+    if param.grad is None:
+        return
+    raise checks.InputValueError(
+        "pyembed: a table with a fused optimizer (apply_optimizer_in_backward) received a gradient from outside "
+        "pyembed's op (a tied output layer, or a use not through pyembed): its update would miss that gradient. "
+        "Keep such parameters on a torch optimizer instead.")
+
+
+_guarded = False
+
+
+def _guard_other_optimizers() -> None:
+    """A torch optimizer stepping a fused table would find no gradient and silently skip it:
+    say so at its first step (a global optimizer hook, installed once a table is fused)."""
+    global _guarded
+    if not _guarded:
+        register_optimizer_step_pre_hook(_refuse_fused_params)
+        _guarded = True
+
+
+def _refuse_fused_params(optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if getattr(p, ATTR, None) is not None:
+                raise checks.InputValueError(
+                    f"pyembed: {type(optimizer).__name__}.step() over a table whose optimizer runs in pyembed's "
+                    "backward (apply_optimizer_in_backward); leave that table out of this optimizer")
+
+
+# False until a table is fused: until then the op's hot path pays one global read for this feature.
+tables_are_fused = False
+
+
+def fused_optimizer(table: Optional[torch.Tensor]) -> Optional[torch.optim.Optimizer]:
+    return None if table is None else getattr(table, ATTR, None)
+
+
+def fused_tables(weight: torch.Tensor, pos_weight: Optional[torch.Tensor]):
+    """(weight, pos_weight), each kept only if its optimizer runs in the backward; None if neither."""
+    tables = tuple(t if fused_optimizer(t) is not None else None for t in (weight, pos_weight))
+    return tables if tables != (None, None) else None
+
+
+def step_tables(backend, config, grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[torch.Tensor],
+                tables, needs: tuple[bool, bool]) -> tuple[bool, bool]:
+    """The backward's seam for fused optimizers: each table of ``tables`` whose gradient is
+    needed is updated from its gradient rows -- the token table's touched rows (the
+    backend's sparse backward: sorted unique rows, summed, padding and out-of-range ids
+    left out, scale and scale_grad_by_freq applied) and the learned positions' dense
+    gradient -- and needs no gradient any more. Returns what still does."""
+    weight, pos_weight = tables
+    need_weight_grad, need_pos_grad = needs
+    if weight is not None and need_weight_grad:
+        rows, values = backend.sparse_backward(grad_out, ids, weight.shape[0], config.scale, config.padding_idx,
+                                               config.scale_grad_by_freq)
+        _update(backend, weight, rows, values, config.sparse)
+        need_weight_grad = False
+    if pos_weight is not None and need_pos_grad:
+        _, pos_grad = backend.backward(grad_out, ids, position_ids, config.offset, 0, pos_weight.shape[0],
+                                       config.scale, config.padding_idx, False, False, True)
+        _update(backend, pos_weight, torch.arange(pos_weight.shape[0], device=pos_grad.device), pos_grad, False)
+        need_pos_grad = False
+    return need_weight_grad, need_pos_grad
+
+
+def _update(backend, table: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, sparse_grad: bool) -> None:
+    _, state, update = prepare(table)
+    with torch.no_grad():
+        if backend.optimizer_update is None:
+            reference_update(table, state, update, rows, values, sparse_grad)
+        else:
+            state1, state2 = state_tensors(update.rule, state)
+            backend.optimizer_update(table.detach(), state1, state2, rows, values.to(table.dtype), update.rule,
+                                     list(update.hyper), update.all_rows)
+
+
+# --------------------------------------------------------------------------- one update
+@dataclass(frozen=True)
+class Update:
+    """One table's update, as the kernels take it: rule, host scalars, and whether rows
+    with no gradient change too (dense semantics: decay, momentum, weight decay)."""
+
+    rule: int
+    hyper: tuple[float, ...]  # see _prepare
+    all_rows: bool
+
+
+def check_table_use(table: torch.Tensor, sparse_grad: bool, positional: bool) -> None:
+    """What torch's optimizer would refuse for the gradient this table gets (sparse for a
+    sparse=True token table, dense otherwise), refused at the forward with torch's reason."""
+    optimizer = getattr(table, ATTR)
+    rule = _FUSED[type(optimizer)]
+    name = type(optimizer).__name__
+    group = _group_of(optimizer, table)
+    if rule == SPARSE_ADAM and not sparse_grad:
+        what = "the learned positional table's gradient is dense" if positional else "the table has sparse=False"
+        raise checks.InputValueError(f"pyembed: SparseAdam needs a sparse gradient and {what} (as torch.optim."
+                                     "SparseAdam refuses it); use Adam/AdamW, or sparse=True")
+    if sparse_grad and rule == ADAM:
+        raise checks.InputValueError(f"pyembed: {name} does not support sparse gradients (sparse=True); "
+                                     "use SparseAdam, or sparse=False")
+    if sparse_grad and rule in (SGD, ADAGRAD) and group["weight_decay"] != 0:
+        raise checks.InputValueError("pyembed: weight_decay is not compatible with sparse gradients (sparse=True)")
+    if sparse_grad and rule == SGD and group["momentum"] != 0:
+        raise checks.InputValueError("pyembed: a fused SGD with momentum needs a dense table (sparse=False)")
+
+
+def _group_of(optimizer: torch.optim.Optimizer, table: torch.Tensor) -> dict:
+    for group in optimizer.param_groups:
+        if any(p is table for p in group["params"]):
+            return group
+    raise checks.InputValueError("pyembed: the fused optimizer no longer holds this table in its param_groups")
+
+
+def prepare(table: torch.Tensor) -> tuple[torch.optim.Optimizer, dict, Update]:
+    """The optimizer's state for ``table`` (created as torch creates it), its step counted,
+    and this backward's scalars read from its param group (lr schedules apply)."""
+    if torch.is_grad_enabled():
+        raise checks.InputValueError("pyembed: a table with a fused optimizer cannot be differentiated twice "
+                                     "(create_graph=True): its update runs inside the backward")
+    task = torch._C._current_graph_task_id()
+    if task != -1 and getattr(table, "_pyembed_graph_task", None) == task:
+        raise checks.InputValueError(
+            "pyembed: a table with a fused optimizer was used twice in one backward; its update would run twice. "
+            "Make one pyembed call per table per step (or use the torch optimizer for it)")
+    table._pyembed_graph_task = task  # the backward pass that last updated it
+    optimizer = getattr(table, ATTR)
+    group = _group_of(optimizer, table)
+    rule = _FUSED[type(optimizer)]
+    lr = float(group["lr"])
+    maximize = float(bool(group.get("maximize", False)))
+    if rule == SGD:
+        momentum, wd = float(group["momentum"]), float(group["weight_decay"])
+        state = optimizer.state[table] if momentum != 0 else {}  # torch's SGD keeps none without momentum
+        first = float(momentum != 0 and state.get("momentum_buffer") is None)
+        if first:
+            state["momentum_buffer"] = torch.empty_like(table)  # filled by the kernel: buf = g on the first step
+        hyper = (lr, momentum, float(group["dampening"]), wd, float(group["nesterov"]), maximize, first)
+        return optimizer, state, Update(rule, hyper, momentum != 0 or wd != 0)
+    state = optimizer.state[table]
+    if rule == SPARSE_ADAM:
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(table)
+            state["exp_avg_sq"] = torch.zeros_like(table)
+        state["step"] += 1
+        beta1, beta2 = (float(b) for b in group["betas"])
+        step = state["step"]
+        step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+        hyper = (step_size, beta1, beta2, float(group["eps"]), maximize, lr)  # lr: for the reference only
+        return optimizer, state, Update(rule, hyper, False)
+    on_device = group.get("fused") or group.get("capturable")
+    if not state:  # torch's layout: step a float32 scalar, on the CPU unless fused/capturable
+        state["step"] = (torch.zeros((), dtype=torch.float32, device=table.device) if on_device
+                         else torch.tensor(0.0, dtype=torch.float32))
+        if rule == ADAM:
+            state["exp_avg"] = torch.zeros_like(table)
+            state["exp_avg_sq"] = torch.zeros_like(table)
+        else:
+            state["sum"] = torch.full_like(table, float(group["initial_accumulator_value"]))
+    state["step"] += 1
+    step = float(state["step"])  # a device->host read only when the user keeps step on the device
+    wd = float(group["weight_decay"])
+    if rule == ADAM:
+        beta1, beta2 = (float(b) for b in group["betas"])
+        hyper = (lr, beta1, beta2, float(group["eps"]), wd, float(bool(group.get("decoupled_weight_decay"))),
+                 maximize, 1 - beta1**step, math.sqrt(1 - beta2**step))
+        return optimizer, state, Update(rule, hyper, True)
+    clr = lr / (1 + (step - 1) * float(group["lr_decay"]))
+    return optimizer, state, Update(rule, (clr, wd, float(group["eps"]), maximize), wd != 0)
+
+
+def state_tensors(rule: int, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(state1, state2) as the kernels take them; an unused one is an empty tensor."""
+    if rule == SGD:
+        buffer = state.get("momentum_buffer")
+        return (buffer if buffer is not None else torch.empty(0)), torch.empty(0)
+    if rule == ADAGRAD:
+        return state["sum"], torch.empty(0)
+    return state["exp_avg"], state["exp_avg_sq"]
+
+
+def reference_update(table: torch.Tensor, state: dict, update: Update, rows: torch.Tensor,
+                     values: torch.Tensor, sparse_grad: bool) -> None:
+    """The spec: torch's own functional optimizer on the gradient the plain path gives --
+    dense (zeros where untouched) or, for sparse_grad, the coalesced COO of (rows, values)."""
+    num_rows, dim = table.shape
+    if sparse_grad:
+        grad = torch.sparse_coo_tensor(rows[None], values.to(table.dtype), (num_rows, dim),
+                                       check_invariants=True).coalesce()
+    else:
+        grad = table.new_zeros(num_rows, dim).index_put_((rows,), values.to(table.dtype), accumulate=True)
+    hyper = update.hyper
+    with torch.no_grad():
+        if update.rule == SGD:
+            lr, momentum, dampening, wd, nesterov, maximize, first = hyper
+            buffers = [None if first else state.get("momentum_buffer")]
+            _sgd.sgd([table], [grad], buffers, weight_decay=wd, momentum=momentum, lr=lr, dampening=dampening,
+                     nesterov=bool(nesterov), maximize=bool(maximize), foreach=False, has_sparse_grad=sparse_grad)
+            if momentum != 0:
+                state["momentum_buffer"] = buffers[0]
+        elif update.rule == ADAM:
+            lr, beta1, beta2, eps, wd, decoupled, maximize, _, _ = hyper
+            step = state["step"] - 1  # torch's functional adam counts the step itself
+            _adam.adam([table], [grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [step], foreach=False,
+                       amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=wd, eps=eps,
+                       maximize=bool(maximize), decoupled_weight_decay=bool(decoupled))
+            state["step"] = step
+        elif update.rule == ADAGRAD:
+            clr, wd, eps, maximize = hyper
+            # torch's functional adagrad takes lr and lr_decay; clr already holds the decay: lr_decay=0.
+            step = state["step"] - 1
+            with torch.sparse.check_sparse_tensor_invariants(enable=False):  # torch's own sparse path, unwarned
+                _adagrad.adagrad([table], [grad], [state["sum"]], [step], foreach=False, lr=clr,
+                                 weight_decay=wd, lr_decay=0.0, eps=eps, has_sparse_grad=sparse_grad,
+                                 maximize=bool(maximize))
+            state["step"] = step
+        else:
+            _, beta1, beta2, eps, maximize, lr = hyper
+            _sparse_functional.sparse_adam([table], [grad], [state["exp_avg"]], [state["exp_avg_sq"]], [state["step"]],
+                                           eps=eps, beta1=beta1, beta2=beta2, lr=lr, maximize=bool(maximize))

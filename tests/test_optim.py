@@ -1,0 +1,385 @@
+"""The optimizer inside the backward (pyembed.apply_optimizer_in_backward), against torch:
+
+- training a small model with the fused optimizer equals training it with the torch
+  optimizer over nn.Embedding (same init, data, LR schedule), step by step, for every fused
+  class, dense and sparse tables, learned positions, padding_idx, on every backend;
+- the optimizer's state_dict moves between fused and plain training either way;
+- each backend's update kernel equals torch's own functional optimizer (reference_update)
+  on random tables, states and gradient rows;
+- what cannot be fused raises, clearly.
+"""
+
+import io
+import math
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import pyembed
+from conftest import ROOT
+from helpers import CPU_BACKENDS
+from pyembed import dispatch, optim
+
+V, D, MAX_LEN, BATCH, SEQ, PAD = 24, 12, 10, 3, 7, 1
+STEPS = 5
+# (optimizer class, kwargs, sparse token table)
+CONFIGS = {
+    "SGD": (torch.optim.SGD, dict(lr=0.1), False),
+    "SGD-momentum-wd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01), False),
+    "SGD-nesterov-max": (torch.optim.SGD, dict(lr=0.05, momentum=0.8, nesterov=True, maximize=True), False),
+    "Adam-wd": (torch.optim.Adam, dict(lr=0.01, weight_decay=0.05), False),
+    "AdamW": (torch.optim.AdamW, dict(lr=0.01, betas=(0.8, 0.95), weight_decay=0.1), False),
+    "Adagrad": (torch.optim.Adagrad, dict(lr=0.1, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1),
+                False),
+    "SGD-sparse": (torch.optim.SGD, dict(lr=0.1), True),
+    "Adagrad-sparse": (torch.optim.Adagrad, dict(lr=0.1, lr_decay=0.05), True),
+    "SparseAdam": (torch.optim.SparseAdam, dict(lr=0.01, betas=(0.8, 0.9)), True),
+}
+POS_OPTIMIZER = (torch.optim.AdamW, dict(lr=0.02, weight_decay=0.01))  # for the positions of sparse configs
+
+
+@pytest.fixture(params=CPU_BACKENDS + ["cuda-emulated"])
+def backend(request, monkeypatch):
+    """A backend name; "cuda-emulated" puts the CUDA kernels run through host emulation in
+    the registry as "cuda", so CPU tensors take the cuda backend's kernels, update included."""
+    if request.param != "cuda-emulated":
+        return request.param
+    emulated = request.getfixturevalue("emulated")
+    monkeypatch.setitem(dispatch._registry, "cuda", dispatch.Backend(
+        "cuda", emulated.embedding_forward, emulated.embedding_backward, emulated.embedding_sparse_backward,
+        lambda device: None, optimizer_update=emulated.optimizer_update))
+    monkeypatch.setattr(dispatch, "_resolved", {})
+    return "cuda"
+
+
+class Plain(nn.Module):
+    """The same model in plain torch: nn.Embedding * sqrt(d) + a positions Parameter, a head."""
+
+    def __init__(self, sparse):
+        super().__init__()
+        self.tok = nn.Embedding(V, D, padding_idx=PAD, sparse=sparse)
+        self.pos = nn.Parameter(torch.randn(MAX_LEN, D) * 0.1)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, ids):
+        x = self.tok(ids) * math.sqrt(D) + self.pos[: ids.shape[1]]
+        return self.head(torch.tanh(x))
+
+
+class Fused(nn.Module):
+    def __init__(self, plain, backend):
+        super().__init__()
+        self.emb = pyembed.EmbeddingLayer(V, D, MAX_LEN, "learned", scale_embeddings=True, padding_idx=PAD,
+                                          sparse=plain.tok.sparse, backend=backend)
+        with torch.no_grad():
+            self.emb.token_embedding.weight.copy_(plain.tok.weight)
+            self.emb.pos_embedding.copy_(plain.pos)
+        self.head = nn.Linear(D, 3)
+        self.head.load_state_dict(plain.head.state_dict())
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+def batches(steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(0, V // 2, (BATCH, SEQ), generator=g)  # half the vocabulary: untouched rows too
+        ids[0, :2] = PAD
+        yield ids, torch.randn(BATCH, SEQ, 3, generator=g)
+
+
+def plain_optimizers(plain, config):
+    cls, kwargs, sparse = CONFIGS[config]
+    pos_cls, pos_kwargs = POS_OPTIMIZER if sparse else (cls, kwargs)
+    return [cls([plain.tok.weight], **kwargs), pos_cls([plain.pos], **pos_kwargs),
+            torch.optim.SGD(plain.head.parameters(), lr=0.1)]
+
+
+def fused_optimizers(model, config):
+    cls, kwargs, sparse = CONFIGS[config]
+    pos_cls, pos_kwargs = POS_OPTIMIZER if sparse else (cls, kwargs)
+    [tok] = pyembed.apply_optimizer_in_backward(cls, [model.emb.token_embedding.weight], kwargs)
+    [pos] = pyembed.apply_optimizer_in_backward(pos_cls, [model.emb.pos_embedding], pos_kwargs)
+    return [tok, pos, torch.optim.SGD(model.head.parameters(), lr=0.1)]
+
+
+def schedulers_of(optimizers):
+    """An LR schedule that halves every 2 steps (the fused kernels read lr from param_groups)."""
+    return [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in optimizers]
+
+
+def train(model, optimizers, data, schedulers=None):
+    schedulers = schedulers_of(optimizers) if schedulers is None else schedulers
+    for ids, target in data:
+        loss = nn.functional.mse_loss(model(ids), target)
+        loss.backward()
+        for o in optimizers:
+            o.step()
+            o.zero_grad(set_to_none=True)
+        for s in schedulers:
+            s.step()
+
+
+def tables(model):
+    if isinstance(model, Plain):
+        return model.tok.weight, model.pos
+    return model.emb.token_embedding.weight, model.emb.pos_embedding
+
+
+def assert_close_relative(got, want, what=""):
+    """Within 1e-5 relative to the tensor's own scale: an element near zero moves by the
+    optimizer's step, not by a fraction of itself (Adam's m / sqrt(v) of a near-zero
+    gradient carries the summation-order difference of that gradient)."""
+    got, want = got.detach(), want.detach()
+    scale = want.abs().max().item() if want.numel() else 0.0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale, msg=lambda m: f"{what}: {m}")
+
+
+def assert_close_tables(fused_model, plain_model, what):
+    for name, got, want in zip(("token table", "positions"), tables(fused_model), tables(plain_model)):
+        assert_close_relative(got, want, f"{what} {name}")
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_fused_training_equals_torch_optimizer(config, backend):
+    torch.manual_seed(0)
+    plain = Plain(CONFIGS[config][2])
+    model = Fused(plain, backend)
+    plain_opts, fused_opts = plain_optimizers(plain, config), fused_optimizers(model, config)
+    train(plain, plain_opts, batches(STEPS))
+    train(model, fused_opts, batches(STEPS))
+    assert_close_tables(model, plain, config)
+    assert model.emb.token_embedding.weight.grad is None and model.emb.pos_embedding.grad is None
+    assert model.head.weight.grad is None  # zeroed by its own optimizer, as plain's
+    # The state_dicts hold the same entries, types, dtypes, devices and values.
+    for fused_opt, plain_opt in zip(fused_opts[:2], plain_opts[:2]):
+        fused_state, plain_state = fused_opt.state_dict()["state"], plain_opt.state_dict()["state"]
+        assert fused_state.keys() == plain_state.keys()
+        for key, value in plain_state.get(0, {}).items():
+            got = fused_state[0][key]
+            assert type(got) is type(value), key
+            if isinstance(value, torch.Tensor):
+                assert (got.dtype, got.device, got.shape) == (value.dtype, value.device, value.shape), key
+                assert_close_relative(got, value, f"state {key}")
+            else:
+                assert got == value, key
+        assert fused_opt.state_dict()["param_groups"] == plain_opt.state_dict()["param_groups"]
+
+
+@pytest.mark.parametrize("config", ["AdamW", "SGD-momentum-wd", "SparseAdam"])
+def test_a_checkpoint_moves_between_fused_and_plain_training(config):
+    torch.manual_seed(1)
+    plain = Plain(CONFIGS[config][2])
+    model = Fused(plain, "auto")
+    data = list(batches(6, seed=3))
+    plain_opts, fused_opts = plain_optimizers(plain, config), fused_optimizers(model, config)
+    plain_schedules, fused_schedules = schedulers_of(plain_opts), schedulers_of(fused_opts)
+    train(plain, plain_opts, data[:3], plain_schedules)
+    train(model, fused_opts, data[:3], fused_schedules)
+
+    def resume(opts, source_opts, source_schedules):
+        """Through a saved file, as a checkpoint goes (a state_dict holds the live state tensors)."""
+        schedules = schedulers_of(opts)
+        for target, source in zip(opts + schedules, source_opts + source_schedules):
+            saved = io.BytesIO()
+            torch.save(source.state_dict(), saved)
+            saved.seek(0)
+            target.load_state_dict(torch.load(saved))
+        return opts, schedules
+
+    # Fused -> plain: a second plain model resumes from the fused checkpoint.
+    resumed = Plain(CONFIGS[config][2])
+    with torch.no_grad():
+        resumed.tok.weight.copy_(model.emb.token_embedding.weight)
+        resumed.pos.copy_(model.emb.pos_embedding)
+        resumed.head.load_state_dict(model.head.state_dict())
+    resumed_run = resume(plain_optimizers(resumed, config), fused_opts, fused_schedules)
+    # Plain -> fused: a second fused model resumes from the plain checkpoint.
+    fused_again = Fused(plain, "auto")
+    fused_again_run = resume(fused_optimizers(fused_again, config), plain_opts, plain_schedules)
+    for m, (opts, schedules) in ((plain, (plain_opts, plain_schedules)), (model, (fused_opts, fused_schedules)),
+                                 (resumed, resumed_run), (fused_again, fused_again_run)):
+        train(m, opts, data[3:], schedules)
+    assert_close_tables(model, plain, "fused vs plain")
+    assert_close_tables(model, resumed, "fused -> plain checkpoint")
+    assert_close_tables(fused_again, plain, "plain -> fused checkpoint")
+
+
+def test_fused_embedding_module_with_scale_grad_by_freq_and_no_positions():
+    """FusedEmbedding (nn.Embedding's drop-in) with scale_grad_by_freq, Adam, 4 steps."""
+    torch.manual_seed(2)
+    plain = nn.Embedding(V, D, scale_grad_by_freq=True)
+    fused = pyembed.FusedEmbedding(V, D, scale_grad_by_freq=True, _weight=plain.weight.detach().clone())
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.05)
+    pyembed.apply_optimizer_in_backward(torch.optim.Adam, [fused.weight], {"lr": 0.05})
+    for ids, _ in batches(4, seed=5):
+        (plain(ids) ** 2).sum().backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        (fused(ids) ** 2).sum().backward()
+    assert_close_relative(fused.weight, plain.weight)
+
+
+def test_torch_finds_the_fused_optimizers_where_its_own_live():
+    from torch.distributed.optim import _get_in_backward_optimizers
+
+    layer = pyembed.EmbeddingLayer(V, D, MAX_LEN)
+    [opt] = pyembed.apply_optimizer_in_backward(torch.optim.AdamW, [layer.token_embedding.weight], {"lr": 1e-3})
+    assert _get_in_backward_optimizers(layer) == [opt]
+    assert isinstance(opt, torch.optim.AdamW)
+
+
+def test_under_torch_compile_the_call_runs_eagerly_and_trains_the_same():
+    torch.manual_seed(4)
+    plain = Plain(False)
+    eager, compiled = Fused(plain, "auto"), Fused(plain, "auto")
+    eager_opts, compiled_opts = fused_optimizers(eager, "AdamW"), fused_optimizers(compiled, "AdamW")
+    train(eager, eager_opts, batches(3))
+    train(torch.compile(compiled, backend="eager"), compiled_opts, batches(3))
+    assert_close_tables(compiled, eager, "compiled vs eager")
+
+
+# --------------------------------------------------------------------------- kernels
+RULE_CASES = [  # (optimizer class, kwargs, all_rows)
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.2, weight_decay=0.01), True),
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, maximize=True), True),
+    (torch.optim.SGD, dict(lr=0.1), False),
+    (torch.optim.Adam, dict(lr=0.01, weight_decay=0.1), True),
+    (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1, maximize=True), True),
+    (torch.optim.Adagrad, dict(lr=0.1, lr_decay=0.1, weight_decay=0.1), True),
+    (torch.optim.Adagrad, dict(lr=0.1), False),
+    (torch.optim.SparseAdam, dict(lr=0.01), False),
+]
+
+
+def _random_update(cls, kwargs, dtype, rows_count=7, num_rows=19, dim=37, steps=3, seed=0):
+    """A table, its optimizer state after `steps` - 1 earlier steps (random, as torch keeps
+    it) and this step's gradient rows; returns (table, state, update, rows, values)."""
+    g = torch.Generator().manual_seed(seed)
+    table = nn.Parameter(torch.randn(num_rows, dim, generator=g, dtype=torch.float64).to(dtype))
+    optimizer = cls([table], **kwargs)
+    table._pyembed_optimizer = optimizer
+    with torch.no_grad():  # as inside a backward
+        for _ in range(steps):  # earlier steps fill the state (the momentum buffer exists after the first)
+            _, state, update = optim.prepare(table)
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.shape == table.shape:
+            value.copy_(torch.rand(value.shape, generator=g, dtype=torch.float64))  # >= 0: sums, second moments
+    rows = torch.randperm(num_rows, generator=g)[:rows_count].sort().values
+    values = torch.randn(rows_count, dim, generator=g, dtype=torch.float64).to(dtype)
+    return table, state, update, rows, values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", range(len(RULE_CASES)))
+@pytest.mark.parametrize("kernel", ["cpu", "cuda-emulated", "triton"])
+def test_update_kernel_equals_torch_functional_optimizer(kernel, case, dtype, request):
+    if kernel == "cuda-emulated":
+        run = request.getfixturevalue("emulated").optimizer_update
+    else:
+        if kernel not in CPU_BACKENDS:
+            pytest.skip(f"the {kernel} backend is not available on CPU tensors here")
+        run = dispatch.get(kernel).optimizer_update
+    cls, kwargs, all_rows = RULE_CASES[case]
+    table, state, update, rows, values = _random_update(cls, kwargs, dtype)
+    assert update.all_rows == all_rows
+    # The spec: torch's functional optimizer in float64 on the same inputs, then rounded.
+    exact_table = table.detach().double().clone()
+    exact_state = {k: (v.double().clone() if isinstance(v, torch.Tensor) and v.shape == table.shape else
+                       (v.clone() if isinstance(v, torch.Tensor) else v)) for k, v in state.items()}
+    optim.reference_update(exact_table, exact_state, update, rows, values.double(),
+                           sparse_grad=cls is torch.optim.SparseAdam)  # torch's SparseAdam takes only sparse ones
+    state1, state2 = optim.state_tensors(update.rule, state)
+    run(table.detach(), state1, state2, rows, values, update.rule, list(update.hyper), update.all_rows)
+    # Computed in float32 and rounded once: within a few units of the dtype's last place.
+    tol = {torch.float32: 2e-6, torch.float64: 1e-12, torch.bfloat16: 2 * 2.0**-8}[dtype]
+    torch.testing.assert_close(table.detach().double(), exact_table, rtol=tol, atol=tol)
+    for key, value in exact_state.items():
+        if isinstance(value, torch.Tensor) and value.shape == table.shape:
+            torch.testing.assert_close(state[key].double(), value, rtol=tol, atol=tol, msg=lambda m: f"{key}: {m}")
+
+
+def test_rule_codes_agree_with_the_cuda_and_cpu_header():
+    header = (ROOT / "csrc" / "optim.h").read_text()
+    enum = re.search(r"enum Rule : int \{([^}]*)\}", header).group(1)
+    codes = {name.strip().split("=")[0].strip(): int(name.split("=")[1]) for name in enum.split(",")}
+    assert codes == {"kSGD": optim.SGD, "kAdam": optim.ADAM, "kAdagrad": optim.ADAGRAD,
+                     "kSparseAdam": optim.SPARSE_ADAM}
+
+
+def test_rows_outside_the_table_or_unsorted_are_refused_by_the_cpu_op():
+    if "cpu" not in CPU_BACKENDS:
+        pytest.skip("the cpu backend is not built")
+    table, state, update, _, values = _random_update(torch.optim.SGD, dict(lr=0.1), torch.float32, rows_count=2)
+    before = table.detach().clone()
+    for rows in (torch.tensor([3, 19]), torch.tensor([-1, 2]), torch.tensor([5, 5]), torch.tensor([6, 4])):
+        with pytest.raises(IndexError, match="ascending, unique"):
+            torch.ops.pyembed.optimizer_update(table.detach(), torch.empty(0), torch.empty(0), rows, values,
+                                               update.rule, list(update.hyper), False)
+    assert torch.equal(table.detach(), before)
+
+
+# --------------------------------------------------------------------------- errors
+def test_what_cannot_be_fused_raises_clearly():
+    layer = pyembed.EmbeddingLayer(V, D, MAX_LEN)
+    weight = layer.token_embedding.weight
+    with pytest.raises(TypeError, match="SGD, Adam, AdamW, Adagrad, SparseAdam"):
+        pyembed.apply_optimizer_in_backward(torch.optim.RMSprop, [weight], {"lr": 0.1})
+    with pytest.raises(TypeError, match="Parameters of pyembed tables"):
+        pyembed.apply_optimizer_in_backward(torch.optim.SGD, [weight.detach()], {"lr": 0.1})
+    with pytest.raises(ValueError, match="amsgrad"):
+        pyembed.apply_optimizer_in_backward(torch.optim.Adam, [weight], {"lr": 0.1, "amsgrad": True})
+    pyembed.apply_optimizer_in_backward(torch.optim.SGD, [weight], {"lr": 0.1})
+    with pytest.raises(ValueError, match="already has an optimizer"):
+        pyembed.apply_optimizer_in_backward(torch.optim.SGD, [weight], {"lr": 0.1})
+
+
+def test_a_torch_optimizer_stepping_a_fused_table_raises():
+    emb = pyembed.FusedEmbedding(V, D)
+    pyembed.apply_optimizer_in_backward(torch.optim.SGD, [emb.weight], {"lr": 0.1})
+    other = torch.optim.AdamW(emb.parameters(), lr=0.1)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match="leave that table out"):
+        other.step()
+
+
+def test_a_tied_output_layer_gradient_raises_instead_of_being_lost():
+    emb = pyembed.FusedEmbedding(V, D)
+    pyembed.apply_optimizer_in_backward(torch.optim.SGD, [emb.weight], {"lr": 0.1})
+    hidden = emb(torch.tensor([[1, 2, 3]]))
+    logits = hidden @ emb.weight.t()  # GPT-2's tied head
+    with pytest.raises(ValueError, match="from outside pyembed"):
+        logits.sum().backward()
+
+
+def test_two_uses_in_one_backward_raise():
+    emb = pyembed.FusedEmbedding(V, D)
+    pyembed.apply_optimizer_in_backward(torch.optim.SGD, [emb.weight], {"lr": 0.1})
+    before = emb.weight.detach().clone()
+    with pytest.raises(ValueError, match="used twice in one backward"):
+        (emb(torch.tensor([1])) + emb(torch.tensor([2]))).sum().backward()
+    # Two backwards, one use each, are two steps (gradient accumulation is not possible).
+    emb(torch.tensor([1])).sum().backward()
+    emb(torch.tensor([1])).sum().backward()
+    assert not torch.equal(emb.weight.detach()[1], before[1])
+
+
+@pytest.mark.parametrize("cls, sparse, match", [
+    (torch.optim.SparseAdam, False, "SparseAdam needs a sparse gradient"),
+    (torch.optim.AdamW, True, "does not support sparse gradients"),
+])
+def test_an_optimizer_torch_would_refuse_for_this_gradient_is_refused(cls, sparse, match):
+    emb = pyembed.FusedEmbedding(V, D, sparse=sparse)
+    pyembed.apply_optimizer_in_backward(cls, [emb.weight], {"lr": 0.1})
+    with pytest.raises(ValueError, match=match):
+        emb(torch.tensor([1, 2]))
+
+
+def test_create_graph_through_a_fused_table_raises():
+    emb = pyembed.FusedEmbedding(V, D)
+    pyembed.apply_optimizer_in_backward(torch.optim.SGD, [emb.weight], {"lr": 0.1})
+    with pytest.raises(ValueError, match="create_graph"):
+        emb(torch.tensor([1, 2])).pow(2).sum().backward(create_graph=True)
