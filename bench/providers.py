@@ -10,6 +10,9 @@
   arguments (on a GPU the range check runs inside the kernel: no device->host sync); on a
   GPU also compile(pyembed-<backend>), the same layer under ``torch.compile`` -- how GPU
   users train -- beside ``compile`` of the nn ops.
+- pyembed-<backend>-fused: the same layer, its tables trained by
+  ``pyembed.apply_optimizer_in_backward`` (the optimizer runs inside the backward; no
+  gradient is materialised): ``step`` cases only.
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ class Provider:
     fn: Callable  # fn(ids, tables, scale, sparse, dropout) -> (B, T, d)
     why_not: Callable[[Case], Optional[str]] = lambda case: None  # reason it cannot run a case
     reset: Optional[Callable[[], None]] = None  # called before every case (fresh compiled state)
+    # Its tables' optimizer runs inside pyembed's backward (pyembed.apply_optimizer_in_backward).
+    optimizer_in_backward: bool = False
 
 
 def compiled_provider() -> Provider:
@@ -108,6 +113,9 @@ def providers(device: torch.device, include_reference: bool = False) -> list[Pro
         if backend == "reference" and not include_reference:
             continue  # the spec in code: slow by design, measured only on request
         found.append(Provider(f"pyembed-{backend}", fused_input_layer(backend)))
+        found.append(Provider(f"pyembed-{backend}-fused", fused_input_layer(backend),
+                              lambda case: None if case.mode == "step" else "the optimizer in the backward: step only",
+                              optimizer_in_backward=True))
         if torch.device(device).type == "cuda":
             # GPU users compile their models: pyembed inside torch.compile, against `compile`.
             compiled = CompiledInputLayer(fused_input_layer(backend))

@@ -67,9 +67,14 @@ def build_tables(case: Case, device, generator) -> Tables:
     return Tables(weight, pos_weight, sinusoid, positions)
 
 
-def own_copy(tables: Tables) -> Tables:
+def own_copy(tables: Tables, parameters: bool = False) -> Tables:
+    """Fresh leaves with the same values; nn.Parameters when an optimizer is to run in the
+    backward (pyembed.apply_optimizer_in_backward takes Parameters)."""
     def leaf(t):
-        return None if t is None else t.detach().clone().requires_grad_()
+        if t is None:
+            return None
+        copy = t.detach().clone()
+        return torch.nn.Parameter(copy) if parameters else copy.requires_grad_()
     return Tables(leaf(tables.weight), leaf(tables.pos_weight), tables.sinusoid, tables.positions)
 
 
@@ -163,7 +168,7 @@ def step_fn(provider: Provider, case: Case, ids, tables: Tables, dout):
             run_layer(provider, case, ids, tables).backward(dout)
         return fwd_bwd
     if case.mode == "step":
-        optimizers = make_optimizers(tables, sparse)
+        optimizers = make_optimizers(tables, sparse, in_backward=provider.optimizer_in_backward)
 
         def train_step():
             run_layer(provider, case, ids, tables).backward(dout)
@@ -179,16 +184,41 @@ def step_fn(provider: Provider, case: Case, ids, tables: Tables, dout):
     return bwd
 
 
-def make_optimizers(tables: Tables, sparse: bool) -> list:
+def make_optimizers(tables: Tables, sparse: bool, in_backward: bool = False) -> list:
     """What a user trains the layer with: AdamW, or SparseAdam for a sparse token table
     (AdamW for a learned positional table, whose gradient stays dense). AdamW in torch's
-    fastest form, the same for every provider: fused=True on CUDA, foreach on the CPU."""
+    fastest form, the same for every provider: fused=True on CUDA, foreach on the CPU.
+    in_backward: the same optimizers run inside pyembed's backward instead."""
     dense = [t for t in (tables.pos_weight,) if t is not None]
-    fastest = {"fused": True} if tables.weight.is_cuda else {"foreach": True}
-    if not sparse:
-        return [torch.optim.AdamW([tables.weight, *dense], lr=1e-4, **fastest)]
-    return [torch.optim.SparseAdam([tables.weight], lr=1e-4)] + (
-        [torch.optim.AdamW(dense, lr=1e-4, **fastest)] if dense else [])
+    fastest = {} if in_backward else {"fused": True} if tables.weight.is_cuda else {"foreach": True}
+    groups = [(torch.optim.AdamW, [tables.weight, *dense], {"lr": 1e-4, **fastest})] if not sparse else (
+        [(torch.optim.SparseAdam, [tables.weight], {"lr": 1e-4})]
+        + ([(torch.optim.AdamW, dense, {"lr": 1e-4, **fastest})] if dense else []))
+    if in_backward:
+        return [opt for cls, params, kwargs in groups
+                for opt in pyembed.apply_optimizer_in_backward(cls, params, kwargs)]
+    return [cls(params, **kwargs) for cls, params, kwargs in groups]
+
+
+def gate_optimizer_in_backward(provider: Provider, case: Case, ids, shared: Tables, dout) -> str | None:
+    """A provider whose optimizer runs in the backward: one of its training steps against
+    the same step taken by pyembed's default path and torch's optimizer (itself gated
+    against the float64 reference), from the same tables and the same dropout mask."""
+    plain_provider = Provider(provider.name, provider.fn)
+    tables = {}
+    for name, p in (("fused", provider), ("plain", plain_provider)):
+        tables[name] = own_copy(shared, parameters=p.optimizer_in_backward)
+        torch.manual_seed(0)  # the same dropout key for both
+        step_fn(p, case, ids, tables[name], dout)()
+    for name, a, b in zip(("weight", "pos weight"), *(table_values(tables[k]) for k in ("fused", "plain"))):
+        err = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+        if err > GATE_TOL[case.dtype] * (1.0 + b.abs().max().item()):
+            return f"{name} after one step differs from torch's optimizer by {err:.3g}"
+    return None
+
+
+def table_values(tables: Tables) -> list:
+    return [t.detach() for t in (tables.weight, tables.pos_weight) if t is not None]
 
 
 def time_cpu(fns: dict, budget_s: float, min_reps: int, max_reps: int) -> dict:
@@ -249,12 +279,13 @@ def run_case(case: Case, device, provs: list[Provider], args) -> list[dict]:
             p.reset()
         # Each provider gets its own copy of the tables, so the gradient a step frees
         # (set to None, as optimizer.zero_grad does) is the provider's own previous one.
-        tables = own_copy(shared_tables)
+        tables = own_copy(shared_tables, parameters=p.optimizer_in_backward)
         row = {**case.as_dict(), "label": case.label(), "tokens": case.tokens, "provider": p.name, "status": "ok"}
         reason = p.why_not(case)
         if reason is None:
             try:
-                reason = gate(p, case, ids, tables, dout)
+                reason = (gate_optimizer_in_backward(p, case, ids, shared_tables, dout) if p.optimizer_in_backward
+                          else gate(p, case, ids, tables, dout))
                 if reason is not None:
                     row["status"] = "FAILED"
             except Exception as exc:  # noqa: BLE001 - a crashing provider is a failed provider

@@ -11,6 +11,7 @@
 
 import io
 import math
+import pathlib
 import re
 
 import pytest
@@ -18,10 +19,10 @@ import torch
 from torch import nn
 
 import pyembed
-from conftest import ROOT
 from helpers import CPU_BACKENDS
 from pyembed import dispatch, optim
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 V, D, MAX_LEN, BATCH, SEQ, PAD = 24, 12, 10, 3, 7, 1
 STEPS = 5
 # (optimizer class, kwargs, sparse token table)
