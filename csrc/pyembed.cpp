@@ -53,8 +53,14 @@ TORCH_LIBRARY(pyembed, m) {
       "embedding_sparse_backward(Tensor grad_out, Tensor ids, int num_embeddings, float scale, int? padding_idx, "
       "bool scale_grad_by_freq) -> (Tensor, Tensor)",
       sparse_tags);
-  // The optimizer inside the backward (pyembed/optim.py, csrc/optim.h): table rows `rows`
-  // got the gradient rows `values`; all_rows updates every row (the rest with g = 0).
+  // The optimizer inside the backward (pyembed/optim.py, csrc/optim.h). touched_rows: the
+  // sparse backward's (rows, values) with no host sync -- on a GPU sized min(tokens, V),
+  // unused slots marked row -1 (the CPU gives the exact rows). optimizer_update: table rows
+  // `rows` got the gradient rows `values` (rows outside the table are skipped on a GPU,
+  // refused on the CPU); all_rows updates every row, the rest with g = 0.
+  m.def(
+      "embedding_touched_rows(Tensor grad_out, Tensor ids, int num_embeddings, float scale, int? padding_idx, "
+      "bool scale_grad_by_freq) -> (Tensor, Tensor)");
   m.def(
       "optimizer_update(Tensor(a!) param, Tensor(b!) state1, Tensor(c!) state2, Tensor rows, Tensor values, "
       "int rule, float[] hyper, bool all_rows) -> ()");

@@ -398,6 +398,14 @@ def _batch_sum_kernel(
 
 
 @triton.jit
+def _scatter_row_slots_kernel(rows_ptr, row_slot_ptr, touched, num_rows, BLOCK: tl.constexpr):
+    """row_slot[rows[k]] = k for the rows inside the table (unique: no two programs write one row)."""
+    k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.load(rows_ptr + k, mask=k < touched, other=-1)
+    tl.store(row_slot_ptr + row, k, mask=(row >= 0) & (row < num_rows))
+
+
+@triton.jit
 def _optimizer_update_kernel(
     param_ptr,  # (num_rows, dim) the table, updated in place
     state1_ptr, state2_ptr,  # (num_rows, dim) its optimizer state, when HAS_STATE1 / HAS_STATE2
@@ -479,8 +487,9 @@ def _optimizer_update_kernel(
 def optimizer_update(param, state1, state2, rows, values, rule: int, hyper, all_rows: bool):
     """torch.ops.pyembed.optimizer_update's schema (csrc/pyembed.cpp) on the Triton kernel:
     rows (touched,) int64 got gradient rows values (touched, d); hyper as pyembed/optim.py
-    builds it per rule. With all_rows a (V,) map from table row to gradient row is built
-    on the device (no host sync)."""
+    builds it per rule; rows outside the table (-1: touched_rows's unused slots) are
+    skipped. With all_rows a (V,) map from table row to gradient row is built on the
+    device (no host sync)."""
     num_rows, dim = param.shape
     touched = rows.numel()
     count = num_rows if all_rows else touched
@@ -489,7 +498,9 @@ def optimizer_update(param, state1, state2, rows, values, rule: int, hyper, all_
     row_slot = rows
     if all_rows:
         row_slot = torch.full((num_rows,), -1, dtype=torch.long, device=param.device)
-        row_slot[rows] = torch.arange(touched, device=param.device)
+        if touched:
+            _scatter_row_slots_kernel[(_cdiv(touched, BOUNDS_BLOCK),)](rows, row_slot, touched, num_rows,
+                                                                      BLOCK=BOUNDS_BLOCK)
     # Named scalars from the rule's tuple (csrc/optim.h, Scalars::from); the rest unused.
     lr = beta1 = beta2 = eps = wd = momentum = dampening = 0.0
     bc1 = bc2_sqrt = 1.0

@@ -95,10 +95,11 @@ if _C is not None:
     _ops = (torch.ops.pyembed.embedding_forward, torch.ops.pyembed.embedding_backward,
             torch.ops.pyembed.embedding_sparse_backward)
     _lookup = torch.ops.pyembed.embedding.default
-    _update = torch.ops.pyembed.optimizer_update.default
-    dispatch.register_backend(dispatch.Backend("cpu", *_ops, _why_cpu_unavailable, _lookup, optimizer_update=_update))
+    _optimizer_ops = dict(touched_rows=torch.ops.pyembed.embedding_touched_rows.default,
+                          optimizer_update=torch.ops.pyembed.optimizer_update.default)
+    dispatch.register_backend(dispatch.Backend("cpu", *_ops, _why_cpu_unavailable, _lookup, **_optimizer_ops))
     if _C.cuda_built:
         dispatch.register_backend(dispatch.Backend("cuda", *_ops, _why_cuda_unavailable, _lookup,
-                                                   checks_in_kernel=True, optimizer_update=_update))
+                                                   checks_in_kernel=True, **_optimizer_ops))
     else:
         dispatch.mark_missing("cuda", "pyembed._C was built without CUDA kernels (no CUDA toolkit at build time)")

@@ -166,6 +166,20 @@ def triton_sparse_backward(grad_out: torch.Tensor, ids: torch.Tensor, num_embedd
     return segments.keys[:touched].clone(), values
 
 
+def touched_rows(grad_out: torch.Tensor, ids: torch.Tensor, num_embeddings: int, scale: float,
+                 padding_idx: Optional[int], scale_grad_by_freq: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sparse backward without its host sync (schema of
+    torch.ops.pyembed.embedding_touched_rows): min(tokens, V) slots, unused ones row -1."""
+    k = _kernels()
+    dim = grad_out.shape[-1]
+    with _on_device(grad_out):
+        segments = k.sorted_segments(ids, num_embeddings, -1 if padding_idx is None else padding_idx, by_row=False)
+        values = grad_out.new_empty(segments.keys.numel(), dim)
+        k.sum_segments(grad_out.contiguous().reshape(ids.numel(), dim), segments, scale, scale_grad_by_freq, values,
+                       dense=False)
+    return torch.where(segments.end > segments.begin, segments.keys, -1), values
+
+
 def optimizer_update(param, state1, state2, rows, values, rule: int, hyper: list, all_rows: bool) -> None:
     """The optimizer inside the backward (schema of torch.ops.pyembed.optimizer_update),
     one Triton launch; only ever called eagerly (pyembed.optim runs outside compiled graphs)."""
@@ -178,4 +192,4 @@ reference.register_fakes("pyembed::triton_forward", "pyembed::triton_backward", 
 dispatch.register_backend(dispatch.Backend(
     "triton", torch.ops.pyembed.triton_forward, torch.ops.pyembed.triton_backward,
     torch.ops.pyembed.triton_sparse_backward, _why_unavailable, checks_in_kernel=True,
-    eager_forward=forward, eager_backward=backward, optimizer_update=optimizer_update))
+    eager_forward=forward, eager_backward=backward, touched_rows=touched_rows, optimizer_update=optimizer_update))

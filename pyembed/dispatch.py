@@ -44,8 +44,10 @@ class Backend:
     # per call, more than a kernel launch.
     eager_forward: Optional[Callable] = None
     eager_backward: Optional[Callable] = None
-    # The optimizer inside the backward (pyembed.optim): the schema of
-    # torch.ops.pyembed.optimizer_update; None: the reference (torch's functional optimizer).
+    # The optimizer inside the backward (pyembed.optim): ops with the schemas of
+    # torch.ops.pyembed.embedding_touched_rows (None: sparse_backward, which may sync) and
+    # optimizer_update (None: the reference, torch's functional optimizers).
+    touched_rows: Optional[Callable] = None
     optimizer_update: Optional[Callable] = None
 
     def forward_op(self, tensor: torch.Tensor) -> Callable:

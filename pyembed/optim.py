@@ -146,14 +146,15 @@ def step_tables(backend, config, grad_out: torch.Tensor, ids: torch.Tensor, posi
                 tables, needs: tuple[bool, bool]) -> tuple[bool, bool]:
     """The backward's seam for fused optimizers: each table of ``tables`` whose gradient is
     needed is updated from its gradient rows -- the token table's touched rows (the
-    backend's sparse backward: sorted unique rows, summed, padding and out-of-range ids
-    left out, scale and scale_grad_by_freq applied) and the learned positions' dense
-    gradient -- and needs no gradient any more. Returns what still does."""
+    backend's touched_rows: the sparse backward's sorted unique rows, summed, padding and
+    out-of-range ids left out, scale and scale_grad_by_freq applied; on a GPU with no host
+    sync) and the learned positions' dense gradient -- and needs no gradient any more.
+    Returns what still does."""
     weight, pos_weight = tables
     need_weight_grad, need_pos_grad = needs
     if weight is not None and need_weight_grad:
-        rows, values = backend.sparse_backward(grad_out, ids, weight.shape[0], config.scale, config.padding_idx,
-                                               config.scale_grad_by_freq)
+        rows, values = (backend.touched_rows or backend.sparse_backward)(
+            grad_out, ids, weight.shape[0], config.scale, config.padding_idx, config.scale_grad_by_freq)
         _update(backend, weight, rows, values, config.sparse)
         need_weight_grad = False
     if pos_weight is not None and need_pos_grad:

@@ -50,7 +50,7 @@ def backend(request, monkeypatch):
     emulated = request.getfixturevalue("emulated")
     monkeypatch.setitem(dispatch._registry, "cuda", dispatch.Backend(
         "cuda", emulated.embedding_forward, emulated.embedding_backward, emulated.embedding_sparse_backward,
-        lambda device: None, optimizer_update=emulated.optimizer_update))
+        lambda device: None, touched_rows=emulated.embedding_touched_rows, optimizer_update=emulated.optimizer_update))
     monkeypatch.setattr(dispatch, "_resolved", {})
     return "cuda"
 
@@ -301,6 +301,38 @@ def test_update_kernel_equals_torch_functional_optimizer(kernel, case, dtype, re
     for key, value in exact_state.items():
         if isinstance(value, torch.Tensor) and value.shape == table.shape:
             torch.testing.assert_close(state[key].double(), value, rtol=tol, atol=tol, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("kernel", ["cuda-emulated", "triton"])
+def test_gpu_touched_rows_need_no_sync_and_the_update_skips_their_unused_slots(kernel, request):
+    """On a GPU the touched rows are sized by min(tokens, V) (no host sync for their count),
+    unused slots row -1: the same rows and sums as the sparse backward, and the same update
+    as with the exact rows, in both update modes."""
+    if kernel == "cuda-emulated":
+        emulated = request.getfixturevalue("emulated")
+        touched_rows, sparse_backward, update = (emulated.embedding_touched_rows, emulated.embedding_sparse_backward,
+                                                 emulated.optimizer_update)
+    else:
+        if kernel not in CPU_BACKENDS:
+            pytest.skip(f"the {kernel} backend is not available on CPU tensors here")
+        backend = dispatch.get(kernel)
+        touched_rows, sparse_backward, update = backend.touched_rows, backend.sparse_backward, backend.optimizer_update
+    g = torch.Generator().manual_seed(3)
+    ids = torch.tensor([[4, 9, 4, 17, 2, 2, 30, 9]])  # 5 distinct rows (2 the padding), 8 slots, one out of range
+    dout = torch.randn(1, 8, 16, generator=g)
+    rows, values = touched_rows(dout, ids, 19, 1.5, 2, True)
+    exact_rows, exact_values = sparse_backward(dout, ids, 19, 1.5, 2, True)
+    used = rows >= 0
+    assert rows.shape == (8,) and torch.equal(rows[used], exact_rows) and not used[len(exact_rows):].any()
+    torch.testing.assert_close(values[used], exact_values)
+    for cls, kwargs, all_rows in (RULE_CASES[3], RULE_CASES[7]):  # Adam (every row), SparseAdam (touched rows)
+        results = []
+        for r, v in ((rows, values), (exact_rows, exact_values)):
+            table, state, upd, _, _ = _random_update(cls, kwargs, torch.float32, num_rows=19, dim=16)
+            state1, state2 = optim.state_tensors(upd.rule, state)
+            update(table.detach(), state1, state2, r, v, upd.rule, list(upd.hyper), upd.all_rows)
+            results.append(torch.cat([table.detach(), state1, state2]))
+        assert upd.all_rows == all_rows and torch.equal(results[0], results[1])
 
 
 def test_rule_codes_agree_with_the_cuda_and_cpu_header():

@@ -233,6 +233,7 @@ void optimizer_update_cpu(const at::Tensor& param, const at::Tensor& state1, con
 
 TORCH_LIBRARY_IMPL(pyembed, CPU, m) {
   m.impl("optimizer_update", &optimizer_update_cpu);
+  m.impl("embedding_touched_rows", &embedding_sparse_backward_cpu);  // exact on the CPU: no sync to avoid
   m.impl("embedding_forward", &embedding_forward_cpu);
   m.impl("embedding_backward", &embedding_backward_cpu);
   m.impl("embedding_sparse_backward", &embedding_sparse_backward_cpu);

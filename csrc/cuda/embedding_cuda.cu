@@ -49,6 +49,14 @@ std::tuple<at::Tensor, at::Tensor> embedding_sparse_backward_cuda(const at::Tens
   return sparse_backward_op<CudaLaunch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq);
 }
 
+std::tuple<at::Tensor, at::Tensor> embedding_touched_rows_cuda(const at::Tensor& grad_out, const at::Tensor& ids,
+                                                               int64_t num_embeddings, double scale,
+                                                               std::optional<int64_t> padding_idx,
+                                                               bool scale_grad_by_freq) {
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  return touched_rows_op<CudaLaunch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq);
+}
+
 void optimizer_update_cuda(const at::Tensor& param, const at::Tensor& state1, const at::Tensor& state2,
                            const at::Tensor& rows, const at::Tensor& values, int64_t rule, c10::ArrayRef<double> hyper,
                            bool all_rows) {
@@ -60,6 +68,7 @@ void optimizer_update_cuda(const at::Tensor& param, const at::Tensor& state1, co
 
 TORCH_LIBRARY_IMPL(pyembed, CUDA, m) {
   m.impl("optimizer_update", &optimizer_update_cuda);
+  m.impl("embedding_touched_rows", &embedding_touched_rows_cuda);
   m.impl("embedding_forward", &embedding_forward_cuda);
   m.impl("embedding_backward", &embedding_backward_cuda);
   m.impl("embedding_sparse_backward", &embedding_sparse_backward_cuda);

@@ -647,4 +647,23 @@ std::tuple<at::Tensor, at::Tensor> sparse_backward_op(const at::Tensor& grad_out
   return {rows, values};
 }
 
+// The sparse backward's (rows, values) without the host sync: sized by the bound
+// min(tokens, V) the host knows, the slots past the touched rows marked row -1 (their
+// values are never written, and the optimizer update skips them). What the optimizer in
+// the backward takes (pyembed/optim.py).
+template <class Launch>
+std::tuple<at::Tensor, at::Tensor> touched_rows_op(const at::Tensor& grad_out_in, const at::Tensor& ids_in,
+                                                   int64_t num_embeddings, double scale,
+                                                   std::optional<int64_t> padding_idx, bool scale_grad_by_freq) {
+  check_same_device(grad_out_in.device(), {&ids_in});
+  const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
+  const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
+  const SortedSegments seg = sorted_segments<Launch>(ids_in, num_embeddings, padding_idx.value_or(-1), false);
+  at::Tensor values = at::empty({seg.keys.numel(), dim}, dout.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dout.scalar_type(), "pyembed_touched_rows_cuda", [&] {
+    sum_segments<Launch, scalar_t>(dout, seg, scale, scale_grad_by_freq, /*dense=*/false, values);
+  });
+  return {at::where(seg.end > seg.begin, seg.keys, -1), values};
+}
+
 }  // namespace pyembed::cuda

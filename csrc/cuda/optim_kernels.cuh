@@ -15,8 +15,9 @@
 namespace pyembed::cuda {
 
 // Element e = (i, j) of the updated rows: all_rows: table row i, whose gradient is row
-// row_slot[i] of values (-1: none, g = 0); else touched row i, table row rows[i] (one
-// outside the table is skipped: nothing is read or written out of bounds).
+// row_slot[i] of values (-1: none, g = 0); else touched row i, table row rows[i]. A row
+// outside the table (-1: an unused slot of touched_rows_op) is skipped: nothing is read
+// or written out of bounds.
 template <typename T, int RULE>
 __global__ void optimizer_update_kernel(T* param, T* state1, T* state2, const int64_t* rows, const int64_t* row_slot,
                                         const T* values, int64_t num_rows, int64_t touched, int64_t dim,
@@ -41,6 +42,12 @@ __global__ void optimizer_update_kernel(T* param, T* state1, T* state2, const in
   }
 }
 
+// row_slot[rows[k]] = k for the rows inside the table (the rows are unique: no race).
+__global__ void scatter_row_slots_kernel(const int64_t* rows, int64_t* row_slot, int64_t touched, int64_t num_rows) {
+  const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (k < touched && rows[k] >= 0 && rows[k] < num_rows) row_slot[rows[k]] = k;
+}
+
 template <class Launch>
 void optimizer_update_op(const at::Tensor& param, const at::Tensor& state1, const at::Tensor& state2,
                          const at::Tensor& rows_in, const at::Tensor& values_in, int64_t rule,
@@ -51,7 +58,11 @@ void optimizer_update_op(const at::Tensor& param, const at::Tensor& state1, cons
   at::Tensor row_slot;  // all_rows: each table row's gradient row, -1 if untouched (no host sync)
   if (all_rows) {
     row_slot = at::full({num_rows}, -1, rows.options());
-    if (touched > 0) row_slot.index_copy_(0, rows, at::arange(touched, rows.options()));
+    if (touched > 0) {
+      const RowGrid shape = linear_grid(touched);
+      Launch::run(shape.grid, shape.block, scatter_row_slots_kernel, rows.data_ptr<int64_t>(),
+                  row_slot.data_ptr<int64_t>(), touched, num_rows);
+    }
   }
   const int64_t total = (all_rows ? num_rows : touched) * dim;
   if (total == 0) return;

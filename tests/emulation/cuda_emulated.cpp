@@ -20,6 +20,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("embedding_sparse_backward", &pyembed::cuda::sparse_backward_op<EmulatedLaunch>,
         "the CUDA sparse backward, emulated on CPU tensors (same arguments as "
         "torch.ops.pyembed.embedding_sparse_backward)");
+  m.def("embedding_touched_rows", &pyembed::cuda::touched_rows_op<EmulatedLaunch>,
+        "the CUDA sparse backward without its host sync, emulated on CPU tensors (same arguments as "
+        "torch.ops.pyembed.embedding_touched_rows)");
   m.def("optimizer_update",
         [](const at::Tensor& param, const at::Tensor& state1, const at::Tensor& state2, const at::Tensor& rows,
            const at::Tensor& values, int64_t rule, const std::vector<double>& hyper, bool all_rows) {
