@@ -14,7 +14,7 @@ COLUMNS = [
     "timestamp", "device", "torch", "pyembed", "suite", "shape", "batch", "seq_len", "tokens", "mode", "dtype", "pos",
     "dist", "grad", "dropout", "provider", "status", "median_ms", "p20_ms", "p80_ms", "gbps", "pct_of_copy", "copy_ms",
     "min_bytes", "grad_bytes", "saved_bytes", "speedup_vs_eager", "speedup_vs_compile", "spread",
-    "graph_ms", "graph_pct_of_copy", "note",
+    "graph_ms", "graph_pct_of_copy", "step_peak_bytes", "note",
 ]
 
 
@@ -29,7 +29,7 @@ def append_csv(rows: list[dict], path: Path) -> Path:
     return path
 
 
-INTS = {"batch", "seq_len", "tokens", "min_bytes", "grad_bytes", "saved_bytes"}
+INTS = {"batch", "seq_len", "tokens", "min_bytes", "grad_bytes", "saved_bytes", "step_peak_bytes"}
 FLOATS = {"dropout", "median_ms", "p20_ms", "p80_ms", "gbps", "pct_of_copy", "copy_ms", "speedup_vs_eager",
           "speedup_vs_compile", "spread", "graph_ms", "graph_pct_of_copy"}
 
@@ -62,6 +62,8 @@ def _cell(row: dict) -> str:
         parts.append(f"graphed {row['graph_ms']:.3g} ms, {row['graph_pct_of_copy']:.0f}% copy")
     if row.get("saved_bytes") is not None and row.get("dropout"):
         parts.append(f"{row['saved_bytes'] / 2**20:.2f} MiB saved")
+    if row.get("step_peak_bytes") is not None:
+        parts.append(f"peak +{row['step_peak_bytes'] / 2**20:.0f} MiB")
     return " · ".join(parts)
 
 
@@ -104,7 +106,8 @@ def summary(rows: list[dict]) -> list[str]:
 LEGEND = ("A cell: median time · the speed-up over eager / over compile (the torch.compile of the same nn-ops "
           "layer; above 1x is faster) · effective bandwidth as a % of a plain device copy of the same minimal "
           "bytes, timed in the same rounds (100% is the memory ceiling); on a GPU, \"graphed\": the GPU-only time of "
-          "the call replayed from a CUDA graph (no host work) and its % of a graphed copy; n/a: the provider "
+          "the call replayed from a CUDA graph (no host work) and its % of a graphed copy; \"peak +\": the GPU memory "
+          "a training step allocates beyond the tables and optimizer state (the gradient among it); n/a: the provider "
           "cannot run the case.")
 
 

@@ -184,6 +184,19 @@ def step_fn(provider: Provider, case: Case, ids, tables: Tables, dout):
     return bwd
 
 
+def step_peak_bytes(step) -> int:
+    """GPU memory a training step allocates beyond what it starts with (the tables and the
+    optimizer state, made by a first step): the gradient, unless the optimizer runs in the
+    backward, and the temporaries."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start
+
+
 def make_optimizers(tables: Tables, sparse: bool, in_backward: bool = False) -> list:
     """What a user trains the layer with: AdamW, or SparseAdam for a sparse token table
     (AdamW for a learned positional table, whose gradient stays dense). AdamW in torch's
@@ -302,6 +315,8 @@ def run_case(case: Case, device, provs: list[Provider], args) -> list[dict]:
                                         for g in grads_of(tables))
             if case.mode != "fwd":
                 row["saved_bytes"] = saved_bytes(p, case, ids, tables)
+            if case.mode == "step" and device.type == "cuda":
+                row["step_peak_bytes"] = step_peak_bytes(fns[p.name])
         rows.append(row)
     # The copy baseline moves the same minimal bytes: half read, half written.
     src = torch.empty(max(nbytes // 2 // 4, 1), dtype=torch.float32, device=device)

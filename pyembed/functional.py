@@ -81,10 +81,10 @@ def fused_embedding(
         forward mode too, and under ``torch.func`` transforms (``vmap``, ``grad``).
     """
     if optim.tables_are_fused and (optim.fused_optimizer(weight) or optim.fused_optimizer(pos_weight)):
-        return _with_fused_optimizer(ids, weight, pos_weight, pos_encoding=pos_encoding, scale=scale,
-                                     position_ids=position_ids, offset=offset, padding_idx=padding_idx,
-                                     scale_grad_by_freq=scale_grad_by_freq, sparse=sparse, validate=validate,
-                                     dropout_p=dropout_p, generator=generator, backend=backend)
+        return optim.outside_compiled_graphs(
+            _with_fused_optimizer, ids, weight, pos_weight, pos_encoding=pos_encoding, scale=scale,
+            position_ids=position_ids, offset=offset, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq,
+            sparse=sparse, validate=validate, dropout_p=dropout_p, generator=generator, backend=backend)
     return _fused_embedding(ids, weight, pos_weight, pos_encoding, scale, position_ids, offset, padding_idx,
                             scale_grad_by_freq, sparse, validate, dropout_p, generator, backend)
 
@@ -132,10 +132,9 @@ def _fused_embedding(ids, weight, pos_weight, pos_encoding, scale, position_ids,
                        error_record=error_record, cpp_autograd=cpp_autograd)
 
 
-@torch.compiler.disable
 def _with_fused_optimizer(ids, weight, pos_weight, **kwargs):
     """A call on a table whose optimizer runs in the backward (pyembed.optim): the Python
-    autograd.Function, whose backward updates the table; outside any compiled graph (a
+    autograd.Function, whose backward updates the table; run outside any compiled graph (a
     graph break under torch.compile: AOTAutograd cannot mutate a parameter in a backward)."""
     if _functorch_active():
         raise checks.InputValueError("pyembed: a table with a fused optimizer cannot be used under torch.func "

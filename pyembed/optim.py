@@ -26,9 +26,9 @@ import torch
 from torch.optim import _functional as _sparse_functional, adagrad as _adagrad, adam as _adam, sgd as _sgd
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import checks
+from . import _dtensor, checks
 
-# The update rules, shared with csrc/common.h (OptimRule) and kernels/embedding.py.
+# The update rules, shared with csrc/optim.h (Rule) and kernels/embedding.py (RULE).
 SGD, ADAM, ADAGRAD, SPARSE_ADAM = 0, 1, 2, 3
 _FUSED = {torch.optim.SGD: SGD, torch.optim.Adam: ADAM, torch.optim.AdamW: ADAM, torch.optim.Adagrad: ADAGRAD,
           torch.optim.SparseAdam: SPARSE_ADAM}
@@ -58,12 +58,12 @@ def apply_optimizer_in_backward(optimizer_class, params: Iterable[torch.nn.Param
     outside the graph), torch.func transforms and create_graph=True raise.
     """
     if optimizer_class not in _FUSED:
-        raise checks.InputTypeError(
-            f"pyembed: apply_optimizer_in_backward fuses {_FUSED_NAMES}; got {getattr(optimizer_class, '__name__', optimizer_class)!r}")
+        name = getattr(optimizer_class, "__name__", optimizer_class)
+        raise checks.InputTypeError(f"pyembed: apply_optimizer_in_backward fuses {_FUSED_NAMES}; got {name!r}")
     params = list(params)
     kwargs = dict(optimizer_kwargs or {})
     for p in params:
-        if not isinstance(p, torch.nn.Parameter) or type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
+        if not isinstance(p, torch.nn.Parameter) or _dtensor.is_dtensor(p):
             raise checks.InputTypeError(f"pyembed: apply_optimizer_in_backward takes the Parameters of pyembed tables "
                                         f"(not sharded DTensor tables); got {type(p).__name__}")
         if not p.is_floating_point() or p.dim() != 2:
@@ -83,8 +83,10 @@ def apply_optimizer_in_backward(optimizer_class, params: Iterable[torch.nn.Param
     # A bound method, as LR schedulers expect to wrap it; the update already happened in the backward.
     optimizer.step = types.MethodType(_step_is_done, optimizer)
     _guard_other_optimizers()
-    global tables_are_fused
+    global tables_are_fused, _disabled_call
     tables_are_fused = True
+    if _disabled_call is None:  # made here, not at import: torch.compiler.disable imports Dynamo
+        _disabled_call = torch.compiler.disable(_call)
     for p in params:
         setattr(p, ATTR, optimizer)
         p._in_backward_optimizers = [optimizer]  # where torch's in-backward optimizers live (torch.distributed.optim)
@@ -130,6 +132,16 @@ def _refuse_fused_params(optimizer, args, kwargs) -> None:
 
 # False until a table is fused: until then the op's hot path pays one global read for this feature.
 tables_are_fused = False
+_disabled_call = None  # _call, never traced by torch.compile (made by apply_optimizer_in_backward)
+
+
+def _call(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
+def outside_compiled_graphs(fn, *args, **kwargs):
+    """fn(*args, **kwargs), run eagerly even inside a function torch.compile traces (a graph break)."""
+    return _disabled_call(fn, *args, **kwargs)
 
 
 def fused_optimizer(table: Optional[torch.Tensor]) -> Optional[torch.optim.Optimizer]:

@@ -60,3 +60,15 @@ def test_scalar_parameters_reach_the_kernel_as_fp64(report):
     assert forwards and all(params == ["f64"] * 3 for params in forwards.values()), forwards
     finishes = {k: v["float_params"] for k, v in report.items() if k.startswith(("finish_segments", "finish_rows"))}
     assert finishes and all(params == ["f64"] for params in finishes.values()), finishes  # the gradient's scale
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_optimizer_update_reads_and_writes_the_table_in_128_bit_accesses(report, arch):
+    # The update is one pass over p and its state: at d = 768 / 4096 every row is 16-byte aligned.
+    wide = [k for k in report if k.startswith("optimizer_update") and k.endswith(arch) and "fp64" not in k
+            and re.search(r"d=(768|4096) ", k)]
+    assert len(wide) == 2 * 2 * 4  # dtypes x d x rules
+    narrow = [k for k, v in report.items() if k in wide and not (v["v4_loads"] and v["v4_stores"])]
+    assert not narrow, narrow
+    updates = {k: v["float_params"] for k, v in report.items() if k.startswith("optimizer_update")}
+    assert all(params == ["f64"] * 9 for params in updates.values()), updates  # the host's scalars, exactly

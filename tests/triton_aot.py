@@ -135,6 +135,27 @@ def batch_source(dtype, dim):
     return _source(k._batch_sum_kernel, args, {"COMPUTE_F64": dtype == "fp64", "BLOCK_D": k._blocks(dim)[1]})
 
 
+# (rule, its flags): SGD with momentum, AdamW, Adagrad, SparseAdam -- the rule's longest path.
+UPDATE_RULES = {"sgd": (0, {"NESTEROV": True, "HAS_STATE1": True, "HAS_STATE2": False}),
+                "adamw": (1, {"DECOUPLED": True, "HAS_STATE1": True, "HAS_STATE2": True}),
+                "adagrad": (2, {"HAS_STATE1": True, "HAS_STATE2": False}),
+                "sparse_adam": (3, {"HAS_STATE1": True, "HAS_STATE2": True})}
+
+
+def update_source(dtype, dim, rule):
+    """The optimizer inside the backward: every table row (dense rules) or the touched rows (SparseAdam)."""
+    code, flags = UPDATE_RULES[rule]
+    block_d = k._blocks(dim)[1]
+    args = {"param_ptr": f"*{dtype}", "state1_ptr": f"*{dtype}", "state2_ptr": f"*{dtype}", "rows_ptr": "*i64",
+            "row_slot_ptr": "*i64", "values_ptr": f"*{dtype}", "num_rows": 50257, "touched": TOKENS, "dim": dim,
+            **{name: 0.5 for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening",
+                                      "bias_correction1", "bias_correction2_sqrt")}}
+    return _source(k._optimizer_update_kernel, args, {
+        "RULE": code, "DECOUPLED": False, "NESTEROV": False, "MAXIMIZE": False, "FIRST": False,
+        "ALL_ROWS": code != 3, **flags, "COMPUTE_F64": dtype == "fp64",
+        "BLOCK_R": max(1, k.TILE_ELEMENTS // 2 // block_d), "BLOCK_D": block_d})
+
+
 def sources():
     """{name: (factory, args)}: every specialisation the launchers can produce that
     matters for registers (the id dtype only for one mode: it changes one load)."""
@@ -163,6 +184,12 @@ def sources():
         out[f"batch_sum {dtype} d={dim}"] = (batch_source, (dtype, dim), {})
     for kernel, key_type in itertools.product(("compact", "starts", "bounds"), ("i32", "i64")):
         out[f"segment_{kernel} {key_type}"] = (bounds_source, (kernel, key_type), {})
+    for dtype, dim, rule in itertools.product(("fp32", "bf16"), (100, 768, 4096), UPDATE_RULES):
+        out[f"optimizer_update {rule} {dtype} d={dim}"] = (update_source, (dtype, dim, rule), {})
+    out["optimizer_update adamw fp64 d=768"] = (update_source, ("fp64", 768, "adamw"), {})
+    out["scatter_row_slots"] = (lambda: _source(k._scatter_row_slots_kernel, {
+        "rows_ptr": "*i64", "row_slot_ptr": "*i64", "touched": TOKENS, "num_rows": 50257},
+        {"BLOCK": k.BOUNDS_BLOCK}), (), {})
     return out
 
 
