@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -74,6 +75,13 @@ def apply_optimizer_in_backward(optimizer_class, params: Iterable[torch.nn.Param
         if p.grad is not None:
             raise checks.InputValueError("pyembed: this parameter already holds a gradient (.grad): zero it with "
                                          "set_to_none=True, and leave it out of other optimizers, first")
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1:
+        warnings.warn(
+            "pyembed: apply_optimizer_in_backward under torch.distributed: each rank updates its table from its own "
+            "gradient, with no all-reduce. Right for a table each rank owns a part of (a vocab-parallel shard); "
+            "wrong for a replicated table under DistributedDataParallel, whose replicas would drift apart: keep "
+            "such a table on a torch optimizer.", RuntimeWarning, stacklevel=2)
     optimizer = optimizer_class(params, **kwargs)
     if optimizer_class is not torch.optim.SparseAdam:
         for group in optimizer.param_groups:

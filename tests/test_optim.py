@@ -470,3 +470,15 @@ def test_create_graph_through_a_fused_table_raises():
     pyembed.apply_optimizer_in_backward(torch.optim.SGD, [emb.weight], {"lr": 0.1})
     with pytest.raises(ValueError, match="create_graph"):
         emb(torch.tensor([1, 2])).pow(2).sum().backward(create_graph=True)
+
+
+def test_a_warning_under_torch_distributed_where_replicas_would_drift():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    emb = pyembed.FusedEmbedding(V, D)
+    torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        with pytest.warns(RuntimeWarning, match="no all-reduce"):
+            pyembed.apply_optimizer_in_backward(torch.optim.SGD, [emb.weight], {"lr": 0.1})
+    finally:
+        torch.distributed.destroy_process_group()
