@@ -628,23 +628,34 @@ std::tuple<at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out_in, co
   return {weight_grad, pos_grad};
 }
 
-// The token table's sparse gradient: (rows (U,) sorted unique used ids, values (U, d)).
-// U is read back from the device once (this op is tagged cudagraph_unsafe).
+// The token table's gradient rows: the used ids' segments, the first `rows` slots'
+// scaled sums written into a (rows, d) tensor -- rows >= the number of touched rows.
 template <class Launch>
-std::tuple<at::Tensor, at::Tensor> sparse_backward_op(const at::Tensor& grad_out_in, const at::Tensor& ids_in,
-                                                      int64_t num_embeddings, double scale,
-                                                      std::optional<int64_t> padding_idx, bool scale_grad_by_freq) {
+std::pair<SortedSegments, at::Tensor> sum_used_rows(const at::Tensor& grad_out_in, const at::Tensor& ids_in,
+                                                     int64_t num_embeddings, double scale,
+                                                     std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
+                                                     bool exact) {
   check_same_device(grad_out_in.device(), {&ids_in});
   const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
   const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
-  const SortedSegments seg = sorted_segments<Launch>(ids_in, num_embeddings, padding_idx.value_or(-1), false);
-  const int64_t touched = seg.count.item<int64_t>();
-  at::Tensor rows = seg.keys.slice(0, 0, touched).clone();
-  at::Tensor values = at::empty({touched, dim}, dout.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dout.scalar_type(), "pyembed_sparse_backward_cuda", [&] {
+  SortedSegments seg = sorted_segments<Launch>(ids_in, num_embeddings, padding_idx.value_or(-1), false);
+  const int64_t rows = exact ? seg.count.item<int64_t>() : seg.keys.numel();  // exact: one device->host read
+  at::Tensor values = at::empty({rows, dim}, dout.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dout.scalar_type(), "pyembed_sum_used_rows_cuda", [&] {
     sum_segments<Launch, scalar_t>(dout, seg, scale, scale_grad_by_freq, /*dense=*/false, values);
   });
-  return {rows, values};
+  return {std::move(seg), values};
+}
+
+// The token table's sparse gradient: (rows (U,) sorted unique used ids, values (U, d)).
+// U is read back from the device once (this op is tagged cudagraph_unsafe).
+template <class Launch>
+std::tuple<at::Tensor, at::Tensor> sparse_backward_op(const at::Tensor& grad_out, const at::Tensor& ids,
+                                                      int64_t num_embeddings, double scale,
+                                                      std::optional<int64_t> padding_idx, bool scale_grad_by_freq) {
+  auto [seg, values] = sum_used_rows<Launch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq,
+                                             /*exact=*/true);
+  return {seg.keys.slice(0, 0, values.size(0)).clone(), values};
 }
 
 // The sparse backward's (rows, values) without the host sync: sized by the bound
@@ -652,17 +663,11 @@ std::tuple<at::Tensor, at::Tensor> sparse_backward_op(const at::Tensor& grad_out
 // values are never written, and the optimizer update skips them). What the optimizer in
 // the backward takes (pyembed/optim.py).
 template <class Launch>
-std::tuple<at::Tensor, at::Tensor> touched_rows_op(const at::Tensor& grad_out_in, const at::Tensor& ids_in,
+std::tuple<at::Tensor, at::Tensor> touched_rows_op(const at::Tensor& grad_out, const at::Tensor& ids,
                                                    int64_t num_embeddings, double scale,
                                                    std::optional<int64_t> padding_idx, bool scale_grad_by_freq) {
-  check_same_device(grad_out_in.device(), {&ids_in});
-  const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
-  const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
-  const SortedSegments seg = sorted_segments<Launch>(ids_in, num_embeddings, padding_idx.value_or(-1), false);
-  at::Tensor values = at::empty({seg.keys.numel(), dim}, dout.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dout.scalar_type(), "pyembed_touched_rows_cuda", [&] {
-    sum_segments<Launch, scalar_t>(dout, seg, scale, scale_grad_by_freq, /*dense=*/false, values);
-  });
+  auto [seg, values] = sum_used_rows<Launch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq,
+                                             /*exact=*/false);
   return {at::where(seg.end > seg.begin, seg.keys, -1), values};
 }
 
