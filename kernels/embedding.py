@@ -484,6 +484,12 @@ def _optimizer_update_kernel(
 
 
 # --------------------------------------------------------------------------- launchers
+def _direct(kernel):
+    """The default ``launch``: the kernel itself (torch.library.wrap_triton when a compiled
+    graph is being traced: pyembed/_triton.py)."""
+    return kernel
+
+
 def optimizer_update(param, state1, state2, rows, values, rule: int, hyper, all_rows: bool):
     """torch.ops.pyembed.optimizer_update's schema (csrc/pyembed.cpp) on the Triton kernel:
     rows (touched,) int64 got gradient rows values (touched, d); hyper as pyembed/optim.py
@@ -526,7 +532,7 @@ def optimizer_update(param, state1, state2, rows, values, rule: int, hyper, all_
 
 def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scale: float, offset: int,
                       dropout_key, dropout_threshold: int, dropout_scale: float, sinusoid_column_offset: int,
-                      sinusoid_dim: int, out, launch=lambda kernel: kernel, error_record: int = 0):
+                      sinusoid_dim: int, out, launch=_direct, error_record: int = 0):
     """Fill out (ids.numel(), d) in place; dropout_key None: no dropout; the sinusoid of
     column j is column sinusoid_column_offset + j (even) of a sinusoid_dim-wide one;
     error_record: the address the range check records into (0: no check). ``launch`` wraps
@@ -566,7 +572,7 @@ class Segments(NamedTuple):
     row_segment: Optional[torch.Tensor]  # (num_rows,) each table row's slot, -1 if untouched (by_row)
 
 
-def sorted_segments(keys, num_rows: int, skip: int, by_row: bool = True) -> Segments:
+def sorted_segments(keys, num_rows: int, skip: int, by_row: bool = True, launch=_direct) -> Segments:
     """Segments of the keys in [0, num_rows) other than ``skip`` (out-of-range ids and the
     padding row are left out), without a device->host sync: a compaction to 32-bit keys, a
     sort, two small kernels around one scan. by_row: also map every table row to its
@@ -581,18 +587,20 @@ def sorted_segments(keys, num_rows: int, skip: int, by_row: bool = True) -> Segm
         return Segments(order, *bounds, torch.zeros((), dtype=torch.long, device=device), row_segment)
     grid = (_cdiv(n, BOUNDS_BLOCK),)
     compact = torch.empty(n, dtype=torch.int32 if num_rows < 2**31 - 1 else torch.long, device=device)
-    _compact_keys_kernel[grid](keys, compact, n, num_rows, skip, BLOCK=BOUNDS_BLOCK)
+    launch(_compact_keys_kernel)[grid](keys, compact, n, num_rows, skip, BLOCK=BOUNDS_BLOCK)
     sorted_keys, order = compact.sort(stable=True)  # unused keys (num_rows) sort last
     scan = torch.empty(n, dtype=torch.long, device=device)
-    _segment_starts_kernel[grid](sorted_keys, scan, n, num_rows, BLOCK=BOUNDS_BLOCK)
+    launch(_segment_starts_kernel)[grid](sorted_keys, scan, n, num_rows, BLOCK=BOUNDS_BLOCK)
     scan.cumsum_(0)
     if slots:
-        _segment_bounds_kernel[grid](sorted_keys, scan, *bounds[:3], row_segment if by_row else scan, n, num_rows,
+        launch(_segment_bounds_kernel)[grid](sorted_keys, scan, *bounds[:3], row_segment if by_row else scan, n,
+                                             num_rows,
                                      BY_ROW=by_row, BLOCK=BOUNDS_BLOCK)
     return Segments(order, *bounds, scan[-1], row_segment)
 
 
-def sum_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool, out, dense: bool):
+def sum_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool, out, dense: bool,
+                 launch=_direct):
     """out[dst_row(s)] = factor(s) * (sum of the dout rows of segment s), dst_row(s) = the
     segment's key when dense, else s; factor = scale, or scale / (its token count). A tree
     of parts of at most PART_ROWS rows: each level finishes the segments that fit in one
@@ -623,14 +631,14 @@ def sum_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool
             block_r, _ = _blocks(dim)
             if num_rows == 0:
                 return
-            _finish_rows_kernel[(_cdiv(num_rows, block_r), col_blocks)](
+            launch(_finish_rows_kernel)[(_cdiv(num_rows, block_r), col_blocks)](
                 src, order, begin, end, row_segment, out, factors if factors is not None else begin, parts,
                 scale, rows if last else PART_ROWS, num_rows, dim, HAS_FACTORS=factors is not None,
                 COMPUTE_F64=compute_f64, PART_ROWS=PART_ROWS, BLOCK_R=block_r, BLOCK_D=block_d,
             )
         else:
             parts = None if last else torch.empty(slots, dtype=torch.long, device=dout2d.device)
-            _finish_segments_kernel[(slots, col_blocks)](
+            launch(_finish_segments_kernel)[(slots, col_blocks)](
                 src, src_rows if src_rows is not None else begin, begin, end, out,
                 seg_keys, factors if factors is not None else begin, parts if parts is not None else begin,
                 scale, rows if last else PART_ROWS, dim,
@@ -643,7 +651,7 @@ def sum_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool
         rows = 2 * rows // PART_ROWS
         part_end = parts.cumsum(0)
         partials = torch.empty(rows, dim, dtype=acc, device=dout2d.device)
-        _sum_parts_kernel[(rows, col_blocks)](
+        launch(_sum_parts_kernel)[(rows, col_blocks)](
             src, src_rows if src_rows is not None else begin, begin, end, part_end, partials, slots,
             slots.bit_length(), dim, HAS_SRC_ROWS=src_rows is not None, COMPUTE_F64=compute_f64, PART_ROWS=PART_ROWS,
             BLOCK_D=block_d,
@@ -652,11 +660,11 @@ def sum_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool
         longest = (longest + PART_ROWS - 1) // PART_ROWS
 
 
-def batch_sum(dout, out, batch: int, seq_len: int, steps: int, offset: int):
+def batch_sum(dout, out, batch: int, seq_len: int, steps: int, offset: int, launch=_direct):
     dim = dout.shape[-1]
     if steps <= 0 or dim == 0:
         return
     _, block_d = _blocks(dim)
-    _batch_sum_kernel[(steps, _cdiv(dim, block_d))](
+    launch(_batch_sum_kernel)[(steps, _cdiv(dim, block_d))](
         dout, out, batch, seq_len, offset, dim, COMPUTE_F64=dout.dtype == torch.float64, BLOCK_D=block_d,
     )

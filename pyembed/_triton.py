@@ -120,34 +120,51 @@ if not _INTERPRETED:
             return _forward(*args, **kwargs, launch=torch.library.wrap_triton, device_guard=False)
 
 
-def backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[torch.Tensor], offset: int,
-             num_embeddings: int, num_positions: int, scale: float, padding_idx: Optional[int],
-             scale_grad_by_freq: bool, need_weight_grad: bool,
-             need_pos_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense gradients (schema of reference.embedding_backward), without a host sync."""
+def _backward(grad_out, ids, position_ids, offset: int, num_embeddings: int, num_positions: int, scale: float,
+              padding_idx: Optional[int], scale_grad_by_freq: bool, need_weight_grad: bool, need_pos_grad: bool, *,
+              launch=_direct, device_guard=True) -> tuple[torch.Tensor, torch.Tensor]:
     k = _kernels()
     dim = grad_out.shape[-1]
     dout = grad_out.contiguous().reshape(ids.numel(), dim)  # not -1: d may be 0
     weight_grad, pos_grad = grad_out.new_empty(0, dim), grad_out.new_empty(0, dim)
-    with _on_device(grad_out):
+    with _on_device(grad_out) if device_guard else contextlib.nullcontext():
         # Dense gradients are written once, every row, by sum_segments: no zero fill first.
         if need_weight_grad:
             weight_grad = grad_out.new_empty(num_embeddings, dim)
-            segments = k.sorted_segments(ids, num_embeddings, -1 if padding_idx is None else padding_idx)
-            k.sum_segments(dout, segments, scale, scale_grad_by_freq, weight_grad, dense=True)
+            segments = k.sorted_segments(ids, num_embeddings, -1 if padding_idx is None else padding_idx,
+                                         launch=launch)
+            k.sum_segments(dout, segments, scale, scale_grad_by_freq, weight_grad, dense=True, launch=launch)
         if need_pos_grad and position_ids is not None:
             pos_grad = grad_out.new_empty(num_positions, dim)
-            k.sum_segments(dout, k.sorted_segments(position_ids, num_positions, -1), 1.0, False, pos_grad, dense=True)
+            k.sum_segments(dout, k.sorted_segments(position_ids, num_positions, -1, launch=launch), 1.0, False,
+                           pos_grad, dense=True, launch=launch)
         elif need_pos_grad:
             pos_grad = grad_out.new_zeros(num_positions, dim)  # the rows past the sequence get nothing
             if ids.numel() > 0:
                 seq_len = ids.shape[-1]
                 k.batch_sum(dout, pos_grad, ids.numel() // seq_len, seq_len,
-                            min(max(num_positions - offset, 0), seq_len), offset)
+                            min(max(num_positions - offset, 0), seq_len), offset, launch=launch)
     return weight_grad, pos_grad
 
 
+def backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[torch.Tensor], offset: int,
+             num_embeddings: int, num_positions: int, scale: float, padding_idx: Optional[int],
+             scale_grad_by_freq: bool, need_weight_grad: bool,
+             need_pos_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense gradients (schema of reference.embedding_backward), without a host sync."""
+    return _backward(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
+                     scale_grad_by_freq, need_weight_grad, need_pos_grad, launch=_direct)
+
+
 triton_backward = torch.library.custom_op("pyembed::triton_backward", mutates_args=())(backward)
+
+if not _INTERPRETED:
+    @triton_backward.register_torch_dispatch(FunctionalTensorMode)
+    def _(mode, func, types, args, kwargs):
+        # As the forward: under a compiled graph's functionalisation Inductor gets the
+        # backward's kernels and the torch ops between them (sort, scan), not an opaque call.
+        with mode:
+            return _backward(*args, **kwargs, launch=torch.library.wrap_triton, device_guard=False)
 
 
 @torch.library.custom_op("pyembed::triton_sparse_backward", mutates_args=(), tags=CUDAGRAPH_UNSAFE)

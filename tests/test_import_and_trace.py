@@ -47,6 +47,41 @@ def test_compiled_graph_holds_the_triton_kernel_not_an_opaque_call():
     assert "triton_kernel_wrapper_functional" in out and "pyembed.triton_forward" not in out, out
 
 
+def test_compiled_backward_holds_the_triton_kernels_and_copies_no_input():
+    # The dense backward as the forward: under AOTAutograd's functionalisation on fake CUDA
+    # tensors (sm_90 target for Inductor's mutation analysis), the graph holds the sort, the
+    # scan and each Triton kernel -- what Inductor can schedule and fuse -- not an opaque
+    # pyembed op, and each kernel is found to write only its outputs (the output gradient
+    # and the ids are never copied).
+    out = _run(
+        "import re, torch, pyembed, triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+        "from functorch.compile import aot_function\n"
+        "class Sm90:\n"
+        "    def get_current_target(self):\n"
+        "        return GPUTarget('cuda', 90, 32)\n"
+        "triton.runtime.driver.set_active(Sm90())\n"
+        "graphs = []\n"
+        "def keep(gm, _):\n"
+        "    graphs.append(gm.code)\n"
+        "    return gm\n"
+        "f = lambda dout, ids: torch.ops.pyembed.triton_backward(dout, ids, None, 0, 1000, 64, 2.0, None, False,\n"
+        "                                                        True, True)\n"
+        "with FakeTensorMode():\n"
+        "    ids = torch.empty(4, 512, dtype=torch.long, device='cuda')\n"
+        "    dout = torch.empty(4, 512, 64, device='cuda')\n"
+        "    aot_function(f, fw_compiler=keep)(dout, ids)\n"
+        "print('opaque' if 'pyembed.triton_backward' in graphs[0] else 'traced', 'sort' in graphs[0])\n"
+        "print(re.findall(r'tensors_to_clone = (\\[[^\\]]*\\])', graphs[0]))\n")
+    first, clones = out.strip().splitlines()
+    assert first == "traced True", out
+    written = eval(clones)  # one list of written pointer names per kernel launch
+    assert len(written) >= 5, out  # compact, starts, bounds, a tree level, the positions' batch sum
+    inputs = {"src_ptr", "dout_ptr", "src_rows_ptr", "sorted_ptr", "scan_ptr", "part_end_ptr", "factors_ptr"}
+    assert not inputs & {name for names in written for name in eval(names)}, out
+
+
 def test_compiled_kernel_with_the_range_check_writes_no_input_tensor():
     # The in-kernel range check (validate=True on a GPU) stores into the error record
     # through an integer address. Inductor's mutation analysis of the kernel (it needs a
