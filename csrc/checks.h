@@ -22,10 +22,21 @@
 
 namespace pyembed {
 
+// Python's spelling of a dtype and a shape (torch.float32, (2, 3), (5,)): the errors here
+// read exactly as pyembed/functional.py's, which pyembed raises for the same input.
+inline std::string py_dtype(at::ScalarType dtype) { return "torch." + std::string(c10::getDtypeNames(dtype).first); }
+
+inline std::string py_shape(at::IntArrayRef sizes) {
+  std::string out = "(";
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
+  return out + (sizes.size() == 1 ? ",)" : ")");
+}
+
 inline PosEncoding parse_pos_encoding(const std::string& name) {
   if (name == "none") return PosEncoding::kNone;
   if (name == "learned") return PosEncoding::kLearned;
-  TORCH_CHECK_VALUE(name == "sinusoidal", "pyembed: unknown pos_encoding '", name, "'");
+  TORCH_CHECK_VALUE(name == "sinusoidal", "pyembed: pos_encoding must be None, 'learned' or 'sinusoidal', got '",
+                    name, "'");
   return PosEncoding::kSinusoidal;
 }
 
@@ -47,24 +58,29 @@ inline void check_forward_args(const at::Tensor& ids, const at::Tensor& weight,
                                const std::optional<at::Tensor>& pos_weight,
                                const std::optional<at::Tensor>& position_ids, PosEncoding mode) {
   TORCH_CHECK_TYPE(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong,
-                   "pyembed: ids must be an int32 or int64 tensor, got ", ids.scalar_type());
-  TORCH_CHECK_VALUE(weight.dim() == 2, "pyembed: weight must be 2-D (V, d)");
-  if (mode != PosEncoding::kNone) {
-    TORCH_CHECK_VALUE(ids.dim() == 1 || ids.dim() == 2,
-                      "pyembed: with a positional encoding ids must be (B, T) or (T,), got shape ", ids.sizes());
-  }
+                   "pyembed: ids must be an int32 or int64 tensor, got ", py_dtype(ids.scalar_type()));
+  TORCH_CHECK_VALUE(weight.dim() == 2, "pyembed: weight must be 2-D (V, d), got shape ", py_shape(weight.sizes()));
   if (mode == PosEncoding::kLearned) {
-    TORCH_CHECK_VALUE(pos_weight.has_value() && pos_weight->dim() == 2 && pos_weight->size(1) == weight.size(1),
-                      "pyembed: embedding dimension mismatch between weight and pos_weight");
-    TORCH_CHECK_TYPE(pos_weight->scalar_type() == weight.scalar_type(), "pyembed: pos_weight dtype != weight dtype");
+    TORCH_CHECK_VALUE(pos_weight.has_value(), "pyembed: pos_encoding='learned' needs pos_weight (max_seq_len, d)");
+    TORCH_CHECK_VALUE(pos_weight->dim() == 2 && pos_weight->size(1) == weight.size(1),
+                      "pyembed: embedding dimension mismatch: weight is ", py_shape(weight.sizes()),
+                      " but pos_weight is ", py_shape(pos_weight->sizes()));
+    TORCH_CHECK_TYPE(pos_weight->scalar_type() == weight.scalar_type(), "pyembed: pos_weight dtype ",
+                     py_dtype(pos_weight->scalar_type()), " != weight dtype ", py_dtype(weight.scalar_type()));
   }
   if (mode == PosEncoding::kSinusoidal) {
     TORCH_CHECK_VALUE(weight.size(1) % 2 == 0,
                       "pyembed: sinusoidal encoding requires an even embedding dim, got d=", weight.size(1));
   }
+  if (mode != PosEncoding::kNone) {
+    TORCH_CHECK_VALUE(ids.dim() == 1 || ids.dim() == 2,
+                      "pyembed: with a positional encoding ids must be (B, T) or (T,), got shape ",
+                      py_shape(ids.sizes()));
+  }
   if (position_ids.has_value()) {
-    TORCH_CHECK_VALUE(position_ids->sizes() == ids.sizes(), "pyembed: position_ids shape ", position_ids->sizes(),
-                      " != ids shape ", ids.sizes());
+    TORCH_CHECK_VALUE(position_ids->sizes() == ids.sizes(), "pyembed: position_ids shape ",
+                      py_shape(position_ids->sizes()), " != ids shape ", py_shape(ids.sizes()),
+                      " (nor (T,) / (1, T) for the batch)");
   }
 }
 
@@ -222,9 +238,9 @@ struct LookupArgs {
 
 // pyembed::embedding is the op plain eager calls reach straight from Python (the fast
 // path of pyembed/functional.py), so it checks everything the Python wrapper does --
-// metadata, and with validate the data -- before anything runs. Its errors are c10's
-// (TypeError / ValueError / IndexError); on any of them the wrapper reruns its own
-// checks, which raise pyembed's typed exceptions (also RuntimeError, DESIGN §3).
+// metadata, and with validate the data -- before anything runs, with the same messages.
+// Its errors are c10's (TypeError / ValueError / IndexError); the wrapper raises them as
+// pyembed's typed exceptions (also RuntimeError, DESIGN §3: checks.from_cpp).
 inline LookupArgs check_lookup(const at::Tensor& ids, const at::Tensor& weight,
                                const std::optional<at::Tensor>& pos_weight,
                                const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
@@ -239,7 +255,7 @@ inline LookupArgs check_lookup(const at::Tensor& ids, const at::Tensor& weight,
   }
   const auto dtype = weight.scalar_type();
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kDouble,
-                   "pyembed: weight must be a float32/float16/bfloat16/float64 tensor, got ", dtype);
+                   "pyembed: weight must be a float32/float16/bfloat16/float64 tensor, got ", py_dtype(dtype));
   TORCH_CHECK_VALUE(mode == PosEncoding::kLearned || !pos_weight.has_value(),
                     "pyembed: pos_weight was given but pos_encoding='", pos_encoding, "'");
   TORCH_CHECK_VALUE(offset >= 0, "pyembed: offset must be an int >= 0, got ", offset);
@@ -247,7 +263,8 @@ inline LookupArgs check_lookup(const at::Tensor& ids, const at::Tensor& weight,
   if (position_ids.has_value()) {
     TORCH_CHECK_VALUE(mode != PosEncoding::kNone, "pyembed: position_ids given but there is no positional encoding");
     TORCH_CHECK_TYPE(position_ids->scalar_type() == at::kInt || position_ids->scalar_type() == at::kLong,
-                     "pyembed: position_ids must be an int32 or int64 tensor, got ", position_ids->scalar_type());
+                     "pyembed: position_ids must be an int32 or int64 tensor, got ",
+                     py_dtype(position_ids->scalar_type()));
     TORCH_CHECK_VALUE(offset == 0, "pyembed: pass position_ids or offset, not both");
     const auto sizes = position_ids->sizes();
     const bool broadcasts = ids.dim() == 2 && (sizes.equals({ids.size(1)}) || sizes.equals({1, ids.size(1)}));
@@ -264,7 +281,8 @@ inline LookupArgs check_lookup(const at::Tensor& ids, const at::Tensor& weight,
   const int64_t max_seq_len = mode == PosEncoding::kLearned ? pos_weight->size(0) : -1;
   if (mode == PosEncoding::kLearned && !position_ids.has_value() && ids.numel() > 0) {
     TORCH_CHECK_VALUE(offset + ids.size(-1) <= max_seq_len, "pyembed: positions ", offset, "..",
-                      offset + ids.size(-1) - 1, " exceed the learned table's max_seq_len=", max_seq_len);
+                      offset + ids.size(-1) - 1, " (sequence length ", ids.size(-1), ", offset ", offset,
+                      ") exceed the learned table's max_seq_len=", max_seq_len);
   }
   if (validate) {
     check_ranges(ids, num_embeddings, position_ids.value_or(at::Tensor()), max_seq_len);  // not the expanded one

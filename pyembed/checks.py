@@ -211,6 +211,18 @@ def raise_pending_error(device: torch.device) -> None:
         raise deferred_error(device, found)
 
 
+def from_cpp(error: Exception) -> Exception:
+    """A C++ op's error as pyembed raises it: bad input (a message of pyembed's own, from
+    csrc/checks.h) as pyembed's exception classes, which are also the RuntimeError PyTorch
+    raises; anything else (out of memory, a CUDA error) as it is."""
+    message = str(error)
+    if not message.startswith("pyembed:") or isinstance(error, (IndexError, InputTypeError, InputValueError)):
+        return error
+    if isinstance(error, TypeError):
+        return InputTypeError(message)
+    return InputValueError(message)
+
+
 DEFERRED_MARK = "in an earlier call on"  # in the message of every deferred error (csrc/checks.h too)
 
 

@@ -1,9 +1,10 @@
 """``fused_embedding``: argument checks (DESIGN §3), backend dispatch, autograd.
 
 A plain eager call on a C++ backend goes straight to that backend's ``pyembed::embedding``
-op, which checks every argument itself and has a C++ autograd node (csrc/autograd.cpp);
-the Python below runs for everything else, and to re-raise a bad input's error with
-pyembed's exception types. Checks here read only metadata (dtype, shape, device), so they
+op, which checks every argument itself, with the messages the Python checks below use,
+and has a C++ autograd node (csrc/autograd.cpp); its bad-input errors are raised as
+pyembed's exception types (checks.from_cpp), anything else as it is. The Python below
+runs for every other call. Checks here read only metadata (dtype, shape, device), so they
 cost nothing under ``torch.compile``; the data-dependent ones (id range, negative or
 too-large position_ids) are one op shared by every backend (pyembed.checks), skipped with
 ``validate=False``.
@@ -105,10 +106,7 @@ def _fused_embedding(ids, weight, pos_weight, pos_encoding, scale, position_ids,
             return fast.autograd_op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
                                     scale_grad_by_freq, sync_check, error_record)
         except (RuntimeError, TypeError, ValueError) as error:
-            if checks.DEFERRED_MARK in str(error):  # an earlier call's bad position: the op cleared its record
-                raise checks.InputValueError(str(error)) from None
-            # Other bad input (an IndexError for ids propagates as it is): the checks below
-            # say what is wrong, with pyembed's exception types.
+            raise checks.from_cpp(error) from None
     if isinstance(weight, torch.Tensor) and not (weight.is_floating_point() or weight.is_complex()):
         return _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx, validate)
     pos_encoding, position_ids = _check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)

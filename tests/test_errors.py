@@ -1,6 +1,8 @@
 """Every row of DESIGN §3: the exception type, a message naming the values, and no
 change to any table."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -172,3 +174,22 @@ def test_integer_tables_do_not_call_f_embedding(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "embedding", routed)
     assert torch.equal(torch.nn.functional.embedding(ids, table), expected)
     assert torch.equal(pyembed.fused_embedding(ids, table, padding_idx=-1), table[ids])
+
+
+def test_a_failure_of_the_cpp_fast_path_is_raised_as_it_is_not_retried(monkeypatch):
+    # Out of memory, a CUDA error: not bad input. It reaches the caller unchanged, and the
+    # Python checks do not run the call a second time (one path per call).
+    if "cpu" not in CPU_BACKENDS:
+        pytest.skip("the cpu backend is not built")
+    from pyembed import dispatch, functional
+
+    def out_of_memory(*args):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory")
+
+    monkeypatch.setitem(dispatch._registry, "cpu", dataclasses.replace(dispatch.get("cpu"), autograd_op=out_of_memory))
+    monkeypatch.setattr(dispatch, "_resolved", {})
+    monkeypatch.setattr(functional, "_check_inputs", lambda *a: pytest.fail("the slow path ran"))
+    weight, _ = _tables()
+    with pytest.raises(RuntimeError, match="not enough memory") as info:
+        pyembed.fused_embedding(torch.tensor([1, 2]), weight, backend="cpu")
+    assert type(info.value) is RuntimeError
