@@ -19,8 +19,12 @@ from .modules import EmbeddingLayer, FusedEmbedding, replace_embeddings
 from .optim import apply_optimizer_in_backward
 from .reference import sinusoidal_table
 
-if _importlib_util.find_spec("triton") is not None:  # else dispatch reports it as not installed
+if _importlib_util.find_spec("triton") is not None:
     from . import _triton  # noqa: F401  (registers the triton backend)
+else:
+    from .dispatch import mark_missing as _mark_missing
+
+    _mark_missing("triton", "the triton package is not installed")
 
 from . import analysis, parallel  # noqa: E402  (pyembed.analysis.*, pyembed.parallel.*; matplotlib is imported by a plot)
 

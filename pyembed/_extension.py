@@ -97,9 +97,10 @@ if _C is not None:
     _lookup = torch.ops.pyembed.embedding.default
     _optimizer_ops = dict(touched_rows=torch.ops.pyembed.embedding_touched_rows.default,
                           optimizer_update=torch.ops.pyembed.optimizer_update.default)
-    dispatch.register_backend(dispatch.Backend("cpu", *_ops, _why_cpu_unavailable, _lookup, **_optimizer_ops))
+    dispatch.register_backend(dispatch.Backend("cpu", *_ops, _why_cpu_unavailable, _lookup, **_optimizer_ops,
+                                               auto_rank={"cpu": 0}))
     if _C.cuda_built:
         dispatch.register_backend(dispatch.Backend("cuda", *_ops, _why_cuda_unavailable, _lookup,
-                                                   checks_in_kernel=True, **_optimizer_ops))
+                                                   checks_in_kernel=True, **_optimizer_ops, auto_rank={"cuda": 0}))
     else:
         dispatch.mark_missing("cuda", "pyembed._C was built without CUDA kernels (no CUDA toolkit at build time)")

@@ -209,4 +209,5 @@ reference.register_fakes("pyembed::triton_forward", "pyembed::triton_backward", 
 dispatch.register_backend(dispatch.Backend(
     "triton", torch.ops.pyembed.triton_forward, torch.ops.pyembed.triton_backward,
     torch.ops.pyembed.triton_sparse_backward, _why_unavailable, checks_in_kernel=True,
-    eager_forward=forward, eager_backward=backward, touched_rows=touched_rows, optimizer_update=optimizer_update))
+    eager_forward=forward, eager_backward=backward, touched_rows=touched_rows, optimizer_update=optimizer_update,
+    auto_rank={"cuda": 1}))  # after the cuda backend, where both are built

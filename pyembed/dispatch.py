@@ -2,26 +2,25 @@
 
 A backend is three ops with the schemas of ``reference.embedding_forward``,
 ``reference.embedding_backward`` (dense) and ``reference.embedding_sparse_backward``,
-plus a function saying why it cannot run on a device (``None`` when it can). Adding a
-backend is one ``register_backend`` call.
+plus a function saying why it cannot run on a device (``None`` when it can) and its
+rank for "auto" per device type. Adding a backend is one ``register_backend`` call: the
+registry holds no list of names (a loader that fails says why with ``mark_missing``).
 
-Auto (DESIGN §2): CUDA tensors -> cuda, else triton, else reference;
-CPU tensors -> cpu, else reference. Auto never raises for availability; an explicitly
-requested backend that cannot run raises RuntimeError saying why.
+Auto (DESIGN §2), by the registered ranks: CUDA tensors -> cuda, else triton, else
+reference; CPU tensors -> cpu, else reference. Auto never raises for availability; an
+explicitly requested backend that cannot run raises RuntimeError saying why.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
 
 import torch
 
 from . import _vmap, reference
 
-BACKEND_NAMES = ("reference", "cpu", "cuda", "triton")
-_AUTO_ORDER = {"cuda": ("cuda", "triton", "reference"), "cpu": ("cpu", "reference")}
 ENV_VAR = "PYEMBED_BACKEND"
 
 
@@ -49,6 +48,9 @@ class Backend:
     # optimizer_update (None: the reference, torch's functional optimizers).
     touched_rows: Optional[Callable] = None
     optimizer_update: Optional[Callable] = None
+    # "auto"'s preference per device type, lower first ("*": any device type); a device type
+    # not listed: auto never picks it there (it can still be asked for by name).
+    auto_rank: Mapping[str, int] = field(default_factory=dict)
 
     def forward_op(self, tensor: torch.Tensor) -> Callable:
         """The forward to call on ``tensor`` (an input): the eager body when it is a plain
@@ -76,17 +78,18 @@ _registry: dict[str, Backend] = {}
 # (torch.cuda.is_available and friends) of its ~10. An answer is used only while the
 # registry still holds that very backend (a test may swap one in and out).
 _resolved: dict[tuple[str, torch.device], Backend] = {}
-# Why a known backend is not registered at all (set by the code that tried to load it).
-_missing_reason: dict[str, str] = {
-    "cpu": "the pyembed._C extension was not built with CPU kernels",
-    "cuda": "the pyembed._C extension was not built with CUDA kernels",
-    "triton": "the triton package is not installed",
-}
+# Why a backend could not be loaded (set by the code that tried: pyembed/_extension.py,
+# pyembed/__init__.py), shown when it is asked for.
+_missing_reason: dict[str, str] = {}
+
+
+def __getattr__(name: str):
+    if name == "BACKEND_NAMES":  # every backend this process knows of, registered or missing
+        return tuple(_registry) + tuple(n for n in _missing_reason if n not in _registry)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register_backend(backend: Backend) -> None:
-    if backend.name not in BACKEND_NAMES:
-        raise ValueError(f"pyembed: unknown backend name {backend.name!r}")
     _registry[backend.name] = backend
     _missing_reason.pop(backend.name, None)
     _resolved.clear()  # "auto" may now pick it
@@ -113,7 +116,7 @@ def get(name: str) -> Backend:
 def backends_for(device) -> list[str]:
     """Backends that can run on tensors of ``device``."""
     device = torch.device(device)
-    return [n for n in BACKEND_NAMES if _why_unavailable(n, device) is None]
+    return [n for n in _registry if _why_unavailable(n, device) is None]
 
 
 def available_backends() -> list[str]:
@@ -121,7 +124,7 @@ def available_backends() -> list[str]:
     devices = [torch.device("cpu")]
     if torch.cuda.is_available():
         devices.append(torch.device("cuda"))
-    return [n for n in BACKEND_NAMES if any(_why_unavailable(n, d) is None for d in devices)]
+    return [n for n in _registry if any(_why_unavailable(n, d) is None for d in devices)]
 
 
 def resolve(requested: str, device: torch.device) -> Backend:
@@ -141,14 +144,18 @@ def resolve(requested: str, device: torch.device) -> Backend:
 
 def _resolve(requested: str, device: torch.device) -> Backend:
     if requested == "auto":
-        for name in _AUTO_ORDER.get(device.type, ("reference",)):
+        ranked = []
+        for backend in _registry.values():
+            rank = backend.auto_rank.get(device.type, backend.auto_rank.get("*"))
+            if rank is not None:
+                ranked.append((rank, backend.name))
+        for _, name in sorted(ranked):
             if _why_unavailable(name, device) is None:
                 return _registry[name]
         raise AssertionError("the reference backend runs everywhere")  # unreachable
-    if requested not in BACKEND_NAMES:
-        raise ValueError(
-            f"pyembed: unknown backend {requested!r}; expected 'auto' or one of {list(BACKEND_NAMES)}"
-        )
+    if requested not in _registry and requested not in _missing_reason:
+        known = list(__getattr__("BACKEND_NAMES"))
+        raise ValueError(f"pyembed: unknown backend {requested!r}; expected 'auto' or one of {known}")
     reason = _why_unavailable(requested, device)
     if reason is not None:
         raise RuntimeError(f"pyembed: backend {requested!r} cannot run on {device}: {reason}")
@@ -162,5 +169,6 @@ register_backend(
         backward=reference.reference_backward,
         sparse_backward=reference.reference_sparse_backward,
         why_unavailable=lambda device: None,
+        auto_rank={"*": 2},  # the spec: anywhere, when nothing faster can run
     )
 )

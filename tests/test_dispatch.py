@@ -1,6 +1,7 @@
 """Backend choice (DESIGN §2), op registration (opcheck, torch.compile) and a
 property-based sweep of shapes against eager PyTorch."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -270,3 +271,17 @@ def test_compiled_layer_takes_new_lengths_without_recompiling(backend):
             out = compiled(ids)
             out.sum().backward()
             torch.testing.assert_close(out, layer(ids), rtol=0, atol=0)
+
+
+def test_a_new_backend_is_one_register_backend_call(monkeypatch):
+    # No name list to edit: a backend registered under a new name can be asked for by name,
+    # is listed, and "auto" picks it where its rank is the best (here: before cpu on CPU).
+    reference = dispatch.get("reference")
+    mine = dataclasses.replace(reference, name="mine", auto_rank={"cpu": -1})
+    monkeypatch.setattr(dispatch, "_registry", dict(dispatch._registry))
+    monkeypatch.setattr(dispatch, "_resolved", {})
+    dispatch.register_backend(mine)
+    assert "mine" in dispatch.backends_for("cpu") and "mine" in dispatch.BACKEND_NAMES
+    assert dispatch.resolve("auto", torch.device("cpu")) is mine
+    ids, weight = torch.tensor([[1, 2]]), torch.randn(4, 8)
+    torch.testing.assert_close(pyembed.fused_embedding(ids, weight, backend="mine"), weight[ids])
