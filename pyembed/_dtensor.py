@@ -40,20 +40,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 
 import torch
 
 from . import checks, reference
-
-
-def is_dtensor(t) -> bool:
-    """True for a DTensor (cheap: a plain tensor or Parameter is answered without importing
-    torch.distributed.tensor; no DTensor exists before that module is imported)."""
-    if type(t) in (torch.Tensor, torch.nn.Parameter) or t is None:
-        return False
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
+from ._autograd import apply_fused, checked_ids
+from .checks import is_dtensor
 
 
 def _local(t, name: str, placement):
@@ -88,7 +80,6 @@ def rowwise_partial(ids, local_weight, start: int, pos_weight, position_ids, pos
     ids shifted into the shard, so other shards' ids are out of range and give zero rows
     (positional term included) and no gradient. Ids already checked. Summing the parts
     over the ranks gives the single-device output."""
-    from .functional import apply_fused  # functional imports this module
 
     rows = local_weight.shape[0]
     local_padding_idx = padding_idx - start if padding_idx is not None and 0 <= padding_idx - start < rows else None
@@ -119,12 +110,11 @@ def _partial_from_local(out, mesh):
 
 def fused_embedding(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
                     scale_grad_by_freq, sparse, validate, backend, dropout_p, generator):
-    """pyembed.functional.apply_fused on the local shard of a DTensor table (arguments
+    """pyembed._autograd.apply_fused on the local shard of a DTensor table (arguments
     already checked and normalised); returns a DTensor on the table's mesh (placements as
     in the module docstring)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from .functional import _checked_ids, apply_fused
 
     mesh = weight.device_mesh
     placement = weight.placements[0]
@@ -153,7 +143,7 @@ def fused_embedding(ids, weight, pos_weight, position_ids, pos_encoding, scale, 
     position_ids = _local(position_ids, "position_ids", Replicate())
     pos_weight = _local(pos_weight, "pos_weight", Shard(1) if columns else Replicate())
     if validate:  # every rank checks the same global ids: a bad id raises on all of them
-        _checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
+        checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
     local_weight = weight.to_local()
     dropout_key = shared_dropout_key(mesh, local_weight.device, generator) if dropout_p > 0 else None
 

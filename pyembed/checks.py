@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ctypes
+import sys
 from typing import NamedTuple, Optional
 
 import torch
@@ -255,3 +256,105 @@ def check_errors(device=None) -> None:
         if each.type == "cuda":
             torch.cuda.synchronize(each)
         raise_pending_error(each)
+
+
+def is_dtensor(t) -> bool:
+    """True for a DTensor (cheap: a plain tensor or Parameter is answered without importing
+    torch.distributed.tensor; no DTensor exists before that module is imported)."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or t is None:
+        return False
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+# --------------------------------------------------------------------------- metadata checks
+# What fused_embedding checks before anything runs (DESIGN §3); the C++ lookup checks the
+# same with the same messages (csrc/checks.h). Metadata only: nothing here reads a tensor's data.
+ID_DTYPES = (torch.int32, torch.int64)
+WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_dropout_p(p) -> None:
+    """A probability: a real number in [0, 1] (ValueError otherwise, as nn.Dropout)."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+        raise InputValueError(f"pyembed: dropout probability has to be between 0 and 1, but got {p!r}")
+
+
+def normalize_padding_idx(padding_idx: Optional[int], num_embeddings: int) -> Optional[int]:
+    """nn.Embedding's rule: padding_idx in [-V, V), negative counting from the end;
+    returned in [0, V) (or None)."""
+    if padding_idx is None:
+        return None
+    if not -num_embeddings <= padding_idx < num_embeddings:
+        raise InputValueError(f"pyembed: padding_idx={padding_idx} is out of range for V={num_embeddings}")
+    return padding_idx % num_embeddings
+
+
+def check_integer_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype not in ID_DTYPES:
+        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise InputTypeError(f"pyembed: {name} must be an int32 or int64 tensor, got {got}")
+
+
+def check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset):
+    """Every metadata check of DESIGN §3. Returns the normalised pos_encoding and
+    position_ids shaped like ids ((T,) / (1, T) ones expanded over the batch)."""
+    check_integer_tensor("ids", ids)
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in WEIGHT_DTYPES:
+        got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise InputTypeError(f"pyembed: weight must be a float32/float16/bfloat16/float64 tensor, got {got}")
+    if weight.dim() != 2:
+        raise InputValueError(f"pyembed: weight must be 2-D (V, d), got shape {tuple(weight.shape)}")
+    embed_dim = weight.shape[1]
+
+    if pos_encoding is None or pos_encoding == "none":
+        pos_encoding = "learned" if pos_weight is not None else "none"
+    if pos_encoding not in ("none", "learned", "sinusoidal"):
+        raise InputValueError(f"pyembed: pos_encoding must be None, 'learned' or 'sinusoidal', got {pos_encoding!r}")
+    if pos_encoding == "learned":
+        if pos_weight is None:
+            raise InputValueError("pyembed: pos_encoding='learned' needs pos_weight (max_seq_len, d)")
+        if pos_weight.dim() != 2 or pos_weight.shape[1] != embed_dim:
+            raise InputValueError(
+                f"pyembed: embedding dimension mismatch: weight is {tuple(weight.shape)} "
+                f"but pos_weight is {tuple(pos_weight.shape)}"
+            )
+        if pos_weight.dtype != weight.dtype:
+            raise InputTypeError(f"pyembed: pos_weight dtype {pos_weight.dtype} != weight dtype {weight.dtype}")
+    elif pos_weight is not None:
+        raise InputValueError(f"pyembed: pos_weight was given but pos_encoding={pos_encoding!r}")
+    if pos_encoding == "sinusoidal" and embed_dim % 2:
+        raise InputValueError(f"pyembed: sinusoidal encoding requires an even embedding dim, got d={embed_dim}")
+    if pos_encoding != "none" and ids.dim() not in (1, 2):
+        raise InputValueError(
+            f"pyembed: with a positional encoding ids must be (B, T) or (T,), got shape {tuple(ids.shape)}"
+        )
+
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        raise InputValueError(f"pyembed: offset must be an int >= 0, got {offset!r}")
+    if position_ids is not None:
+        if pos_encoding == "none":
+            raise InputValueError("pyembed: position_ids given but there is no positional encoding")
+        check_integer_tensor("position_ids", position_ids)
+        broadcasts = ids.dim() == 2 and position_ids.shape in ((ids.shape[1],), (1, ids.shape[1]))
+        if position_ids.shape != ids.shape and not broadcasts:
+            raise InputValueError(
+                f"pyembed: position_ids shape {tuple(position_ids.shape)} != ids shape {tuple(ids.shape)} "
+                f"(nor (T,) / (1, T) for the batch)"
+            )
+        position_ids = position_ids.expand(ids.shape)
+        if offset != 0:
+            raise InputValueError("pyembed: pass position_ids or offset, not both")
+    elif pos_encoding == "learned" and ids.numel() > 0:
+        seq_len, max_seq_len = ids.shape[-1], pos_weight.shape[0]
+        if offset + seq_len > max_seq_len:
+            raise InputValueError(
+                f"pyembed: positions {offset}..{offset + seq_len - 1} (sequence length {seq_len}, "
+                f"offset {offset}) exceed the learned table's max_seq_len={max_seq_len}"
+            )
+
+    device = weight.device
+    for name, t in (("pos_weight", pos_weight), ("position_ids", position_ids), ("ids", ids)):
+        if t is not None and t.device != device:
+            raise InputValueError(f"pyembed: {name} is on {t.device} but weight is on {device}")
+    return pos_encoding, position_ids

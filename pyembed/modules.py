@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from . import checks
-from .functional import check_dropout_p, embedding_renorm_, fused_embedding
+from .checks import check_dropout_p
+from .functional import embedding_renorm_, fused_embedding
 
 _INIT_POS_STD = 0.02  # learned positions start small, as in GPT-2 / BERT
 

@@ -27,7 +27,7 @@ import torch
 from torch.optim import _functional as _sparse_functional, adagrad as _adagrad, adam as _adam, sgd as _sgd
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _dtensor, checks
+from . import checks
 
 # The update rules, shared with csrc/optim.h (Rule) and kernels/embedding.py (RULE).
 SGD, ADAM, ADAGRAD, SPARSE_ADAM = 0, 1, 2, 3
@@ -64,7 +64,7 @@ def apply_optimizer_in_backward(optimizer_class, params: Iterable[torch.nn.Param
     params = list(params)
     kwargs = dict(optimizer_kwargs or {})
     for p in params:
-        if not isinstance(p, torch.nn.Parameter) or _dtensor.is_dtensor(p):
+        if not isinstance(p, torch.nn.Parameter) or checks.is_dtensor(p):
             raise checks.InputTypeError(f"pyembed: apply_optimizer_in_backward takes the Parameters of pyembed tables "
                                         f"(not sharded DTensor tables); got {type(p).__name__}")
         if not p.is_floating_point() or p.dim() != 2:

@@ -33,7 +33,6 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _dtensor, checks, dispatch
-from .functional import _check_inputs, normalize_padding_idx
 from .modules import _INIT_POS_STD, EmbeddingLayer, FusedEmbedding, check_layer_pos_encoding
 
 
@@ -113,7 +112,7 @@ class VocabParallelEmbeddingLayer(nn.Module):
         self.backend = backend
         self.vocab_start, self.vocab_end = shard_range(vocab_size, self.rank, self.world_size)
 
-        self.padding_idx = padding_idx = normalize_padding_idx(padding_idx, vocab_size)  # a global row
+        self.padding_idx = padding_idx = checks.normalize_padding_idx(padding_idx, vocab_size)  # a global row
         holds_padding = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
         local_padding = padding_idx - self.vocab_start if holds_padding else None
         self.token_embedding = FusedEmbedding(
@@ -158,7 +157,7 @@ class VocabParallelEmbeddingLayer(nn.Module):
         the whole output on every rank."""
         token = self.token_embedding
         weight = token.weight
-        pos_encoding, position_ids = _check_inputs(ids, weight, self.pos_embedding, self.pos_encoding,
+        pos_encoding, position_ids = checks.check_inputs(ids, weight, self.pos_embedding, self.pos_encoding,
                                                    position_ids, offset)
         self._check_ranges_together(ids, position_ids)
         part = _dtensor.rowwise_partial(

@@ -97,8 +97,8 @@ _FLOAT_TABLE_CASES = [c for c in test_errors.CASES if c[0] != "integer weight wi
 @pytest.mark.parametrize("case", _FLOAT_TABLE_CASES, ids=[c[0] for c in _FLOAT_TABLE_CASES])
 def test_cpp_lookup_refuses_every_bad_input_itself(case):
     # Plain eager calls reach pyembed::embedding with no Python check before it
-    # (functional.py's fast path re-raises through the Python checks only on an error), so
-    # the op must refuse each bad input of DESIGN §3 by itself, as the same Python class.
+    # (functional.py's fast path raises the op's errors as pyembed's types), so the op
+    # must refuse each bad input of DESIGN §3 by itself, as the same Python class.
     _, build, exc, _ = case
     weight, pos_weight = test_errors._tables()
     kw = build(weight, pos_weight)

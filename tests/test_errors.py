@@ -181,14 +181,14 @@ def test_a_failure_of_the_cpp_fast_path_is_raised_as_it_is_not_retried(monkeypat
     # Python checks do not run the call a second time (one path per call).
     if "cpu" not in CPU_BACKENDS:
         pytest.skip("the cpu backend is not built")
-    from pyembed import dispatch, functional
+    from pyembed import checks, dispatch
 
     def out_of_memory(*args):
         raise RuntimeError("DefaultCPUAllocator: not enough memory")
 
     monkeypatch.setitem(dispatch._registry, "cpu", dataclasses.replace(dispatch.get("cpu"), autograd_op=out_of_memory))
     monkeypatch.setattr(dispatch, "_resolved", {})
-    monkeypatch.setattr(functional, "_check_inputs", lambda *a: pytest.fail("the slow path ran"))
+    monkeypatch.setattr(checks, "check_inputs", lambda *a: pytest.fail("the slow path ran"))
     weight, _ = _tables()
     with pytest.raises(RuntimeError, match="not enough memory") as info:
         pyembed.fused_embedding(torch.tensor([1, 2]), weight, backend="cpu")

@@ -1,0 +1,422 @@
+"""The autograd side of ``fused_embedding``: which route a checked call takes
+(``apply_fused``), the ``torch.autograd.Function``s, and the gradient math they share.
+
+Routes, each for a reason torch imposes:
+- the C++ backends' ``pyembed::embedding`` op with its C++ autograd node: plain eager
+  calls (the fewest host microseconds);
+- ``FusedEmbeddingFunctionWithJvp``: other eager calls (dropout, sparse, forward-mode AD);
+- ``FusedEmbeddingFunctorch``: under torch.func transforms (setup_context + vmap rule);
+- ``FusedEmbeddingFunction``: what torch.compile traces (Dynamo cannot trace a custom jvp);
+- ``pyembed::sparse_grad_embedding``: a sparse gradient under torch.compile (AOTAutograd
+  builds it from a custom op's registered backward; Dynamo cannot hold it).
+Every backward goes through ``_gradients``, the one seam where a table's gradient rows
+become a dense gradient, a sparse one, or (pyembed.optim) an optimizer update.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch.autograd import forward_ad
+
+from . import _coalesced, checks, dispatch, optim, reference
+
+
+class FusedConfig(NamedTuple):
+    """The static arguments of one call: everything but the tensors. A NamedTuple, not a
+    frozen dataclass: built on every call, and a frozen dataclass's __init__ (one
+    object.__setattr__ per field) cost ~2 us of a ~15 us one-token lookup."""
+
+    pos_encoding: str  # "none" | "learned" | "sinusoidal"
+    scale: float
+    offset: int
+    padding_idx: Optional[int]  # in [0, V) or None
+    scale_grad_by_freq: bool
+    sparse: bool
+    validate: bool
+    backend: str
+    dropout_p: float = 0.0  # with a dropout key (an input tensor of the Function)
+    # validate=True on a GPU: the forward kernel checks the ranges into this error record
+    # (pyembed.checks); 0: no check in the kernel (validate says whether one runs before).
+    error_record: int = 0
+    # A column shard (DTensor Shard(1)): the sinusoid of column j is column
+    # sinusoid_column_offset + j of a sinusoid_dim-wide encoding (0: the table's own d).
+    sinusoid_column_offset: int = 0
+    sinusoid_dim: int = 0
+
+
+def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale, offset, padding_idx,
+                scale_grad_by_freq, sparse, validate, backend: dispatch.Backend, dropout_key=None,
+                dropout_p: float = 0.0, sinusoid_columns: tuple[int, int] = (0, 0), *,
+                error_record: int = 0, cpp_autograd: bool = True) -> torch.Tensor:
+    """FusedEmbeddingFunction on checked arguments (shared by fused_embedding and the
+    sharded tables' rules, pyembed._dtensor); the kernels index rows densely, so tensors
+    are made contiguous. validate: check the ranges before the kernel (a sync on a GPU);
+    error_record: the in-kernel check's record (FusedConfig). sinusoid_columns: (column
+    offset, full width) of a column shard (FusedConfig)."""
+    tensors = (ids.contiguous(), weight.contiguous(), None if pos_weight is None else pos_weight.contiguous(),
+               None if position_ids is None else position_ids.contiguous(), dropout_key)
+    if (cpp_autograd and backend.autograd_op is not None and dropout_key is None and not sparse
+            and sinusoid_columns == (0, 0) and autograd_may_be_cpp()):
+        # The common eager call on a C++ backend: one op whose autograd node is C++ too
+        # (csrc/autograd.cpp), a few us less than an autograd.Function -- most of a one-token
+        # lookup. Everything else (dropout, sparse, forward AD, torch.func, torch.compile)
+        # takes the Function below.
+        ids, weight, pos_weight, position_ids, _ = tensors
+        if validate:  # here, not in the op: the Python checks raise pyembed's exception types
+            ids = checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
+        return backend.autograd_op(ids, weight, pos_weight, position_ids, pos_encoding, float(scale), int(offset),
+                                   padding_idx, bool(scale_grad_by_freq), False, error_record)
+    config = FusedConfig(pos_encoding, float(scale), int(offset), padding_idx, bool(scale_grad_by_freq),
+                         bool(sparse), bool(validate), backend.name, float(dropout_p), error_record,
+                         *sinusoid_columns)
+    if not cpp_autograd:  # tables with a fused optimizer: the backward updates them (pyembed.optim)
+        return FusedEmbeddingFunctionWithJvp.apply(*tensors, config)
+    if not torch.compiler.is_compiling():
+        function = FusedEmbeddingFunctorch if functorch_active() else FusedEmbeddingFunctionWithJvp
+        return function.apply(*tensors, config)
+    if sparse:
+        # Dynamo cannot hold the sparse gradient an autograd.Function's backward returns;
+        # AOTAutograd can, for a custom op's registered backward (as for nn.Embedding's).
+        ids, weight, pos_weight, position_ids, dropout_key = tensors
+        if validate:
+            ids = checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
+        return torch.ops.pyembed.sparse_grad_embedding(ids, weight, pos_weight, position_ids, pos_encoding,
+                                                        config.scale, config.offset, padding_idx,
+                                                        config.scale_grad_by_freq, backend.name, dropout_key,
+                                                        config.dropout_p, *sinusoid_columns)
+    return FusedEmbeddingFunction.apply(*tensors, config)
+
+
+def checked_ids(ids, weight, pos_weight, position_ids, pos_encoding: str) -> torch.Tensor:
+    max_seq_len = pos_weight.shape[0] if pos_encoding == "learned" else None
+    return checks.checked_ids(ids, weight.shape[0], position_ids, max_seq_len)
+
+
+def _gradients(config: FusedConfig, grad_out, ids, position_ids, dropout_key, weight_shape, num_positions: int,
+               need_weight_grad: bool, need_pos_grad: bool, fused_tables=None):
+    """(weight gradient, positional gradient) from the backend's ops, None where not
+    needed: dense through DenseGradFunction (differentiable again), sparse as a coalesced
+    COO tensor built by the aten op behind torch.sparse_coo_tensor. With dropout, the
+    output gradient first goes through the forward's mask, regenerated from its key."""
+    if dropout_key is not None:
+        grad_out = (DropoutMaskFunctorch if functorch_active() else DropoutMaskFunction).apply(
+            grad_out, dropout_key, config)
+    grad_out = grad_out.contiguous()
+    if fused_tables is not None:  # tables with an optimizer in the backward: updated here, no gradient
+        need_weight_grad, need_pos_grad = optim.step_tables(
+            dispatch.get(config.backend), config, grad_out, ids, position_ids, fused_tables,
+            (need_weight_grad, need_pos_grad))
+    dense_weight_grad = need_weight_grad and not config.sparse
+    grad_weight = pos_grad = None
+    if dense_weight_grad or need_pos_grad:
+        grad_weight, pos_grad = (DenseGradFunctorch if functorch_active() else DenseGradFunction).apply(
+            grad_out, ids, position_ids, config, weight_shape[0], num_positions, dense_weight_grad, need_pos_grad)
+    if need_weight_grad and config.sparse:
+        rows, values = (SparseGradFunctorch if functorch_active() else SparseGradFunction).apply(
+            grad_out, ids, config, weight_shape[0])
+        grad_weight = torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors(
+            1, 1, list(weight_shape), rows[None], values, dtype=values.dtype, layout=torch.sparse_coo,
+            device=values.device, is_coalesced=True)
+        _coalesced.remember(grad_weight)
+    return grad_weight if need_weight_grad else None, pos_grad if need_pos_grad else None
+
+
+# --------------------------------------------------------------------------- autograd
+# Each autograd.Function below comes in two forms with the same bodies: the classic one
+# (forward(ctx, ...)), whose apply costs ~4 us, and one with setup_context and
+# generate_vmap_rule, which torch.func transforms need but whose apply binds the
+# signature with inspect on every call (~20 us, most of a one-token lookup). The second
+# form is used only while a torch.func transform is active. Plain eager calls on the C++
+# backends take neither: their op, pyembed::embedding, has a C++ autograd node (apply_fused).
+def functorch_active() -> bool:
+    return torch._C._are_functorch_transforms_active()
+
+
+def _fused_forward(ids, weight, pos_weight, position_ids, dropout_key, config: FusedConfig):
+    """One op of the chosen backend (after the range checks, when validate)."""
+    if config.validate:
+        ids = checked_ids(ids, weight, pos_weight, position_ids, config.pos_encoding)
+    return dispatch.get(config.backend).forward_op(weight)(
+        ids, weight, pos_weight, position_ids, config.pos_encoding, config.scale, config.offset, dropout_key,
+        config.dropout_p, config.sinusoid_column_offset, config.sinusoid_dim, config.error_record)
+
+
+def _fused_save(ctx, ids, weight, pos_weight, position_ids, dropout_key, config: FusedConfig):
+    """Only the ids, positions and dropout key are saved: never the table, the output or a mask."""
+    ctx.save_for_backward(ids, position_ids, dropout_key)
+    ctx.save_for_forward(ids, position_ids, dropout_key)
+    ctx.config = config
+    # Tables whose optimizer runs in the backward are held (not saved: the update changes them).
+    ctx.fused_tables = optim.fused_tables(weight, pos_weight) if optim.tables_are_fused else None
+    ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
+    ctx.num_positions = pos_weight.shape[0] if pos_weight is not None else 0
+
+
+def _fused_backward(ctx, grad_out):
+    ids, position_ids, dropout_key = ctx.saved_tensors
+    grad_weight, pos_grad = _gradients(
+        ctx.config, grad_out, ids, position_ids, dropout_key, ctx.weight_shape, ctx.num_positions,
+        ctx.needs_input_grad[1], ctx.needs_input_grad[2] and ctx.config.pos_encoding == "learned", ctx.fused_tables)
+    return None, grad_weight, pos_grad, None, None, None
+
+
+def _fused_jvp(ctx, ids_t, weight_t, pos_weight_t, position_ids_t, dropout_key_t, config_t):
+    """The tangent: the same lookup of the tangent tables (no positional term for a
+    sinusoid, which has no parameters), zero rows for out-of-range ids, the same mask."""
+    ids, position_ids, dropout_key = ctx.saved_tensors
+    learned_t = pos_weight_t if ctx.config.pos_encoding == "learned" else None
+    if weight_t is None and learned_t is None:
+        return torch.zeros(*ids.shape, ctx.weight_shape[1], dtype=ctx.weight_dtype, device=ids.device)
+    tangent = lookup(ids, position_ids, weight_t, learned_t, ctx.config, ctx.weight_shape, of="forward")
+    return tangent if dropout_key is None else _dropout_mask_forward(tangent, dropout_key, ctx.config)
+
+
+class FusedEmbeddingFunction(torch.autograd.Function):
+    """Forward and backward are each one op of the chosen backend.
+
+    Beyond first order, as ``nn.Embedding``: the weight gradient is linear in the output
+    gradient, so its own derivative is a lookup (``DenseGradFunction``); the forward-mode
+    derivative is the lookup of the tangent tables (``FusedEmbeddingFunctionWithJvp``);
+    and under torch.func, ``FusedEmbeddingFunctorch`` runs the same bodies batched, the
+    backends' ops having vmap rules (pyembed/_vmap.py): per-sample gradients are one
+    backward call. This plain form is what torch.compile traces (Dynamo cannot trace an
+    autograd.Function with a custom ``jvp``)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, pos_weight, position_ids, dropout_key, config: FusedConfig):
+        _fused_save(ctx, ids, weight, pos_weight, position_ids, dropout_key, config)
+        return _fused_forward(ids, weight, pos_weight, position_ids, dropout_key, config)
+
+    backward = staticmethod(_fused_backward)
+
+
+class FusedEmbeddingFunctionWithJvp(FusedEmbeddingFunction):
+    """Eager code: plus forward-mode AD (``jvp`` runs only under torch.autograd.forward_ad)."""
+
+    jvp = staticmethod(_fused_jvp)
+
+
+def _functorch_form(name: str, forward, save, backward, jvp=None, save_takes_rows=False):
+    """The same bodies as the setup_context + generate_vmap_rule Function that torch.func
+    transforms (vmap, grad, jvp) require. save_takes_rows: ``save`` also gets the first
+    output (the sparse gradient's rows)."""
+    def setup_context(ctx, inputs, output):
+        save(ctx, *inputs, *((output[0],) if save_takes_rows else ()))
+
+    body = {"__doc__": f"{name}: the form torch.func transforms require.", "generate_vmap_rule": True,
+            "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward)}
+    if jvp is not None:
+        body["jvp"] = staticmethod(jvp)
+    return type(name, (torch.autograd.Function,), body)
+
+
+FusedEmbeddingFunctorch = _functorch_form("FusedEmbeddingFunctorch", _fused_forward, _fused_save, _fused_backward,
+                                          _fused_jvp)
+
+
+def _dense_grad_forward(grad_out, ids, position_ids, config: FusedConfig, num_embeddings: int, num_positions: int,
+                        need_weight_grad: bool, need_pos_grad: bool):
+    return dispatch.get(config.backend).backward_op(grad_out)(
+        grad_out, ids, position_ids, config.offset, num_embeddings, num_positions, config.scale,
+        config.padding_idx, config.scale_grad_by_freq, need_weight_grad, need_pos_grad)
+
+
+def _dense_grad_save(ctx, grad_out, ids, position_ids, config: FusedConfig, num_embeddings: int, *_):
+    ctx.save_for_backward(ids, position_ids)
+    ctx.config, ctx.table_shape = config, (num_embeddings, grad_out.shape[-1])
+    ctx.set_materialize_grads(False)
+
+
+def _dense_grad_backward(ctx, grad_weight_grad, grad_pos_grad):
+    ids, position_ids = ctx.saved_tensors
+    if grad_weight_grad is not None and grad_weight_grad.numel() == 0:
+        grad_weight_grad = None  # the weight gradient was not computed
+    if grad_pos_grad is not None and grad_pos_grad.numel() == 0:
+        grad_pos_grad = None
+    if grad_weight_grad is None and grad_pos_grad is None:
+        return (None,) * 8
+    grad = lookup(ids, position_ids, grad_weight_grad, grad_pos_grad, ctx.config, ctx.table_shape, of="backward")
+    return (grad,) + (None,) * 7
+
+
+class DenseGradFunction(torch.autograd.Function):
+    """The dense gradients (dW, dP) as a function of the output gradient, so that they can
+    be differentiated again (``create_graph=True``): dW[v] = scale * sum of dout over the
+    tokens of v is linear in dout, and its derivative is a lookup of the incoming
+    gradient's rows (``lookup(..., of="backward")``)."""
+
+    @staticmethod
+    def forward(ctx, grad_out, ids, position_ids, config, num_embeddings, num_positions, need_weight_grad,
+                need_pos_grad):
+        _dense_grad_save(ctx, grad_out, ids, position_ids, config, num_embeddings)
+        return _dense_grad_forward(grad_out, ids, position_ids, config, num_embeddings, num_positions,
+                                   need_weight_grad, need_pos_grad)
+
+    backward = staticmethod(_dense_grad_backward)
+
+
+DenseGradFunctorch = _functorch_form("DenseGradFunctorch", _dense_grad_forward, _dense_grad_save,
+                                     _dense_grad_backward)
+
+
+def _sparse_values_forward(grad_out, ids, config: FusedConfig, num_embeddings: int):
+    return dispatch.get(config.backend).sparse_backward(grad_out, ids, num_embeddings, config.scale,
+                                                        config.padding_idx, config.scale_grad_by_freq)
+
+
+def _sparse_values_save(ctx, grad_out, ids, config: FusedConfig, num_embeddings: int, rows):
+    ctx.mark_non_differentiable(rows)
+    ctx.save_for_backward(ids, rows)
+    ctx.config, ctx.table_shape = config, (num_embeddings, grad_out.shape[-1])
+
+
+def _sparse_values_backward(ctx, grad_rows, grad_values):
+    """The values' derivative, as the dense gradient's: the incoming gradient's rows,
+    placed at their table rows, looked up per token (padding, out-of-range ids and
+    scale_grad_by_freq applied as the backward applies them). The (V, d) table it places
+    them in exists only here, for gradients of gradients."""
+    ids, rows = ctx.saved_tensors  # grad_values is never None: this Function materialises zeros
+    table = grad_values.new_zeros(ctx.table_shape).index_copy(0, rows, grad_values)
+    return lookup(ids, None, table, None, ctx.config, ctx.table_shape, of="backward"), None, None, None
+
+
+class SparseGradFunction(torch.autograd.Function):
+    """The sparse gradient's (rows, values) as a function of the output gradient, for the
+    same reason as DenseGradFunction: values are linear in dout (differentiable again), and
+    torch.func.grad, which tracks dout whenever the loss is not linear in the output,
+    needs an autograd rule for every op it meets."""
+
+    @staticmethod
+    def forward(ctx, grad_out, ids, config, num_embeddings):
+        rows, values = _sparse_values_forward(grad_out, ids, config, num_embeddings)
+        _sparse_values_save(ctx, grad_out, ids, config, num_embeddings, rows)
+        return rows, values
+
+    backward = staticmethod(_sparse_values_backward)
+
+
+SparseGradFunctorch = _functorch_form("SparseGradFunctorch", _sparse_values_forward, _sparse_values_save,
+                                      _sparse_values_backward, save_takes_rows=True)
+
+
+def _dropout_mask_forward(grad, dropout_key, config: FusedConfig):
+    """grad * keep / (1 - p) with the forward's mask, by the forward's own kernel: grad is
+    looked up as a table whose row n is flat token n (ids = 0..N-1), so element (n, j)
+    meets the keep bit it met in the forward. Rounded once to grad's dtype, as
+    nn.Dropout's backward rounds its product."""
+    dim = grad.shape[-1]
+    rows = grad.reshape(-1, dim) if dim else grad.new_empty(grad.numel(), 0)
+    tokens = torch.arange(rows.shape[0], device=grad.device)
+    return dispatch.get(config.backend).forward(
+        tokens, rows.contiguous(), None, None, "none", 1.0, 0, dropout_key, config.dropout_p).reshape(grad.shape)
+
+
+def _dropout_mask_save(ctx, grad, dropout_key, config: FusedConfig):
+    ctx.save_for_backward(dropout_key)
+    ctx.config = config
+
+
+def _dropout_mask_backward(ctx, grad):
+    (dropout_key,) = ctx.saved_tensors
+    function = DropoutMaskFunctorch if functorch_active() else DropoutMaskFunction
+    return function.apply(grad, dropout_key, ctx.config), None, None  # the mask is diagonal: its own transpose
+
+
+class DropoutMaskFunction(torch.autograd.Function):
+    """The dropout mask applied to an output gradient, differentiable again (for double
+    backward): multiplying by the mask is linear and diagonal, so its backward is itself."""
+
+    @staticmethod
+    def forward(ctx, grad, dropout_key, config: FusedConfig):
+        _dropout_mask_save(ctx, grad, dropout_key, config)
+        return _dropout_mask_forward(grad, dropout_key, config)
+
+    backward = staticmethod(_dropout_mask_backward)
+
+
+DropoutMaskFunctorch = _functorch_form("DropoutMaskFunctorch", _dropout_mask_forward, _dropout_mask_save,
+                                       _dropout_mask_backward)
+
+
+@torch.library.custom_op("pyembed::sparse_grad_embedding", mutates_args=())
+def sparse_grad_embedding(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.Tensor],
+                          position_ids: Optional[torch.Tensor], pos_encoding: str, scale: float, offset: int,
+                          padding_idx: Optional[int], scale_grad_by_freq: bool, backend: str,
+                          dropout_key: Optional[torch.Tensor], dropout_p: float, sinusoid_column_offset: int = 0,
+                          sinusoid_dim: int = 0) -> torch.Tensor:
+    """The lookup with a sparse weight gradient, as one op torch.compile keeps whole: its
+    backward (registered below) runs under AOTAutograd, which can build the sparse
+    gradient where Dynamo cannot. Eager code uses FusedEmbeddingFunction."""
+    return dispatch.get(backend).forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
+                                         dropout_key, dropout_p, sinusoid_column_offset, sinusoid_dim)
+
+
+@sparse_grad_embedding.register_fake
+def _(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, backend,
+      dropout_key, dropout_p, sinusoid_column_offset=0, sinusoid_dim=0):
+    return weight.new_empty(*ids.shape, weight.shape[1])
+
+
+def _sparse_grad_setup(ctx, inputs, output):
+    (ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, by_freq, backend, dropout_key,
+     dropout_p, *sinusoid_columns) = inputs
+    ctx.save_for_backward(ids, position_ids, dropout_key)
+    ctx.config = FusedConfig(pos_encoding, scale, offset, padding_idx, by_freq, True, False, backend, dropout_p, 0,
+                             *sinusoid_columns)
+    ctx.weight_shape, ctx.num_positions = weight.shape, (pos_weight.shape[0] if pos_weight is not None else 0)
+
+
+def _sparse_grad_backward(ctx, grad_out):
+    ids, position_ids, dropout_key = ctx.saved_tensors
+    grad_weight, pos_grad = _gradients(
+        ctx.config, grad_out, ids, position_ids, dropout_key, ctx.weight_shape, ctx.num_positions,
+        ctx.needs_input_grad[1], ctx.needs_input_grad[2] and ctx.config.pos_encoding == "learned")
+    return (None, grad_weight, pos_grad) + (None,) * 11
+
+
+sparse_grad_embedding.register_autograd(_sparse_grad_backward, setup_context=_sparse_grad_setup)
+
+
+def lookup(ids, position_ids, table, pos_table, config: FusedConfig, table_shape, *, of: str) -> torch.Tensor:
+    """Rows of ``table`` (times scale) plus rows of ``pos_table`` per token, in plain torch
+    ops (any dtype, differentiable again, vmappable), shaped ``ids.shape + (d,)``; either
+    table may be None. ``of`` says which derivative this is:
+    - "forward": the derivative of the forward (its jvp): an out-of-range id gives a zero
+      row, positional term included, as the forward does;
+    - "backward": the derivative of the backward: the padding row, out-of-range ids and
+      scale_grad_by_freq's 1/count apply to the token part as the backward applies them,
+      and the positional part counts every token, as dP does."""
+    num_embeddings, dim = table_shape
+    some = table if table is not None else pos_table
+    flat = ids.reshape(-1).long()
+    id_ok = (flat >= 0) & (flat < num_embeddings)
+    out = some.new_zeros(flat.shape[0], dim)
+    if table is not None and num_embeddings > 0:
+        keep = id_ok
+        rows = table.index_select(0, flat.clamp(0, num_embeddings - 1)) * config.scale
+        if of == "backward":
+            if config.padding_idx is not None:
+                keep = keep & (flat != config.padding_idx)
+            if config.scale_grad_by_freq:
+                counts = torch.zeros(num_embeddings, dtype=rows.dtype, device=rows.device).index_add_(
+                    0, flat.clamp(0, num_embeddings - 1), id_ok.to(rows.dtype))
+                rows = rows / counts.index_select(0, flat.clamp(0, num_embeddings - 1)).clamp(min=1)[:, None]
+        out = out + torch.where(keep[:, None], rows, 0)
+    if pos_table is not None and pos_table.shape[0] > 0:
+        positions = reference.token_positions(ids, position_ids, config.offset)
+        keep = (positions >= 0) & (positions < pos_table.shape[0])
+        if of == "forward":
+            keep = keep & id_ok
+        rows = pos_table.index_select(0, positions.clamp(0, pos_table.shape[0] - 1))
+        out = out + torch.where(keep[:, None], rows, 0)
+    return out.reshape(*ids.shape, dim)
+
+
+
+def autograd_may_be_cpp() -> bool:
+    """Nothing needs the Python autograd.Function: not compiling (Dynamo traces the
+    Function), no forward-mode AD and no torch.func transform (the C++ node has neither)."""
+    return not torch.compiler.is_compiling() and forward_ad._current_level < 0 and not functorch_active()
