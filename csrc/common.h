@@ -6,6 +6,7 @@
 
 namespace pyembed {
 
+// The codes of pyembed/checks.py POS_CODES (a test checks they agree).
 enum class PosEncoding : int { kNone = 0, kLearned = 1, kSinusoidal = 2 };
 
 // A float64 table computes in float64; every other dtype in float32 (DESIGN §1).

@@ -33,7 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-POS_NONE, POS_LEARNED, POS_SINUSOIDAL = 0, 1, 2
+from ..checks import POS_CODES  # installed as pyembed.kernels
+
+POS_NONE, POS_LEARNED, POS_SINUSOIDAL = (POS_CODES[name] for name in ("none", "learned", "sinusoidal"))
 PART_ROWS = 32  # rows one program sums before the next tree level
 MAX_BLOCK_D = 512
 TILE_ELEMENTS = 2048  # BLOCK_T * BLOCK_D: 16 fp32 registers per thread at 4 warps

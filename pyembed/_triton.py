@@ -32,7 +32,6 @@ import torch
 from . import checks, dispatch, reference
 from .checks import CUDAGRAPH_UNSAFE
 
-_POS_MODES = {"none": 0, "learned": 1, "sinusoidal": 2}
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -72,7 +71,7 @@ def _forward(ids, weight, pos_weight, position_ids, pos_encoding: str, scale: fl
              dropout_p: float, sinusoid_column_offset: int = 0, sinusoid_dim: int = 0, error_record: int = 0, *,
              launch, device_guard=True) -> torch.Tensor:
     out = weight.new_empty(*ids.shape, weight.shape[1])
-    mode = _POS_MODES[pos_encoding]
+    mode = checks.POS_CODES[pos_encoding]
     with _on_device(weight) if device_guard else contextlib.nullcontext():
         _kernels().embedding_forward(
             ids.contiguous(), weight.contiguous(), pos_weight.contiguous() if mode == 1 else None,

@@ -19,6 +19,7 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
+from .checks import POS_CODES
 from .reference import sinusoidal_table
 
 Token = Union[int, str]
@@ -133,7 +134,7 @@ def memory_footprint(vocab_size: int, embed_dim: int, *, dtype: torch.dtype = to
     dense, or with ``sparse=True`` ``touched_rows`` rows (default: all V, the worst case)
     plus their int64 indices; the positional gradient is always dense. Optimizer state:
     AdamW and SparseAdam keep two tensors per parameter (SparseAdam's are dense), SGD none."""
-    if pos_encoding not in (None, "none", "learned", "sinusoidal"):
+    if pos_encoding is not None and pos_encoding not in POS_CODES:
         raise ValueError(f"pyembed.analysis: unknown pos_encoding {pos_encoding!r}")
     if optimizer not in (None, "adamw", "sgd", "sparse_adam"):
         raise ValueError(f"pyembed.analysis: optimizer must be 'adamw', 'sgd', 'sparse_adam' or None, got {optimizer!r}")

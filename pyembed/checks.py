@@ -270,6 +270,9 @@ def is_dtensor(t) -> bool:
 # --------------------------------------------------------------------------- metadata checks
 # What fused_embedding checks before anything runs (DESIGN §3); the C++ lookup checks the
 # same with the same messages (csrc/checks.h). Metadata only: nothing here reads a tensor's data.
+# The positional encodings, by name and by the code the kernels take (csrc/common.h,
+# PosEncoding, mirrors it; a test checks they agree).
+POS_CODES = {"none": 0, "learned": 1, "sinusoidal": 2}
 ID_DTYPES = (torch.int32, torch.int64)
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -309,7 +312,7 @@ def check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset):
 
     if pos_encoding is None or pos_encoding == "none":
         pos_encoding = "learned" if pos_weight is not None else "none"
-    if pos_encoding not in ("none", "learned", "sinusoidal"):
+    if pos_encoding not in POS_CODES:
         raise InputValueError(f"pyembed: pos_encoding must be None, 'learned' or 'sinusoidal', got {pos_encoding!r}")
     if pos_encoding == "learned":
         if pos_weight is None:

@@ -3,6 +3,8 @@ property-based sweep of shapes against eager PyTorch."""
 
 import dataclasses
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -285,3 +287,12 @@ def test_a_new_backend_is_one_register_backend_call(monkeypatch):
     assert dispatch.resolve("auto", torch.device("cpu")) is mine
     ids, weight = torch.tensor([[1, 2]]), torch.randn(4, 8)
     torch.testing.assert_close(pyembed.fused_embedding(ids, weight, backend="mine"), weight[ids])
+
+
+def test_positional_encoding_codes_agree_with_the_cuda_and_cpu_header():
+    header = (pathlib.Path(__file__).resolve().parents[1] / "csrc" / "common.h").read_text()
+    checks = pyembed.checks
+    enum = re.search(r"enum class PosEncoding : int \{([^}]*)\}", header).group(1)
+    codes = {name.split("=")[0].strip(): int(name.split("=")[1]) for name in enum.split(",")}
+    assert codes == {"kNone": checks.POS_CODES["none"], "kLearned": checks.POS_CODES["learned"],
+                     "kSinusoidal": checks.POS_CODES["sinusoidal"]}
