@@ -46,47 +46,43 @@ class FusedConfig(NamedTuple):
     sinusoid_dim: int = 0
 
 
-def apply_fused(ids, weight, pos_weight, position_ids, pos_encoding: str, scale, offset, padding_idx,
-                scale_grad_by_freq, sparse, validate, backend: dispatch.Backend, dropout_key=None,
-                dropout_p: float = 0.0, sinusoid_columns: tuple[int, int] = (0, 0), *,
-                error_record: int = 0, cpp_autograd: bool = True) -> torch.Tensor:
-    """FusedEmbeddingFunction on checked arguments (shared by fused_embedding and the
-    sharded tables' rules, pyembed._dtensor); the kernels index rows densely, so tensors
-    are made contiguous. validate: check the ranges before the kernel (a sync on a GPU);
-    error_record: the in-kernel check's record (FusedConfig). sinusoid_columns: (column
-    offset, full width) of a column shard (FusedConfig)."""
+def apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config: FusedConfig, *,
+                cpp_autograd: bool = True) -> torch.Tensor:
+    """The route of a checked call (shared by fused_embedding and the sharded tables' rules,
+    pyembed._dtensor), named here once; the kernels index rows densely, so tensors are made
+    contiguous. cpp_autograd=False: never the C++ autograd node (a table whose optimizer
+    runs in the backward needs the Python one, pyembed.optim)."""
     tensors = (ids.contiguous(), weight.contiguous(), None if pos_weight is None else pos_weight.contiguous(),
                None if position_ids is None else position_ids.contiguous(), dropout_key)
-    if (cpp_autograd and backend.autograd_op is not None and dropout_key is None and not sparse
-            and sinusoid_columns == (0, 0) and autograd_may_be_cpp()):
+    backend = dispatch.get(config.backend)
+    if (cpp_autograd and backend.autograd_op is not None and dropout_key is None and not config.sparse
+            and not config.sinusoid_dim and autograd_may_be_cpp()):
         # The common eager call on a C++ backend: one op whose autograd node is C++ too
         # (csrc/autograd.cpp), a few us less than an autograd.Function -- most of a one-token
         # lookup. Everything else (dropout, sparse, forward AD, torch.func, torch.compile)
-        # takes the Function below.
+        # takes a Function below.
         ids, weight, pos_weight, position_ids, _ = tensors
-        if validate:  # here, not in the op: the Python checks raise pyembed's exception types
-            ids = checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
-        return backend.autograd_op(ids, weight, pos_weight, position_ids, pos_encoding, float(scale), int(offset),
-                                   padding_idx, bool(scale_grad_by_freq), False, error_record)
-    config = FusedConfig(pos_encoding, float(scale), int(offset), padding_idx, bool(scale_grad_by_freq),
-                         bool(sparse), bool(validate), backend.name, float(dropout_p), error_record,
-                         *sinusoid_columns)
-    if not cpp_autograd:  # tables with a fused optimizer: the backward updates them (pyembed.optim)
+        if config.validate:  # here, not in the op: the Python checks raise pyembed's exception types
+            ids = checked_ids(ids, weight, pos_weight, position_ids, config.pos_encoding)
+        return backend.autograd_op(ids, weight, pos_weight, position_ids, config.pos_encoding, config.scale,
+                                   config.offset, config.padding_idx, config.scale_grad_by_freq, False,
+                                   config.error_record)
+    if not cpp_autograd:  # tables with a fused optimizer: the eager Function's backward updates them
         return FusedEmbeddingFunctionWithJvp.apply(*tensors, config)
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling():  # eager; torch.func needs the setup_context form
         function = FusedEmbeddingFunctorch if functorch_active() else FusedEmbeddingFunctionWithJvp
         return function.apply(*tensors, config)
-    if sparse:
+    if config.sparse:
         # Dynamo cannot hold the sparse gradient an autograd.Function's backward returns;
         # AOTAutograd can, for a custom op's registered backward (as for nn.Embedding's).
         ids, weight, pos_weight, position_ids, dropout_key = tensors
-        if validate:
-            ids = checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
-        return torch.ops.pyembed.sparse_grad_embedding(ids, weight, pos_weight, position_ids, pos_encoding,
-                                                        config.scale, config.offset, padding_idx,
-                                                        config.scale_grad_by_freq, backend.name, dropout_key,
-                                                        config.dropout_p, *sinusoid_columns)
-    return FusedEmbeddingFunction.apply(*tensors, config)
+        if config.validate:
+            ids = checked_ids(ids, weight, pos_weight, position_ids, config.pos_encoding)
+        return torch.ops.pyembed.sparse_grad_embedding(
+            ids, weight, pos_weight, position_ids, config.pos_encoding, config.scale, config.offset,
+            config.padding_idx, config.scale_grad_by_freq, config.backend, dropout_key, config.dropout_p,
+            config.sinusoid_column_offset, config.sinusoid_dim)
+    return FusedEmbeddingFunction.apply(*tensors, config)  # what torch.compile traces (no custom jvp)
 
 
 def checked_ids(ids, weight, pos_weight, position_ids, pos_encoding: str) -> torch.Tensor:

@@ -44,7 +44,7 @@ import inspect
 import torch
 
 from . import checks, reference
-from ._autograd import apply_fused, checked_ids
+from ._autograd import FusedConfig, apply_fused, checked_ids
 from .checks import is_dtensor
 
 
@@ -74,18 +74,15 @@ def shared_dropout_key(mesh, device, generator):
     return distribute_tensor(key, mesh, [Replicate()], src_data_rank=0).to_local()
 
 
-def rowwise_partial(ids, local_weight, start: int, pos_weight, position_ids, pos_encoding, scale, offset,
-                    padding_idx, scale_grad_by_freq, sparse, backend, dropout_key, dropout_p):
+def rowwise_partial(ids, local_weight, start: int, pos_weight, position_ids, config: FusedConfig, dropout_key):
     """This rank's part of the lookup of a row shard (rows ``start .. start + len``):
     ids shifted into the shard, so other shards' ids are out of range and give zero rows
-    (positional term included) and no gradient. Ids already checked. Summing the parts
-    over the ranks gives the single-device output."""
-
-    rows = local_weight.shape[0]
+    (positional term included) and no gradient. Ids already checked (config.validate is
+    not looked at). Summing the parts over the ranks gives the single-device output."""
+    rows, padding_idx = local_weight.shape[0], config.padding_idx
     local_padding_idx = padding_idx - start if padding_idx is not None and 0 <= padding_idx - start < rows else None
-    return apply_fused(ids - start, local_weight, pos_weight, position_ids, pos_encoding, scale, offset,
-                       local_padding_idx, scale_grad_by_freq, sparse, False, backend, dropout_key=dropout_key,
-                       dropout_p=dropout_p)
+    return apply_fused(ids - start, local_weight, pos_weight, position_ids, dropout_key,
+                       config._replace(padding_idx=local_padding_idx, validate=False, error_record=0))
 
 
 @functools.cache
@@ -108,13 +105,13 @@ def _partial_from_local(out, mesh):
     return DTensor.from_local(out, mesh, [Partial()])
 
 
-def fused_embedding(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                    scale_grad_by_freq, sparse, validate, backend, dropout_p, generator):
+def fused_embedding(ids, weight, pos_weight, position_ids, config: FusedConfig, generator):
     """pyembed._autograd.apply_fused on the local shard of a DTensor table (arguments
-    already checked and normalised); returns a DTensor on the table's mesh (placements as
-    in the module docstring)."""
+    already checked and normalised; config.validate: check the global ids here, on every
+    rank); returns a DTensor on the table's mesh (placements as in the module docstring)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    pos_encoding, dropout_p = config.pos_encoding, config.dropout_p
 
     mesh = weight.device_mesh
     placement = weight.placements[0]
@@ -123,7 +120,7 @@ def fused_embedding(ids, weight, pos_weight, position_ids, pos_encoding, scale, 
                                       f"gathers its dimension before the forward)")
     if not isinstance(placement, (Shard, Replicate)) or isinstance(placement, Shard) and placement.dim not in (0, 1):
         raise _unsupported(placement, "")
-    if sparse:
+    if config.sparse:
         raise checks.InputValueError(
             "pyembed: sparse gradients of a DTensor table are not supported (DTensor cannot hold a sparse "
             "gradient: nn.Embedding(sparse=True) fails under RowwiseParallel too); use sparse=False here, or "
@@ -142,22 +139,20 @@ def fused_embedding(ids, weight, pos_weight, position_ids, pos_encoding, scale, 
     ids = _local(ids, "ids", Replicate())
     position_ids = _local(position_ids, "position_ids", Replicate())
     pos_weight = _local(pos_weight, "pos_weight", Shard(1) if columns else Replicate())
-    if validate:  # every rank checks the same global ids: a bad id raises on all of them
+    if config.validate:  # every rank checks the same global ids: a bad id raises on all of them
         checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
     local_weight = weight.to_local()
     dropout_key = shared_dropout_key(mesh, local_weight.device, generator) if dropout_p > 0 else None
 
     if placement == Shard(0):
         _, start = Shard.local_shard_size_and_offset(weight.shape[0], mesh.size(0), mesh.get_local_rank(0))
-        out = rowwise_partial(ids, local_weight, start, pos_weight, position_ids, pos_encoding, scale, offset,
-                              padding_idx, scale_grad_by_freq, False, backend, dropout_key, dropout_p)
+        out = rowwise_partial(ids, local_weight, start, pos_weight, position_ids, config, dropout_key)
         return _partial_from_local(out, mesh)
     # Shard(1) or Replicate(): this rank's columns, from first_column on (all of them when replicated).
     if dropout_key is not None and first_column:  # global column j is word j % 4 of Philox call offset + j // 4
         dropout_key = dropout_key + torch.tensor([0, first_column // 4], device=dropout_key.device)
-    out = apply_fused(ids, local_weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                      scale_grad_by_freq, False, False, backend, dropout_key=dropout_key, dropout_p=dropout_p,
-                      sinusoid_columns=(first_column, dim))
+    out = apply_fused(ids, local_weight, pos_weight, position_ids, dropout_key,
+                      config._replace(validate=False, sinusoid_column_offset=first_column, sinusoid_dim=dim))
     if not columns:
         return DTensor.from_local(out, mesh, [Replicate()])
     return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], shape=(*ids.shape, dim),

@@ -114,16 +114,17 @@ def _fused_embedding(ids, weight, pos_weight, pos_encoding, scale, position_ids,
     if checks.is_dtensor(weight):  # a table sharded by torch.distributed (parallelize_module)
         # Checked in the call (every rank sees the same global ids): the shards' kernels
         # hold local ids, which are out of range by design on all but one rank.
-        sync_check = range_checks(validate, chosen, torch.device("cpu"))[0]
-        return _dtensor.fused_embedding(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                                        scale_grad_by_freq, sparse, sync_check, chosen, dropout_p, generator)
+        config = _autograd.FusedConfig(pos_encoding, float(scale), offset, padding_idx, bool(scale_grad_by_freq),
+                                       bool(sparse), range_checks(validate, chosen, torch.device("cpu"))[0],
+                                       chosen.name, float(dropout_p))
+        return _dtensor.fused_embedding(ids, weight, pos_weight, position_ids, config, generator)
     dropout_key = reference.draw_dropout_key(weight.device, generator) if dropout_p > 0 else None
     if sparse:
         _coalesced.keep_flag(weight)  # .grad stays flagged coalesced (optimizers skip a re-sort)
     sync_check, error_record = range_checks(validate, chosen, weight.device)
-    return _autograd.apply_fused(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                       scale_grad_by_freq, sparse, sync_check, chosen, dropout_key, dropout_p,
-                       error_record=error_record, cpp_autograd=cpp_autograd)
+    config = _autograd.FusedConfig(pos_encoding, float(scale), offset, padding_idx, bool(scale_grad_by_freq),
+                                   bool(sparse), sync_check, chosen.name, float(dropout_p), error_record)
+    return _autograd.apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config, cpp_autograd=cpp_autograd)
 
 
 def _with_fused_optimizer(ids, weight, pos_weight, **kwargs):

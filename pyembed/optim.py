@@ -203,7 +203,7 @@ class Update:
     with no gradient change too (dense semantics: decay, momentum, weight decay)."""
 
     rule: int
-    hyper: tuple[float, ...]  # see _prepare
+    hyper: tuple[float, ...]  # per rule, in the order of csrc/optim.h Scalars::from (built by prepare)
     all_rows: bool
 
 

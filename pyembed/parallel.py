@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _dtensor, checks, dispatch
+from ._autograd import FusedConfig
 from .modules import _INIT_POS_STD, EmbeddingLayer, FusedEmbedding, check_layer_pos_encoding
 
 
@@ -158,11 +159,11 @@ class VocabParallelEmbeddingLayer(nn.Module):
         token = self.token_embedding
         weight = token.weight
         pos_encoding, position_ids = checks.check_inputs(ids, weight, self.pos_embedding, self.pos_encoding,
-                                                   position_ids, offset)
+                                                         position_ids, offset)
         self._check_ranges_together(ids, position_ids)
-        part = _dtensor.rowwise_partial(
-            ids, weight, self.vocab_start, self.pos_embedding, position_ids, pos_encoding, self.scale, offset,
-            self.padding_idx, False, token.sparse, dispatch.resolve(self.backend, weight.device), None, 0.0)
+        config = FusedConfig(pos_encoding, float(self.scale), offset, self.padding_idx, False, token.sparse, False,
+                             dispatch.resolve(self.backend, weight.device).name)
+        part = _dtensor.rowwise_partial(ids, weight, self.vocab_start, self.pos_embedding, position_ids, config, None)
         return _SumOverRanks.apply(part, self._group)
 
     def _check_ranges_together(self, ids: torch.Tensor, position_ids: Optional[torch.Tensor]) -> None:
