@@ -90,25 +90,31 @@ def checked_ids(ids, weight, pos_weight, position_ids, pos_encoding: str) -> tor
     return checks.checked_ids(ids, weight.shape[0], position_ids, max_seq_len)
 
 
-def _gradients(config: FusedConfig, grad_out, ids, position_ids, dropout_key, weight_shape, num_positions: int,
-               need_weight_grad: bool, need_pos_grad: bool, fused_tables=None):
-    """(weight gradient, positional gradient) from the backend's ops, None where not
-    needed: dense through DenseGradFunction (differentiable again), sparse as a coalesced
-    COO tensor built by the aten op behind torch.sparse_coo_tensor. With dropout, the
-    output gradient first goes through the forward's mask, regenerated from its key."""
+def _gradients(ctx, grad_out):
+    """(weight gradient, positional gradient) of the lookup whose ``ctx`` holds the saved
+    (ids, position_ids, dropout_key), its config, table shapes and fused tables, from the
+    backend's ops, None where not needed: updates of tables whose optimizer runs in the
+    backward (pyembed.optim), dense through DenseGradFunction (differentiable again),
+    sparse as a coalesced COO tensor built by the aten op behind torch.sparse_coo_tensor.
+    With dropout, the output gradient first goes through the forward's mask, regenerated
+    from its key."""
+    ids, position_ids, dropout_key = ctx.saved_tensors
+    config, weight_shape = ctx.config, ctx.weight_shape
+    need_weight_grad = ctx.needs_input_grad[1]
+    need_pos_grad = ctx.needs_input_grad[2] and config.pos_encoding == "learned"
     if dropout_key is not None:
         grad_out = (DropoutMaskFunctorch if functorch_active() else DropoutMaskFunction).apply(
             grad_out, dropout_key, config)
     grad_out = grad_out.contiguous()
-    if fused_tables is not None:  # tables with an optimizer in the backward: updated here, no gradient
+    if ctx.fused_tables is not None:  # tables with an optimizer in the backward: updated here, no gradient
         need_weight_grad, need_pos_grad = optim.step_tables(
-            dispatch.get(config.backend), config, grad_out, ids, position_ids, fused_tables,
+            dispatch.get(config.backend), config, grad_out, ids, position_ids, ctx.fused_tables,
             (need_weight_grad, need_pos_grad))
     dense_weight_grad = need_weight_grad and not config.sparse
     grad_weight = pos_grad = None
     if dense_weight_grad or need_pos_grad:
         grad_weight, pos_grad = (DenseGradFunctorch if functorch_active() else DenseGradFunction).apply(
-            grad_out, ids, position_ids, config, weight_shape[0], num_positions, dense_weight_grad, need_pos_grad)
+            grad_out, ids, position_ids, config, weight_shape[0], ctx.num_positions, dense_weight_grad, need_pos_grad)
     if need_weight_grad and config.sparse:
         rows, values = (SparseGradFunctorch if functorch_active() else SparseGradFunction).apply(
             grad_out, ids, config, weight_shape[0])
@@ -151,10 +157,7 @@ def _fused_save(ctx, ids, weight, pos_weight, position_ids, dropout_key, config:
 
 
 def _fused_backward(ctx, grad_out):
-    ids, position_ids, dropout_key = ctx.saved_tensors
-    grad_weight, pos_grad = _gradients(
-        ctx.config, grad_out, ids, position_ids, dropout_key, ctx.weight_shape, ctx.num_positions,
-        ctx.needs_input_grad[1], ctx.needs_input_grad[2] and ctx.config.pos_encoding == "learned", ctx.fused_tables)
+    grad_weight, pos_grad = _gradients(ctx, grad_out)
     return None, grad_weight, pos_grad, None, None, None
 
 
@@ -363,13 +366,11 @@ def _sparse_grad_setup(ctx, inputs, output):
     ctx.config = FusedConfig(pos_encoding, scale, offset, padding_idx, by_freq, True, False, backend, dropout_p, 0,
                              *sinusoid_columns)
     ctx.weight_shape, ctx.num_positions = weight.shape, (pos_weight.shape[0] if pos_weight is not None else 0)
+    ctx.fused_tables = None  # a fused optimizer's table runs outside compiled graphs (pyembed.optim)
 
 
 def _sparse_grad_backward(ctx, grad_out):
-    ids, position_ids, dropout_key = ctx.saved_tensors
-    grad_weight, pos_grad = _gradients(
-        ctx.config, grad_out, ids, position_ids, dropout_key, ctx.weight_shape, ctx.num_positions,
-        ctx.needs_input_grad[1], ctx.needs_input_grad[2] and ctx.config.pos_encoding == "learned")
+    grad_weight, pos_grad = _gradients(ctx, grad_out)
     return (None, grad_weight, pos_grad) + (None,) * 11
 
 
