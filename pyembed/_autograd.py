@@ -179,7 +179,7 @@ class FusedEmbeddingFunction(torch.autograd.Function):
     gradient, so its own derivative is a lookup (``DenseGradFunction``); the forward-mode
     derivative is the lookup of the tangent tables (``FusedEmbeddingFunctionWithJvp``);
     and under torch.func, ``FusedEmbeddingFunctorch`` runs the same bodies batched, the
-    backends' ops having vmap rules (pyembed/_vmap.py): per-sample gradients are one
+    backends' ops having vmap rules (pyembed/_ops.py): per-sample gradients are one
     backward call. This plain form is what torch.compile traces (Dynamo cannot trace an
     autograd.Function with a custom ``jvp``)."""
 

@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from . import dispatch, reference
+from . import _ops, dispatch
 
 # pyembed is installed from a checkout of its sources (it is not on PyPI).
 REBUILD = "in the pyembed checkout: pip install --no-build-isolation --no-deps --force-reinstall ."
@@ -89,9 +89,9 @@ if _C is not None and _C.torch_version and _C.torch_version != torch.__version__
     )
 
 if _C is not None:
-    reference.register_fakes("pyembed::embedding_forward", "pyembed::embedding_backward",
+    _ops.register_fakes("pyembed::embedding_forward", "pyembed::embedding_backward",
                              "pyembed::embedding_sparse_backward")
-    torch.library.register_fake("pyembed::embedding")(reference.lookup_fake)
+    torch.library.register_fake("pyembed::embedding")(_ops.lookup_fake)
     _ops = (torch.ops.pyembed.embedding_forward, torch.ops.pyembed.embedding_backward,
             torch.ops.pyembed.embedding_sparse_backward)
     _lookup = torch.ops.pyembed.embedding.default

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from . import checks, dispatch, reference
+from . import _ops, checks, dispatch, reference
 from .checks import CUDAGRAPH_UNSAFE
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -203,7 +203,7 @@ def optimizer_update(param, state1, state2, rows, values, rule: int, hyper: list
         _kernels().optimizer_update(param, state1, state2, rows, values, rule, hyper, all_rows)
 
 
-reference.register_fakes("pyembed::triton_forward", "pyembed::triton_backward", "pyembed::triton_sparse_backward")
+_ops.register_fakes("pyembed::triton_forward", "pyembed::triton_backward", "pyembed::triton_sparse_backward")
 
 dispatch.register_backend(dispatch.Backend(
     "triton", torch.ops.pyembed.triton_forward, torch.ops.pyembed.triton_backward,

@@ -14,62 +14,15 @@ explicitly requested backend that cannot run raises RuntimeError saying why.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import Optional
 
 import torch
 
-from . import _vmap, reference
+from . import _ops, reference
+from ._ops import Backend
+from .checks import CUDAGRAPH_UNSAFE
 
 ENV_VAR = "PYEMBED_BACKEND"
-
-
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    forward: Callable  # op with the schema of reference.embedding_forward
-    backward: Callable  # op with the schema of reference.embedding_backward (dense, no host sync)
-    sparse_backward: Callable  # op with the schema of reference.embedding_sparse_backward
-    why_unavailable: Callable[[torch.device], Optional[str]]  # None when it can run there
-    # The lookup with its autograd node in C++ (the C++ backends' pyembed::embedding), used
-    # for plain eager calls instead of the Python autograd.Function; None: always the Function.
-    autograd_op: Optional[Callable] = None
-    # Its forward kernel checks id / position ranges itself into an error record (the
-    # ``error_record`` argument; pyembed.checks): validate=True on a GPU then never syncs.
-    checks_in_kernel: bool = False
-    # The forward / dense backward ops' own bodies, called without the dispatcher by eager
-    # calls on plain tensors (not torch.compile, torch.func or any tracer with fake tensors:
-    # those need the ops' fakes and vmap rules). A Python custom op's dispatch costs ~20 us
-    # per call, more than a kernel launch.
-    eager_forward: Optional[Callable] = None
-    eager_backward: Optional[Callable] = None
-    # The optimizer inside the backward (pyembed.optim): ops with the schemas of
-    # torch.ops.pyembed.embedding_touched_rows (None: sparse_backward, which may sync) and
-    # optimizer_update (None: the reference, torch's functional optimizers).
-    touched_rows: Optional[Callable] = None
-    optimizer_update: Optional[Callable] = None
-    # "auto"'s preference per device type, lower first ("*": any device type); a device type
-    # not listed: auto never picks it there (it can still be asked for by name).
-    auto_rank: Mapping[str, int] = field(default_factory=dict)
-
-    def forward_op(self, tensor: torch.Tensor) -> Callable:
-        """The forward to call on ``tensor`` (an input): the eager body when it is a plain
-        tensor and nothing traces or transforms, else the op."""
-        if self.eager_forward is not None and _eager(tensor):
-            return self.eager_forward
-        return self.forward
-
-    def backward_op(self, tensor: torch.Tensor) -> Callable:
-        if self.eager_backward is not None and _eager(tensor):
-            return self.eager_backward
-        return self.backward
-
-
-def _eager(tensor: torch.Tensor) -> bool:
-    """A real tensor (not fake, functional or wrapped) and neither torch.compile nor a
-    torch.func transform active: an op's body may run on it directly."""
-    return (type(tensor) in (torch.Tensor, torch.nn.Parameter) and not torch.compiler.is_compiling()
-            and not torch._C._are_functorch_transforms_active())
 
 
 _registry: dict[str, Backend] = {}
@@ -93,7 +46,7 @@ def register_backend(backend: Backend) -> None:
     _registry[backend.name] = backend
     _missing_reason.pop(backend.name, None)
     _resolved.clear()  # "auto" may now pick it
-    _vmap.register_rules(backend.forward, backend.backward)
+    _ops.register_vmap_rules(backend.forward, backend.backward)
 
 
 def mark_missing(name: str, reason: str) -> None:
@@ -162,12 +115,21 @@ def _resolve(requested: str, device: torch.device) -> Backend:
     return _registry[requested]
 
 
+# The spec's three functions as opaque custom ops (torch.compile sees ops, not their bodies).
+reference_forward = torch.library.custom_op(
+    "pyembed::reference_forward", mutates_args=())(reference.embedding_forward)
+reference_backward = torch.library.custom_op(
+    "pyembed::reference_backward", mutates_args=())(reference.embedding_backward)
+reference_sparse_backward = torch.library.custom_op(
+    "pyembed::reference_sparse_backward", mutates_args=(), tags=CUDAGRAPH_UNSAFE)(reference.embedding_sparse_backward)
+_ops.register_fakes("pyembed::reference_forward", "pyembed::reference_backward", "pyembed::reference_sparse_backward")
+
 register_backend(
     Backend(
         name="reference",
-        forward=reference.reference_forward,
-        backward=reference.reference_backward,
-        sparse_backward=reference.reference_sparse_backward,
+        forward=reference_forward,
+        backward=reference_backward,
+        sparse_backward=reference_sparse_backward,
         why_unavailable=lambda device: None,
         auto_rank={"*": 2},  # the spec: anywhere, when nothing faster can run
     )

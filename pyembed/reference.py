@@ -13,10 +13,10 @@ against it, and it is deliberately written for clarity, not speed:
 Arithmetic runs in float32 (float64 for float64 tables) with one rounding at the end;
 gradients are accumulated in that same compute dtype over the *touched* rows only.
 
-The three functions (forward, dense backward, sparse backward) are registered as the
-custom ops ``pyembed::reference_*`` so that ``torch.compile`` sees opaque ops. Every
-backend's ops share their schemas and the fake (meta) implementations at the end of
-this file. The range checks (validate=True) are one op of their own, in pyembed.checks.
+The three functions (forward, dense backward, sparse backward) give every backend's ops
+their schemas (pyembed/_ops.py holds the contract: fakes, vmap rules, the Backend record);
+pyembed/dispatch.py registers them as the custom ops ``pyembed::reference_*``. The range
+checks (validate=True) are one op of their own, in pyembed.checks.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from typing import Optional
 
 import torch
 
-from .checks import CUDAGRAPH_UNSAFE
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -276,43 +275,3 @@ def sinusoidal_table(max_seq_len: int, embed_dim: int, *, dtype=torch.float32, d
         raise ValueError(f"pyembed: sinusoidal encoding requires an even embedding dim, got d={embed_dim}")
     positions = torch.arange(max_seq_len, device=device)
     return sinusoid(positions, embed_dim).to(dtype)
-
-
-# --------------------------------------------------------------------------- op registration
-# Every backend's ops have the schemas of the three functions above, so one fake
-# implementation each serves them all (registered by each backend).
-def forward_fake(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
-                 sinusoid_column_offset=0, sinusoid_dim=0, error_record=0):
-    return weight.new_empty(*ids.shape, weight.shape[1])
-
-
-def backward_fake(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
-                  scale_grad_by_freq, need_weight_grad, need_pos_grad):
-    embed_dim = grad_out.shape[-1]
-    return (grad_out.new_empty(num_embeddings if need_weight_grad else 0, embed_dim),
-            grad_out.new_empty(num_positions if need_pos_grad else 0, embed_dim))
-
-
-def sparse_backward_fake(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq):
-    touched = torch.library.get_ctx().new_dynamic_size()
-    return grad_out.new_empty(touched, dtype=torch.long), grad_out.new_empty(touched, grad_out.shape[-1])
-
-
-def lookup_fake(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, scale_grad_by_freq,
-                validate=True, error_record=0):
-    """pyembed::embedding (the C++ backends' lookup with its C++ autograd node)."""
-    return weight.new_empty(*ids.shape, weight.shape[1])
-
-
-def register_fakes(forward_op: str, backward_op: str, sparse_backward_op: str) -> None:
-    """One backend's three ops share these fakes (same schemas as the functions above)."""
-    torch.library.register_fake(forward_op)(forward_fake)
-    torch.library.register_fake(backward_op)(backward_fake)
-    torch.library.register_fake(sparse_backward_op)(sparse_backward_fake)
-
-
-reference_forward = torch.library.custom_op("pyembed::reference_forward", mutates_args=())(embedding_forward)
-reference_backward = torch.library.custom_op("pyembed::reference_backward", mutates_args=())(embedding_backward)
-reference_sparse_backward = torch.library.custom_op(
-    "pyembed::reference_sparse_backward", mutates_args=(), tags=CUDAGRAPH_UNSAFE)(embedding_sparse_backward)
-register_fakes("pyembed::reference_forward", "pyembed::reference_backward", "pyembed::reference_sparse_backward")
