@@ -47,13 +47,9 @@ def test_compiled_graph_holds_the_triton_kernel_not_an_opaque_call():
     assert "triton_kernel_wrapper_functional" in out and "pyembed.triton_forward" not in out, out
 
 
-def test_compiled_backward_holds_the_triton_kernels_and_copies_no_input():
-    # The dense backward as the forward: under AOTAutograd's functionalisation on fake CUDA
-    # tensors (sm_90 target for Inductor's mutation analysis), the graph holds the sort, the
-    # scan and each Triton kernel -- what Inductor can schedule and fuse -- not an opaque
-    # pyembed op, and each kernel is found to write only its outputs (the output gradient
-    # and the ids are never copied).
-    out = _run(
+# A script's start for tracing a compiled graph on fake CUDA tensors with an sm_90 target
+# (what Inductor's mutation analysis of a Triton kernel needs): the graphs land in `graphs`.
+SM90_TRACE = (
         "import re, torch, pyembed, triton\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from torch._subclasses.fake_tensor import FakeTensorMode\n"
@@ -66,6 +62,16 @@ def test_compiled_backward_holds_the_triton_kernels_and_copies_no_input():
         "def keep(gm, _):\n"
         "    graphs.append(gm.code)\n"
         "    return gm\n"
+)
+
+
+def test_compiled_backward_holds_the_triton_kernels_and_copies_no_input():
+    # The dense backward as the forward: under AOTAutograd's functionalisation on fake CUDA
+    # tensors (sm_90 target for Inductor's mutation analysis), the graph holds the sort, the
+    # scan and each Triton kernel -- what Inductor can schedule and fuse -- not an opaque
+    # pyembed op, and each kernel is found to write only its outputs (the output gradient
+    # and the ids are never copied).
+    out = _run(SM90_TRACE +
         "f = lambda dout, ids: torch.ops.pyembed.triton_backward(dout, ids, None, 0, 1000, 64, 2.0, None, False,\n"
         "                                                        True, True)\n"
         "with FakeTensorMode():\n"
@@ -87,19 +93,7 @@ def test_compiled_kernel_with_the_range_check_writes_no_input_tensor():
     # through an integer address. Inductor's mutation analysis of the kernel (it needs a
     # target: sm_90, as the AOT tests use) must still find that only the output is written,
     # or functionalisation would copy the ids and the whole table on every call.
-    out = _run(
-        "import re, torch, pyembed, triton\n"
-        "from triton.backends.compiler import GPUTarget\n"
-        "from torch._subclasses.fake_tensor import FakeTensorMode\n"
-        "from functorch.compile import aot_function\n"
-        "class Sm90:\n"
-        "    def get_current_target(self):\n"
-        "        return GPUTarget('cuda', 90, 32)\n"
-        "triton.runtime.driver.set_active(Sm90())\n"
-        "graphs = []\n"
-        "def keep(gm, _):\n"
-        "    graphs.append(gm.code)\n"
-        "    return gm\n"
+    out = _run(SM90_TRACE +
         "f = lambda ids, w, p, pos: torch.ops.pyembed.triton_forward(ids, w, p, pos, 'learned', 2.0, 0, None, 0.0,\n"
         "                                                              0, 0, 140000000000000)\n"
         "with FakeTensorMode():\n"
