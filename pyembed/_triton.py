@@ -152,7 +152,7 @@ def backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[t
              need_pos_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense gradients (schema of reference.embedding_backward), without a host sync."""
     return _backward(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
-                     scale_grad_by_freq, need_weight_grad, need_pos_grad, launch=_direct)
+                     scale_grad_by_freq, need_weight_grad, need_pos_grad)
 
 
 triton_backward = torch.library.custom_op("pyembed::triton_backward", mutates_args=())(backward)

@@ -19,6 +19,7 @@ import torch
 
 from . import _autograd, _coalesced, _dtensor, checks, dispatch, optim, reference
 
+
 def fused_embedding(
     ids: torch.Tensor,
     weight: torch.Tensor,
@@ -77,13 +78,14 @@ def fused_embedding(
         ``ids.shape + (d,)`` tensor of ``weight.dtype``. Differentiable to any order, in
         forward mode too, and under ``torch.func`` transforms (``vmap``, ``grad``).
     """
+    args = (ids, weight, pos_weight, pos_encoding, scale, position_ids, offset, padding_idx, scale_grad_by_freq,
+            sparse, validate, dropout_p, generator, backend)
     if optim.tables_are_fused and (optim.fused_optimizer(weight) or optim.fused_optimizer(pos_weight)):
-        return optim.outside_compiled_graphs(
-            _with_fused_optimizer, ids, weight, pos_weight, pos_encoding=pos_encoding, scale=scale,
-            position_ids=position_ids, offset=offset, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq,
-            sparse=sparse, validate=validate, dropout_p=dropout_p, generator=generator, backend=backend)
-    return _fused_embedding(ids, weight, pos_weight, pos_encoding, scale, position_ids, offset, padding_idx,
-                            scale_grad_by_freq, sparse, validate, dropout_p, generator, backend)
+        # A table whose optimizer runs in the backward (pyembed.optim): the Python Function,
+        # whose backward updates it, run outside any compiled graph (a graph break under
+        # torch.compile: AOTAutograd cannot mutate a parameter in a backward).
+        return optim.outside_compiled_graphs(_fused_embedding, *args, cpp_autograd=False)
+    return _fused_embedding(*args)
 
 
 def _fused_embedding(ids, weight, pos_weight, pos_encoding, scale, position_ids, offset, padding_idx,
@@ -110,6 +112,8 @@ def _fused_embedding(ids, weight, pos_weight, pos_encoding, scale, position_ids,
         checks.check_dropout_p(dropout_p)
     if padding_idx is not None:
         padding_idx = checks.normalize_padding_idx(padding_idx, weight.shape[0])
+    if not cpp_autograd:
+        optim.check_call(weight, pos_weight, sparse)
     chosen = eager if eager is not None else dispatch.resolve(backend, weight.device)
     if checks.is_dtensor(weight):  # a table sharded by torch.distributed (parallelize_module)
         # Checked in the call (every rank sees the same global ids): the shards' kernels
@@ -125,22 +129,6 @@ def _fused_embedding(ids, weight, pos_weight, pos_encoding, scale, position_ids,
     config = _autograd.FusedConfig(pos_encoding, float(scale), offset, padding_idx, bool(scale_grad_by_freq),
                                    bool(sparse), sync_check, chosen.name, float(dropout_p), error_record)
     return _autograd.apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config, cpp_autograd=cpp_autograd)
-
-
-def _with_fused_optimizer(ids, weight, pos_weight, **kwargs):
-    """A call on a table whose optimizer runs in the backward (pyembed.optim): the Python
-    autograd.Function, whose backward updates the table; run outside any compiled graph (a
-    graph break under torch.compile: AOTAutograd cannot mutate a parameter in a backward)."""
-    if _autograd.functorch_active():
-        raise checks.InputValueError("pyembed: a table with a fused optimizer cannot be used under torch.func "
-                                     "transforms")
-    sparse = kwargs["sparse"]
-    for table, positional in ((weight, False), (pos_weight, True)):
-        if optim.fused_optimizer(table) is not None:
-            optim.check_table_use(table, sparse and not positional, positional)
-    args = [kwargs[name] for name in ("pos_encoding", "scale", "position_ids", "offset", "padding_idx",
-                                      "scale_grad_by_freq", "sparse", "validate", "dropout_p", "generator", "backend")]
-    return _fused_embedding(ids, weight, pos_weight, *args, cpp_autograd=False)
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)

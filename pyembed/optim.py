@@ -207,7 +207,19 @@ class Update:
     all_rows: bool
 
 
-def check_table_use(table: torch.Tensor, sparse_grad: bool, positional: bool) -> None:
+def check_call(weight: torch.Tensor, pos_weight: Optional[torch.Tensor], sparse: bool) -> None:
+    """A forward on tables of which at least one has its optimizer in the backward: no
+    torch.func transform (the update cannot be batched), and what torch's optimizer would
+    refuse for the gradient each table gets."""
+    if torch._C._are_functorch_transforms_active():
+        raise checks.InputValueError("pyembed: a table with a fused optimizer cannot be used under torch.func "
+                                     "transforms")
+    for table, positional in ((weight, False), (pos_weight, True)):
+        if fused_optimizer(table) is not None:
+            _check_table_use(table, sparse and not positional, positional)
+
+
+def _check_table_use(table: torch.Tensor, sparse_grad: bool, positional: bool) -> None:
     """What torch's optimizer would refuse for the gradient this table gets (sparse for a
     sparse=True token table, dense otherwise), refused at the forward with torch's reason."""
     optimizer = getattr(table, ATTR)
