@@ -6,15 +6,19 @@ stores once -- fp32 math (fp64 for fp64 tables), one rounding, 64-bit offsets. A
 out-of-range id (validate=False) is masked: a zero row (no positional term either: the
 vocab-parallel layer sums ranks' rows), no memory access.
 
-Backward: the keys are sorted with torch on the device (stable), cut into segments of
-equal used keys by two small kernels around one scan, and every segment is summed by a
-tree of parts of at most PART_ROWS rows, in fp32, in a fixed order -- no atomics, so it
-is deterministic (this backend has no atomic fast path). The host never waits for the
-device (a dense backward can be captured in a CUDA graph): every size is an upper bound
-from the token count and unused slots are empty ranges the kernels skip. Launches, not
-arithmetic, are what the host pays for, so the bookkeeping is in kernels (a 16k-token
-backward is about 15 launches), as in csrc/cuda/embedding_kernels.cuh, which has the
-same structure. The learned-PE gradient with p = offset + t is a batch reduction.
+Backward: the keys are sorted with torch on the device (stable), and each segment of equal
+used keys is summed in sorted (= token) order in fp32 -- no atomics, so it is
+deterministic (this backend has no atomic fast path). A segment longer than CHUNK_ROWS (a
+row used 12000 times must not be summed by one program) is summed in pieces by the
+chunks of sorted positions it spans, and its row adds those partial sums in order. The
+host never waits for the device (a dense backward can be captured in a CUDA graph): every
+size is bounded by the token count or the table, and a dense gradient's segment bounds
+are indexed by table row. Launches, not arithmetic, are what the host pays for, so a
+dense gradient is three kernels around the sort: the sort's inputs, one pass over the
+sorted positions (segment bounds, the long segments' pieces), one over the table's rows
+(each written once, untouched ones as zeros) -- as csrc/cuda/embedding_kernels.cuh,
+which has the same structure. The learned-PE gradient with p = offset + t is a batch
+reduction.
 
 Scalars: Triton types a Python float argument as fp32, so ``scale`` and the sinusoid's
 frequency step are annotated fp64 (exact for fp64 tables) and rounded to the compute
@@ -36,7 +40,6 @@ import triton.language as tl
 from ..checks import POS_CODES  # installed as pyembed.kernels
 
 POS_NONE, POS_LEARNED, POS_SINUSOIDAL = (POS_CODES[name] for name in ("none", "learned", "sinusoidal"))
-PART_ROWS = 32  # rows one program sums before the next tree level
 MAX_BLOCK_D = 512
 TILE_ELEMENTS = 2048  # BLOCK_T * BLOCK_D: 16 fp32 registers per thread at 4 warps
 # Narrow rows make tall tiles, and every token of a tile holds its id, position and row
@@ -188,19 +191,22 @@ def _used_key(key, num_rows, skip):
 
 
 @triton.jit
-def _compact_keys_kernel(
+def _sort_inputs_kernel(
     keys_ptr,  # (n,) int32/int64 ids or positions
     out_ptr,  # (n,) int32 (or int64 for a table of 2^31 rows) out: the key, or num_rows if unused
-    n, num_rows, skip,
+    zeros_ptr,  # (num_zeros,) int64 out: the segment bounds' starting zeros
+    n, num_zeros, num_rows, skip,
     BLOCK: tl.constexpr,
 ):
-    """The keys the sort sees: used ones as they are, the rest as num_rows (after every
-    used key) -- in 32 bits when the table allows: half the radix passes of 64-bit keys."""
+    """What the sort needs, in one launch: the keys it sees -- used ones as they are, the
+    rest as num_rows (after every used key), in 32 bits when the table allows -- and the
+    zeros the segment bounds start from (empty ranges where no segment lands)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = r < n
     key = tl.load(keys_ptr + r, mask=ok, other=0).to(tl.int64)
     out = tl.where(_used_key(key, num_rows, skip), key, num_rows)
     tl.store(out_ptr + r, out.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(zeros_ptr + r, tl.zeros([BLOCK], tl.int64), mask=r < num_zeros)
 
 
 @triton.jit
@@ -219,184 +225,155 @@ def _segment_starts_kernel(
 
 
 @triton.jit
-def _segment_bounds_kernel(
-    sorted_ptr,  # (n,) sorted compacted keys (num_rows: unused)
-    scan_ptr,  # (n,) int64 inclusive scan of the starts: scan - 1 is the slot of r's segment
-    keys_ptr, begin_ptr, end_ptr,  # (slots,) int64 out, zero-filled: empty ranges where untouched
-    row_segment_ptr,  # (num_rows,) int64 out, -1-filled: each used row's slot, when BY_ROW
-    n, num_rows,
-    BY_ROW: tl.constexpr, BLOCK: tl.constexpr,
-):
-    # Each segment's key and range are written by the threads at the range's edges.
-    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = r < n
-    key = tl.load(sorted_ptr + r, mask=ok, other=0).to(tl.int64)
-    used = ok & (key < num_rows)
-    slot = tl.load(scan_ptr + r, mask=used, other=1) - 1
-    prev = tl.load(sorted_ptr + r - 1, mask=used & (r > 0), other=-1).to(tl.int64)
-    nxt = tl.load(sorted_ptr + r + 1, mask=used & (r + 1 < n), other=-1).to(tl.int64)
-    first = used & ((r == 0) | (prev != key))
-    last = used & ((r == n - 1) | (nxt != key))
-    tl.store(begin_ptr + slot, r, mask=first)
-    tl.store(keys_ptr + slot, key, mask=first)
-    if BY_ROW:
-        tl.store(row_segment_ptr + key, slot, mask=first)
-    tl.store(end_ptr + slot, r + 1, mask=last)
+def _lower_bound(sorted_ptr, n, key):
+    """For each key, the first of the n < 2^40 sorted positions holding a key >= it. (A
+    fixed, unrolled step count: a loop to n.bit_length() made ptxas spill.)"""
+    lo = tl.zeros_like(key)
+    hi = lo + n
+    for _ in tl.static_range(40):
+        mid = (lo + hi) // 2
+        active = lo < hi
+        below = active & (tl.load(sorted_ptr + mid, mask=active, other=0).to(tl.int64) < key)
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where(active & ~below, mid, hi)
+    return lo
 
 
 @triton.jit
-def _sum_rows(src_ptr, src_rows_ptr, begin, end, cols, col_ok, dim, acc_dtype: tl.constexpr,
-              HAS_SRC_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Sum of src rows src_row(r), r in [begin, end), in order: the sum does not depend on scheduling."""
+def _sum_rows(src_ptr, src_rows_ptr, begin, end, cols, col_ok, dim, acc_dtype: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Sum of src rows src_rows[r], r in [begin, end), in order: the sum does not depend on scheduling."""
     acc = tl.zeros([BLOCK_D], dtype=acc_dtype)
     for r in range(begin, end):
-        if HAS_SRC_ROWS:
-            row = tl.load(src_rows_ptr + r)
-        else:
-            row = r
+        row = tl.load(src_rows_ptr + r)
         acc += tl.load(src_ptr + row * dim + cols, mask=col_ok, other=0.0).to(acc_dtype)
     return acc
 
 
 @triton.jit
+def _chunk_kernel(
+    sorted_ptr,  # (n,) sorted compacted keys (num_rows: unused)
+    scan_ptr,  # (n,) int64 inclusive scan of the segment starts: scan - 1 is r's slot, when BY_SLOT
+    keys_ptr,  # (slots,) int64 out: the key of each slot, when BY_SLOT
+    begin_ptr, end_ptr,  # int64 out, zero-filled: segment [begin, end) of each slot (BY_SLOT) or table row
+    dout_ptr,  # (n, dim) the output gradient
+    order_ptr,  # (n,) int64 its row for sorted position r
+    partials_ptr,  # (2 * chunks, dim) compute dtype out: the long segments' pieces, when HAS_PARTIALS
+    n, num_rows, dim,
+    BY_SLOT: tl.constexpr, HAS_PARTIALS: tl.constexpr, COMPUTE_F64: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Chunk c of the sorted positions (program (c, column block)): (1) the segment
+    bounds of its positions, each written by the position at the segment's edge, by slot
+    or by table row (the first column block does this); (2) the partial sums of the pieces
+    of segments longer than a chunk -- a chunk holds at most two: the one at its first
+    position (partial row 2c) and, if another reaches its last position, that one's
+    (row 2c + 1). A segment [b, e) of more than CHUNK rows thus has its pieces in row 2c
+    of every chunk c it touches, except the first when it starts inside it (2c + 1)."""
+    acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
+    c = tl.program_id(0).to(tl.int64)
+    c0 = c * CHUNK
+    r = c0 + tl.arange(0, CHUNK)
+    key = tl.load(sorted_ptr + r, mask=r < n, other=num_rows).to(tl.int64)
+    used = (r < n) & (key < num_rows) & (tl.program_id(1) == 0)
+    prev = tl.load(sorted_ptr + r - 1, mask=used & (r > 0), other=-1).to(tl.int64)
+    nxt = tl.load(sorted_ptr + r + 1, mask=used & (r + 1 < n), other=-1).to(tl.int64)
+    first = used & ((r == 0) | (prev != key))
+    last = used & ((r == n - 1) | (nxt != key))
+    if BY_SLOT:
+        slot = tl.load(scan_ptr + r, mask=used, other=1) - 1
+        tl.store(keys_ptr + slot, key, mask=first)
+    else:
+        slot = key
+    tl.store(begin_ptr + slot, r, mask=first)
+    tl.store(end_ptr + slot, r + 1, mask=last)
+    if HAS_PARTIALS:
+        c1 = tl.minimum(c0 + CHUNK, n)
+        cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+        col_ok = cols < dim
+        # Piece 0: the segment at the chunk's first position; piece 1: the one at its last, if another.
+        piece = tl.arange(0, 2)
+        head = tl.load(sorted_ptr + c0).to(tl.int64)
+        run_key = tl.load(sorted_ptr + tl.where(piece == 0, c0, c1 - 1)).to(tl.int64)
+        seg_begin = _lower_bound(sorted_ptr, n, run_key)
+        seg_end = _lower_bound(sorted_ptr, n, run_key + 1)
+        long = (run_key < num_rows) & (seg_end - seg_begin > CHUNK) & ((piece == 0) | (run_key != head))
+        start = tl.maximum(seg_begin, c0)
+        rows = tl.where(long, tl.minimum(seg_end, c1) - start, 0)
+        acc = tl.zeros([2, BLOCK_D], dtype=acc_dtype)
+        for k in range(0, tl.max(rows, 0)):
+            take = k < rows
+            token = tl.load(order_ptr + start + k, mask=take, other=0)
+            acc += tl.load(dout_ptr + token[:, None] * dim + cols[None, :], mask=take[:, None] & col_ok[None, :],
+                           other=0.0).to(acc_dtype)
+        tl.store(partials_ptr + (2 * c + piece)[:, None] * dim + cols[None, :], acc,
+                 mask=long[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _finish_segments_kernel(
-    src_ptr,  # rows of dim: the gradient (level 0) or fp32 partial sums
-    src_rows_ptr,  # (rows,) int64 row of src for sorted position r, when HAS_SRC_ROWS
-    begin_ptr, end_ptr,  # (num_segments,) int64: segment g sums positions [begin, end)
-    dst_ptr,  # output rows of dim: the gradient
-    dst_rows_ptr,  # (num_segments,) int64 destination row, when HAS_DST_ROWS (else g)
-    factors_ptr,  # (num_segments,) compute dtype scale / count, when HAS_FACTORS (else scale)
-    parts_ptr,  # (num_segments,) int64 out: the next level's parts of g (0: finished here), when HAS_PARTS
-    scale: tl.float64, max_rows, dim,
-    HAS_SRC_ROWS: tl.constexpr, HAS_DST_ROWS: tl.constexpr, HAS_FACTORS: tl.constexpr, HAS_PARTS: tl.constexpr,
-    COMPUTE_F64: tl.constexpr, PART_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    dout_ptr,  # (n, dim) the output gradient
+    order_ptr,  # (n,) int64 its row for sorted position r
+    partials_ptr,  # (2 * chunks, dim) compute dtype: the long segments' pieces, when HAS_PARTIALS
+    begin_ptr, end_ptr,  # (num_segments,) int64: segment g sums sorted positions [begin, end)
+    out_ptr,  # (num_segments, dim) out: row g
+    scale: tl.float64, num_segments, dim,
+    DIVIDE_BY_COUNT: tl.constexpr, ZERO_EMPTY: tl.constexpr, HAS_PARTIALS: tl.constexpr,
+    COMPUTE_F64: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One tree level's finished segments: those of at most max_rows rows are summed,
-    scaled, rounded once and written; the longer ones are counted in parts."""
+    """out[g] = factor * (sum of the dout rows of segment g), summed in sorted (= token)
+    order, rounded once; factor = scale, or scale / the segment's token count. A segment
+    longer than CHUNK adds its pieces' partial sums (_chunk_kernel) instead. An empty
+    segment is written as zeros with ZERO_EMPTY (a dense gradient by table row: every row
+    written once, no fill before), else not at all. BLOCK_R segments per program."""
     acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
-    g = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    g_ok = g < num_segments
     col_ok = cols < dim
-    begin = tl.load(begin_ptr + g)
-    end = tl.load(end_ptr + g)
-    fits = end - begin <= max_rows
-    if HAS_PARTS:
-        tl.store(parts_ptr + g, tl.where(fits, 0, tl.cdiv(end - begin, PART_ROWS)), mask=tl.program_id(1) == 0)
-    end = tl.where(fits, end, begin)  # a longer segment is finished at a later level
-    acc = _sum_rows(src_ptr, src_rows_ptr, begin, end, cols, col_ok, dim, acc_dtype, HAS_SRC_ROWS, BLOCK_D)
-    # An empty range is an unused slot or a segment finished at another level: no write.
-    write = end > begin
-    if HAS_FACTORS:
-        acc = acc * tl.load(factors_ptr + g, mask=write, other=0.0)
-    else:
-        acc = acc * tl.full([], scale, acc_dtype)
-    if HAS_DST_ROWS:
-        dst_row = tl.load(dst_rows_ptr + g, mask=write, other=0)
-    else:
-        dst_row = g
-    tl.store(dst_ptr + dst_row * dim + cols, _rounded(acc, dst_ptr), mask=col_ok & write)
-
-
-@triton.jit
-def _finish_rows_kernel(
-    src_ptr,  # (tokens, dim) the output gradient
-    src_rows_ptr,  # (tokens,) int64 its row for sorted position r
-    begin_ptr, end_ptr,  # (num_segments,) int64: segment g sums positions [begin, end)
-    row_segment_ptr,  # (num_rows,) int64: the segment of table row v, -1 if none
-    dst_ptr,  # (num_rows, dim) the dense gradient, every row written here or at a later level
-    factors_ptr,  # (num_segments,) compute dtype scale / count, when HAS_FACTORS (else scale)
-    parts_ptr,  # (num_segments,) int64, zeros: the parts of a segment left to later levels
-    scale: tl.float64, max_rows, num_rows, dim,
-    HAS_FACTORS: tl.constexpr, COMPUTE_F64: tl.constexpr, PART_ROWS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """A dense gradient's first tree level, over every table row, so that the (V, d)
-    gradient is written exactly once with no zero fill before it: an untouched row gets
-    zeros, a row whose segment has at most max_rows tokens its scaled sum (summed in
-    token order, as _sum_rows), a longer one its part count for the later levels. BLOCK_R
-    rows per program; their segments fit in PART_ROWS rows or are left for later levels,
-    so the loop runs at most PART_ROWS times unless this is the only level."""
-    acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
-    row_ok = rows < num_rows
-    col_ok = cols < dim
-    seg = tl.load(row_segment_ptr + rows, mask=row_ok, other=-1)
-    touched = seg >= 0
-    seg = tl.where(touched, seg, 0)
-    begin = tl.load(begin_ptr + seg, mask=touched, other=0)
-    length = tl.load(end_ptr + seg, mask=touched, other=0) - begin
-    fits = length <= max_rows
-    tl.store(parts_ptr + seg, tl.cdiv(length, PART_ROWS), mask=touched & ~fits & (tl.program_id(1) == 0))
-    length = tl.where(fits, length, 0)
+    begin = tl.load(begin_ptr + g, mask=g_ok, other=0)
+    length = tl.load(end_ptr + g, mask=g_ok, other=0) - begin
+    direct = tl.where(length <= CHUNK, length, 0)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype)
-    for k in range(0, tl.max(length, 0)):
-        take = k < length
-        token = tl.load(src_rows_ptr + begin + k, mask=take, other=0)
-        acc += tl.load(src_ptr + token[:, None] * dim + cols[None, :], mask=take[:, None] & col_ok[None, :],
+    for k in range(0, tl.max(direct, 0)):
+        take = k < direct
+        token = tl.load(order_ptr + begin + k, mask=take, other=0)
+        acc += tl.load(dout_ptr + token[:, None] * dim + cols[None, :], mask=take[:, None] & col_ok[None, :],
                        other=0.0).to(acc_dtype)
-    if HAS_FACTORS:
-        acc = acc * tl.load(factors_ptr + seg, mask=touched, other=0.0)[:, None]
+    if HAS_PARTIALS:
+        first_chunk = begin // CHUNK
+        pieces = tl.where(length > CHUNK, (begin + length - 1) // CHUNK - first_chunk + 1, 0)
+        for k in range(0, tl.max(pieces, 0)):
+            slot = 2 * (first_chunk + k) + ((k == 0) & (begin % CHUNK != 0)).to(tl.int64)
+            acc += tl.load(partials_ptr + slot[:, None] * dim + cols[None, :],
+                           mask=(k < pieces)[:, None] & col_ok[None, :], other=0.0)
+    if DIVIDE_BY_COUNT:
+        acc = acc * (tl.full([], scale, acc_dtype) / tl.maximum(length, 1).to(acc_dtype))[:, None]
     else:
         acc = acc * tl.full([], scale, acc_dtype)
-    acc = tl.where(touched[:, None], acc, 0.0)
-    tl.store(dst_ptr + rows[:, None] * dim + cols[None, :], _rounded(acc, dst_ptr),
-             mask=(row_ok & fits)[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _sum_parts_kernel(
-    src_ptr,  # rows of dim: the gradient (level 0) or fp32 partial sums
-    src_rows_ptr,  # (rows,) int64 row of src for sorted position r, when HAS_SRC_ROWS
-    begin_ptr, end_ptr,  # (num_segments,) int64: segment g's positions [begin, end)
-    part_end_ptr,  # (num_segments,) int64 inclusive scan of the segments' parts
-    partials_ptr,  # (num_parts, dim) compute dtype out: part j's sum in row j
-    num_segments, search_steps, dim,  # search_steps: num_segments.bit_length()
-    HAS_SRC_ROWS: tl.constexpr, COMPUTE_F64: tl.constexpr, PART_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Part j belongs to the first segment g with part_end[g] > j (a binary search) and
-    sums rows begin[g] + k * PART_ROWS ... of g, k = j - its first part. Slots past the
-    last part write nothing."""
-    acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
-    j = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_ok = cols < dim
-    lo = tl.full([], 0, tl.int64)
-    hi = lo + num_segments
-    for _ in range(search_steps):
-        mid = (lo + hi) // 2
-        active = lo < hi
-        right = active & (tl.load(part_end_ptr + mid, mask=active, other=0) <= j)
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(active & ~right, mid, hi)
-    owned = lo < num_segments
-    begin = tl.load(begin_ptr + lo, mask=owned, other=0)
-    end = tl.load(end_ptr + lo, mask=owned, other=0)
-    first_part = tl.load(part_end_ptr + lo, mask=owned, other=0) - tl.cdiv(end - begin, PART_ROWS)
-    part_begin = begin + (j - first_part) * PART_ROWS
-    part_end = tl.where(owned, tl.minimum(part_begin + PART_ROWS, end), part_begin)
-    acc = _sum_rows(src_ptr, src_rows_ptr, part_begin, part_end, cols, col_ok, dim, acc_dtype, HAS_SRC_ROWS, BLOCK_D)
-    tl.store(partials_ptr + j * dim + cols, acc, mask=col_ok & owned)
+    write = g_ok & ((length > 0) | ZERO_EMPTY)
+    tl.store(out_ptr + g[:, None] * dim + cols[None, :], _rounded(acc, out_ptr), mask=write[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def _batch_sum_kernel(
     dout_ptr,  # (batch, seq_len, dim)
-    out_ptr,  # (num_positions, dim): row offset + t receives sum_b dout[b, t]
-    batch, seq_len, offset, dim,
+    out_ptr,  # (num_positions, dim): row offset + t receives sum_b dout[b, t] (t < steps), the rest zeros
+    batch, seq_len, steps, offset, dim,
     COMPUTE_F64: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
-    t = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(0).to(tl.int64)
+    t = p - offset
     cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < dim
     acc = tl.zeros([BLOCK_D], dtype=acc_dtype)
     offs = t * dim + cols
     step = tl.full([], seq_len, tl.int64) * dim  # 64-bit: batch * seq_len * dim passes 2^31
-    for b in range(0, batch):
+    count = tl.where((t >= 0) & (t < steps), batch, 0)
+    for b in range(0, count):
         acc += tl.load(dout_ptr + offs, mask=col_ok, other=0.0).to(acc_dtype)
         offs += step
-    tl.store(out_ptr + (offset + t) * dim + cols, _rounded(acc, out_ptr), mask=col_ok)
+    tl.store(out_ptr + p * dim + cols, _rounded(acc, out_ptr), mask=col_ok)
 
 
 @triton.jit
@@ -556,117 +533,96 @@ def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scal
     )
 
 
-BOUNDS_BLOCK = 1024  # sorted positions per program of the segment-bound kernels
+BOUNDS_BLOCK = 1024  # sorted positions per program of the sort-input and segment-start kernels
+CHUNK_ROWS = 128  # sorted positions per chunk: the longest segment summed directly
 
 
 class Segments(NamedTuple):
-    """The segments of equal used keys among the stably sorted keys, in arrays whose sizes
-    the host knows without asking the device: ``slots`` = min(tokens, num_rows) entries.
-    Slot s is the s-th segment in key order; slots past the last one are empty ranges
-    (begin == end == 0), so the real segments are the first ``count`` slots."""
+    """The segments of equal used keys among the stably sorted keys, numbered by table row
+    (a dense gradient: num_rows entries, [0, 0) where untouched) or by slot (sparse
+    gradients: slot s is the s-th segment in key order, with its key; min(tokens,
+    num_rows) entries, a size the host knows without asking the device; ``count`` on the
+    device says how many are real), and the partial sums of the pieces of segments longer
+    than a chunk (``_chunk_kernel``; None when no segment can be)."""
 
     order: torch.Tensor  # (tokens,) token index of each sorted position
-    keys: torch.Tensor  # (slots,) the key of segment s
-    begin: torch.Tensor  # (slots,) its sorted positions [begin, end)
+    keys: Optional[torch.Tensor]  # by slot: the key of slot s (0 when empty)
+    begin: torch.Tensor  # sorted positions [begin, end) of each segment
     end: torch.Tensor
-    parts: torch.Tensor  # (slots,) zeros: the first tree level's part counts (dense gradients)
-    count: torch.Tensor  # () int64 on the device: the number of segments
-    row_segment: Optional[torch.Tensor]  # (num_rows,) each table row's slot, -1 if untouched (by_row)
+    count: Optional[torch.Tensor]  # by slot: () int64 on the device
+    partials: Optional[torch.Tensor]  # (2 * chunks, d) in the compute dtype
 
 
-def sorted_segments(keys, num_rows: int, skip: int, by_row: bool = True, launch=_direct) -> Segments:
+def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch=_direct) -> Segments:
     """Segments of the keys in [0, num_rows) other than ``skip`` (out-of-range ids and the
-    padding row are left out), without a device->host sync: a compaction to 32-bit keys, a
-    sort, two small kernels around one scan. by_row: also map every table row to its
-    segment (what a dense gradient's first level needs; a sparse one does not)."""
+    padding row are left out), without a device->host sync. Launches: the sort's inputs,
+    the sort, [by slot: the segment starts and their scan], one pass over the chunks."""
     keys = keys.reshape(-1)
-    n, device = keys.numel(), keys.device
-    slots = min(n, max(num_rows, 0))
-    bounds = torch.zeros(4, slots, dtype=torch.long, device=device)  # keys, begin, end, parts
-    row_segment = torch.full((max(num_rows, 0),), -1, dtype=torch.long, device=device) if by_row else None
-    if n == 0:
-        order = torch.empty(0, dtype=torch.long, device=device)
-        return Segments(order, *bounds, torch.zeros((), dtype=torch.long, device=device), row_segment)
-    grid = (_cdiv(n, BOUNDS_BLOCK),)
+    n, dim, device = keys.numel(), dout2d.shape[1], keys.device
+    num_rows = max(num_rows, 0)
+    bounds = torch.empty(2 if by_row else 3, num_rows if by_row else min(n, num_rows), dtype=torch.long,
+                         device=device)  # begin, end (, keys): zeroed by _sort_inputs_kernel
     compact = torch.empty(n, dtype=torch.int32 if num_rows < 2**31 - 1 else torch.long, device=device)
-    launch(_compact_keys_kernel)[grid](keys, compact, n, num_rows, skip, BLOCK=BOUNDS_BLOCK)
+    if n + bounds.numel():
+        launch(_sort_inputs_kernel)[(_cdiv(max(n, bounds.numel()), BOUNDS_BLOCK),)](
+            keys, compact, bounds, n, bounds.numel(), num_rows, skip, BLOCK=BOUNDS_BLOCK)
+    begin, end, seg_keys = bounds[0], bounds[1], None if by_row else bounds[2]
+    if n == 0:
+        return Segments(torch.empty(0, dtype=torch.long, device=device), seg_keys, begin, end,
+                        torch.zeros((), dtype=torch.long, device=device), None)
     sorted_keys, order = compact.sort(stable=True)  # unused keys (num_rows) sort last
-    scan = torch.empty(n, dtype=torch.long, device=device)
-    launch(_segment_starts_kernel)[grid](sorted_keys, scan, n, num_rows, BLOCK=BOUNDS_BLOCK)
-    scan.cumsum_(0)
-    if slots:
-        launch(_segment_bounds_kernel)[grid](sorted_keys, scan, *bounds[:3], row_segment if by_row else scan, n,
-                                             num_rows,
-                                     BY_ROW=by_row, BLOCK=BOUNDS_BLOCK)
-    return Segments(order, *bounds, scan[-1], row_segment)
-
-
-def sum_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool, out, dense: bool,
-                 launch=_direct):
-    """out[dst_row(s)] = factor(s) * (sum of the dout rows of segment s), dst_row(s) = the
-    segment's key when dense, else s; factor = scale, or scale / (its token count). A tree
-    of parts of at most PART_ROWS rows: each level finishes the segments that fit in one
-    part (sum, scale, round once, write) and cuts the longer ones into parts whose sums
-    are the next level's rows. Every size is bounded on the host from the token count (no
-    sync). Per level: finish (which counts the parts), scan, sum the parts, subtract. A
-    dense gradient's first level runs over every table row (_finish_rows_kernel), so
-    ``out`` needs no zero fill: each row is written once, untouched ones as zeros."""
-    order, seg_keys, begin, end, first_parts, _, row_segment = segments
-    slots, dim = seg_keys.numel(), dout2d.shape[1]
-    if dim == 0 or (slots == 0 and not dense):
-        return
-    if dense and row_segment is None:
-        raise ValueError("pyembed: a dense gradient needs sorted_segments(..., by_row=True)")
+    scan = count = None
+    if not by_row:
+        scan = torch.empty(n, dtype=torch.long, device=device)
+        launch(_segment_starts_kernel)[(_cdiv(n, BOUNDS_BLOCK),)](sorted_keys, scan, n, num_rows, BLOCK=BOUNDS_BLOCK)
+        scan.cumsum_(0)
+        count = scan[-1]
+    chunks = _cdiv(n, CHUNK_ROWS)
     acc = torch.float64 if dout2d.dtype == torch.float64 else torch.float32
-    compute_f64 = acc == torch.float64
-    # scale / count is fixed at level 0: later levels' ranges count parts, not tokens.
-    factors = scale / (end - begin).clamp(min=1).to(acc) if divide_by_count else None
+    partials = torch.empty(2 * chunks, dim, dtype=acc, device=device) if n > CHUNK_ROWS and dim else None
     _, block_d = _blocks(dim)
-    col_blocks = _cdiv(dim, block_d)
-    src, src_rows = dout2d, order
-    rows = longest = order.numel()  # rows at this level and its longest segment, at most
-    while True:
-        last = longest <= PART_ROWS  # every segment fits in one part: the last level
-        if dense and src is dout2d:  # the first level of a dense gradient: every table row
-            parts = first_parts  # zeros: only the segments left to later levels get a count
-            num_rows = out.shape[0]
-            block_r, _ = _blocks(dim)
-            if num_rows == 0:
-                return
-            launch(_finish_rows_kernel)[(_cdiv(num_rows, block_r), col_blocks)](
-                src, order, begin, end, row_segment, out, factors if factors is not None else begin, parts,
-                scale, rows if last else PART_ROWS, num_rows, dim, HAS_FACTORS=factors is not None,
-                COMPUTE_F64=compute_f64, PART_ROWS=PART_ROWS, BLOCK_R=block_r, BLOCK_D=block_d,
-            )
-        else:
-            parts = None if last else torch.empty(slots, dtype=torch.long, device=dout2d.device)
-            launch(_finish_segments_kernel)[(slots, col_blocks)](
-                src, src_rows if src_rows is not None else begin, begin, end, out,
-                seg_keys, factors if factors is not None else begin, parts if parts is not None else begin,
-                scale, rows if last else PART_ROWS, dim,
-                HAS_SRC_ROWS=src_rows is not None, HAS_DST_ROWS=dense, HAS_FACTORS=factors is not None,
-                HAS_PARTS=parts is not None, COMPUTE_F64=compute_f64, PART_ROWS=PART_ROWS, BLOCK_D=block_d,
-            )
-        if last or slots == 0:
-            return
-        # A segment of length > PART_ROWS has ceil(length / PART_ROWS) < 2 length / PART_ROWS parts.
-        rows = 2 * rows // PART_ROWS
-        part_end = parts.cumsum(0)
-        partials = torch.empty(rows, dim, dtype=acc, device=dout2d.device)
-        launch(_sum_parts_kernel)[(rows, col_blocks)](
-            src, src_rows if src_rows is not None else begin, begin, end, part_end, partials, slots,
-            slots.bit_length(), dim, HAS_SRC_ROWS=src_rows is not None, COMPUTE_F64=compute_f64, PART_ROWS=PART_ROWS,
-            BLOCK_D=block_d,
-        )
-        src, src_rows, begin, end = partials, None, part_end - parts, part_end
-        longest = (longest + PART_ROWS - 1) // PART_ROWS
+    launch(_chunk_kernel)[(chunks, _cdiv(dim, block_d) if partials is not None else 1)](
+        sorted_keys, scan if scan is not None else order, seg_keys if seg_keys is not None else begin, begin, end,
+        dout2d, order, partials if partials is not None else dout2d, n, num_rows, dim,
+        BY_SLOT=not by_row, HAS_PARTIALS=partials is not None, COMPUTE_F64=acc == torch.float64, CHUNK=CHUNK_ROWS,
+        BLOCK_D=block_d,
+    )
+    return Segments(order, seg_keys, begin, end, count, partials)
+
+
+def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool, out, zero_empty: bool,
+                    launch=_direct):
+    """out[g] = factor(g) * (sum of the dout rows of segment g) for the first out.shape[0]
+    segments, in one launch: factor = scale, or scale / its token count; zero_empty: empty
+    segments written as zeros (a dense gradient by row: each row written once)."""
+    rows, dim = out.shape
+    if rows == 0 or dim == 0:
+        return
+    block_r, block_d = _blocks(dim)
+    partials = segments.partials
+    launch(_finish_segments_kernel)[(_cdiv(rows, block_r), _cdiv(dim, block_d))](
+        dout2d, segments.order, partials if partials is not None else dout2d, segments.begin, segments.end, out,
+        scale, rows, dim, DIVIDE_BY_COUNT=divide_by_count, ZERO_EMPTY=zero_empty, HAS_PARTIALS=partials is not None,
+        COMPUTE_F64=dout2d.dtype == torch.float64, CHUNK=CHUNK_ROWS, BLOCK_R=block_r, BLOCK_D=block_d,
+    )
+
+
+def dense_gradient(dout2d, keys, num_rows: int, skip: int, scale: float, divide_by_count: bool, launch=_direct):
+    """The (num_rows, d) gradient of the rows named by ``keys``, each row written once
+    (untouched ones as zeros: no fill before). Three kernels around the sort."""
+    grad = dout2d.new_empty(num_rows, dout2d.shape[1])
+    segments = sorted_segments(dout2d, keys, num_rows, skip, by_row=True, launch=launch)
+    finish_segments(dout2d, segments, scale, divide_by_count, grad, zero_empty=True, launch=launch)
+    return grad
 
 
 def batch_sum(dout, out, batch: int, seq_len: int, steps: int, offset: int, launch=_direct):
-    dim = dout.shape[-1]
-    if steps <= 0 or dim == 0:
+    """Learned positions with p = offset + t: every row of out (num_positions, d) written
+    once, sum_b dout[b, t] for the steps the sequence reaches, zeros elsewhere."""
+    num_positions, dim = out.shape
+    if num_positions == 0 or dim == 0:
         return
     _, block_d = _blocks(dim)
-    launch(_batch_sum_kernel)[(steps, _cdiv(dim, block_d))](
-        dout, out, batch, seq_len, offset, dim, COMPUTE_F64=dout.dtype == torch.float64, BLOCK_D=block_d,
+    launch(_batch_sum_kernel)[(num_positions, _cdiv(dim, block_d))](
+        dout, out, batch, seq_len, steps, offset, dim, COMPUTE_F64=dout.dtype == torch.float64, BLOCK_D=block_d,
     )

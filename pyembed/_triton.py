@@ -127,22 +127,17 @@ def _backward(grad_out, ids, position_ids, offset: int, num_embeddings: int, num
     dout = grad_out.contiguous().reshape(ids.numel(), dim)  # not -1: d may be 0
     weight_grad, pos_grad = grad_out.new_empty(0, dim), grad_out.new_empty(0, dim)
     with _on_device(grad_out) if device_guard else contextlib.nullcontext():
-        # Dense gradients are written once, every row, by sum_segments: no zero fill first.
+        # Dense gradients are written once, every row: no zero fill first.
         if need_weight_grad:
-            weight_grad = grad_out.new_empty(num_embeddings, dim)
-            segments = k.sorted_segments(ids, num_embeddings, -1 if padding_idx is None else padding_idx,
-                                         launch=launch)
-            k.sum_segments(dout, segments, scale, scale_grad_by_freq, weight_grad, dense=True, launch=launch)
+            weight_grad = k.dense_gradient(dout, ids, num_embeddings, -1 if padding_idx is None else padding_idx,
+                                           scale, scale_grad_by_freq, launch=launch)
         if need_pos_grad and position_ids is not None:
-            pos_grad = grad_out.new_empty(num_positions, dim)
-            k.sum_segments(dout, k.sorted_segments(position_ids, num_positions, -1, launch=launch), 1.0, False,
-                           pos_grad, dense=True, launch=launch)
+            pos_grad = k.dense_gradient(dout, position_ids, num_positions, -1, 1.0, False, launch=launch)
         elif need_pos_grad:
-            pos_grad = grad_out.new_zeros(num_positions, dim)  # the rows past the sequence get nothing
-            if ids.numel() > 0:
-                seq_len = ids.shape[-1]
-                k.batch_sum(dout, pos_grad, ids.numel() // seq_len, seq_len,
-                            min(max(num_positions - offset, 0), seq_len), offset, launch=launch)
+            pos_grad = grad_out.new_empty(num_positions, dim)
+            seq_len = ids.shape[-1] if ids.numel() else 0
+            k.batch_sum(dout, pos_grad, ids.numel() // max(seq_len, 1), seq_len,
+                        min(max(num_positions - offset, 0), seq_len), offset, launch=launch)
     return weight_grad, pos_grad
 
 
@@ -174,11 +169,12 @@ def triton_sparse_backward(grad_out: torch.Tensor, ids: torch.Tensor, num_embedd
     k = _kernels()
     dim = grad_out.shape[-1]
     with _on_device(grad_out):
-        segments = k.sorted_segments(ids, num_embeddings, -1 if padding_idx is None else padding_idx, by_row=False)
+        dout = grad_out.contiguous().reshape(ids.numel(), dim)
+        segments = k.sorted_segments(dout, ids, num_embeddings, -1 if padding_idx is None else padding_idx,
+                                     by_row=False)
         touched = int(segments.count)
         values = grad_out.new_empty(touched, dim)
-        k.sum_segments(grad_out.contiguous().reshape(ids.numel(), dim), segments, scale, scale_grad_by_freq, values,
-                       dense=False)
+        k.finish_segments(dout, segments, scale, scale_grad_by_freq, values, zero_empty=False)
     return segments.keys[:touched].clone(), values
 
 
@@ -189,10 +185,11 @@ def touched_rows(grad_out: torch.Tensor, ids: torch.Tensor, num_embeddings: int,
     k = _kernels()
     dim = grad_out.shape[-1]
     with _on_device(grad_out):
-        segments = k.sorted_segments(ids, num_embeddings, -1 if padding_idx is None else padding_idx, by_row=False)
+        dout = grad_out.contiguous().reshape(ids.numel(), dim)
+        segments = k.sorted_segments(dout, ids, num_embeddings, -1 if padding_idx is None else padding_idx,
+                                     by_row=False)
         values = grad_out.new_empty(segments.keys.numel(), dim)
-        k.sum_segments(grad_out.contiguous().reshape(ids.numel(), dim), segments, scale, scale_grad_by_freq, values,
-                       dense=False)
+        k.finish_segments(dout, segments, scale, scale_grad_by_freq, values, zero_empty=False)
     return torch.where(segments.end > segments.begin, segments.keys, -1), values
 
 

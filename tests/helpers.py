@@ -148,6 +148,22 @@ def accumulation_bound(keys, dout, num_rows, scale, dtype):
 UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
 
+# Segment lengths (ids 0..12 in order) placed so that, once sorted, segments start on a
+# 128-position chunk boundary, just after one and just before one, and end likewise --
+# the GPU backends sum a segment of more than 128 tokens in per-chunk pieces. Id 11 is
+# the padding row when a test asks for one; ids 13..19 are untouched.
+BOUNDARY_LENGTHS = [128, 128, 129, 127, 1, 300, 2, 257, 383, 1, 129, 50, 1]
+BOUNDARY_VOCAB = 20
+
+
+def boundary_ids_and_grad(dtype, dim=8, seed=0):
+    """(ids (4, 409) shuffled, dout with small integer values: every sum is exact in fp32)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.repeat_interleave(torch.arange(len(BOUNDARY_LENGTHS)), torch.tensor(BOUNDARY_LENGTHS))
+    ids = ids[torch.randperm(ids.numel(), generator=gen)].reshape(4, -1)
+    return ids, torch.randint(-8, 9, (*ids.shape, dim), generator=gen).to(dtype)
+
+
 RANKS_TIMEOUT_S = 120
 
 

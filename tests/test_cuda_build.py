@@ -59,8 +59,8 @@ def test_cuda_kernels_compile_for_sm80_and_sm90_without_spills(ptxas_report):
     kernels = _kernels(ptxas_report[0])
     for arch in ARCHS:
         names = {k for k, a in kernels if a == arch}
-        for family in ("embedding_forward_kernel", "segment_starts_kernel", "segment_bounds_kernel",
-                       "finish_segments_kernel", "sum_parts_kernel", "batch_sum_kernel"):
+        for family in ("embedding_forward_kernel", "sort_inputs_kernel", "segment_starts_kernel", "chunk_kernel",
+                       "finish_segments_kernel", "batch_sum_kernel"):
             assert any(family in n for n in names), f"{family} not compiled for sm_{arch}"
     spilling = {k: v for k, v in kernels.items() if v[1] or v[2]}
     assert not spilling, f"kernels spill registers: {spilling}"

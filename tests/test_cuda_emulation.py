@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from helpers import (
-    ID_DTYPES, WEIGHT_DTYPES, accumulation_bound, assert_within, eager_embedding, make_inputs, max_abs_err,
-    sinusoid_atol,
+    BOUNDARY_VOCAB, ID_DTYPES, WEIGHT_DTYPES, accumulation_bound, assert_within, boundary_ids_and_grad,
+    eager_embedding, make_inputs, max_abs_err, sinusoid_atol,
 )
 
 
@@ -81,8 +81,8 @@ def test_emulated_sparse_padding_and_frequency_scaling(emulated, dtype):
     assert_within(values, exact[rows], bound[rows], what="emulated sparse dW")
 
 
-def test_emulated_long_runs_reduce_as_a_tree(emulated):
-    # One id 5000 times (three levels of 32-row parts) next to ids used once.
+def test_emulated_long_runs_are_summed_in_pieces(emulated):
+    # One id 5000 times (40 chunks of 128 sorted positions) next to ids used once.
     ids = torch.cat([torch.full((5000,), 3), torch.arange(10, 20)])[None]
     dout = torch.randn(1, ids.shape[1], 24, dtype=torch.float32)
     dw, _ = backward(emulated, dout, ids, num_embeddings=20)
@@ -91,6 +91,23 @@ def test_emulated_long_runs_reduce_as_a_tree(emulated):
     dw_bf16, _ = backward(emulated, torch.ones(1, 4096, 8, dtype=torch.bfloat16), torch.full((1, 4096), 1),
                              num_embeddings=3)
     torch.testing.assert_close(dw_bf16[1].double(), torch.full((8,), 4096.0, dtype=torch.float64), rtol=0.01, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_emulated_segments_across_chunk_boundaries_sum_exactly(emulated, dtype):
+    # Integer-valued gradients: every sum is exact in any order, so the dense gradient,
+    # the sparse one and the touched rows must equal float64's index_add bit for bit.
+    ids, dout = boundary_ids_and_grad(dtype)
+    keep = ids != 11  # the padding row
+    exact = torch.zeros(BOUNDARY_VOCAB, 8, dtype=torch.float64).index_add_(0, ids[keep], dout[keep].double())
+    dw, _ = backward(emulated, dout, ids, num_embeddings=BOUNDARY_VOCAB, padding_idx=11)
+    assert torch.equal(dw.double(), exact)
+    used = sorted(set(ids[keep].tolist()))
+    rows, values = emulated.embedding_sparse_backward(dout, ids, BOUNDARY_VOCAB, 1.0, 11, False)
+    assert rows.tolist() == used and torch.equal(values.double(), exact[used])
+    rows, values = emulated.embedding_touched_rows(dout, ids, BOUNDARY_VOCAB, 1.0, 11, False)
+    assert rows.tolist() == used + [-1] * (BOUNDARY_VOCAB - len(used))
+    assert torch.equal(values[:len(used)].double(), exact[used])
 
 
 def test_emulated_position_ids_and_out_of_range_ids(emulated):

@@ -10,9 +10,8 @@ import torch
 
 import pyembed
 from helpers import (
-    BACKENDS, CPU_BACKENDS, ID_DTYPES, WEIGHT_DTYPES, accumulation_bound, assert_within, eager_embedding, fused, make_inputs,
-    max_abs_err, run_with_grads,
-    sinusoid_atol,
+    BACKENDS, BOUNDARY_VOCAB, CPU_BACKENDS, ID_DTYPES, WEIGHT_DTYPES, accumulation_bound, assert_within,
+    boundary_ids_and_grad, eager_embedding, fused, make_inputs, max_abs_err, run_with_grads, sinusoid_atol,
 )
 
 # (B, T, V, d): a single token and a single-row table; 97 tokens with d=60; tiny vocab
@@ -211,6 +210,28 @@ def test_one_hot_row_keeps_fp32_accumulation(backend, dtype):
     out.backward(torch.ones_like(out))
     torch.testing.assert_close(w.grad[3].double(), torch.full((64,), 4096.0, dtype=torch.float64), rtol=0.01, atol=0)
     assert torch.all(w.grad[torch.arange(10) != 3] == 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_segments_across_chunk_boundaries_sum_exactly(backend, dtype, sparse):
+    # Integer-valued gradients: every partial and total sum is exact, in any order, so
+    # each row must equal the float64 index_add bit for bit (padding row 11 excluded).
+    ids, dout = boundary_ids_and_grad(dtype)
+    weight = torch.randn(BOUNDARY_VOCAB, 8, dtype=dtype, requires_grad=True)
+    fused(backend)(ids, weight, padding_idx=11, sparse=sparse).backward(dout)
+    keep = ids != 11
+    exact = torch.zeros(BOUNDARY_VOCAB, 8, dtype=torch.float64).index_add_(0, ids[keep], dout[keep].double())
+    grad = weight.grad.to_dense() if sparse else weight.grad
+    assert torch.equal(grad.double(), exact)
+    # scale_grad_by_freq: the sum times scale / count, one rounding of the factor.
+    w = weight.detach().requires_grad_()
+    fused(backend)(ids, w, scale=3.0, padding_idx=11, scale_grad_by_freq=True, sparse=sparse).backward(dout)
+    counts = torch.bincount(ids.reshape(-1), minlength=BOUNDARY_VOCAB).clamp(min=1).double()[:, None]
+    grad = w.grad.to_dense() if sparse else w.grad
+    tol = 1e-6 if dtype == torch.float32 else 1e-14
+    torch.testing.assert_close(grad.double(), exact * 3.0 / counts, rtol=tol, atol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

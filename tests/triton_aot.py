@@ -82,56 +82,43 @@ def forward_source(dtype, pos_mode, dim, *, position_ids=False, id_type="i64", s
         "COMPUTE_F64": dtype == "fp64", "CHECK_RANGES": check, "BLOCK_T": block_t, "BLOCK_D": block_d})
 
 
-def finish_source(src, dst, dim, *, first):
-    """A tree level's finished segments: from the gradient rows (the first level, which
-    also counts parts), or from fp32 partials (the last level, with scale_grad_by_freq's
-    factors)."""
-    acc = "fp64" if "fp64" in (src, dst) else "fp32"
-    args = {"src_ptr": f"*{src}", "src_rows_ptr": "*i64", "begin_ptr": "*i64", "end_ptr": "*i64",
-            "dst_ptr": f"*{dst}", "dst_rows_ptr": "*i64", "factors_ptr": f"*{acc}", "parts_ptr": "*i64",
-            "scale": 27.7, "max_rows": 32, "dim": dim}
+def chunk_source(dtype, dim, *, key_type="i32", by_slot=False):
+    """One pass over the sorted positions: segment bounds (by table row, or by slot for a
+    sparse gradient) and the long segments' partial sums."""
+    acc = "fp64" if dtype == "fp64" else "fp32"
+    args = {"sorted_ptr": f"*{key_type}", "scan_ptr": "*i64", "keys_ptr": "*i64", "begin_ptr": "*i64",
+            "end_ptr": "*i64", "dout_ptr": f"*{dtype}", "order_ptr": "*i64", "partials_ptr": f"*{acc}", "n": TOKENS,
+            "num_rows": 50257, "dim": dim}
+    return _source(k._chunk_kernel, args, {
+        "BY_SLOT": by_slot, "HAS_PARTIALS": True, "COMPUTE_F64": acc == "fp64", "CHUNK": k.CHUNK_ROWS,
+        "BLOCK_D": k._blocks(dim)[1]})
+
+
+def finish_source(dtype, dim, *, divide):
+    """One pass over a dense gradient's rows (with scale_grad_by_freq's division or not)."""
+    acc = "fp64" if dtype == "fp64" else "fp32"
+    block_r, block_d = k._blocks(dim)
+    args = {"dout_ptr": f"*{dtype}", "order_ptr": "*i64", "partials_ptr": f"*{acc}", "begin_ptr": "*i64",
+            "end_ptr": "*i64", "out_ptr": f"*{dtype}", "scale": 27.7, "num_segments": 50257, "dim": dim}
     return _source(k._finish_segments_kernel, args, {
-        "HAS_SRC_ROWS": first, "HAS_DST_ROWS": True, "HAS_FACTORS": not first, "HAS_PARTS": first,
-        "COMPUTE_F64": acc == "fp64", "PART_ROWS": k.PART_ROWS, "BLOCK_D": k._blocks(dim)[1]})
-
-
-def parts_source(src, dim, *, first):
-    """A tree level's parts: gradient rows (first level) or partials -> partials."""
-    acc = "fp64" if src == "fp64" else "fp32"
-    args = {"src_ptr": f"*{src}", "src_rows_ptr": "*i64", "begin_ptr": "*i64", "end_ptr": "*i64",
-            "part_end_ptr": "*i64", "partials_ptr": f"*{acc}", "num_segments": 4096, "search_steps": 13, "dim": dim}
-    return _source(k._sum_parts_kernel, args, {
-        "HAS_SRC_ROWS": first, "COMPUTE_F64": acc == "fp64", "PART_ROWS": k.PART_ROWS, "BLOCK_D": k._blocks(dim)[1]})
+        "DIVIDE_BY_COUNT": divide, "ZERO_EMPTY": True, "HAS_PARTIALS": True, "COMPUTE_F64": acc == "fp64",
+        "CHUNK": k.CHUNK_ROWS, "BLOCK_R": block_r, "BLOCK_D": block_d})
 
 
 def bounds_source(kernel, key_type="i32"):
-    """The sort's key kernels: compaction (int64 ids in, key_type out), segment starts and
-    bounds (on key_type sorted keys; bounds with the per-row map of a dense gradient)."""
-    if kernel == "compact":
-        return _source(k._compact_keys_kernel, {"keys_ptr": "*i64", "out_ptr": f"*{key_type}", "n": TOKENS,
-                                                "num_rows": 50257, "skip": 3}, {"BLOCK": k.BOUNDS_BLOCK})
-    if kernel == "starts":
-        return _source(k._segment_starts_kernel, {"sorted_ptr": f"*{key_type}", "starts_ptr": "*i64", "n": TOKENS,
-                                                  "num_rows": 50257}, {"BLOCK": k.BOUNDS_BLOCK})
-    args = {"sorted_ptr": f"*{key_type}", "scan_ptr": "*i64", "keys_ptr": "*i64", "begin_ptr": "*i64",
-            "end_ptr": "*i64", "row_segment_ptr": "*i64", "n": TOKENS, "num_rows": 50257}
-    return _source(k._segment_bounds_kernel, args, {"BY_ROW": True, "BLOCK": k.BOUNDS_BLOCK})
-
-
-def rows_source(dtype, dim, *, factors):
-    """A dense gradient's first level over every table row (with scale_grad_by_freq's factors or not)."""
-    acc = "fp64" if dtype == "fp64" else "fp32"
-    block_r, block_d = k._blocks(dim)
-    args = {"src_ptr": f"*{dtype}", "src_rows_ptr": "*i64", "begin_ptr": "*i64", "end_ptr": "*i64",
-            "row_segment_ptr": "*i64", "dst_ptr": f"*{dtype}", "factors_ptr": f"*{acc}", "parts_ptr": "*i64",
-            "scale": 27.7, "max_rows": 32, "num_rows": 50257, "dim": dim}
-    return _source(k._finish_rows_kernel, args, {
-        "HAS_FACTORS": factors, "COMPUTE_F64": acc == "fp64", "PART_ROWS": k.PART_ROWS, "BLOCK_R": block_r,
-        "BLOCK_D": block_d})
+    """The sort's inputs (int64 ids in, key_type keys out, the bounds' zeros) and the
+    segment starts of a sparse gradient (on key_type sorted keys)."""
+    if kernel == "inputs":
+        return _source(k._sort_inputs_kernel, {"keys_ptr": "*i64", "out_ptr": f"*{key_type}", "zeros_ptr": "*i64",
+                                               "n": TOKENS, "num_zeros": 2 * 50257, "num_rows": 50257, "skip": 3},
+                       {"BLOCK": k.BOUNDS_BLOCK})
+    return _source(k._segment_starts_kernel, {"sorted_ptr": f"*{key_type}", "starts_ptr": "*i64", "n": TOKENS,
+                                              "num_rows": 50257}, {"BLOCK": k.BOUNDS_BLOCK})
 
 
 def batch_source(dtype, dim):
-    args = {"dout_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "batch": 8, "seq_len": 512, "offset": 3, "dim": dim}
+    args = {"dout_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "batch": 8, "seq_len": 512, "steps": 512, "offset": 3,
+            "dim": dim}
     return _source(k._batch_sum_kernel, args, {"COMPUTE_F64": dtype == "fp64", "BLOCK_D": k._blocks(dim)[1]})
 
 
@@ -173,17 +160,15 @@ def sources():
     for mode, vname in ((1, "learned"), (2, "sinusoidal")):
         out[f"forward fp64 {vname} d=768"] = (forward_source, ("fp64", mode, 768), {})
     for dtype, dim in itertools.product(("fp32", "fp16", "bf16", "fp64"), DIMS):
-        acc = "fp64" if dtype == "fp64" else "fp32"
-        out[f"finish_segments {dtype} d={dim}"] = (finish_source, (dtype, dtype, dim), {"first": True})
-        out[f"finish_rows {dtype} d={dim}"] = (rows_source, (dtype, dim), {"factors": False})
-        out[f"finish_rows {dtype} by_freq d={dim}"] = (rows_source, (dtype, dim), {"factors": True})
-        out[f"finish_segments partials->{dtype} d={dim}"] = (finish_source, (acc, dtype, dim), {"first": False})
-        out[f"sum_parts {dtype} d={dim}"] = (parts_source, (dtype, dim), {"first": True})
-        if dtype in ("fp32", "fp64"):
-            out[f"sum_parts partials {dtype} d={dim}"] = (parts_source, (dtype, dim), {"first": False})
+        out[f"chunk {dtype} d={dim}"] = (chunk_source, (dtype, dim), {})
+        out[f"finish_segments {dtype} d={dim}"] = (finish_source, (dtype, dim), {"divide": False})
+        out[f"finish_segments {dtype} by_freq d={dim}"] = (finish_source, (dtype, dim), {"divide": True})
         out[f"batch_sum {dtype} d={dim}"] = (batch_source, (dtype, dim), {})
-    for kernel, key_type in itertools.product(("compact", "starts", "bounds"), ("i32", "i64")):
-        out[f"segment_{kernel} {key_type}"] = (bounds_source, (kernel, key_type), {})
+    for key_type in ("i32", "i64"):
+        out[f"sort_inputs {key_type}"] = (bounds_source, ("inputs", key_type), {})
+        out[f"segment_starts {key_type}"] = (bounds_source, ("starts", key_type), {})
+        out[f"chunk by_slot fp32 {key_type} d=768"] = (chunk_source, ("fp32", 768), {"key_type": key_type,
+                                                                                      "by_slot": True})
     for dtype, dim, rule in itertools.product(("fp32", "bf16"), (100, 768, 4096), UPDATE_RULES):
         out[f"optimizer_update {rule} {dtype} d={dim}"] = (update_source, (dtype, dim, rule), {})
     out["optimizer_update adamw fp64 d=768"] = (update_source, ("fp64", 768, "adamw"), {})

@@ -1,6 +1,7 @@
 // CUDA backend registration: the kernels and their orchestration are in
 // embedding_kernels.cuh (shared with the host emulation the tests run); this file
 // launches them on the current stream of the tensors' device.
+#include <ATen/cuda/cub.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
@@ -17,6 +18,19 @@ struct CudaLaunch {
   static void run(dim3 grid, dim3 block, Kernel kernel, Args... args) {
     kernel<<<grid, block, 0, c10::cuda::getCurrentCUDAStream()>>>(args...);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+  // A stable sort of (keys, values) on the keys' low `bits` bits (keys in [0, 2^bits)):
+  // CUB's radix sort, as PyTorch's own embedding backward calls it, on the current stream.
+  static std::pair<at::Tensor, at::Tensor> sort_pairs(const at::Tensor& keys, const at::Tensor& values,
+                                                      int64_t bits) {
+    at::Tensor sorted = at::empty_like(keys), order = at::empty_like(values);
+    AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_sort_pairs", [&] {
+      at::cuda::cub::radix_sort_pairs<index_t, int64_t>(keys.data_ptr<index_t>(), sorted.data_ptr<index_t>(),
+                                                        values.data_ptr<int64_t>(), order.data_ptr<int64_t>(),
+                                                        keys.numel(), /*descending=*/false, 0, bits);
+    });
+    return {sorted, order};
   }
 };
 

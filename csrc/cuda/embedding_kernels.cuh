@@ -10,19 +10,19 @@
 // scales it, adds the learned row or a sinusoid computed in registers, rounds once.
 // An out-of-range id (validate=false) reads nothing and yields a zero row (no positional term either).
 //
-// Backward: sort the keys (stable: the order then depends on the data alone), cut the
-// sorted tokens into segments of equal used keys (two small kernels around one scan),
-// split every segment into parts of at most kPartRows rows summed in parallel (fp32),
-// and repeat on the partial sums until each segment has one part: a row used 100k times
-// is reduced as a tree, not by one thread. No atomics, so the result is bitwise
-// deterministic. The dense backward never waits for the device: segment and part counts
-// are unknown to the host, so every array is sized by an upper bound computed from the
-// token count, unused slots are empty ranges the kernels skip, and the number of tree
-// levels is the one the longest possible segment (all tokens) needs -- as PyTorch's own
-// embedding backward does. It can therefore be captured in a CUDA graph. Each launch
-// costs the host microseconds while a level's arithmetic is tens of nanoseconds, so the
-// bookkeeping is done by kernels, not by chains of tensor ops: a 16k-token backward is
-// about 15 launches.
+// Backward: sort the keys (a stable radix sort on the bits the table needs: the order
+// then depends on the data alone), find each segment of equal used keys, and sum its
+// tokens in sorted order in fp32. A segment longer than kChunkRows (a row used 12000
+// times must not be summed by one thread group) is summed in pieces by the chunks of
+// sorted positions it spans, and its row adds those partial sums in order. No atomics,
+// so the result is bitwise deterministic. The dense backward never waits for the device:
+// every size the host needs is bounded by the token count or the table, and the segment
+// bounds are indexed by table row, so it can be captured in a CUDA graph. Each launch
+// costs the host microseconds and the GPU a ramp, so a dense gradient is three kernels
+// around the sort (Launch::sort_pairs: CUB's radix sort, a histogram and a pass per 8
+// bits): the sort's inputs; one pass over the sorted positions (segment bounds, the long
+// segments' pieces); one over the table's rows (each written once, untouched rows as
+// zeros: no zero fill before).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -38,7 +38,7 @@
 namespace pyembed::cuda {
 
 constexpr int kThreadsPerBlock = 256;
-constexpr int64_t kPartRows = 32;  // rows summed by one thread group before a tree level
+constexpr int64_t kChunkRows = 128;  // sorted positions per chunk: the longest segment summed directly
 
 template <typename T>
 using acc_t = acc_type<T>;
@@ -167,21 +167,25 @@ __device__ __forceinline__ bool used_key(int64_t key, int64_t num_rows, int64_t 
   return key >= 0 && key < num_rows && key != skip;
 }
 
-// The keys the sort sees: a used key as it is, every other one as num_rows (sorted after
-// all used ones), in K -- 32 bits when the table allows, so the radix sort makes half the
-// passes of a 64-bit one (PyTorch's embedding backward likewise sorts only the bits V needs).
+// What the sort needs, in one launch: the keys it sees -- a used key as it is, every other
+// one as num_rows (sorted after all used ones), in K: 32 bits when the table allows --
+// the values it carries (each token's index), and the zeros the segment bounds start
+// from (`zeros` entries; empty ranges where no segment lands).
 template <typename index_t, typename K>
-__global__ void compact_keys_kernel(const index_t* __restrict__ keys, int64_t n, int64_t num_rows, int64_t skip,
-                                    K* __restrict__ out) {
+__global__ void sort_inputs_kernel(const index_t* __restrict__ keys, int64_t n, int64_t num_rows, int64_t skip,
+                                   K* __restrict__ out, int64_t* __restrict__ iota, int64_t* __restrict__ zeros,
+                                   int64_t num_zeros) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r < num_zeros) zeros[r] = 0;
   if (r >= n) return;
   const int64_t key = static_cast<int64_t>(keys[r]);
   out[r] = static_cast<K>(used_key(key, num_rows, skip) ? key : num_rows);
+  iota[r] = r;
 }
 
 // starts[r] = 1 where sorted position r begins a segment: a used key (< num_rows, after
-// compact_keys) unlike the previous one. Its inclusive scan then numbers the segments:
-// scan[r] - 1 is the slot of r's.
+// sort_inputs) unlike the previous one. Its inclusive scan numbers the segments: scan[r]
+// - 1 is the slot of r's (sparse gradients; a dense one numbers segments by their key).
 template <typename K>
 __global__ void segment_starts_kernel(const K* __restrict__ sorted, int64_t n, int64_t num_rows,
                                       int64_t* __restrict__ starts) {
@@ -191,28 +195,16 @@ __global__ void segment_starts_kernel(const K* __restrict__ sorted, int64_t n, i
   starts[r] = key < num_rows && (r == 0 || sorted[r - 1] != sorted[r]);
 }
 
-// Slot s = scan[r] - 1 of the segment holding sorted position r gets its key and its
-// range [begin, end) of sorted positions, each written by the one thread at the range's
-// edge; with row_segment (a dense gradient), the key's row learns its slot. Slots past the
-// last segment keep the zeros they were made with: empty ranges.
+// The first sorted position holding a key >= key (sorted[0, n) is non-decreasing).
 template <typename K>
-__global__ void segment_bounds_kernel(const K* __restrict__ sorted, const int64_t* __restrict__ scan, int64_t n,
-                                      int64_t num_rows, int64_t* __restrict__ keys, int64_t* __restrict__ begin,
-                                      int64_t* __restrict__ end, int64_t* __restrict__ row_segment) {
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (r >= n) return;
-  const int64_t key = sorted[r];
-  if (key >= num_rows) return;  // an unused key (compact_keys)
-  const int64_t s = scan[r] - 1;
-  if (r == 0 || sorted[r - 1] != sorted[r]) {
-    begin[s] = r, keys[s] = key;
-    if (row_segment != nullptr) row_segment[key] = s;
+__device__ __forceinline__ int64_t lower_bound(const K* __restrict__ sorted, int64_t n, int64_t key) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (static_cast<int64_t>(sorted[mid]) < key) lo = mid + 1; else hi = mid;
   }
-  if (r == n - 1 || sorted[r + 1] != sorted[r]) end[s] = r + 1;
+  return lo;
 }
-
-// The parts of at most kPartRows rows a segment of `length` rows is cut into.
-__device__ __forceinline__ int64_t parts_of(int64_t length) { return (length + kPartRows - 1) / kPartRows; }
 
 // d_row = factor * (sum of src rows src_row(r), r in [r0, r1)), summed in order in the
 // compute dtype A: the result does not depend on scheduling. This thread's columns only.
@@ -223,10 +215,10 @@ __device__ __forceinline__ void sum_rows(const S* __restrict__ src, const int64_
     A acc[VEC];
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] = A(0);
+#pragma unroll 4
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t row = src_rows != nullptr ? src_rows[r] : r;
       A x[VEC];
-      load_pack<VEC>(src + row * dim + j, x);
+      load_pack<VEC>(src + src_rows[r] * dim + j, x);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[i] += x[i];
     }
@@ -236,98 +228,118 @@ __device__ __forceinline__ void sum_rows(const S* __restrict__ src, const int64_
   }
 }
 
-// One tree level's finished segments: segment g of at most max_rows rows is summed,
-// scaled and written to dst row dst_row(g) (rounded once, to the gradient's dtype). A
-// longer one gets parts[g] = its number of parts for the next level (0 when finished
-// here; parts may be nullptr at the last level, where every segment fits).
-template <typename S, typename D, typename A, int VEC>
-__global__ void finish_segments_kernel(
-    const S* __restrict__ src, const int64_t* __restrict__ src_rows,  // nullptr: row r itself
-    const int64_t* __restrict__ begin, const int64_t* __restrict__ end,
-    D* __restrict__ dst, const int64_t* __restrict__ dst_rows,        // nullptr: row g
-    A scale, const A* __restrict__ factors,                           // factors (scale / count) or nullptr: scale
-    int64_t* __restrict__ parts, int64_t max_rows, int64_t num_segments, int64_t dim) {
-  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (g >= num_segments) return;
-  const int64_t r0 = begin[g], r1 = end[g];
-  const bool fits = r1 - r0 <= max_rows;
-  if (parts != nullptr && threadIdx.x == 0) parts[g] = fits ? 0 : parts_of(r1 - r0);
-  if (r0 == r1 || !fits) return;  // an unused slot, or a segment finished at a later level
-  D* d_row = dst + (dst_rows != nullptr ? dst_rows[g] : g) * dim;
-  sum_rows<VEC>(src, src_rows, r0, r1, d_row, factors != nullptr ? factors[g] : scale, dim);
+// The sorted positions are cut into chunks of kChunkRows. A segment longer than a chunk
+// (a hot row: 12000 uses must not be summed by one thread group) is summed in pieces, one
+// per chunk it touches, and its row then adds the pieces' partial sums, in order. A
+// chunk holds at most two such pieces: the one at its first position (partial slot 2c)
+// and, when another segment reaches its last position, that one's (slot 2c + 1). So a
+// long segment [b, e) has its pieces in slot 2c of every chunk c it touches, except the
+// first when it starts inside that chunk (slot 2c + 1 there).
+__device__ __forceinline__ int64_t first_piece_slot(int64_t b) {
+  return b % kChunkRows == 0 ? 2 * (b / kChunkRows) : 2 * (b / kChunkRows) + 1;
 }
 
-// The first tree level of a dense gradient, over every row of the table: so the (V, d)
-// gradient is written exactly once, with no zero fill before it. Row v holds segment
-// s = row_segment[v] (-1: untouched, written as zeros); a segment of at most max_rows
-// sorted tokens is summed, scaled and rounded here; a longer one gets its part count in
-// parts[s] (zero-initialised) and is written by a later level's finish_segments_kernel.
+// Chunk c of the sorted positions: (1) the segment bounds of its positions -- each
+// segment's [begin, end) written by the threads at its edges, at slot scan[r] - 1
+// (numbered segments, with their key) or at the key itself (`scan` nullptr: a dense
+// gradient, one entry per table row); (2) the partial sums of its long-segment pieces
+// (`partials` nullptr when no segment can be longer than a chunk).
+template <typename K, typename T, typename A, int VEC>
+__global__ void chunk_kernel(const K* __restrict__ sorted, const int64_t* __restrict__ scan, int64_t n,
+                             int64_t num_rows, int64_t* __restrict__ keys, int64_t* __restrict__ begin,
+                             int64_t* __restrict__ end, const T* __restrict__ dout,
+                             const int64_t* __restrict__ order, A* __restrict__ partials, int64_t num_chunks,
+                             int64_t dim) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (c >= num_chunks) return;
+  const int64_t c0 = c * kChunkRows, c1 = c0 + kChunkRows < n ? c0 + kChunkRows : n;
+  for (int64_t r = c0 + threadIdx.x; r < c1; r += blockDim.x) {
+    const int64_t key = sorted[r];
+    if (key >= num_rows) continue;  // an unused key (sort_inputs)
+    const int64_t s = scan != nullptr ? scan[r] - 1 : key;
+    if (r == 0 || sorted[r - 1] != sorted[r]) {
+      begin[s] = r;
+      if (keys != nullptr) keys[s] = key;
+    }
+    if (r == n - 1 || sorted[r + 1] != sorted[r]) end[s] = r + 1;
+  }
+  if (partials == nullptr) return;
+  const int64_t head = sorted[c0];
+  for (int piece = 0; piece < 2; ++piece) {  // the segment at the chunk's first position, then at its last
+    const int64_t key = piece == 0 ? head : static_cast<int64_t>(sorted[c1 - 1]);
+    if (key >= num_rows || (piece == 1 && key == head)) continue;  // unused, or the same segment
+    const int64_t b = lower_bound(sorted, n, key), e = lower_bound(sorted, n, key + 1);
+    if (e - b <= kChunkRows) continue;
+    sum_rows<VEC>(dout, order, b > c0 ? b : c0, e < c1 ? e : c1, partials + (2 * c + piece) * dim, A(1), dim);
+  }
+}
+
+// out[g] = factor * (sum of the dout rows of segment g) for every segment g < num_segments,
+// summed in sorted (= token) order, rounded once: factor = scale, or scale / (the
+// segment's token count) with divide_by_count. A segment longer than a chunk adds its
+// pieces' partial sums instead (chunk_kernel). An empty segment (an untouched row) is
+// written as zeros with zero_empty (a dense gradient: every row written once, no fill
+// before), else not at all.
 template <typename T, typename A, int VEC>
-__global__ void finish_rows_kernel(
-    const T* __restrict__ dout, const int64_t* __restrict__ order,  // token rows, in sorted order
-    const int64_t* __restrict__ begin, const int64_t* __restrict__ end, const int64_t* __restrict__ row_segment,
-    T* __restrict__ out, A scale, const A* __restrict__ factors, int64_t* __restrict__ parts, int64_t max_rows,
-    int64_t num_rows, int64_t dim) {
-  const int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (v >= num_rows) return;
-  const int64_t s = row_segment[v];
-  T* d_row = out + v * dim;
-  if (s < 0) {
+__global__ void finish_segments_kernel(const T* __restrict__ dout, const int64_t* __restrict__ order,
+                                       const A* __restrict__ partials, const int64_t* __restrict__ begin,
+                                       const int64_t* __restrict__ end, T* __restrict__ out, A scale,
+                                       bool divide_by_count, bool zero_empty, int64_t num_segments, int64_t dim) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (g >= num_segments) return;
+  const int64_t b = begin[g], e = end[g];
+  T* d_row = out + g * dim;
+  if (b == e) {
+    if (!zero_empty) return;
     const A zeros[VEC] = {};
     for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
       store_pack<VEC>(d_row + j, zeros);
     }
     return;
   }
-  const int64_t r0 = begin[s], r1 = end[s];
-  if (r1 - r0 > max_rows) {
-    if (threadIdx.x == 0) parts[s] = parts_of(r1 - r0);
+  const A factor = divide_by_count ? scale / static_cast<A>(e - b) : scale;
+  if (e - b <= kChunkRows) {
+    sum_rows<VEC>(dout, order, b, e, d_row, factor, dim);
     return;
   }
-  sum_rows<VEC>(dout, order, r0, r1, d_row, factors != nullptr ? factors[s] : scale, dim);
-}
-
-// One tree level's parts: part j of the level belongs to the first segment g whose
-// running part count part_end[g] (the inclusive scan of parts) exceeds j; it sums rows
-// [begin[g] + k * kPartRows, ...) of g, k = j - (its first part), into partials row j.
-// Slots past the last part (j >= part_end of the last segment) do nothing.
-template <typename S, typename A, int VEC>
-__global__ void sum_parts_kernel(const S* __restrict__ src, const int64_t* __restrict__ src_rows,
-                                 const int64_t* __restrict__ begin, const int64_t* __restrict__ end,
-                                 const int64_t* __restrict__ part_end, int64_t num_segments, A* __restrict__ partials,
-                                 int64_t num_parts, int64_t dim) {
-  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (j >= num_parts) return;
-  int64_t lo = 0, hi = num_segments;  // binary search: part_end is non-decreasing
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (part_end[mid] > j) hi = mid; else lo = mid + 1;
+  const int64_t first = first_piece_slot(b), last = 2 * ((e - 1) / kChunkRows);
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
+    A acc[VEC];
+    load_pack<VEC>(partials + first * dim + j, acc);
+#pragma unroll 4
+    for (int64_t slot = first - first % 2 + 2; slot <= last; slot += 2) {
+      A x[VEC];
+      load_pack<VEC>(partials + slot * dim + j, x);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] += x[i];
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] *= factor;
+    store_pack<VEC>(d_row + j, acc);
   }
-  if (lo == num_segments) return;
-  const int64_t g = lo, length = end[g] - begin[g];
-  const int64_t r0 = begin[g] + (j - (part_end[g] - parts_of(length))) * kPartRows;
-  const int64_t r1 = r0 + kPartRows < end[g] ? r0 + kPartRows : end[g];
-  sum_rows<VEC>(src, src_rows, r0, r1, partials + j * dim, A(1), dim);
 }
 
-// Learned positions with p = offset + t: out[offset + t] = sum over b of dout[b, t].
+// Learned positions with p = offset + t: out[p] = sum over b of dout[b, t] for the
+// `steps` positions the sequence reaches, zeros for every other row of the table.
 template <typename T, int VEC>
 __global__ void batch_sum_kernel(const T* __restrict__ dout, T* __restrict__ out, int64_t batch, int64_t seq_len,
-                                 int64_t steps, int64_t offset, int64_t dim) {
+                                 int64_t steps, int64_t offset, int64_t num_positions, int64_t dim) {
   using A = acc_t<T>;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (t >= steps) return;
+  const int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (p >= num_positions) return;
+  const int64_t t = p - offset;
+  const int64_t count = t >= 0 && t < steps ? batch : 0;
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
     A acc[VEC];
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] = A(0);
-    for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t b = 0; b < count; ++b) {
       A x[VEC];
       load_pack<VEC>(dout + (b * seq_len + t) * dim + j, x);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[i] += x[i];
     }
-    store_pack<VEC>(out + (offset + t) * dim + j, acc);
+    store_pack<VEC>(out + p * dim + j, acc);
   }
 }
 
@@ -422,164 +434,131 @@ inline RowGrid linear_grid(int64_t items) {
   return {dim3(static_cast<unsigned>(blocks)), dim3(kThreadsPerBlock)};
 }
 
-// The segments of equal used keys among the stably sorted keys, in arrays whose sizes the
-// host knows without asking the device: `slots` = min(tokens, num_rows) entries (at most
-// one segment per distinct key). Slot s holds the s-th segment in key order; slots past
-// the last segment are empty ranges (begin == end == 0). So the real segments are exactly
-// the first U slots, U = the number of distinct used keys = `count`.
+// The bits a radix sort of keys in [0, max_key] needs: PyTorch's own embedding backward
+// likewise sorts only the bits V needs (GPT-2's 50257 rows: 16 bits, 2 radix passes of 8).
+inline int64_t key_bits(int64_t max_key) {
+  int64_t bits = 1;
+  while (bits < 63 && (max_key >> bits) != 0) ++bits;
+  return bits;
+}
+
+// The segments of equal used keys among the stably sorted keys, numbered two ways:
+//   - by key (`by_row`, a dense gradient): entry v of begin/end is table row v's segment,
+//     [0, 0) when untouched -- num_rows entries;
+//   - by slot (sparse gradients): slot s holds the s-th segment in key order, with its
+//     key; slots past the last segment are empty -- min(tokens, num_rows) entries, a size
+//     the host knows without asking the device; `count` (on the device) is how many.
+// Plus the partial sums of the pieces of segments longer than a chunk (chunk_kernel).
 struct SortedSegments {
   at::Tensor order;       // (tokens,) token index of each sorted position
-  at::Tensor keys;        // (slots,) the key of segment s (0 for an empty slot)
-  at::Tensor begin, end;  // (slots,) the segment's sorted positions [begin, end)
-  at::Tensor parts;       // (slots,) zeros: the first tree level's part counts (dense gradients)
-  at::Tensor count;       // () int64 on the device: U
-  at::Tensor row_segment;  // (num_rows,) the slot of each table row's segment, -1 if none (dense only)
-  int64_t tokens = 0;
+  at::Tensor keys;        // by slot: the key of segment s (0 for an empty slot)
+  at::Tensor begin, end;  // the segment's sorted positions [begin, end)
+  at::Tensor count;       // by slot: () int64 on the device, the number of segments
+  at::Tensor partials;    // (2 * chunks, d) in the compute dtype, or undefined: no segment is longer than a chunk
 };
 
 // Keys outside [0, num_rows) (out-of-range ids, validate=False) and `skip` (the padding
-// row) are left out. With `by_row` (a dense gradient) each used row also learns its
-// segment's slot. Launches: compact, the sort, starts, scan, zeros, bounds (+ a -1 fill of
-// row_segment); no device->host sync.
-template <class Launch>
-SortedSegments sorted_segments(const at::Tensor& keys_in, int64_t num_rows, int64_t skip, bool by_row) {
+// row) are left out. Launches, with no device->host sync: sort_inputs, the radix sort
+// (Launch::sort_pairs, on the bits num_rows needs), [by slot: starts and their scan],
+// chunk_kernel.
+template <class Launch, typename T>
+SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in, int64_t num_rows, int64_t skip,
+                               bool by_row) {
+  using A = acc_t<T>;
   SortedSegments seg;
   const at::Tensor keys = keys_in.reshape(-1);
-  const int64_t n = seg.tokens = keys.numel();
-  const int64_t slots = std::min(n, std::max<int64_t>(num_rows, 0));
+  const int64_t n = keys.numel(), dim = dout.size(1);
+  num_rows = std::max<int64_t>(num_rows, 0);
   const auto long_options = keys.options().dtype(at::kLong);
-  const at::Tensor bounds = at::zeros({4, slots}, long_options);  // keys, begin, end, parts
-  seg.keys = bounds[0], seg.begin = bounds[1], seg.end = bounds[2], seg.parts = bounds[3];
-  if (by_row) seg.row_segment = at::full({std::max<int64_t>(num_rows, 0)}, -1, long_options);
+  const int64_t entries = by_row ? num_rows : std::min(n, num_rows);
+  const at::Tensor bounds = at::empty({by_row ? 2 : 3, entries}, long_options);  // zeroed by sort_inputs
+  seg.begin = bounds[0], seg.end = bounds[1];
+  if (!by_row) seg.keys = bounds[2];
+  seg.order = at::empty({n}, long_options);
+  // 32-bit sort keys when V (the unused keys' stand-in) fits: half the bytes and passes.
+  const bool narrow = num_rows < std::numeric_limits<int32_t>::max();
+  const at::Tensor compact = at::empty({n}, keys.options().dtype(narrow ? at::kInt : at::kLong));
+  if (n + bounds.numel() > 0) {
+    const RowGrid g = linear_grid(std::max(n, bounds.numel()));
+    AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_sort_inputs", [&] {
+      auto run = [&](auto key_type) {
+        using K = decltype(key_type);
+        Launch::run(g.grid, g.block, sort_inputs_kernel<index_t, K>, keys.data_ptr<index_t>(), n, num_rows, skip,
+                    compact.data_ptr<K>(), seg.order.data_ptr<int64_t>(), bounds.data_ptr<int64_t>(),
+                    bounds.numel());
+      };
+      if (narrow) run(int32_t{}); else run(int64_t{});
+    });
+  }
   if (n == 0) {
-    seg.order = at::empty({0}, long_options);
     seg.count = at::zeros({}, long_options);
     return seg;
   }
-  const RowGrid g = linear_grid(n);
-  // 32-bit sort keys when V (the unused keys' stand-in) fits: half the radix passes.
-  const bool narrow = num_rows < std::numeric_limits<int32_t>::max();
-  at::Tensor compact = at::empty({n}, keys.options().dtype(narrow ? at::kInt : at::kLong));
-  AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_compact_keys", [&] {
-    if (narrow) {
-      Launch::run(g.grid, g.block, compact_keys_kernel<index_t, int32_t>, keys.data_ptr<index_t>(), n, num_rows,
-                  skip, compact.data_ptr<int32_t>());
-    } else {
-      Launch::run(g.grid, g.block, compact_keys_kernel<index_t, int64_t>, keys.data_ptr<index_t>(), n, num_rows,
-                  skip, compact.data_ptr<int64_t>());
-    }
-  });
-  auto [sorted, order] = compact.sort(/*stable=*/true, 0, false);  // stable: the order depends on the data alone
+  auto [sorted, order] = Launch::sort_pairs(compact, seg.order, key_bits(num_rows));  // stable
   seg.order = order;
-  at::Tensor scan = at::empty({n}, long_options);
-  auto bounds_of = [&](auto key_type) {
+  const int64_t num_chunks = (n + kChunkRows - 1) / kChunkRows;
+  if (n > kChunkRows && dim > 0) seg.partials = at::empty({2 * num_chunks, dim}, dout.options().dtype(
+      c10::CppTypeToScalarType<A>::value));
+  const int vec = vector_width<T>(dim, {dout.data_ptr()});
+  auto with_keys = [&](auto key_type) {
     using K = decltype(key_type);
-    Launch::run(g.grid, g.block, segment_starts_kernel<K>, sorted.template data_ptr<K>(), n, num_rows,
-                scan.data_ptr<int64_t>());
-    scan.cumsum_(0);
-    if (slots > 0) {
-      Launch::run(g.grid, g.block, segment_bounds_kernel<K>, sorted.template data_ptr<K>(), scan.data_ptr<int64_t>(),
-                  n, num_rows, seg.keys.data_ptr<int64_t>(), seg.begin.data_ptr<int64_t>(),
-                  seg.end.data_ptr<int64_t>(), by_row ? seg.row_segment.data_ptr<int64_t>() : nullptr);
+    at::Tensor scan;
+    if (!by_row) {
+      const RowGrid g = linear_grid(n);
+      scan = at::empty({n}, long_options);
+      Launch::run(g.grid, g.block, segment_starts_kernel<K>, sorted.template data_ptr<K>(), n, num_rows,
+                  scan.data_ptr<int64_t>());
+      scan.cumsum_(0);
+      seg.count = scan[n - 1];
     }
+    const RowGrid g = row_grid(num_chunks, dim, vec);
+    auto run = [&](auto v) {
+      Launch::run(g.grid, g.block, chunk_kernel<K, T, A, decltype(v)::value>, sorted.template data_ptr<K>(),
+                  by_row ? nullptr : scan.data_ptr<int64_t>(), n, num_rows,
+                  by_row ? nullptr : seg.keys.data_ptr<int64_t>(), seg.begin.data_ptr<int64_t>(),
+                  seg.end.data_ptr<int64_t>(), dout.data_ptr<T>(), seg.order.data_ptr<int64_t>(),
+                  seg.partials.defined() ? seg.partials.data_ptr<A>() : nullptr, num_chunks, dim);
+    };
+    if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
   };
-  if (narrow) {
-    bounds_of(int32_t{});
-  } else {
-    bounds_of(int64_t{});
-  }
-  seg.count = scan[n - 1];
+  if (narrow) with_keys(int32_t{}); else with_keys(int64_t{});
   return seg;
 }
 
-// out[dst_row(s)] = factor(s) * (sum of the dout rows of segment s), for every segment:
-// dst_row(s) = keys[s] for a dense gradient, s for sparse values; factor = scale, or
-// scale / (the segment's token count) with divide_by_count. A tree of parts of at most
-// kPartRows rows: at each level the segments that fit in one part are finished (summed,
-// scaled, rounded once, written); the longer ones are cut into parts whose fp32 sums
-// become the next level's rows. The host bounds every size from the token count. Per
-// level: finish (which also counts the parts), scan, subtract, sum the parts. A dense
-// gradient's first level runs over every table row (finish_rows_kernel), so `out` needs
-// no zero fill: each of its rows is written once, untouched ones as zeros.
+// out[g] = factor(g) * (sum of the dout rows of segment g), for the first out.size(0)
+// segments (one launch, finish_segments_kernel): factor = scale, or scale / (the
+// segment's token count) with divide_by_count. zero_empty: empty segments are written as
+// zeros (a dense gradient, numbered by row: every row written once, no fill before).
 template <class Launch, typename T>
-void sum_segments(const at::Tensor& dout, const SortedSegments& seg, double scale, bool divide_by_count, bool dense,
-                  at::Tensor& out) {
+void finish_segments(const at::Tensor& dout, const SortedSegments& seg, double scale, bool divide_by_count,
+                     bool zero_empty, at::Tensor& out) {
   using A = acc_t<T>;
-  const int64_t dim = dout.size(1), slots = seg.keys.numel();
-  if (dim == 0) return;
-  TORCH_CHECK(!dense || seg.row_segment.defined(), "pyembed: a dense gradient needs sorted_segments(by_row=true)");
-  if (slots == 0 && !dense) return;
-  const auto acc_opts = dout.options().dtype(c10::CppTypeToScalarType<A>::value);
+  const int64_t dim = dout.size(1), rows = out.size(0);
+  if (dim == 0 || rows == 0) return;
+  const A* partials = seg.partials.defined() ? seg.partials.data_ptr<A>() : nullptr;
   const int vec = vector_width<T>(dim, {dout.data_ptr(), out.data_ptr()});
-  at::Tensor factors;  // scale / count, fixed at level 0 (later levels' ranges count parts, not tokens)
-  if (divide_by_count) factors = static_cast<A>(scale) / (seg.end - seg.begin).clamp_min(1).to(acc_opts.dtype());
-  const A* factor_ptr = factors.defined() ? factors.data_ptr<A>() : nullptr;
-  const int64_t* dst_rows = dense ? seg.keys.data_ptr<int64_t>() : nullptr;
-  // 16 bytes of T per access when the rows allow it (S and D rows then move vec at a time too), else 1.
-  auto with_vec = [&](auto run) {
-    if (vec > 1) {
-      run(std::integral_constant<int, 16 / sizeof(T)>{});
-    } else {
-      run(std::integral_constant<int, 1>{});
-    }
+  const RowGrid g = row_grid(rows, dim, vec);
+  auto run = [&](auto v) {
+    Launch::run(g.grid, g.block, finish_segments_kernel<T, A, decltype(v)::value>, dout.data_ptr<T>(),
+                seg.order.data_ptr<int64_t>(), partials, seg.begin.data_ptr<int64_t>(), seg.end.data_ptr<int64_t>(),
+                out.data_ptr<T>(), static_cast<A>(scale), divide_by_count, zero_empty, rows, dim);
   };
+  if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
+}
 
-  // Level 0 sums tokens (via `order`) straight from dout; each further level sums the
-  // partial rows of the previous one, which are contiguous per segment.
-  at::Tensor begin = seg.begin, end = seg.end, partials;
-  int64_t rows = seg.tokens;     // rows at this level, at most
-  int64_t longest = seg.tokens;  // the longest segment at this level, at most
-  // One level; true when it was the last (every segment fit in one part).
-  auto level = [&](const auto* src, const int64_t* src_rows, bool first) {
-    using S = std::remove_cv_t<std::remove_pointer_t<decltype(src)>>;
-    const bool last = longest <= kPartRows;
-    const int64_t max_rows = last ? std::numeric_limits<int64_t>::max() : kPartRows;
-    at::Tensor parts;
-    if constexpr (std::is_same_v<S, T>) {
-      if (dense && first) {  // the first level of a dense gradient: every table row
-        const int64_t num_rows = out.size(0);
-        const RowGrid g = row_grid(num_rows, dim, vec);
-        parts = seg.parts;  // zeros: only the segments left to later levels get a count
-        with_vec([&](auto v) {
-          Launch::run(g.grid, g.block, finish_rows_kernel<T, A, decltype(v)::value>, src, src_rows,
-                      begin.data_ptr<int64_t>(), end.data_ptr<int64_t>(), seg.row_segment.data_ptr<int64_t>(),
-                      out.data_ptr<T>(), static_cast<A>(scale), factor_ptr, parts.data_ptr<int64_t>(), max_rows,
-                      num_rows, dim);
-        });
-      }
-    }
-    if (!parts.defined()) {
-      if (!last) parts = at::empty({slots}, begin.options());
-      const RowGrid g = row_grid(slots, dim, vec);
-      with_vec([&](auto v) {
-        Launch::run(g.grid, g.block, finish_segments_kernel<S, T, A, decltype(v)::value>, src, src_rows,
-                    begin.data_ptr<int64_t>(), end.data_ptr<int64_t>(), out.data_ptr<T>(), dst_rows,
-                    static_cast<A>(scale), factor_ptr, last ? nullptr : parts.data_ptr<int64_t>(), max_rows, slots,
-                    dim);
-      });
-    }
-    if (last || slots == 0) return true;
-    // A segment of length > kPartRows has ceil(length / kPartRows) < 2 length / kPartRows parts.
-    const int64_t next_rows = 2 * rows / kPartRows;
-    const at::Tensor part_end = parts.cumsum(0);
-    at::Tensor next = at::empty({next_rows, dim}, acc_opts);
-    const RowGrid pg = row_grid(next_rows, dim, vec);
-    with_vec([&](auto v) {
-      Launch::run(pg.grid, pg.block, sum_parts_kernel<S, A, decltype(v)::value>, src, src_rows,
-                  begin.data_ptr<int64_t>(), end.data_ptr<int64_t>(), part_end.data_ptr<int64_t>(), slots,
-                  next.data_ptr<A>(), next_rows, dim);
-    });
-    begin = part_end - parts, end = part_end, partials = next;
-    rows = next_rows;
-    longest = (longest + kPartRows - 1) / kPartRows;
-    return false;
-  };
-  bool done = level(dout.data_ptr<T>(), seg.order.data_ptr<int64_t>(), true);
-  while (!done) done = level(static_cast<const A*>(partials.data_ptr<A>()), nullptr, false);
+// A dense gradient (num_rows, d) of the rows named by `keys`, each row written once.
+template <class Launch, typename T>
+at::Tensor dense_gradient(const at::Tensor& dout, const at::Tensor& keys, int64_t num_rows, int64_t skip,
+                          double scale, bool divide_by_count) {
+  at::Tensor grad = at::empty({num_rows, dout.size(1)}, dout.options());
+  const SortedSegments seg = sorted_segments<Launch, T>(dout, keys, num_rows, skip, /*by_row=*/true);
+  finish_segments<Launch, T>(dout, seg, scale, divide_by_count, /*zero_empty=*/true, grad);
+  return grad;
 }
 
 // Dense gradients (weight_grad (V, d) and / or pos_grad (max_seq_len, d); (0, d) when not
-// needed): no device->host sync.
+// needed): no device->host sync. Each is written once, every row: no zero fill first.
+// Launches for the token table: sort_inputs, the radix sort, chunk_kernel, finish_segments.
 template <class Launch>
 std::tuple<at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out_in, const at::Tensor& ids_in,
                                                const std::optional<at::Tensor>& position_ids_in, int64_t offset,
@@ -594,42 +573,32 @@ std::tuple<at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out_in, co
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dout.scalar_type(), "pyembed_backward_cuda", [&] {
     using T = scalar_t;
-    // The dense gradients are written once, every row (sum_segments), not zero-filled first.
     if (need_weight_grad) {
-      weight_grad = at::empty({num_embeddings, dim}, options);
-      sum_segments<Launch, T>(dout, sorted_segments<Launch>(ids_in, num_embeddings, padding_idx.value_or(-1), true),
-                              scale, scale_grad_by_freq, /*dense=*/true, weight_grad);
+      weight_grad = dense_gradient<Launch, T>(dout, ids_in, num_embeddings, padding_idx.value_or(-1), scale,
+                                              scale_grad_by_freq);
     }
-    if (need_pos_grad) {
-      if (position_ids_in) {
-        pos_grad = at::empty({num_positions, dim}, options);
-        sum_segments<Launch, T>(dout, sorted_segments<Launch>(*position_ids_in, num_positions, -1, true), 1.0, false,
-                                /*dense=*/true, pos_grad);
-      } else {
-        pos_grad = at::zeros({num_positions, dim}, options);  // the rows past the sequence get nothing
-        const int64_t seq_len = num_tokens > 0 ? ids_in.size(-1) : 0;
-        const int64_t steps = std::clamp<int64_t>(num_positions - offset, 0, seq_len);
-        if (steps > 0 && dim > 0) {
-          const int vec = vector_width<T>(dim, {dout.data_ptr(), pos_grad.data_ptr()});
-          const RowGrid g = row_grid(steps, dim, vec);
-          auto run = [&](auto kernel) {
-            Launch::run(g.grid, g.block, kernel, dout.data_ptr<T>(), pos_grad.data_ptr<T>(), num_tokens / seq_len,
-                        seq_len, steps, offset, dim);
-          };
-          if (vec > 1) {
-            run(batch_sum_kernel<T, 16 / sizeof(T)>);
-          } else {
-            run(batch_sum_kernel<T, 1>);
-          }
-        }
+    if (need_pos_grad && position_ids_in) {
+      pos_grad = dense_gradient<Launch, T>(dout, *position_ids_in, num_positions, -1, 1.0, false);
+    } else if (need_pos_grad) {
+      pos_grad = at::empty({num_positions, dim}, options);  // every row written by batch_sum_kernel
+      const int64_t seq_len = num_tokens > 0 ? ids_in.size(-1) : 0;
+      const int64_t steps = std::clamp<int64_t>(num_positions - offset, 0, seq_len);
+      if (num_positions > 0 && dim > 0) {
+        const int vec = vector_width<T>(dim, {dout.data_ptr(), pos_grad.data_ptr()});
+        const RowGrid g = row_grid(num_positions, dim, vec);
+        auto run = [&](auto kernel) {
+          Launch::run(g.grid, g.block, kernel, dout.data_ptr<T>(), pos_grad.data_ptr<T>(),
+                      seq_len > 0 ? num_tokens / seq_len : 0, seq_len, steps, offset, num_positions, dim);
+        };
+        if (vec > 1) run(batch_sum_kernel<T, 16 / sizeof(T)>); else run(batch_sum_kernel<T, 1>);
       }
     }
   });
   return {weight_grad, pos_grad};
 }
 
-// The token table's gradient rows: the used ids' segments, the first `rows` slots'
-// scaled sums written into a (rows, d) tensor -- rows >= the number of touched rows.
+// The token table's gradient rows: the used ids' segments by slot, the first `rows`
+// slots' scaled sums written into a (rows, d) tensor -- rows >= the number of touched rows.
 template <class Launch>
 std::pair<SortedSegments, at::Tensor> sum_used_rows(const at::Tensor& grad_out_in, const at::Tensor& ids_in,
                                                      int64_t num_embeddings, double scale,
@@ -638,11 +607,13 @@ std::pair<SortedSegments, at::Tensor> sum_used_rows(const at::Tensor& grad_out_i
   check_same_device(grad_out_in.device(), {&ids_in});
   const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
   const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
-  SortedSegments seg = sorted_segments<Launch>(ids_in, num_embeddings, padding_idx.value_or(-1), false);
-  const int64_t rows = exact ? seg.count.item<int64_t>() : seg.keys.numel();  // exact: one device->host read
-  at::Tensor values = at::empty({rows, dim}, dout.options());
+  SortedSegments seg;
+  at::Tensor values;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dout.scalar_type(), "pyembed_sum_used_rows_cuda", [&] {
-    sum_segments<Launch, scalar_t>(dout, seg, scale, scale_grad_by_freq, /*dense=*/false, values);
+    seg = sorted_segments<Launch, scalar_t>(dout, ids_in, num_embeddings, padding_idx.value_or(-1), false);
+    const int64_t rows = exact ? seg.count.item<int64_t>() : seg.keys.numel();  // exact: one device->host read
+    values = at::empty({rows, dim}, dout.options());
+    finish_segments<Launch, scalar_t>(dout, seg, scale, scale_grad_by_freq, /*zero_empty=*/false, values);
   });
   return {std::move(seg), values};
 }

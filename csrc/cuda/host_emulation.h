@@ -11,7 +11,11 @@
 #error "host_emulation.h is for host compilers only"
 #endif
 
+#include <ATen/ATen.h>
+
 #include <cmath>
+#include <cstdint>
+#include <utility>
 
 #define __global__
 #define __device__
@@ -37,8 +41,12 @@ inline thread_local dim3 thread_idx, block_idx, block_dim, grid_dim;
 namespace pyembed::emulation {
 
 struct EmulatedLaunch {
+  // What a GPU would be asked to do, for the tests' launch counts.
+  inline static int64_t kernel_launches = 0, sorts = 0;
+
   template <typename Kernel, typename... Args>
   static void run(dim3 grid, dim3 block, Kernel kernel, Args... args) {
+    ++kernel_launches;
     grid_dim = grid;
     block_dim = block;
     for (unsigned bz = 0; bz < grid.z; ++bz)
@@ -51,6 +59,22 @@ struct EmulatedLaunch {
                 thread_idx = dim3(tx, ty, tz);
                 kernel(args...);
               }
+  }
+
+  // CudaLaunch's CUB radix sort on `bits` bits, as a stable sort; it checks that every
+  // key fits in those bits (the CUB sort would silently drop the higher ones).
+  static std::pair<at::Tensor, at::Tensor> sort_pairs(const at::Tensor& keys, const at::Tensor& values,
+                                                      int64_t bits) {
+    AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_emulated_sort", [&] {
+      const index_t* k = keys.data_ptr<index_t>();  // read directly: the tests record ATen ops
+      for (int64_t i = 0; i < keys.numel(); ++i) {
+        TORCH_CHECK(k[i] >= 0 && static_cast<int64_t>(k[i]) < (int64_t(1) << bits),
+                    "pyembed emulation: sort key ", k[i], " outside [0, 2^", bits, ")");
+      }
+    });
+    ++sorts;
+    auto [sorted, index] = keys.sort(/*stable=*/true, 0, false);
+    return {sorted, values.index_select(0, index)};
   }
 };
 

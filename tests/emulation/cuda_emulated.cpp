@@ -30,4 +30,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                              all_rows);
         },
         "the CUDA optimizer update, emulated on CPU tensors (same arguments as torch.ops.pyembed.optimizer_update)");
+  m.def("take_launch_counts",
+        [] {
+          const auto counts = std::make_pair(EmulatedLaunch::kernel_launches, EmulatedLaunch::sorts);
+          EmulatedLaunch::kernel_launches = EmulatedLaunch::sorts = 0;
+          return counts;
+        },
+        "(kernel launches, sorts) since the last call");
 }
