@@ -225,12 +225,9 @@ def _segment_starts_kernel(
 
 
 @triton.jit
-def _lower_bound(sorted_ptr, n, key):
-    """For each key, the first of the n < 2^40 sorted positions holding a key >= it. (A
-    fixed, unrolled step count: a loop to n.bit_length() made ptxas spill.)"""
-    lo = tl.zeros_like(key)
-    hi = lo + n
-    for _ in tl.static_range(40):
+def _lower_bound(sorted_ptr, lo, hi, key, CHUNK: tl.constexpr):
+    """The first position in [lo, hi) (at most CHUNK of them) whose sorted key is >= key, else hi."""
+    for _ in tl.static_range(CHUNK.bit_length()):
         mid = (lo + hi) // 2
         active = lo < hi
         below = active & (tl.load(sorted_ptr + mid, mask=active, other=0).to(tl.int64) < key)
@@ -273,8 +270,9 @@ def _chunk_kernel(
     c = tl.program_id(0).to(tl.int64)
     c0 = c * CHUNK
     r = c0 + tl.arange(0, CHUNK)
-    key = tl.load(sorted_ptr + r, mask=r < n, other=num_rows).to(tl.int64)
-    used = (r < n) & (key < num_rows) & (tl.program_id(1) == 0)
+    in_chunk = r < n
+    key = tl.load(sorted_ptr + r, mask=in_chunk, other=num_rows).to(tl.int64)
+    used = in_chunk & (key < num_rows) & (tl.program_id(1) == 0)
     prev = tl.load(sorted_ptr + r - 1, mask=used & (r > 0), other=-1).to(tl.int64)
     nxt = tl.load(sorted_ptr + r + 1, mask=used & (r + 1 < n), other=-1).to(tl.int64)
     first = used & ((r == 0) | (prev != key))
@@ -290,15 +288,20 @@ def _chunk_kernel(
         c1 = tl.minimum(c0 + CHUNK, n)
         cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
         col_ok = cols < dim
-        # Piece 0: the segment at the chunk's first position; piece 1: the one at its last, if another.
-        piece = tl.arange(0, 2)
+        # Where the chunk's first run stops and its last run starts, from the chunk's keys;
+        # whether their segments are longer than CHUNK, from one key outside each run.
         head = tl.load(sorted_ptr + c0).to(tl.int64)
-        run_key = tl.load(sorted_ptr + tl.where(piece == 0, c0, c1 - 1)).to(tl.int64)
-        seg_begin = _lower_bound(sorted_ptr, n, run_key)
-        seg_end = _lower_bound(sorted_ptr, n, run_key + 1)
-        long = (run_key < num_rows) & (seg_end - seg_begin > CHUNK) & ((piece == 0) | (run_key != head))
-        start = tl.maximum(seg_begin, c0)
-        rows = tl.where(long, tl.minimum(seg_end, c1) - start, 0)
+        tail = tl.load(sorted_ptr + c1 - 1).to(tl.int64)
+        head_stop = _lower_bound(sorted_ptr, c0, c1, head + 1, CHUNK)
+        tail_start = _lower_bound(sorted_ptr, c0, c1, tail, CHUNK)
+        after = tl.load(sorted_ptr + c1, mask=c1 < n, other=-1).to(tl.int64)
+        before = tl.load(sorted_ptr + head_stop - CHUNK - 1, mask=head_stop > CHUNK, other=-1).to(tl.int64)
+        head_long = (head < num_rows) & (((head_stop == c1) & (after == head)) | (before == head))
+        past_tail = tl.load(sorted_ptr + tail_start + CHUNK, mask=tail_start + CHUNK < n, other=-1).to(tl.int64)
+        tail_long = (tail != head) & (tail < num_rows) & (past_tail == tail)
+        piece = tl.arange(0, 2)  # 0: the first run's piece, 1: the last run's
+        start = tl.where(piece == 0, c0, tail_start)
+        rows = tl.where(piece == 0, tl.where(head_long, head_stop - c0, 0), tl.where(tail_long, c1 - tail_start, 0))
         acc = tl.zeros([2, BLOCK_D], dtype=acc_dtype)
         for k in range(0, tl.max(rows, 0)):
             take = k < rows
@@ -306,7 +309,7 @@ def _chunk_kernel(
             acc += tl.load(dout_ptr + token[:, None] * dim + cols[None, :], mask=take[:, None] & col_ok[None, :],
                            other=0.0).to(acc_dtype)
         tl.store(partials_ptr + (2 * c + piece)[:, None] * dim + cols[None, :], acc,
-                 mask=long[:, None] & col_ok[None, :])
+                 mask=(rows > 0)[:, None] & col_ok[None, :])
 
 
 @triton.jit

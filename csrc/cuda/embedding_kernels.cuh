@@ -195,7 +195,7 @@ __global__ void segment_starts_kernel(const K* __restrict__ sorted, int64_t n, i
   starts[r] = key < num_rows && (r == 0 || sorted[r - 1] != sorted[r]);
 }
 
-// The first sorted position holding a key >= key (sorted[0, n) is non-decreasing).
+// The first of n sorted positions holding a key >= key (sorted[0, n) is non-decreasing).
 template <typename K>
 __device__ __forceinline__ int64_t lower_bound(const K* __restrict__ sorted, int64_t n, int64_t key) {
   int64_t lo = 0, hi = n;
@@ -264,13 +264,21 @@ __global__ void chunk_kernel(const K* __restrict__ sorted, const int64_t* __rest
     if (r == n - 1 || sorted[r + 1] != sorted[r]) end[s] = r + 1;
   }
   if (partials == nullptr) return;
-  const int64_t head = sorted[c0];
-  for (int piece = 0; piece < 2; ++piece) {  // the segment at the chunk's first position, then at its last
-    const int64_t key = piece == 0 ? head : static_cast<int64_t>(sorted[c1 - 1]);
-    if (key >= num_rows || (piece == 1 && key == head)) continue;  // unused, or the same segment
-    const int64_t b = lower_bound(sorted, n, key), e = lower_bound(sorted, n, key + 1);
-    if (e - b <= kChunkRows) continue;
-    sum_rows<VEC>(dout, order, b > c0 ? b : c0, e < c1 ? e : c1, partials + (2 * c + piece) * dim, A(1), dim);
+  // Where the chunk's first run stops and its last run starts (searches within the chunk);
+  // whether their segments are longer than a chunk, from one key outside each run.
+  const int64_t head = sorted[c0], tail = sorted[c1 - 1];
+  if (head < num_rows) {
+    const int64_t stop = c0 + lower_bound(sorted + c0, c1 - c0, head + 1);
+    const bool continues = stop == c1 && c1 < n && sorted[c1] == head;
+    if (continues || (stop > kChunkRows && sorted[stop - kChunkRows - 1] == head)) {
+      sum_rows<VEC>(dout, order, c0, stop, partials + 2 * c * dim, A(1), dim);
+    }
+  }
+  if (tail != head && tail < num_rows) {
+    const int64_t start = c0 + lower_bound(sorted + c0, c1 - c0, tail);
+    if (start + kChunkRows < n && sorted[start + kChunkRows] == tail) {
+      sum_rows<VEC>(dout, order, start, c1, partials + (2 * c + 1) * dim, A(1), dim);
+    }
   }
 }
 

@@ -1,7 +1,7 @@
 """A small run of every kernel, for compute-sanitizer (memcheck, racecheck, initcheck):
 forward in every positional mode with and without position_ids, fp32 / fp16 / bf16,
 16-byte-aligned and misaligned views, unchecked out-of-range ids; backward dense and
-sparse with a hot row (every tree level), learned positions by batch sum and by
+sparse with a hot row (summed in pieces across 128-position chunks), learned positions by batch sum and by
 position_ids, frequency scaling and padding; dropout (d a multiple of 4 or not) forward
 and backward. Every backend that runs on the device.
 
@@ -30,9 +30,9 @@ def run_backend(backend: str, device: torch.device) -> int:
     calls = 0
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for dim, aligned in ((64, True), (72, False), (10, True)):
-            vocab, batch, seq_len = 40, 2, 48
+            vocab, batch, seq_len = 40, 2, 200
             ids = torch.randint(0, vocab, (batch, seq_len), generator=g)
-            ids[0, :40] = 3  # a hot row: 41+ uses, two levels of 32-row parts
+            ids[:, :110] = 3  # a hot row: 220+ uses, summed in pieces by the chunks of 128 sorted tokens
             ids = ids.to(device)
             position_ids = torch.randint(0, seq_len, (batch, seq_len), generator=g).to(device)
             make = (lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)) if aligned else (

@@ -51,7 +51,7 @@ def test_cuda_backward_is_bitwise_deterministic():
 def test_cuda_gradients_match_the_float64_reference(sparse):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 64, (8, 300), generator=g)
-    ids[:, :100] = 5  # a hot row: several levels of the segment tree
+    ids[:, :100] = 5  # a hot row: summed in pieces by the chunks of 128 sorted tokens
     weight = torch.randn(64, 96, generator=g)
     pos_weight = torch.randn(400, 96, generator=g)
     dout = torch.randn(8, 300, 96, generator=g)

@@ -154,7 +154,7 @@ def test_forward_and_dense_backward_capture_in_a_cuda_graph(backend):
     _check_backend(backend)
     torch.manual_seed(3)
     ids = torch.randint(0, 64, (4, 256), device="cuda")
-    ids[:, :100] = 5  # a hot row: the segment tree's upper levels are captured too
+    ids[:, :100] = 5  # a hot row: its per-chunk pieces are captured too
     weight = torch.randn(64, 128, device="cuda", requires_grad=True)
     pos_weight = torch.randn(256, 128, device="cuda", requires_grad=True)
     dout = torch.randn(4, 256, 128, device="cuda")
@@ -224,7 +224,7 @@ def test_backward_is_bitwise_identical_over_three_runs_with_a_hot_row(backend, s
     _check_backend(backend)
     torch.manual_seed(5)
     ids = torch.randint(0, 1000, (8, 2048), device="cuda")
-    ids[:, :1500] = 17  # 12000 uses of one row: three tree levels
+    ids[:, :1500] = 17  # 12000 uses of one row: 94 chunks' pieces
     dout = torch.randn(8, 2048, 256, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16)
     pos_weight = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16)
