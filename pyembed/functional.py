@@ -78,20 +78,23 @@ def fused_embedding(
         ``ids.shape + (d,)`` tensor of ``weight.dtype``. Differentiable to any order, in
         forward mode too, and under ``torch.func`` transforms (``vmap``, ``grad``).
     """
-    args = (ids, weight, pos_weight, pos_encoding, scale, position_ids, offset, padding_idx, scale_grad_by_freq,
-            sparse, validate, dropout_p, generator, backend)
+    options = (pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, sparse, validate, dropout_p, generator,
+               backend)  # a plain tuple: the cheapest to build on the hot path
     if optim.tables_are_fused and (optim.fused_optimizer(weight) or optim.fused_optimizer(pos_weight)):
         # A table whose optimizer runs in the backward (pyembed.optim): the Python Function,
         # whose backward updates it, run outside any compiled graph (a graph break under
         # torch.compile: AOTAutograd cannot mutate a parameter in a backward).
-        return optim.outside_compiled_graphs(_fused_embedding, *args, cpp_autograd=False)
-    return _fused_embedding(*args)
+        return optim.outside_compiled_graphs(_fused_embedding, ids, weight, pos_weight, position_ids, options,
+                                             cpp_autograd=False)
+    return _fused_embedding(ids, weight, pos_weight, position_ids, options)
 
 
-def _fused_embedding(ids, weight, pos_weight, pos_encoding, scale, position_ids, offset, padding_idx,
-                     scale_grad_by_freq, sparse, validate, dropout_p, generator, backend, cpp_autograd=True):
-    """fused_embedding's body. cpp_autograd=False: never the C++ autograd node (a table with a
-    fused optimizer needs the Python backward, where the update runs)."""
+def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_autograd: bool = True):
+    """fused_embedding's body: its tensors, and its other arguments as given, in its order.
+    cpp_autograd=False: never the C++ autograd node (a table with a fused optimizer needs
+    the Python backward, where the update runs)."""
+    pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, sparse, validate, dropout_p, generator, backend = \
+        options
     eager = _eager_backend(ids, weight, backend)  # resolved once, for either path below
     plain = (cpp_autograd and not sparse and type(dropout_p) in (float, int) and dropout_p == 0
              and type(offset) is int)
@@ -167,11 +170,6 @@ def range_checks(validate, backend: dispatch.Backend, device: torch.device) -> t
     raise checks.InputValueError(f"pyembed: validate must be True, False or 'sync', got {validate!r}")
 
 
-
-
-
-
-
 def _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx, validate):
     """An integer table (``from_pretrained`` of ints) is looked up as ``nn.Embedding``
     does: no gradient, so nothing to fuse; positions and scaling need a float table."""
@@ -188,10 +186,6 @@ def _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, 
     # harnesses, profilers patching it) would otherwise recurse here forever.
     padding_idx = checks.normalize_padding_idx(padding_idx, weight.shape[0])
     return torch.embedding(weight, ids, -1 if padding_idx is None else padding_idx)
-
-
-
-
 
 
 def embedding_renorm_(weight: torch.Tensor, ids: torch.Tensor, max_norm: float, norm_type: float) -> None:
