@@ -241,14 +241,15 @@ def main() -> int:
         results = check.wait()
         if not args.rehearse and not args.skip_profile:
             # 4. Where the time goes: torch.profiler per backend, then Nsight Compute on the
-            # forward kernels (DRAM throughput, occupancy) -- minutes, so before the benchmark,
+            # forward and backward kernels (DRAM throughput, occupancy) -- minutes, so before the benchmark,
             # which a host's time limit may cut short (its rows reach the CSV case by case).
             profiler = str(ROOT / "tests" / "gpu" / "profile_workload.py")
             check.run("profile (torch.profiler)", [args.python, profiler], "profile.log", 300, cwd=stage)
             ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
             if os.path.exists(ncu):
-                check.run("ncu on the forward kernels",
-                          [ncu, "--clock-control", "none", "--kernel-name", "regex:forward", "--launch-count", "8",
+                check.run("ncu on the forward and backward kernels",
+                          [ncu, "--clock-control", "none", "--kernel-name",
+                           "regex:forward|sort_inputs|chunk_kernel|finish_segments|batch_sum", "--launch-count", "16",
                            "--section", "SpeedOfLight", "--section", "Occupancy", "--section", "LaunchStats",
                            args.python, profiler, "--ncu"], "ncu.log", 300, cwd=stage)
         if not args.rehearse and not args.skip_bench:

@@ -3,8 +3,9 @@
 of kernels one call launches, and torch.profiler's tables by GPU and by CPU time, at
 GPT-2 8x2048 and 1x1 tokens (fp32, learned positions), after the host microseconds of
 each layer of a one-token call. ``--ncu`` instead runs one forward
-per backend on a Llama-2 8x2048 table (fp32 and bf16), for Nsight Compute to read the
-forward kernels' DRAM throughput and occupancy.
+per backend on a Llama-2 8x2048 table (fp32 and bf16) and one dense backward per backend
+at GPT-2 8x2048 (fp32, a row used 12000 times), for Nsight Compute to read the kernels'
+DRAM throughput and occupancy.
 
 The first GPU run (H100, torch 2.11) measured pyembed below eager and torch.compile in
 most cases, by margins that host-side work (launches, the range check's sync) explains
@@ -116,22 +117,26 @@ def host_costs(backends, calls=300):
         print(f"host 8x2048 {backend}: dense backward op: {us:.1f} us/call (GPU work included)", flush=True)
 
 
-def ncu_forwards(backends):
+def ncu_kernels(backends):
     for dtype in (torch.float32, torch.bfloat16):
         weight, pos_weight, ids, _ = tensors(32000, 4096, 8, 2048, dtype)
         for backend in backends:
             with torch.no_grad():
                 pyembed.fused_embedding(ids, weight, pos_weight, scale=64.0, validate=False, backend=backend)
+    weight, pos_weight, ids, dout = tensors(*GPT2, 8, 2048, torch.float32)
+    ids[:, :1500] = 17  # a hot row: the chunk kernel's long-segment pieces run too
+    for backend in backends:  # the backward's kernels: sort inputs, chunks, the table's rows, batch sum
+        dispatch.get(backend).backward(dout, ids, None, 0, GPT2[0], pos_weight.shape[0], 2.0, None, False, True, True)
     torch.cuda.synchronize()
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ncu", action="store_true", help="one forward per backend and dtype, for ncu")
+    ap.add_argument("--ncu", action="store_true", help="one forward per backend and dtype and one backward, for ncu")
     args = ap.parse_args()
     backends = [b for b in dispatch.backends_for("cuda") if b != "reference"]
     if args.ncu:
-        ncu_forwards(backends)
+        ncu_kernels(backends)
     else:
         host_costs(backends)
         profile(backends, [(8, 2048), (1, 1)])
