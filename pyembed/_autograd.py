@@ -55,8 +55,15 @@ def apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config: Fuse
     tensors = (ids.contiguous(), weight.contiguous(), None if pos_weight is None else pos_weight.contiguous(),
                None if position_ids is None else position_ids.contiguous(), dropout_key)
     backend = dispatch.get(config.backend)
+    plain_eager = autograd_may_be_cpp()
+    if plain_eager and not (torch.is_grad_enabled() and (weight.requires_grad or (
+            pos_weight is not None and pos_weight.requires_grad))):
+        # Nothing will ask this call for a gradient (inference, torch.no_grad, frozen
+        # tables): the forward op alone, without an autograd node (~3 us of a one-token
+        # triton lookup's host time).
+        return _fused_forward(*tensors, config)
     if (cpp_autograd and backend.autograd_op is not None and dropout_key is None and not config.sparse
-            and not config.sinusoid_dim and autograd_may_be_cpp()):
+            and not config.sinusoid_dim and plain_eager):
         # The common eager call on a C++ backend: one op whose autograd node is C++ too
         # (csrc/autograd.cpp), a few us less than an autograd.Function -- most of a one-token
         # lookup. Everything else (dropout, sparse, forward AD, torch.func, torch.compile)

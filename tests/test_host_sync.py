@@ -309,6 +309,36 @@ def test_eager_triton_calls_skip_the_dispatcher_and_issue_few_aten_ops(monkeypat
     torch.testing.assert_close(pos_weight.grad, torch.full((8, 16), 2.0))
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_calls_that_need_no_gradient_skip_the_autograd_function(monkeypatch, backend):
+    """Inference (torch.no_grad, frozen tables) asks no gradient of a call: the Python
+    backends run the forward op alone, without an autograd.Function (its apply and saved
+    context were ~8 us of a one-token triton lookup's host time, launch stubbed)."""
+    if backend == "triton":
+        pytest.importorskip("triton", reason="triton is not installed")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs the Triton interpreter (no GPU here)")
+    import pyembed
+    from pyembed import _autograd
+
+    def refuse(*args):
+        raise AssertionError("an autograd.Function was applied")
+
+    ids = torch.randint(0, 50, (2, 8))
+    weight, pos_weight = torch.randn(50, 16), torch.randn(8, 16)
+    expected = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend=backend)
+    for cls in (_autograd.FusedEmbeddingFunction, _autograd.FusedEmbeddingFunctionWithJvp):
+        monkeypatch.setattr(cls, "apply", refuse)
+    frozen = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend=backend)
+    with torch.no_grad():
+        trainable = pyembed.fused_embedding(ids, weight.requires_grad_(), pos_weight, scale=2.0, backend=backend)
+    exact = weight.detach().double()[ids] * 2.0 + pos_weight.double()[:8]
+    torch.testing.assert_close(frozen.double(), exact)
+    assert torch.equal(frozen, expected) and torch.equal(trainable, expected)
+    with pytest.raises(AssertionError, match="autograd.Function was applied"):  # a gradient is wanted here
+        pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend=backend)
+
+
 @pytest.mark.parametrize("position_ids", [False, True])
 def test_emulated_cuda_dense_gradient_is_written_once_and_sorted_on_32_bit_keys(emulated, position_ids):
     """The (V, d) gradient gets no zero fill before its kernels (a whole extra pass over
