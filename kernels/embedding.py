@@ -237,16 +237,6 @@ def _lower_bound(sorted_ptr, lo, hi, key, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _sum_rows(src_ptr, src_rows_ptr, begin, end, cols, col_ok, dim, acc_dtype: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Sum of src rows src_rows[r], r in [begin, end), in order: the sum does not depend on scheduling."""
-    acc = tl.zeros([BLOCK_D], dtype=acc_dtype)
-    for r in range(begin, end):
-        row = tl.load(src_rows_ptr + r)
-        acc += tl.load(src_ptr + row * dim + cols, mask=col_ok, other=0.0).to(acc_dtype)
-    return acc
-
-
-@triton.jit
 def _chunk_kernel(
     sorted_ptr,  # (n,) sorted compacted keys (num_rows: unused)
     scan_ptr,  # (n,) int64 inclusive scan of the segment starts: scan - 1 is r's slot, when BY_SLOT
