@@ -609,6 +609,16 @@ def dense_gradient(dout2d, keys, num_rows: int, skip: int, scale: float, divide_
     return grad
 
 
+def used_row_sums(dout2d, keys, num_rows: int, skip: int, scale: float, divide_by_count: bool, exact: bool):
+    """(segments by slot, values): the scaled sums of the used rows, in key order -- exact:
+    one row per used row (one host sync, for their number), else min(tokens, V) rows, the
+    slots past the used rows not written."""
+    segments = sorted_segments(dout2d, keys, num_rows, skip, by_row=False)
+    values = dout2d.new_empty(int(segments.count) if exact else segments.keys.numel(), dout2d.shape[1])
+    finish_segments(dout2d, segments, scale, divide_by_count, values, zero_empty=False)
+    return segments, values
+
+
 def batch_sum(dout, out, batch: int, seq_len: int, steps: int, offset: int, launch=_direct):
     """Learned positions with p = offset + t: every row of out (num_positions, d) written
     once, sum_b dout[b, t] for the steps the sequence reaches, zeros elsewhere."""

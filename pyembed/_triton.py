@@ -166,30 +166,21 @@ def triton_sparse_backward(grad_out: torch.Tensor, ids: torch.Tensor, num_embedd
                            padding_idx: Optional[int], scale_grad_by_freq: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The token table's sparse gradient (schema of reference.embedding_sparse_backward):
     one host sync, for the number of touched rows."""
-    k = _kernels()
-    dim = grad_out.shape[-1]
     with _on_device(grad_out):
-        dout = grad_out.contiguous().reshape(ids.numel(), dim)
-        segments = k.sorted_segments(dout, ids, num_embeddings, -1 if padding_idx is None else padding_idx,
-                                     by_row=False)
-        touched = int(segments.count)
-        values = grad_out.new_empty(touched, dim)
-        k.finish_segments(dout, segments, scale, scale_grad_by_freq, values, zero_empty=False)
-    return segments.keys[:touched].clone(), values
+        segments, values = _kernels().used_row_sums(
+            grad_out.contiguous().reshape(ids.numel(), grad_out.shape[-1]), ids, num_embeddings,
+            -1 if padding_idx is None else padding_idx, scale, scale_grad_by_freq, exact=True)
+    return segments.keys[:values.shape[0]].clone(), values
 
 
 def touched_rows(grad_out: torch.Tensor, ids: torch.Tensor, num_embeddings: int, scale: float,
                  padding_idx: Optional[int], scale_grad_by_freq: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The sparse backward without its host sync (schema of
     torch.ops.pyembed.embedding_touched_rows): min(tokens, V) slots, unused ones row -1."""
-    k = _kernels()
-    dim = grad_out.shape[-1]
     with _on_device(grad_out):
-        dout = grad_out.contiguous().reshape(ids.numel(), dim)
-        segments = k.sorted_segments(dout, ids, num_embeddings, -1 if padding_idx is None else padding_idx,
-                                     by_row=False)
-        values = grad_out.new_empty(segments.keys.numel(), dim)
-        k.finish_segments(dout, segments, scale, scale_grad_by_freq, values, zero_empty=False)
+        segments, values = _kernels().used_row_sums(
+            grad_out.contiguous().reshape(ids.numel(), grad_out.shape[-1]), ids, num_embeddings,
+            -1 if padding_idx is None else padding_idx, scale, scale_grad_by_freq, exact=False)
     return torch.where(segments.end > segments.begin, segments.keys, -1), values
 
 
