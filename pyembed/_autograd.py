@@ -419,7 +419,6 @@ def lookup(ids, position_ids, table, pos_table, config: FusedConfig, table_shape
     return out.reshape(*ids.shape, dim)
 
 
-
 def autograd_may_be_cpp() -> bool:
     """Nothing needs the Python autograd.Function: not compiling (Dynamo traces the
     Function), no forward-mode AD and no torch.func transform (the C++ node has neither)."""

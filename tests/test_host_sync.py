@@ -102,6 +102,26 @@ def test_triton_forward_and_dense_backward_never_sync():
     assert rec.syncs == ["aten::_local_scalar_dense"]
 
 
+@pytest.fixture
+def interpreted_launches(monkeypatch):
+    """The names of the Triton kernels launched (under TRITON_INTERPRET=1). The interpreter
+    runs each kernel with ATen ops of its own, on the host's tensors: they are hidden from
+    the recorders, which count the host work around the launches."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    import triton.runtime.interpreter as interpreter
+
+    launched = []
+    launch = interpreter.GridExecutor.__call__
+
+    def unrecorded_launch(self, *args, **kwargs):
+        launched.append(self.fn.__name__)
+        with torch.utils._python_dispatch._disable_current_modes():
+            return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", unrecorded_launch)
+    return launched
+
+
 # A GPU backward is a few microseconds of arithmetic behind one host-side launch per op:
 # the ATen ops it issues are its fixed cost (on an H100, ~95 of them made a GPT-2 8x2048
 # backward 1.6 ms against eager's 0.5). The segment bookkeeping is in kernels, so a
@@ -127,22 +147,11 @@ def test_emulated_cuda_dense_backward_is_a_few_ops(emulated):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
-def test_triton_dense_backward_is_a_few_ops(monkeypatch):
-    pytest.importorskip("triton", reason="triton is not installed")
-    import triton.runtime.interpreter as interpreter
-
+def test_triton_dense_backward_is_a_few_ops(interpreted_launches):
     from pyembed.kernels import embedding as k
 
     ids, dout = _backward_inputs()
-    rec = HostSyncRecorder()
-    launch = interpreter.GridExecutor.__call__
-
-    def uncounted_launch(self, *args, **kwargs):  # the interpreter runs kernels with ATen ops: not host work
-        with torch.utils._python_dispatch._disable_current_modes():
-            return launch(self, *args, **kwargs)
-
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", uncounted_launch)
-    with rec:
+    with HostSyncRecorder() as rec:
         dw = k.dense_gradient(dout.reshape(-1, 8), ids, VOCAB, -1, 1.0, False)
     assert rec.ops <= MAX_ATEN_OPS, rec.ops
     torch.testing.assert_close(dw.double(), _eager_grad(ids, dout, VOCAB, -1), rtol=1e-5, atol=1e-4)
@@ -151,8 +160,8 @@ def test_triton_dense_backward_is_a_few_ops(monkeypatch):
 # Launches per dense backward, the contract of issue #30: three kernels around one sort
 # (the sort's inputs; one pass over the sorted positions; one over the table's rows) at
 # GPT-2's 8x2048 tokens, hot rows included -- plus one kernel for learned positions.
-# Each launch costs the host microseconds and the GPU a ramp; the tree of tree levels,
-# scans and fills this replaced was ~25 at this size.
+# Each launch costs the host microseconds and the GPU a ramp; the reduction tree,
+# scans and fills this replaced were ~25 launches at this size.
 def _gpt2_backward_inputs():
     gen = torch.Generator().manual_seed(8)
     ids = torch.randint(0, 50257, (8, 2048), generator=gen)
@@ -170,25 +179,14 @@ def test_emulated_cuda_dense_backward_is_three_kernels_around_one_sort(emulated)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
-def test_triton_dense_backward_is_three_kernels_around_one_sort(monkeypatch):
-    pytest.importorskip("triton", reason="triton is not installed")
-    import triton.runtime.interpreter as interpreter
-
+def test_triton_dense_backward_is_three_kernels_around_one_sort(interpreted_launches):
     from pyembed import _triton
 
-    launches = []
-    launch = interpreter.GridExecutor.__call__
-
-    def counted_launch(self, *args, **kwargs):  # the interpreter's own tensor ops are not the host's
-        launches.append(self.fn.__name__)
-        with torch.utils._python_dispatch._disable_current_modes():
-            return launch(self, *args, **kwargs)
-
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted_launch)
     ids, dout = _gpt2_backward_inputs()
     with HostSyncRecorder() as rec:
         dw, dp = _triton.backward(dout, ids, None, 0, 50257, 2048, 1.0, None, False, True, True)
-    assert launches == ["_sort_inputs_kernel", "_chunk_kernel", "_finish_segments_kernel", "_batch_sum_kernel"]
+    assert interpreted_launches == [
+        "_sort_inputs_kernel", "_chunk_kernel", "_finish_segments_kernel", "_batch_sum_kernel"]
     assert rec.names.count("aten::sort") == 1 and not rec.syncs
     torch.testing.assert_close(dw[13].double(), dout[:, :1500].double().sum((0, 1)), rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(dp.double(), dout.double().sum(0), rtol=1e-5, atol=1e-4)
@@ -276,24 +274,14 @@ def test_emulated_cuda_kernel_records_bad_ranges_and_the_next_call_raises(emulat
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
-def test_eager_triton_calls_skip_the_dispatcher_and_issue_few_aten_ops(monkeypatch):
+def test_eager_triton_calls_skip_the_dispatcher_and_issue_few_aten_ops(interpreted_launches):
     """On a GPU the host pays for every Python layer around a launch (an H100 measured
     ~188 us per one-token triton forward, of which ~50 us the custom op's dispatch). Eager
     calls run the ops' bodies directly; torch.compile and torch.func still get the ops
     (fakes, vmap rules: the other tests). Per eager forward + dense backward, the ATen
     ops issued around the kernels are counted (kernel launches not included)."""
-    pytest.importorskip("triton", reason="triton is not installed")
-    import triton.runtime.interpreter as interpreter
-
     import pyembed
 
-    launch = interpreter.GridExecutor.__call__
-
-    def uncounted_launch(self, *args, **kwargs):  # the interpreter runs kernels with ATen ops: not host work
-        with torch.utils._python_dispatch._disable_current_modes():
-            return launch(self, *args, **kwargs)
-
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", uncounted_launch)
     ids = torch.randint(0, 50, (2, 8))
     weight, pos_weight = torch.randn(50, 16, requires_grad=True), torch.randn(8, 16, requires_grad=True)
     with HostSyncRecorder() as rec:
@@ -391,20 +379,10 @@ def test_emulated_cuda_dense_gradient_of_no_tokens_is_zeros(emulated):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
 @pytest.mark.parametrize("position_ids", [False, True])
-def test_triton_dense_gradient_is_written_once_and_sorted_on_32_bit_keys(monkeypatch, position_ids):
+def test_triton_dense_gradient_is_written_once_and_sorted_on_32_bit_keys(interpreted_launches, position_ids):
     """As the emulated CUDA test above, for the triton backend's dense backward."""
-    pytest.importorskip("triton", reason="triton is not installed")
-    import triton.runtime.interpreter as interpreter
-
     from pyembed import _triton
 
-    launch = interpreter.GridExecutor.__call__
-
-    def unrecorded_launch(self, *args, **kwargs):  # the interpreter's own tensor ops are not the host's
-        with torch.utils._python_dispatch._disable_current_modes():
-            return launch(self, *args, **kwargs)
-
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", unrecorded_launch)
     ids, dout, positions = _written_once_inputs(position_ids)
     with HostSyncRecorder() as rec:
         dw, dp = _triton.backward(dout, ids, positions, 0, 300, 40, 1.5, 5, False, True, position_ids)
