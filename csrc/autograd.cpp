@@ -8,8 +8,8 @@
 // pyembed/functional.py calls this op first for every call that needs nothing else: no
 // dropout, a dense gradient, no forward-mode AD, no torch.func transform, not under
 // torch.compile, plain tensors (those keep the Python FusedEmbeddingFunction, which
-// serves every backend and every order); on an error it reruns its own checks, which
-// raise pyembed's exception types.
+// serves every backend and every order); its bad-input errors are raised as pyembed's
+// exception types (pyembed.checks.from_cpp), never retried.
 //
 // The node saves only the ids and positions; its backward is the backend's dense
 // backward op -- or, when autograd records the backward itself (create_graph=True, for

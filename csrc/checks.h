@@ -1,7 +1,7 @@
 // Argument checks shared by the CPU and CUDA ops (DESIGN §3).
 //
 // The backends' ops (embedding_forward / _backward / _sparse_backward) sit behind the
-// Python wrapper (pyembed/functional.py), which checks all metadata, and the data checks
+// Python wrapper (pyembed/functional.py), which checks all metadata (pyembed/checks.py), and the data checks
 // (id / position ranges, a device->host sync on a GPU), an op of their own
 // (pyembed/checks.py). For them what is here are cheap guards for anyone calling an op
 // directly: the kernels never read out of bounds whatever the ids, but they need sane
@@ -23,7 +23,7 @@
 namespace pyembed {
 
 // Python's spelling of a dtype and a shape (torch.float32, (2, 3), (5,)): the errors here
-// read exactly as pyembed/functional.py's, which pyembed raises for the same input.
+// read exactly as pyembed/checks.py's, which pyembed raises for the same input.
 inline std::string py_dtype(at::ScalarType dtype) { return "torch." + std::string(c10::getDtypeNames(dtype).first); }
 
 inline std::string py_shape(at::IntArrayRef sizes) {

@@ -27,7 +27,6 @@ from typing import Optional
 import torch
 
 
-
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 tables compute in float64; every other float dtype in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
