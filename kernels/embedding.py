@@ -184,6 +184,20 @@ def _embedding_forward_kernel(
              mask=tok_ok[:, None] & col_ok[None, :])
 
 
+# A radix sort makes one pass per 8 bits of its keys, and PyTorch's sort takes every bit of
+# the dtype: so the sort keys are the narrowest type that holds every row and the unused
+# mark (num_rows). int16 keys are stored less 2^15, which keeps [0, 2^16) in order as a
+# signed sort sees it: a GPT-2 table (50257 rows) sorts in 2 passes, not 4.
+INT16_KEY_BIAS = tl.constexpr(2**15)
+
+
+def sort_key_dtype(num_rows: int) -> torch.dtype:
+    """The narrowest sort key for keys in [0, num_rows] (num_rows: unused)."""
+    if num_rows < 2**16:
+        return torch.int16
+    return torch.int32 if num_rows < 2**31 else torch.long
+
+
 @triton.jit
 def _used_key(key, num_rows, skip):
     """A key names a row of the table other than the skipped one (the padding row)."""
@@ -193,20 +207,35 @@ def _used_key(key, num_rows, skip):
 @triton.jit
 def _sort_inputs_kernel(
     keys_ptr,  # (n,) int32/int64 ids or positions
-    out_ptr,  # (n,) int32 (or int64 for a table of 2^31 rows) out: the key, or num_rows if unused
+    out_ptr,  # (n,) sort_key_dtype(num_rows) out: the key, or num_rows if unused
     zeros_ptr,  # (num_zeros,) int64 out: the segment bounds' starting zeros
     n, num_zeros, num_rows, skip,
     BLOCK: tl.constexpr,
 ):
     """What the sort needs, in one launch: the keys it sees -- used ones as they are, the
-    rest as num_rows (after every used key), in 32 bits when the table allows -- and the
-    zeros the segment bounds start from (empty ranges where no segment lands)."""
+    rest as num_rows (after every used key), in the narrowest type that holds them
+    (sort_key_dtype) -- and the zeros the segment bounds start from (empty ranges where no
+    segment lands)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = r < n
     key = tl.load(keys_ptr + r, mask=ok, other=0).to(tl.int64)
     out = tl.where(_used_key(key, num_rows, skip), key, num_rows)
+    if out_ptr.dtype.element_ty == tl.int16:
+        out -= INT16_KEY_BIAS
     tl.store(out_ptr + r, out.to(out_ptr.dtype.element_ty), mask=ok)
     tl.store(zeros_ptr + r, tl.zeros([BLOCK], tl.int64), mask=r < num_zeros)
+
+
+@triton.jit
+def _sorted_key(stored):
+    """A compacted key as loaded from the sorted keys, as int64 (int16 keys are stored less
+    INT16_KEY_BIAS). It takes the loaded value, not the pointer: Inductor's mutation
+    analysis skips loads, but would take a pointer passed to a function that the kernel's
+    stores depend on as written. Masked-off loads are garbage: every use is masked too."""
+    key = stored.to(tl.int64)
+    if stored.dtype == tl.int16:
+        key += INT16_KEY_BIAS
+    return key
 
 
 @triton.jit
@@ -218,8 +247,8 @@ def _segment_starts_kernel(
 ):
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = r < n
-    key = tl.load(sorted_ptr + r, mask=ok, other=0).to(tl.int64)
-    prev = tl.load(sorted_ptr + r - 1, mask=ok & (r > 0), other=-1).to(tl.int64)
+    key = _sorted_key(tl.load(sorted_ptr + r, mask=ok))
+    prev = _sorted_key(tl.load(sorted_ptr + r - 1, mask=ok & (r > 0)))
     starts = (key < num_rows) & ((r == 0) | (prev != key))
     tl.store(starts_ptr + r, starts.to(tl.int64), mask=ok)
 
@@ -230,7 +259,7 @@ def _lower_bound(sorted_ptr, lo, hi, key, CHUNK: tl.constexpr):
     for _ in tl.static_range(CHUNK.bit_length()):
         mid = (lo + hi) // 2
         active = lo < hi
-        below = active & (tl.load(sorted_ptr + mid, mask=active, other=0).to(tl.int64) < key)
+        below = active & (_sorted_key(tl.load(sorted_ptr + mid, mask=active)) < key)
         lo = tl.where(below, mid + 1, lo)
         hi = tl.where(active & ~below, mid, hi)
     return lo
@@ -261,10 +290,10 @@ def _chunk_kernel(
     c0 = c * CHUNK
     r = c0 + tl.arange(0, CHUNK)
     in_chunk = r < n
-    key = tl.load(sorted_ptr + r, mask=in_chunk, other=num_rows).to(tl.int64)
+    key = _sorted_key(tl.load(sorted_ptr + r, mask=in_chunk))
     used = in_chunk & (key < num_rows) & (tl.program_id(1) == 0)
-    prev = tl.load(sorted_ptr + r - 1, mask=used & (r > 0), other=-1).to(tl.int64)
-    nxt = tl.load(sorted_ptr + r + 1, mask=used & (r + 1 < n), other=-1).to(tl.int64)
+    prev = _sorted_key(tl.load(sorted_ptr + r - 1, mask=used & (r > 0)))
+    nxt = _sorted_key(tl.load(sorted_ptr + r + 1, mask=used & (r + 1 < n)))
     first = used & ((r == 0) | (prev != key))
     last = used & ((r == n - 1) | (nxt != key))
     if BY_SLOT:
@@ -280,15 +309,17 @@ def _chunk_kernel(
         col_ok = cols < dim
         # Where the chunk's first run stops and its last run starts, from the chunk's keys;
         # whether their segments are longer than CHUNK, from one key outside each run.
-        head = tl.load(sorted_ptr + c0).to(tl.int64)
-        tail = tl.load(sorted_ptr + c1 - 1).to(tl.int64)
+        head = _sorted_key(tl.load(sorted_ptr + c0))
+        tail = _sorted_key(tl.load(sorted_ptr + c1 - 1))
         head_stop = _lower_bound(sorted_ptr, c0, c1, head + 1, CHUNK)
         tail_start = _lower_bound(sorted_ptr, c0, c1, tail, CHUNK)
-        after = tl.load(sorted_ptr + c1, mask=c1 < n, other=-1).to(tl.int64)
-        before = tl.load(sorted_ptr + head_stop - CHUNK - 1, mask=head_stop > CHUNK, other=-1).to(tl.int64)
-        head_long = (head < num_rows) & (((head_stop == c1) & (after == head)) | (before == head))
-        past_tail = tl.load(sorted_ptr + tail_start + CHUNK, mask=tail_start + CHUNK < n, other=-1).to(tl.int64)
-        tail_long = (tail != head) & (tail < num_rows) & (past_tail == tail)
+        has_after, has_before, has_past = c1 < n, head_stop > CHUNK, tail_start + CHUNK < n
+        after = _sorted_key(tl.load(sorted_ptr + c1, mask=has_after))
+        before = _sorted_key(tl.load(sorted_ptr + head_stop - CHUNK - 1, mask=has_before))
+        head_long = (head < num_rows) & ((has_after & (head_stop == c1) & (after == head)) |
+                                         (has_before & (before == head)))
+        past_tail = _sorted_key(tl.load(sorted_ptr + tail_start + CHUNK, mask=has_past))
+        tail_long = (tail != head) & (tail < num_rows) & has_past & (past_tail == tail)
         piece = tl.arange(0, 2)  # 0: the first run's piece, 1: the last run's
         start = tl.where(piece == 0, c0, tail_start)
         rows = tl.where(piece == 0, tl.where(head_long, head_stop - c0, 0), tl.where(tail_long, c1 - tail_start, 0))
@@ -555,7 +586,7 @@ def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch
     num_rows = max(num_rows, 0)
     bounds = torch.empty(2 if by_row else 3, num_rows if by_row else min(n, num_rows), dtype=torch.long,
                          device=device)  # begin, end (, keys): zeroed by _sort_inputs_kernel
-    compact = torch.empty(n, dtype=torch.int32 if num_rows < 2**31 - 1 else torch.long, device=device)
+    compact = torch.empty(n, dtype=sort_key_dtype(num_rows), device=device)
     if n + bounds.numel():
         launch(_sort_inputs_kernel)[(_cdiv(max(n, bounds.numel()), BOUNDS_BLOCK),)](
             keys, compact, bounds, n, bounds.numel(), num_rows, skip, BLOCK=BOUNDS_BLOCK)

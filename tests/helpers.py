@@ -164,6 +164,22 @@ def boundary_ids_and_grad(dtype, dim=8, seed=0):
     return ids, torch.randint(-8, 9, (*ids.shape, dim), generator=gen).to(dtype)
 
 
+# Tables at the edges of the sort keys' widths (kernels/embedding.py sort_key_dtype, the
+# bits CUB sorts on cuda): the last int16 table (2^16 - 1 rows: the unused mark 2^16 - 1
+# still fits), the first int32 one, and one where 2^15 splits the biased int16 keys' sign.
+KEY_WIDTH_VOCABS = [2**15 + 2, 2**16 - 1, 2**16]
+
+
+def key_width_ids_and_grad(vocab, dim=2, seed=0):
+    """(ids (1, n) of the rows at the key-width edges with 1-3 uses each, shuffled, padding
+    row vocab - 3 among them; dout with small integer values: every sum is exact)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.tensor([0, 1, 2**15 - 1, 2**15, 2**15 + 1, vocab - 3, vocab - 2, vocab - 1])
+    ids = torch.repeat_interleave(rows, torch.randint(1, 4, (rows.numel(),), generator=gen))
+    ids = ids[torch.randperm(ids.numel(), generator=gen)][None]
+    return ids, torch.randint(-8, 9, (*ids.shape, dim), generator=gen).float()
+
+
 RANKS_TIMEOUT_S = 120
 
 

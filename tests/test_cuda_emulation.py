@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from helpers import (
-    BOUNDARY_VOCAB, ID_DTYPES, WEIGHT_DTYPES, accumulation_bound, assert_within, boundary_ids_and_grad,
-    eager_embedding, make_inputs, max_abs_err, sinusoid_atol,
+    BOUNDARY_VOCAB, ID_DTYPES, KEY_WIDTH_VOCABS, WEIGHT_DTYPES, accumulation_bound, assert_within,
+    boundary_ids_and_grad, eager_embedding, key_width_ids_and_grad, make_inputs, max_abs_err, sinusoid_atol,
 )
 
 
@@ -108,6 +108,19 @@ def test_emulated_segments_across_chunk_boundaries_sum_exactly(emulated, dtype):
     rows, values = emulated.embedding_touched_rows(dout, ids, BOUNDARY_VOCAB, 1.0, 11, False)
     assert rows.tolist() == used + [-1] * (BOUNDARY_VOCAB - len(used))
     assert torch.equal(values[:len(used)].double(), exact[used])
+
+
+@pytest.mark.parametrize("vocab", KEY_WIDTH_VOCABS)
+def test_emulated_rows_at_the_sort_keys_width_edges_sum_exactly(emulated, vocab):
+    # CUB sorts only the bits V needs (17 from 2^16 rows: the unused mark is V itself).
+    ids, dout = key_width_ids_and_grad(vocab)
+    keep = ids != vocab - 3
+    exact = torch.zeros(vocab, 2, dtype=torch.float64).index_add_(0, ids[keep], dout[keep].double())
+    dw, _ = backward(emulated, dout, ids, num_embeddings=vocab, padding_idx=vocab - 3)
+    assert torch.equal(dw.double(), exact)
+    used = sorted(set(ids[keep].tolist()))
+    rows, values = emulated.embedding_sparse_backward(dout, ids, vocab, 1.0, vocab - 3, False)
+    assert rows.tolist() == used and torch.equal(values.double(), exact[used])
 
 
 def test_emulated_position_ids_and_out_of_range_ids(emulated):

@@ -10,8 +10,9 @@ import torch
 
 import pyembed
 from helpers import (
-    BACKENDS, BOUNDARY_VOCAB, CPU_BACKENDS, ID_DTYPES, WEIGHT_DTYPES, accumulation_bound, assert_within,
-    boundary_ids_and_grad, eager_embedding, fused, make_inputs, max_abs_err, run_with_grads, sinusoid_atol,
+    BACKENDS, BOUNDARY_VOCAB, CPU_BACKENDS, ID_DTYPES, KEY_WIDTH_VOCABS, WEIGHT_DTYPES, accumulation_bound,
+    assert_within, boundary_ids_and_grad, eager_embedding, fused, key_width_ids_and_grad, make_inputs, max_abs_err,
+    run_with_grads, sinusoid_atol,
 )
 
 # (B, T, V, d): a single token and a single-row table; 97 tokens with d=60; tiny vocab
@@ -232,6 +233,21 @@ def test_segments_across_chunk_boundaries_sum_exactly(backend, dtype, sparse):
     grad = w.grad.to_dense() if sparse else w.grad
     tol = 1e-6 if dtype == torch.float32 else 1e-14
     torch.testing.assert_close(grad.double(), exact * 3.0 / counts, rtol=tol, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("vocab", KEY_WIDTH_VOCABS)
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_rows_at_the_sort_keys_width_edges_sum_exactly(backend, vocab, sparse):
+    # The backward sorts narrowed keys (int16 stored less 2^15 below 2^16 rows, else int32);
+    # a key read back wrong would move a row's sum or merge two segments.
+    ids, dout = key_width_ids_and_grad(vocab)
+    weight = torch.zeros(vocab, 2, requires_grad=True)
+    fused(backend)(ids, weight, padding_idx=vocab - 3, sparse=sparse).backward(dout)
+    keep = ids != vocab - 3
+    exact = torch.zeros(vocab, 2, dtype=torch.float64).index_add_(0, ids[keep], dout[keep].double())
+    grad = weight.grad.to_dense() if sparse else weight.grad
+    assert torch.equal(grad.double(), exact)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

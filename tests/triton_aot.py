@@ -82,9 +82,10 @@ def forward_source(dtype, pos_mode, dim, *, position_ids=False, id_type="i64", s
         "COMPUTE_F64": dtype == "fp64", "CHECK_RANGES": check, "BLOCK_T": block_t, "BLOCK_D": block_d})
 
 
-def chunk_source(dtype, dim, *, key_type="i32", by_slot=False):
+def chunk_source(dtype, dim, *, key_type="i16", by_slot=False):
     """One pass over the sorted positions: segment bounds (by table row, or by slot for a
-    sparse gradient) and the long segments' partial sums."""
+    sparse gradient) and the long segments' partial sums. Keys: i16 for tables of fewer
+    than 2^16 rows (the 50257 used here), i32 / i64 for larger ones."""
     acc = "fp64" if dtype == "fp64" else "fp32"
     args = {"sorted_ptr": f"*{key_type}", "scan_ptr": "*i64", "keys_ptr": "*i64", "begin_ptr": "*i64",
             "end_ptr": "*i64", "dout_ptr": f"*{dtype}", "order_ptr": "*i64", "partials_ptr": f"*{acc}", "n": TOKENS,
@@ -105,7 +106,7 @@ def finish_source(dtype, dim, *, divide):
         "CHUNK": k.CHUNK_ROWS, "BLOCK_R": block_r, "BLOCK_D": block_d})
 
 
-def bounds_source(kernel, key_type="i32"):
+def bounds_source(kernel, key_type="i16"):
     """The sort's inputs (int64 ids in, key_type keys out, the bounds' zeros) and the
     segment starts of a sparse gradient (on key_type sorted keys)."""
     if kernel == "inputs":
@@ -164,7 +165,7 @@ def sources():
         out[f"finish_segments {dtype} d={dim}"] = (finish_source, (dtype, dim), {"divide": False})
         out[f"finish_segments {dtype} by_freq d={dim}"] = (finish_source, (dtype, dim), {"divide": True})
         out[f"batch_sum {dtype} d={dim}"] = (batch_source, (dtype, dim), {})
-    for key_type in ("i32", "i64"):
+    for key_type in ("i16", "i32", "i64"):
         out[f"sort_inputs {key_type}"] = (bounds_source, ("inputs", key_type), {})
         out[f"segment_starts {key_type}"] = (bounds_source, ("starts", key_type), {})
         out[f"chunk by_slot fp32 {key_type} d=768"] = (chunk_source, ("fp32", 768), {"key_type": key_type,
