@@ -109,6 +109,10 @@ def _resolve(requested: str, device: torch.device) -> Backend:
     if requested not in _registry and requested not in _missing_reason:
         known = list(__getattr__("BACKEND_NAMES"))
         raise ValueError(f"pyembed: unknown backend {requested!r}; expected 'auto' or one of {known}")
+    if device.type == "meta" and requested in _registry:
+        # Shapes only (a model built on the meta device): every backend's ops have the
+        # reference's shapes, and the reference's torch ops run on meta tensors.
+        return _registry["reference"]
     reason = _why_unavailable(requested, device)
     if reason is not None:
         raise RuntimeError(f"pyembed: backend {requested!r} cannot run on {device}: {reason}")

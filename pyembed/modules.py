@@ -131,6 +131,15 @@ class EmbeddingLayer(nn.Module):
             self.register_parameter("pos_embedding", None)
         self.dropout = float(dropout)  # a probability, as nn.MultiheadAttention's dropout
 
+    def reset_parameters(self) -> None:
+        """Initialise the tables as the constructor does: the token table as nn.Embedding
+        (padding row zero), the learned positions N(0, 0.02^2). What a model built on the
+        meta device runs after ``to_empty``; FSDP's meta-device initialisation calls it on
+        every module that owns parameters (here the learned positions)."""
+        self.token_embedding.reset_parameters()
+        if self.pos_embedding is not None:
+            nn.init.normal_(self.pos_embedding, std=_INIT_POS_STD)
+
     @classmethod
     def from_modules(cls, token: nn.Embedding, position: Optional[nn.Embedding] = None, *, scale: float = 1.0,
                      backend: str = "auto") -> "EmbeddingLayer":

@@ -218,3 +218,28 @@ def test_from_modules_fuses_a_models_own_tables(backend):
     torch.testing.assert_close(token_only(ids), wte(ids), rtol=0, atol=0)
     with pytest.raises(ValueError, match="dimension mismatch"):
         pyembed.EmbeddingLayer.from_modules(wte, nn.Embedding(8, 16))
+
+
+@pytest.mark.parametrize("pos_encoding", [None, "learned", "sinusoidal"])
+@pytest.mark.parametrize("backend", ["auto", *CPU_BACKENDS])
+def test_a_layer_built_on_the_meta_device_runs_there_and_initialises_like_one_built_on_the_cpu(backend, pos_encoding):
+    # FSDP / torchtitan-style initialisation: build on meta, where the forward and the dense
+    # backward give shapes only (no values to check), as nn.Embedding's do; then to_empty and
+    # reset_parameters (which FSDP calls on every module owning parameters) draw the
+    # constructor's initialisation.
+    torch.manual_seed(3)
+    on_cpu = pyembed.EmbeddingLayer(50, 8, 16, pos_encoding=pos_encoding, padding_idx=2, backend=backend)
+    with torch.device("meta"):
+        on_meta = pyembed.EmbeddingLayer(50, 8, 16, pos_encoding=pos_encoding, padding_idx=2, backend=backend)
+        ids = torch.randint(0, 50, (2, 16))
+        expected = nn.Embedding(50, 8, padding_idx=2)(ids)
+    out = on_meta(ids)
+    out.sum().backward()
+    assert (out.shape, out.dtype, out.device) == (expected.shape, expected.dtype, expected.device)
+    for p in on_meta.parameters():
+        assert (p.grad.shape, p.grad.device) == (p.shape, p.device)
+    on_meta.to_empty(device="cpu")
+    torch.manual_seed(3)
+    on_meta.reset_parameters()
+    for (name, ours), (_, theirs) in zip(on_cpu.named_parameters(), on_meta.named_parameters(), strict=True):
+        assert torch.equal(ours, theirs), name
