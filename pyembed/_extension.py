@@ -94,7 +94,7 @@ if _C is not None:
     torch.library.register_fake("pyembed::embedding")(_ops.lookup_fake)
     _backend_ops = (torch.ops.pyembed.embedding_forward, torch.ops.pyembed.embedding_backward,
                     torch.ops.pyembed.embedding_sparse_backward)
-    _lookup = torch.ops.pyembed.embedding.default
+    _lookup = _C.embedding  # torch.ops.pyembed.embedding, without the boxed call's host time (csrc/pyembed.cpp)
     _optimizer_ops = dict(touched_rows=torch.ops.pyembed.embedding_touched_rows.default,
                           optimizer_update=torch.ops.pyembed.optimizer_update.default)
     dispatch.register_backend(dispatch.Backend("cpu", *_backend_ops, _why_cpu_unavailable, _lookup, **_optimizer_ops,
