@@ -129,6 +129,17 @@ def fused(backend):
     return run
 
 
+def exact_row_sums(keys, dout, num_rows, skip=None):
+    """The exact gradient of a lookup, float64 (num_rows, d): row r sums the dout rows
+    whose key is r, the tokens keyed ``skip`` (a padding row) left out."""
+    if skip is not None:
+        keep = keys != skip
+        keys, dout = keys[keep], dout[keep]
+    keys = keys.reshape(-1).long()
+    return torch.zeros(num_rows, dout.shape[-1], dtype=torch.float64).index_add_(
+        0, keys, dout.reshape(keys.numel(), -1).double())
+
+
 def accumulation_bound(keys, dout, num_rows, scale, dtype):
     """A rule-based bound on a gradient row sum_k scale * dout_k computed by fp32 (fp64)
     accumulation and rounded once to dtype: rounding u(dtype) * |exact| plus the
@@ -137,7 +148,7 @@ def accumulation_bound(keys, dout, num_rows, scale, dtype):
     acc_eps = FLOAT_EPS[torch.float64 if dtype == torch.float64 else torch.float32]
     keys = keys.reshape(-1).long()
     terms = dout.reshape(keys.numel(), -1).double()
-    exact = torch.zeros(num_rows, terms.shape[1], dtype=torch.float64).index_add_(0, keys, terms) * scale
+    exact = exact_row_sums(keys, terms, num_rows) * scale
     abs_sum = torch.zeros_like(exact).index_add_(0, keys, terms.abs()) * abs(scale)
     counts = torch.bincount(keys, minlength=num_rows).double()[:, None]
     bound = UNIT_ROUNDOFF[dtype] * exact.abs() + acc_eps * (counts + 2) * abs_sum

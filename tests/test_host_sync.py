@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import accumulation_bound, assert_within, make_inputs
+from helpers import accumulation_bound, assert_within, exact_row_sums, make_inputs
 
 _SYNCING = {"aten::_local_scalar_dense", "aten::item", "aten::unique_consecutive", "aten::_unique", "aten::_unique2",
             "aten::unique_dim", "aten::nonzero", "aten::masked_select", "aten::repeat_interleave"}
@@ -57,12 +57,6 @@ def _inputs():
     return ids, weight, pos_weight, dout, torch.randint(0, 120, ids.shape)
 
 
-def _eager_grad(ids, dout, num_rows, skip):
-    keep = (ids != skip)[..., None]
-    return torch.zeros(num_rows, dout.shape[-1], dtype=torch.float64).index_add_(
-        0, ids.reshape(-1), (dout * keep).reshape(-1, dout.shape[-1]).double())
-
-
 def test_emulated_cuda_forward_and_dense_backward_never_sync(emulated):
     ids, weight, pos_weight, dout, position_ids = _inputs()
     with HostSyncRecorder() as rec:
@@ -72,8 +66,8 @@ def test_emulated_cuda_forward_and_dense_backward_never_sync(emulated):
         emulated.embedding_backward(dout, ids, None, 3, 50, 120, 1.0, None, False, True, True)
     assert rec.syncs == []
     counts = torch.bincount(ids.reshape(-1), minlength=50).double().clamp(min=1)[:, None]
-    torch.testing.assert_close(dw.double(), _eager_grad(ids, dout, 50, 5) / counts, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dp.double(), _eager_grad(position_ids, dout, 120, -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw.double(), exact_row_sums(ids, dout, 50, skip=5) / counts, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dp.double(), exact_row_sums(position_ids, dout, 120), rtol=1e-5, atol=1e-5)
     with HostSyncRecorder() as rec:
         emulated.embedding_sparse_backward(dout, ids, 50, 1.0, 5, False)
     assert rec.syncs == ["aten::_local_scalar_dense"]  # the number of touched rows, once
@@ -93,8 +87,8 @@ def test_triton_forward_and_dense_backward_never_sync():
         k.batch_sum(dout, torch.zeros(120, 16), 4, 100, 100, 3)
     assert rec.syncs == []
     counts = torch.bincount(ids.reshape(-1), minlength=50).double().clamp(min=1)[:, None]
-    torch.testing.assert_close(dw.double(), _eager_grad(ids, dout, 50, 5) / counts, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dp.double(), _eager_grad(position_ids, dout, 120, -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw.double(), exact_row_sums(ids, dout, 50, skip=5) / counts, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dp.double(), exact_row_sums(position_ids, dout, 120), rtol=1e-5, atol=1e-5)
     from pyembed._triton import triton_sparse_backward
 
     with HostSyncRecorder() as rec:
@@ -143,7 +137,7 @@ def test_emulated_cuda_dense_backward_is_a_few_ops(emulated):
     with HostSyncRecorder() as rec:
         dw, _ = emulated.embedding_backward(dout, ids, None, 0, VOCAB, 0, 1.0, None, False, True, False)
     assert rec.ops <= MAX_ATEN_OPS, rec.ops
-    torch.testing.assert_close(dw.double(), _eager_grad(ids, dout, VOCAB, -1), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(dw.double(), exact_row_sums(ids, dout, VOCAB), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
@@ -154,7 +148,7 @@ def test_triton_dense_backward_is_a_few_ops(interpreted_launches):
     with HostSyncRecorder() as rec:
         dw = k.dense_gradient(dout.reshape(-1, 8), ids, VOCAB, -1, 1.0, False)
     assert rec.ops <= MAX_ATEN_OPS, rec.ops
-    torch.testing.assert_close(dw.double(), _eager_grad(ids, dout, VOCAB, -1), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(dw.double(), exact_row_sums(ids, dout, VOCAB), rtol=1e-5, atol=1e-4)
 
 
 # Launches per dense backward, the contract of issue #30: three kernels around one sort

@@ -11,8 +11,8 @@ import torch
 import pyembed
 from helpers import (
     BACKENDS, BOUNDARY_VOCAB, CPU_BACKENDS, ID_DTYPES, KEY_WIDTH_VOCABS, WEIGHT_DTYPES, accumulation_bound,
-    assert_within, boundary_ids_and_grad, eager_embedding, fused, key_width_ids_and_grad, make_inputs, max_abs_err,
-    run_with_grads, sinusoid_atol,
+    assert_within, boundary_ids_and_grad, eager_embedding, exact_row_sums, fused, key_width_ids_and_grad, make_inputs,
+    max_abs_err, run_with_grads, sinusoid_atol,
 )
 
 # (B, T, V, d): a single token and a single-row table; 97 tokens with d=60; tiny vocab
@@ -222,8 +222,7 @@ def test_segments_across_chunk_boundaries_sum_exactly(backend, dtype, sparse):
     ids, dout = boundary_ids_and_grad(dtype)
     weight = torch.randn(BOUNDARY_VOCAB, 8, dtype=dtype, requires_grad=True)
     fused(backend)(ids, weight, padding_idx=11, sparse=sparse).backward(dout)
-    keep = ids != 11
-    exact = torch.zeros(BOUNDARY_VOCAB, 8, dtype=torch.float64).index_add_(0, ids[keep], dout[keep].double())
+    exact = exact_row_sums(ids, dout, BOUNDARY_VOCAB, skip=11)
     grad = weight.grad.to_dense() if sparse else weight.grad
     assert torch.equal(grad.double(), exact)
     # scale_grad_by_freq: the sum times scale / count, one rounding of the factor.
@@ -244,8 +243,7 @@ def test_rows_at_the_sort_keys_width_edges_sum_exactly(backend, vocab, sparse):
     ids, dout = key_width_ids_and_grad(vocab)
     weight = torch.zeros(vocab, 2, requires_grad=True)
     fused(backend)(ids, weight, padding_idx=vocab - 3, sparse=sparse).backward(dout)
-    keep = ids != vocab - 3
-    exact = torch.zeros(vocab, 2, dtype=torch.float64).index_add_(0, ids[keep], dout[keep].double())
+    exact = exact_row_sums(ids, dout, vocab, skip=vocab - 3)
     grad = weight.grad.to_dense() if sparse else weight.grad
     assert torch.equal(grad.double(), exact)
 
