@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ..checks import POS_CODES  # installed as pyembed.kernels
+from .launch import cached
 
 POS_NONE, POS_LEARNED, POS_SINUSOIDAL = (POS_CODES[name] for name in ("none", "learned", "sinusoidal"))
 MAX_BLOCK_D = 512
@@ -488,9 +489,9 @@ def _optimizer_update_kernel(
 
 # --------------------------------------------------------------------------- launchers
 def _direct(kernel):
-    """The default ``launch``: the kernel itself (torch.library.wrap_triton when a compiled
-    graph is being traced: pyembed/_triton.py)."""
-    return kernel
+    """The default ``launch``: the kernel's cached launcher (kernels/launch.py), or
+    torch.library.wrap_triton when a compiled graph is being traced (pyembed/_triton.py)."""
+    return cached(kernel)
 
 
 def optimizer_update(param, state1, state2, rows, values, rule: int, hyper, all_rows: bool):
@@ -508,7 +509,7 @@ def optimizer_update(param, state1, state2, rows, values, rule: int, hyper, all_
     if all_rows:
         row_slot = torch.full((num_rows,), -1, dtype=torch.long, device=param.device)
         if touched:
-            _scatter_row_slots_kernel[(_cdiv(touched, BOUNDS_BLOCK),)](rows, row_slot, touched, num_rows,
+            _direct(_scatter_row_slots_kernel)[(_cdiv(touched, BOUNDS_BLOCK),)](rows, row_slot, touched, num_rows,
                                                                       BLOCK=BOUNDS_BLOCK)
     # Named scalars from the rule's tuple (csrc/optim.h, Scalars::from); the rest unused.
     lr = beta1 = beta2 = eps = wd = momentum = dampening = 0.0
@@ -525,7 +526,7 @@ def optimizer_update(param, state1, state2, rows, values, rule: int, hyper, all_
     _, block_d = _blocks(dim)
     block_r = max(1, TILE_ELEMENTS // 2 // block_d)  # five tiles live: p, g, two states, a temporary
     has1, has2 = state1.numel() > 0, state2.numel() > 0
-    _optimizer_update_kernel[(_cdiv(count, block_r), _cdiv(dim, block_d))](
+    _direct(_optimizer_update_kernel)[(_cdiv(count, block_r), _cdiv(dim, block_d))](
         param, state1 if has1 else param, state2 if has2 else param, rows, row_slot, values, num_rows, touched, dim,
         lr, beta1, beta2, eps, wd, momentum, dampening, bc1, bc2_sqrt,
         RULE=rule, DECOUPLED=bool(decoupled), NESTEROV=bool(nesterov), MAXIMIZE=bool(maximize), FIRST=bool(first),

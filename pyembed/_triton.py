@@ -98,7 +98,8 @@ def forward(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.
 
 
 def _direct(kernel):
-    return kernel
+    """An eager launch: through the kernel's cached launcher (kernels/launch.py)."""
+    return _kernels().cached(kernel)
 
 
 triton_forward = torch.library.custom_op("pyembed::triton_forward", mutates_args=())(forward)

@@ -1,0 +1,122 @@
+"""Launching pyembed's Triton kernels with less host time per launch.
+
+``kernel[grid](*args, **constexprs)`` goes through ``JITFunction.run``, which binds every
+argument and re-derives its specialisation on every launch, then hashes a cache key from
+them: ~7 us of host time for the forward's 25 parameters (2-3 us for a two-parameter
+kernel), measured on a CPU with the launch itself stubbed (the driver is faked).
+A one-token lookup on a GPU pays it once per kernel.
+
+``cached(kernel)[grid](...)`` takes the same call. It keys each launch by what Triton's
+specialisation depends on -- the constexprs, each tensor's dtype and 16-byte alignment,
+each int's "== 1", "% 16 == 0" and 32/64-bit range (Triton's rules, checked against
+``native_specialize_impl`` by tests/test_triton_launch.py), the device and the JIT's
+options -- and launches the ``CompiledKernel`` that Triton returned for that key through
+the compiled kernel's launcher, as Triton's run does (through ``compiled[grid](*args)``,
+which builds the launch metadata, when a profiler's launch hooks are set). A key not seen yet (the first launch, a new
+shape class, another device) goes through ``JITFunction.run``, which compiles or finds
+the kernel and launches it; its result is remembered.
+
+Under the interpreter (TRITON_INTERPRET=1) and on Triton releases whose launch passes
+other arguments (before 3.3, constexprs were not passed to the launcher), ``cached``
+returns the kernel itself. Kernels with pre-run hooks, a stage-inspection hook set, or
+keyword arguments given out of the signature's order always take Triton's run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+try:  # the JIT's global options (Triton >= 3.3): part of every key
+    from triton import knobs
+except ImportError:  # pragma: no cover - older Triton: every launch takes Triton's run
+    knobs = None
+
+_INT32_MIN, _INT32_END = -(2**31), 2**31
+
+
+def _supported() -> bool:
+    if knobs is None:
+        return False
+    major, minor = (int(part) for part in triton.__version__.split(".")[:2])
+    return (major, minor) >= (3, 3)
+
+
+def _launch_key(device, args: tuple, constexprs: dict):
+    """One flat tuple of what Triton specialises a launch on (None: an argument of a type
+    whose specialisation is not known here): the device; the constexprs' names, values and
+    types (True == 1 in a tuple, not as a constexpr); for an int argument, == 1 (then a
+    constant), divisible by 16, and 32-bit, 64-bit or unsigned; for a tensor, its dtype
+    and whether its address is 16-byte aligned; for a float, a bool or None, its type.
+    Flat, because it is built and hashed on every launch."""
+    key = [device, *constexprs, *constexprs.values(), *map(type, constexprs.values())]
+    append = key.append
+    for arg in args:
+        kind = type(arg)
+        if kind is int:
+            if arg == 1:
+                append("one")
+            elif _INT32_MIN <= arg < _INT32_END:
+                append(arg & 15 == 0)
+            else:
+                append((arg & 15 == 0, "i64" if -(2**63) <= arg < 2**63 else "u64"))
+        elif kind is torch.Tensor or kind is torch.nn.Parameter:
+            append(arg.dtype)
+            append(arg.data_ptr() & 15 == 0)
+        elif kind is float or kind is bool or arg is None:
+            append(kind)
+        else:
+            return None
+    return tuple(key)
+
+
+class CachedLauncher:
+    """``cached(kernel)``: the kernel's launches, each specialisation found by a dict lookup."""
+
+    def __init__(self, kernel: JITFunction):
+        self.kernel = kernel
+        self.names = tuple(kernel.arg_names)
+        self.compiled = {}  # launch key -> CompiledKernel
+
+    def __getitem__(self, grid):
+        return lambda *args, **constexprs: self.launch(grid, args, constexprs)
+
+    def launch(self, grid, args: tuple, constexprs: dict):
+        driver = triton.runtime.driver.active
+        device = driver.get_current_device()
+        runtime = knobs.runtime
+        key = _launch_key((device, runtime.debug, knobs.compilation.instrumentation_mode), args, constexprs)
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = self.kernel[grid](*args, **constexprs)  # compiles a new specialisation, launches
+            if (compiled is not None and key is not None and self._in_signature_order(args, constexprs)
+                    and not self.kernel.pre_run_hooks and runtime.add_stages_inspection_hook is None):
+                self.compiled[key] = compiled
+        elif not (getattr(runtime.launch_enter_hook, "calls", runtime.launch_enter_hook)
+                  or getattr(runtime.launch_exit_hook, "calls", runtime.launch_exit_hook)):
+            # What compiled[grid](...) does when no profiler hooks in (None or an empty
+            # HookChain), without its closure, launch metadata and calls of empty hooks.
+            compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                         driver.get_current_stream(device), compiled.function, compiled.packed_metadata, None,
+                         None, None, *args, *constexprs.values())
+        else:
+            compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *constexprs.values())
+        return compiled
+
+    def _in_signature_order(self, args: tuple, constexprs: dict) -> bool:
+        """Every parameter given, keywords in the signature's order: the compiled kernel's
+        launcher takes them positionally."""
+        return self.names == self.names[:len(args)] + tuple(constexprs)
+
+
+_launchers: dict = {}
+
+
+def cached(kernel):
+    """The launcher of ``kernel`` (the kernel itself where launches cannot be cached)."""
+    launcher = _launchers.get(kernel)
+    if launcher is None:
+        launcher = CachedLauncher(kernel) if isinstance(kernel, JITFunction) and _supported() else kernel
+        _launchers[kernel] = launcher
+    return launcher

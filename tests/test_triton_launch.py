@@ -1,0 +1,43 @@
+"""The Triton kernels' cached launcher (kernels/launch.py) launches what Triton's own
+``kernel[grid](...)`` launches, with the real JIT compiling for sm_90 and a stand-in
+driver recording each launch (tests/triton_launch_worker.py, in a subprocess: it needs
+TRITON_INTERPRET unset)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _worker(check: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_launch_worker.py"), check],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_cached_launches_equal_tritons_for_every_specialisation_in_every_order():
+    # 16 forward calls, each differing from the first in one property Triton specialises on
+    # (dtype, 16-byte alignment, an int == 1, % 16, past 32 bits, a constexpr) or in one it
+    # does not (an int scale for an fp64 parameter, an offset of 16 vs 0): after any one of
+    # them is cached, any other launches the binary and arguments Triton launches for it.
+    result = _worker("forward")
+    assert result["mismatches"] == []
+    assert result["binaries"] == 11  # the variants Triton compiles apart (5 share the plain call's binary)
+    assert result["cached"] == 2  # the last pair, each under its own key
+
+
+def test_eager_forward_and_backward_launch_through_the_cache():
+    result = _worker("eager")
+    assert result["kernels"] == ["_batch_sum_kernel", "_chunk_kernel", "_embedding_forward_kernel",
+                                 "_finish_segments_kernel", "_sort_inputs_kernel"]
+    assert result["jit_runs"] == [5, 0]  # the second step never enters JITFunction.run
+    assert result["second"] == result["first"]  # same binaries, grids and stream

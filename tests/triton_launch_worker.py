@@ -1,0 +1,168 @@
+"""Run by tests/test_triton_launch.py in a subprocess (TRITON_INTERPRET unset: the real
+JIT). Triton compiles for sm_90 with ptxas as on a GPU, but the driver is a stand-in:
+loading a binary names it by its bytes' hash, and the launcher records what it is given
+(grid, stream, binary, arguments) instead of calling cuLaunchKernel. Each check prints
+one JSON line; the test asserts on them.
+
+What is checked: ``kernels.launch.cached`` launches exactly what Triton's own
+``kernel[grid](...)`` launches -- the same binary with the same arguments, grid and
+stream -- for arguments that differ in each property Triton specialises on, in every
+order; and pyembed's eager forward + backward reach the kernels through it.
+"""
+
+import hashlib
+import itertools
+import json
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+launches = []
+
+
+class _Utils:
+    def load_binary(self, name, kernel, shared, device):
+        return 1, int(hashlib.sha1(kernel).hexdigest()[:12], 16), 32, 0, 1024  # module, function, regs, ...
+
+    def get_device_properties(self, device):
+        return {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32}
+
+
+def _launcher(src, metadata):
+    def run(grid_0, grid_1, grid_2, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook,
+            *args):
+        launches.append(((grid_0, grid_1, grid_2), stream, function, args))
+    return run
+
+
+class FakeSm90Driver:
+    utils = _Utils()
+    launcher_cls = staticmethod(_launcher)
+    stream = 7
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return self.stream
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+driver = FakeSm90Driver()
+triton.runtime.driver.set_active(driver)
+
+from pyembed.kernels import embedding as k  # noqa: E402  (after the driver is set)
+from pyembed.kernels import launch  # noqa: E402
+
+
+def _same(a, b) -> bool:
+    """Two recorded launches agree: grid, stream, binary, and each argument (tensors by identity)."""
+    return (a[:3] == b[:3] and len(a[3]) == len(b[3])
+            and all(x is y if isinstance(x, torch.Tensor) else (type(x), x) == (type(y), y)
+                    for x, y in zip(a[3], b[3])))
+
+
+def _what_triton_launches(kernel, grid, args, constexprs):
+    launches.clear()
+    kernel[grid](*args, **constexprs)
+    return launches.pop()
+
+
+def _what_cached_launches(kernel, grid, args, constexprs):
+    launches.clear()
+    launch.cached(kernel)[grid](*args, **constexprs)
+    return launches.pop()
+
+
+def forward_variants():
+    """(grid, args, constexprs) of _embedding_forward_kernel, one varying property each."""
+    ids = torch.zeros(64, dtype=torch.long)
+    weight, out = torch.zeros(100, 768), torch.zeros(80 * 768)
+    pos = torch.zeros(300, 768)
+
+    def call(ids=ids, weight=weight, pos=pos, out=out, num_tokens=64, seq_len=32, dim=768, offset=0, record=0,
+             scale=2.0, f64=False):
+        args = (ids, weight, pos, ids, ids, out, num_tokens, seq_len, weight.shape[0], pos.shape[0], dim, offset,
+                scale, -0.01, 0, 0, 1.0, record)
+        constexprs = dict(POS_MODE=1, HAS_POSITION_IDS=False, HAS_DROPOUT=False, COMPUTE_F64=f64,
+                          CHECK_RANGES=record != 0, BLOCK_T=4, BLOCK_D=512)
+        return (16, 2), args, constexprs
+
+    return {
+        "plain": call(),
+        "int32 ids": call(ids=ids.int()),
+        "misaligned table": call(weight=torch.zeros(100 * 768 + 1)[1:].view(100, 768)),  # 4-byte offset
+        "table offset by 16 bytes": call(weight=torch.zeros(100 * 768 + 4)[4:].view(100, 768)),
+        "misaligned output": call(out=torch.zeros(80 * 768 + 2)[2:]),
+        "one token": call(num_tokens=1, seq_len=1),
+        "d=100": call(dim=100),
+        "d=16": call(dim=16),
+        "offset 16": call(offset=16),
+        "offset 17": call(offset=17),
+        "offset 2^31": call(offset=2**31),
+        "offset 2^31 + 1": call(offset=2**31 + 1),
+        "error record": call(record=2**40),
+        "error record 2^40 + 8": call(record=2**40 + 8),
+        "integer scale": call(scale=2),
+        "fp64 compute": call(f64=True),
+    }
+
+
+def check_forward_variants():
+    variants = forward_variants()
+    kernel = k._embedding_forward_kernel
+    expected = {name: _what_triton_launches(kernel, *v) for name, v in variants.items()}
+    binaries = {name: e[2] for name, e in expected.items()}
+    # Every variant after every other: a key too coarse would launch the first one's binary.
+    mismatches = []
+    for first, second in itertools.permutations(variants, 2):
+        launch._launchers.clear()
+        _what_cached_launches(kernel, *variants[first])
+        for attempt in range(2):
+            got = _what_cached_launches(kernel, *variants[second])
+            if not _same(got, expected[second]):
+                mismatches.append((first, second, attempt))
+    hits = len(launch.cached(kernel).compiled)
+    print(json.dumps({"check": "forward variants", "mismatches": mismatches, "binaries": len(set(binaries.values())),
+                      "variants": len(variants), "cached": hits}))
+
+
+def check_eager_calls():
+    """fused_embedding forward + dense backward, twice: the second time every launch is a
+    cache hit and launches what the first launched."""
+    import pyembed
+    from pyembed import _triton
+
+    _triton._INTERPRETED = True  # lets the backend take CPU tensors; the kernels still go through the JIT
+    launch._launchers.clear()
+    ids = torch.randint(0, 500, (2, 64), generator=torch.Generator().manual_seed(0))
+    weight, pos = torch.randn(500, 64, requires_grad=True), torch.randn(64, 64, requires_grad=True)
+    jit_runs = []
+    run = triton.runtime.jit.JITFunction.run
+
+    def counted_run(self, *args, **kwargs):
+        jit_runs[-1] += 1
+        return run(self, *args, **kwargs)
+
+    triton.runtime.jit.JITFunction.run = counted_run
+    recorded = []
+    for _ in range(2):
+        launches.clear()
+        jit_runs.append(0)
+        out = pyembed.fused_embedding(ids, weight, pos, scale=8.0, validate=False, backend="triton")
+        out.backward(torch.ones_like(out))
+        recorded.append([(grid, stream, function) for grid, stream, function, _ in launches])
+    names = sorted(c.kernel.fn.__name__ for c in launch._launchers.values())
+    print(json.dumps({"check": "eager calls", "first": recorded[0], "second": recorded[1], "kernels": names,
+                      "jit_runs": jit_runs}))
+
+
+if __name__ == "__main__":
+    {"forward": check_forward_variants, "eager": check_eager_calls}[sys.argv[1]]()
