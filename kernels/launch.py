@@ -110,13 +110,15 @@ class CachedLauncher:
         return self.names == self.names[:len(args)] + tuple(constexprs)
 
 
+# id(kernel) -> its launcher, which holds the kernel (so the id stays its own). By id:
+# hashing a JITFunction hashes its source's cache key, ~1 us per launch.
 _launchers: dict = {}
 
 
 def cached(kernel):
     """The launcher of ``kernel`` (the kernel itself where launches cannot be cached)."""
-    launcher = _launchers.get(kernel)
+    launcher = _launchers.get(id(kernel))
     if launcher is None:
         launcher = CachedLauncher(kernel) if isinstance(kernel, JITFunction) and _supported() else kernel
-        _launchers[kernel] = launcher
+        _launchers[id(kernel)] = launcher
     return launcher

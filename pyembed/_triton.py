@@ -61,10 +61,10 @@ def _on_device(t: torch.Tensor):
     """Triton launches on the *current* CUDA device; make it the tensors' device (a
     torchrun script may move tensors to cuda:rank without set_device). Usually it already
     is, and then no guard is entered (a device switch costs the host microseconds)."""
-    device = t.device
-    if device.type != "cuda" or device.index == torch.cuda.current_device():
+    index = t.get_device()  # -1 on the CPU; cheaper than t.device.type
+    if index < 0 or index == torch.cuda.current_device():
         return _NO_GUARD
-    return torch.cuda.device(device)
+    return torch.cuda.device(index)
 
 
 def _forward(ids, weight, pos_weight, position_ids, pos_encoding: str, scale: float, offset: int, dropout_key,
@@ -76,8 +76,9 @@ def _forward(ids, weight, pos_weight, position_ids, pos_encoding: str, scale: fl
         _kernels().embedding_forward(
             ids.contiguous(), weight.contiguous(), pos_weight.contiguous() if mode == 1 else None,
             position_ids.long().contiguous() if (position_ids is not None and mode) else None,
-            mode, scale, offset, dropout_key, reference.dropout_threshold(dropout_p),
-            reference.dropout_scale(dropout_p), sinusoid_column_offset, sinusoid_dim or weight.shape[1], out,
+            mode, scale, offset, dropout_key, 0 if dropout_key is None else reference.dropout_threshold(dropout_p),
+            1.0 if dropout_key is None else reference.dropout_scale(dropout_p), sinusoid_column_offset,
+            sinusoid_dim or weight.shape[1], out,
             launch=launch, error_record=error_record,
         )
     return out
