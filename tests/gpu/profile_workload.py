@@ -121,7 +121,8 @@ def host_costs(backends, calls=300):
 def host_cost_targets(backends, weight, ids, per_call, rounds=5):
     """Issue #29's host-cost targets, side by side in one process: a one-token lookup
     (default arguments, a table that wants a gradient, and under no_grad) against
-    F.embedding's host cost (`cuda`: <= 1.3x) and a raw Triton launch's (`triton`: <= 2x).
+    F.embedding's host cost (`cuda`: <= 1.3x) and a raw Triton launch's (`triton`: <= 2x);
+    also the same raw kernel through pyembed's cached launcher, the floor of a `triton` launch.
     The calls take turns, round after round; each figure is its best round."""
     import triton
     import triton.language as tl
@@ -131,8 +132,11 @@ def host_cost_targets(backends, weight, ids, per_call, rounds=5):
         tl.store(x_ptr, 1.0)
 
     scratch = torch.empty(1, device=weight.device)
+    from pyembed.kernels.launch import cached
+
     calls = {"F.embedding": lambda: torch.nn.functional.embedding(ids, weight),
-             "raw Triton launch": lambda: _touch[(1,)](scratch)}
+             "raw Triton launch": lambda: _touch[(1,)](scratch),
+             "raw launch, cached (kernels/launch.py)": lambda: cached(_touch)[(1,)](scratch)}
     calls.update({f"pyembed {b}": lambda b=b: pyembed.fused_embedding(ids, weight, backend=b) for b in backends})
     for grad in (True, False):
         best = dict.fromkeys(calls, float("inf"))
