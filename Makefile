@@ -46,8 +46,10 @@ $(INSTALL_STAMP): $(DEPS_STAMP) $(BUILD_INPUTS)
 COMPAT_TORCH ?= 2.13.0
 COMPAT_VENV  := .venv-compat
 # The GPU machine's Triton (make gpu-check compiles the kernels with it), installed on a path
-# of its own: every specialisation compiles for that machine's sm_90 without spills. Only
-# that: its interpreter, with NumPy >= 2.4, cannot run a loop bounded by a tensor (Triton
+# of its own: every specialisation compiles for that machine's sm_90 without spills, and an
+# eager forward + backward compiles through its JIT and launches through pyembed's cached
+# launcher (tests/triton_launch_worker.py, driver stood in; it caught a backward kernel
+# that 3.6 failed to compile at d = 16-64). Only that: its interpreter, with NumPy >= 2.4, cannot run a loop bounded by a tensor (Triton
 # 3.8's can), and for sm_80 it spills 8 B in one d=100 bf16 forward, where 3.8 does not.
 GPU_TRITON   ?= 3.6.0
 define NO_SPILLS
@@ -70,6 +72,7 @@ test-compat:
 	$(COMPAT_VENV)/bin/pip install --no-deps --target $(COMPAT_VENV)/gpu-triton "triton==$(GPU_TRITON)"
 	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_aot.py --quick \
 		| bin/python -c "$$NO_SPILLS"
+	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_launch_worker.py eager
 
 clean:
 	rm -rf build *.egg-info pyembed/*.so

@@ -351,32 +351,33 @@ def _finish_segments_kernel(
     segment is written as zeros with ZERO_EMPTY (a dense gradient by table row: every row
     written once, no fill before), else not at all. BLOCK_R segments per program."""
     acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
-    g = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    # Every per-segment value is a (BLOCK_R, 1) column of the tile, not a vector broadcast
+    # into it: with vectors, Triton 3.6's layout pass fails to compile the direct loop for
+    # BLOCK_D 16-64 (the mask and the load it guards end up in different layouts).
+    g = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
+    cols = (tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
     g_ok = g < num_segments
     col_ok = cols < dim
     begin = tl.load(begin_ptr + g, mask=g_ok, other=0)
     length = tl.load(end_ptr + g, mask=g_ok, other=0) - begin
     direct = tl.where(length <= CHUNK, length, 0)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype)
-    for k in range(0, tl.max(direct, 0)):
+    for k in range(0, tl.max(tl.max(direct, 1), 0)):
         take = k < direct
         token = tl.load(order_ptr + begin + k, mask=take, other=0)
-        acc += tl.load(dout_ptr + token[:, None] * dim + cols[None, :], mask=take[:, None] & col_ok[None, :],
-                       other=0.0).to(acc_dtype)
+        acc += tl.load(dout_ptr + token * dim + cols, mask=take & col_ok, other=0.0).to(acc_dtype)
     if HAS_PARTIALS:
         first_chunk = begin // CHUNK
         pieces = tl.where(length > CHUNK, (begin + length - 1) // CHUNK - first_chunk + 1, 0)
-        for k in range(0, tl.max(pieces, 0)):
+        for k in range(0, tl.max(tl.max(pieces, 1), 0)):
             slot = 2 * (first_chunk + k) + ((k == 0) & (begin % CHUNK != 0)).to(tl.int64)
-            acc += tl.load(partials_ptr + slot[:, None] * dim + cols[None, :],
-                           mask=(k < pieces)[:, None] & col_ok[None, :], other=0.0)
+            acc += tl.load(partials_ptr + slot * dim + cols, mask=(k < pieces) & col_ok, other=0.0)
     if DIVIDE_BY_COUNT:
-        acc = acc * (tl.full([], scale, acc_dtype) / tl.maximum(length, 1).to(acc_dtype))[:, None]
+        acc = acc * (tl.full([], scale, acc_dtype) / tl.maximum(length, 1).to(acc_dtype))
     else:
         acc = acc * tl.full([], scale, acc_dtype)
     write = g_ok & ((length > 0) | ZERO_EMPTY)
-    tl.store(out_ptr + g[:, None] * dim + cols[None, :], _rounded(acc, out_ptr), mask=write[:, None] & col_ok[None, :])
+    tl.store(out_ptr + g * dim + cols, _rounded(acc, out_ptr), mask=write & col_ok)
 
 
 @triton.jit

@@ -82,27 +82,29 @@ def forward_source(dtype, pos_mode, dim, *, position_ids=False, id_type="i64", s
         "COMPUTE_F64": dtype == "fp64", "CHECK_RANGES": check, "BLOCK_T": block_t, "BLOCK_D": block_d})
 
 
-def chunk_source(dtype, dim, *, key_type="i16", by_slot=False):
+def chunk_source(dtype, dim, *, key_type="i16", by_slot=False, partials=True):
     """One pass over the sorted positions: segment bounds (by table row, or by slot for a
-    sparse gradient) and the long segments' partial sums. Keys: i16 for tables of fewer
-    than 2^16 rows (the 50257 used here), i32 / i64 for larger ones."""
+    sparse gradient) and the long segments' partial sums (partials=False: a backward of
+    at most one chunk of tokens, where no segment can be long). Keys: i16 for tables of
+    fewer than 2^16 rows (the 50257 used here), i32 / i64 for larger ones."""
     acc = "fp64" if dtype == "fp64" else "fp32"
     args = {"sorted_ptr": f"*{key_type}", "scan_ptr": "*i64", "keys_ptr": "*i64", "begin_ptr": "*i64",
             "end_ptr": "*i64", "dout_ptr": f"*{dtype}", "order_ptr": "*i64", "partials_ptr": f"*{acc}", "n": TOKENS,
             "num_rows": 50257, "dim": dim}
     return _source(k._chunk_kernel, args, {
-        "BY_SLOT": by_slot, "HAS_PARTIALS": True, "COMPUTE_F64": acc == "fp64", "CHUNK": k.CHUNK_ROWS,
+        "BY_SLOT": by_slot, "HAS_PARTIALS": partials, "COMPUTE_F64": acc == "fp64", "CHUNK": k.CHUNK_ROWS,
         "BLOCK_D": k._blocks(dim)[1]})
 
 
-def finish_source(dtype, dim, *, divide):
-    """One pass over a dense gradient's rows (with scale_grad_by_freq's division or not)."""
+def finish_source(dtype, dim, *, divide, partials=True):
+    """One pass over a dense gradient's rows (with scale_grad_by_freq's division or not;
+    partials=False: a backward of at most one chunk of tokens)."""
     acc = "fp64" if dtype == "fp64" else "fp32"
     block_r, block_d = k._blocks(dim)
     args = {"dout_ptr": f"*{dtype}", "order_ptr": "*i64", "partials_ptr": f"*{acc}", "begin_ptr": "*i64",
             "end_ptr": "*i64", "out_ptr": f"*{dtype}", "scale": 27.7, "num_segments": 50257, "dim": dim}
     return _source(k._finish_segments_kernel, args, {
-        "DIVIDE_BY_COUNT": divide, "ZERO_EMPTY": True, "HAS_PARTIALS": True, "COMPUTE_F64": acc == "fp64",
+        "DIVIDE_BY_COUNT": divide, "ZERO_EMPTY": True, "HAS_PARTIALS": partials, "COMPUTE_F64": acc == "fp64",
         "CHUNK": k.CHUNK_ROWS, "BLOCK_R": block_r, "BLOCK_D": block_d})
 
 
@@ -160,11 +162,20 @@ def sources():
         out[f"forward fp32 learned int32-ids d={dim}"] = (forward_source, ("fp32", 1, dim), {"id_type": "i32"})
     for mode, vname in ((1, "learned"), (2, "sinusoidal")):
         out[f"forward fp64 {vname} d=768"] = (forward_source, ("fp64", mode, 768), {})
-    for dtype, dim in itertools.product(("fp32", "fp16", "bf16", "fp64"), DIMS):
+    # The backward's tiles also at d = 64: BLOCK_D 16-64 is where Triton 3.6 once failed to
+    # compile finish_segments (a layout-pass error), which d = 8 and 100 did not show.
+    for dtype, dim in itertools.product(("fp32", "fp16", "bf16", "fp64"), DIMS + (64,)):
         out[f"chunk {dtype} d={dim}"] = (chunk_source, (dtype, dim), {})
         out[f"finish_segments {dtype} d={dim}"] = (finish_source, (dtype, dim), {"divide": False})
         out[f"finish_segments {dtype} by_freq d={dim}"] = (finish_source, (dtype, dim), {"divide": True})
         out[f"batch_sum {dtype} d={dim}"] = (batch_source, (dtype, dim), {})
+    # A backward of at most CHUNK_ROWS tokens has no partials. Not at d = 100: for bf16 on
+    # sm_80 ptxas spills 40 B there (the direct loop's scalar loads; the same before the
+    # column-tile form of finish_segments), in a launch of at most 128 tokens.
+    for dtype, dim in itertools.product(("fp32", "bf16"), (8, 64, 768, 4096)):
+        out[f"chunk short {dtype} d={dim}"] = (chunk_source, (dtype, dim), {"partials": False})
+        out[f"finish_segments short {dtype} d={dim}"] = (finish_source, (dtype, dim), {"divide": False,
+                                                                                       "partials": False})
     for key_type in ("i16", "i32", "i64"):
         out[f"sort_inputs {key_type}"] = (bounds_source, ("inputs", key_type), {})
         out[f"segment_starts {key_type}"] = (bounds_source, ("starts", key_type), {})
