@@ -1,25 +1,26 @@
 """Launching pyembed's Triton kernels with less host time per launch.
 
 ``kernel[grid](*args, **constexprs)`` goes through ``JITFunction.run``, which binds every
-argument and re-derives its specialisation on every launch, then hashes a cache key from
-them: ~7 us of host time for the forward's 25 parameters (2-3 us for a two-parameter
-kernel), measured on a CPU with the launch itself stubbed (the driver is faked).
-A one-token lookup on a GPU pays it once per kernel.
+argument and re-derives its specialisation on every launch, hashes a cache key from them
+and builds launch metadata for the (usually empty) profiler hooks: 6.9 us of host time
+for the forward's 25 parameters, 3.0 us for a one-pointer kernel, on the development VM
+with Triton's real JIT and a stand-in driver. A one-token lookup on a GPU pays it once
+per kernel, five times for a forward and backward.
 
 ``cached(kernel)[grid](...)`` takes the same call. It keys each launch by what Triton's
 specialisation depends on -- the constexprs, each tensor's dtype and 16-byte alignment,
-each int's "== 1", "% 16 == 0" and 32/64-bit range (Triton's rules, checked against
-``native_specialize_impl`` by tests/test_triton_launch.py), the device and the JIT's
-options -- and launches the ``CompiledKernel`` that Triton returned for that key through
-the compiled kernel's launcher, as Triton's run does (through ``compiled[grid](*args)``,
-which builds the launch metadata, when a profiler's launch hooks are set). A key not seen yet (the first launch, a new
-shape class, another device) goes through ``JITFunction.run``, which compiles or finds
-the kernel and launches it; its result is remembered.
+each int's "== 1", "% 16 == 0" and 32/64-bit range, the device and the JIT's options --
+and launches the ``CompiledKernel`` that Triton returned for that key with the compiled
+kernel's own launcher, as Triton's run does (3.6 us for the forward). A key not seen yet
+(the first launch, a new shape class, another device) goes through ``JITFunction.run``,
+which compiles or finds the kernel and launches it; its result is remembered.
+tests/test_triton_launch.py checks that it launches the binary and arguments Triton's
+run would, for arguments that differ in each property Triton specialises on.
 
-Under the interpreter (TRITON_INTERPRET=1) and on Triton releases whose launch passes
-other arguments (before 3.3, constexprs were not passed to the launcher), ``cached``
-returns the kernel itself. Kernels with pre-run hooks, a stage-inspection hook set, or
-keyword arguments given out of the signature's order always take Triton's run.
+Under the interpreter (TRITON_INTERPRET=1) and on Triton releases before 3.3 (whose
+launcher took other arguments), ``cached`` returns the kernel itself. Kernels with
+pre-run hooks, a stage-inspection hook set, or keywords out of the signature's order
+always take Triton's run; profiler launch hooks are called as Triton calls them.
 """
 
 from __future__ import annotations
@@ -37,10 +38,15 @@ _INT32_MIN, _INT32_END = -(2**31), 2**31
 
 
 def _supported() -> bool:
+    """Triton >= 3.3 (its launcher takes every parameter, constexprs included), with the
+    global options this key reads (checked, not assumed, for releases between)."""
     if knobs is None:
         return False
     major, minor = (int(part) for part in triton.__version__.split(".")[:2])
-    return (major, minor) >= (3, 3)
+    runtime = knobs.runtime
+    return ((major, minor) >= (3, 3) and hasattr(knobs.compilation, "instrumentation_mode")
+            and all(hasattr(runtime, name) for name in ("debug", "add_stages_inspection_hook", "launch_enter_hook",
+                                                         "launch_exit_hook")))
 
 
 def _launch_key(device, args: tuple, constexprs: dict):
@@ -86,12 +92,13 @@ class CachedLauncher:
         driver = triton.runtime.driver.active
         device = driver.get_current_device()
         runtime = knobs.runtime
+        # Hooks that Triton's run calls before compiling or launching: none, or its own path.
+        plain = not getattr(self.kernel, "pre_run_hooks", None) and runtime.add_stages_inspection_hook is None
         key = _launch_key((device, runtime.debug, knobs.compilation.instrumentation_mode), args, constexprs)
-        compiled = self.compiled.get(key)
+        compiled = self.compiled.get(key) if plain else None
         if compiled is None:
             compiled = self.kernel[grid](*args, **constexprs)  # compiles a new specialisation, launches
-            if (compiled is not None and key is not None and self._in_signature_order(args, constexprs)
-                    and not self.kernel.pre_run_hooks and runtime.add_stages_inspection_hook is None):
+            if plain and compiled is not None and key is not None and self._in_signature_order(args, constexprs):
                 self.compiled[key] = compiled
         elif not (getattr(runtime.launch_enter_hook, "calls", runtime.launch_enter_hook)
                   or getattr(runtime.launch_exit_hook, "calls", runtime.launch_exit_hook)):

@@ -41,3 +41,9 @@ def test_eager_forward_and_backward_launch_through_the_cache():
                                  "_finish_segments_kernel", "_sort_inputs_kernel"]
     assert result["jit_runs"] == [5, 0]  # the second step never enters JITFunction.run
     assert result["second"] == result["first"]  # same binaries, grids and stream
+
+
+def test_a_profilers_launch_hook_sees_cached_launches_as_it_sees_tritons():
+    result = _worker("hooks")
+    assert len(result["by_triton"]) == 4 and result["cached"] == result["by_triton"]
+    assert result["same_launches"]

@@ -7,7 +7,8 @@ one JSON line; the test asserts on them.
 What is checked: ``kernels.launch.cached`` launches exactly what Triton's own
 ``kernel[grid](...)`` launches -- the same binary with the same arguments, grid and
 stream -- for arguments that differ in each property Triton specialises on, in every
-order; and pyembed's eager forward + backward reach the kernels through it.
+order; a profiler's launch hook sees its launches as it sees Triton's; and pyembed's
+eager forward + backward reach the kernels through it.
 """
 
 import hashlib
@@ -33,7 +34,11 @@ class _Utils:
 def _launcher(src, metadata):
     def run(grid_0, grid_1, grid_2, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook,
             *args):
+        if enter_hook is not None:  # as Triton's C launcher: hooks get the launch metadata
+            enter_hook(launch_metadata)
         launches.append(((grid_0, grid_1, grid_2), stream, function, args))
+        if exit_hook is not None:
+            exit_hook(launch_metadata)
     return run
 
 
@@ -164,5 +169,28 @@ def check_eager_calls():
                       "jit_runs": jit_runs}))
 
 
+def check_profiler_hooks():
+    """A profiler's launch hook (as Proton sets one) sees every launch, with its metadata,
+    cached or not -- as many calls and the same kernel names as under Triton's own run."""
+    from triton import knobs
+
+    variants = forward_variants()
+    kernel = k._embedding_forward_kernel
+    seen = []
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        for name in ("plain", "one token", "plain", "plain"):
+            _what_triton_launches(kernel, *variants[name])
+        by_triton, seen[:] = list(seen), []
+        launch._launchers.clear()
+        launched = [_what_cached_launches(kernel, *variants[name]) for name in ("plain", "one token", "plain", "plain")]
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    expected = [_what_triton_launches(kernel, *variants[name]) for name in ("plain", "one token", "plain", "plain")]
+    print(json.dumps({"check": "profiler hooks", "by_triton": by_triton, "cached": seen,
+                      "same_launches": all(map(_same, launched, expected))}))
+
+
 if __name__ == "__main__":
-    {"forward": check_forward_variants, "eager": check_eager_calls}[sys.argv[1]]()
+    {"forward": check_forward_variants, "eager": check_eager_calls, "hooks": check_profiler_hooks}[sys.argv[1]]()
