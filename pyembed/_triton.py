@@ -127,7 +127,7 @@ def _backward(grad_out, ids, position_ids, offset: int, num_embeddings: int, num
     k = _kernels()
     dim = grad_out.shape[-1]
     dout = grad_out.contiguous().reshape(ids.numel(), dim)  # not -1: d may be 0
-    weight_grad, pos_grad = grad_out.new_empty(0, dim), grad_out.new_empty(0, dim)
+    weight_grad = pos_grad = None  # (0, d) where not asked for: made only then (each op costs the host)
     with _on_device(grad_out) if device_guard else contextlib.nullcontext():
         # Dense gradients are written once, every row: no zero fill first.
         if need_weight_grad:
@@ -140,7 +140,8 @@ def _backward(grad_out, ids, position_ids, offset: int, num_embeddings: int, num
             seq_len = ids.shape[-1] if ids.numel() else 0
             k.batch_sum(dout, pos_grad, ids.numel() // max(seq_len, 1), seq_len,
                         min(max(num_positions - offset, 0), seq_len), offset, launch=launch)
-    return weight_grad, pos_grad
+    return (grad_out.new_empty(0, dim) if weight_grad is None else weight_grad,
+            grad_out.new_empty(0, dim) if pos_grad is None else pos_grad)
 
 
 def backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[torch.Tensor], offset: int,

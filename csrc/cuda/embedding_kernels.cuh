@@ -577,7 +577,7 @@ std::tuple<at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out_in, co
   const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
   const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
   const auto options = dout.options();
-  at::Tensor weight_grad = at::empty({0, dim}, options), pos_grad = at::empty({0, dim}, options);
+  at::Tensor weight_grad, pos_grad;  // (0, d) where not asked for, made only then (each op costs the host)
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dout.scalar_type(), "pyembed_backward_cuda", [&] {
     using T = scalar_t;
@@ -602,7 +602,8 @@ std::tuple<at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out_in, co
       }
     }
   });
-  return {weight_grad, pos_grad};
+  return {weight_grad.defined() ? weight_grad : at::empty({0, dim}, options),
+          pos_grad.defined() ? pos_grad : at::empty({0, dim}, options)};
 }
 
 // The token table's gradient rows: the used ids' segments by slot, the first `rows`
