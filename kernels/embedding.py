@@ -510,8 +510,8 @@ def optimizer_update(param, state1, state2, rows, values, rule: int, hyper, all_
     if all_rows:
         row_slot = torch.full((num_rows,), -1, dtype=torch.long, device=param.device)
         if touched:
-            _direct(_scatter_row_slots_kernel)[(_cdiv(touched, BOUNDS_BLOCK),)](rows, row_slot, touched, num_rows,
-                                                                      BLOCK=BOUNDS_BLOCK)
+            _direct(_scatter_row_slots_kernel)[(_cdiv(touched, BOUNDS_BLOCK),)](
+                rows, row_slot, touched, num_rows, BLOCK=BOUNDS_BLOCK)
     # Named scalars from the rule's tuple (csrc/optim.h, Scalars::from); the rest unused.
     lr = beta1 = beta2 = eps = wd = momentum = dampening = 0.0
     bc1 = bc2_sqrt = 1.0
