@@ -2,7 +2,12 @@
 correctness gate, and the CSV has the documented columns."""
 
 import csv
+import os
+import pathlib
+import subprocess
+import sys
 
+import pytest
 import torch
 
 import pyembed
@@ -80,3 +85,20 @@ def test_gate_reports_a_wrong_provider_as_failed(tmp_path):
     rows = run.run_case(case, torch.device("cpu"), [wrong], args)
     assert rows[0]["status"] == "FAILED" and "output differs" in rows[0]["note"]
     assert "median_ms" not in rows[0]
+
+
+def test_triton_host_timing_runs_without_a_gpu():
+    # python -m bench.triton_host: Triton's compiled path with a stand-in driver (it refuses
+    # the interpreter, which this suite sets), one short round of every call it times.
+    pytest.importorskip("triton", reason="triton is not installed")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "bench.triton_host", "--rounds", "1", "--number", "5"],
+                          capture_output=True, text=True, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("host time per call, Triton")
+    assert [line.split("  ")[0] for line in lines[1:]] == [
+        "raw Triton launch", "raw launch, cached", "F.embedding (CPU)", "triton 1x1 fwd, no grad", "triton 1x1 fwd",
+        "triton 1x1 fwd+bwd"]

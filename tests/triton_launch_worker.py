@@ -11,57 +11,19 @@ order; a profiler's launch hook sees its launches as it sees Triton's; and pyemb
 eager forward + backward reach the kernels through it.
 """
 
-import hashlib
 import itertools
 import json
+import pathlib
 import sys
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
 
-launches = []
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+import stand_in_driver  # noqa: E402  (standalone: an installed copy's venv runs this file too)
 
-
-class _Utils:
-    def load_binary(self, name, kernel, shared, device):
-        return 1, int(hashlib.sha1(kernel).hexdigest()[:12], 16), 32, 0, 1024  # module, function, regs, ...
-
-    def get_device_properties(self, device):
-        return {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32}
-
-
-def _launcher(src, metadata):
-    def run(grid_0, grid_1, grid_2, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook,
-            *args):
-        if enter_hook is not None:  # as Triton's C launcher: hooks get the launch metadata
-            enter_hook(launch_metadata)
-        launches.append(((grid_0, grid_1, grid_2), stream, function, args))
-        if exit_hook is not None:
-            exit_hook(launch_metadata)
-    return run
-
-
-class FakeSm90Driver:
-    utils = _Utils()
-    launcher_cls = staticmethod(_launcher)
-    stream = 7
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return self.stream
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-
-driver = FakeSm90Driver()
-triton.runtime.driver.set_active(driver)
+driver = stand_in_driver.install()
+launches = stand_in_driver.launches
 
 from pyembed.kernels import embedding as k  # noqa: E402  (after the driver is set)
 from pyembed.kernels import launch  # noqa: E402

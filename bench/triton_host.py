@@ -1,0 +1,90 @@
+"""``python -m bench.triton_host``: the host time of `triton` calls, measurable without a GPU.
+
+On a GPU a one-token `triton` lookup is host-bound: what it costs is the Python around
+its launches and Triton's own launch path. Here Triton's real JIT compiles every kernel
+for sm_90, and a stand-in driver (bench/stand_in_driver.py) takes the launches as no-ops,
+so everything but the driver's cuLaunchKernel is timed: a raw Triton launch of a
+one-store kernel, the same through pyembed's cached launcher (kernels/launch.py),
+F.embedding on the CPU for scale, and pyembed's one-token forward (no gradient; with
+one) and forward + backward -- the default checks as on a GPU (inside the kernel). The
+calls take turns, round after round; each figure is its best round. Issue #29's target
+compares a one-token forward with a raw Triton launch (<= 2x); on a GPU both also pay
+the driver's launch, the same constant, which this leaves out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import timeit
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    raise SystemExit("bench.triton_host times Triton's compiled path: unset TRITON_INTERPRET")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from . import stand_in_driver  # noqa: E402
+
+stand_in_driver.install().record = False
+
+import pyembed  # noqa: E402  (after the driver: nothing compiles before it is in place)
+from pyembed import _triton, checks  # noqa: E402
+from pyembed.kernels.launch import cached  # noqa: E402
+
+
+@triton.jit
+def _touch(x_ptr):  # one pointer, one store: the least a Triton launch can do
+    tl.store(x_ptr, 1.0)
+
+
+def calls(vocab: int, dim: int) -> dict:
+    ids = torch.tensor([[3]])
+    weight = torch.randn(vocab, dim, requires_grad=True)
+    pos_weight = torch.randn(1024, dim, requires_grad=True)
+    frozen, frozen_pos = weight.detach(), pos_weight.detach()
+    scratch = torch.empty(1)
+
+    def forward_backward():
+        out = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="triton")
+        out.backward(torch.ones_like(out))
+        weight.grad = pos_weight.grad = None
+
+    return {
+        "raw Triton launch": lambda: _touch[(1,)](scratch),
+        "raw launch, cached": lambda: cached(_touch)[(1,)](scratch),
+        "F.embedding (CPU)": lambda: torch.nn.functional.embedding(ids, frozen),
+        "triton 1x1 fwd, no grad": lambda: pyembed.fused_embedding(ids, frozen, frozen_pos, scale=2.0,
+                                                                    backend="triton"),
+        "triton 1x1 fwd": lambda: pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="triton"),
+        "triton 1x1 fwd+bwd": forward_backward,
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.triton_host", description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--number", type=int, default=2000, help="calls per timing")
+    ap.add_argument("--vocab", type=int, default=1000, help="table rows (the backward writes all of them)")
+    ap.add_argument("--dim", type=int, default=64)
+    args = ap.parse_args(argv)
+    _triton._INTERPRETED = True  # lets the backend take CPU tensors; its kernels still go through the JIT
+    checks.KERNEL_CHECKED_DEVICES = (*checks.KERNEL_CHECKED_DEVICES, "cpu")  # the default check, as on a GPU
+    torch.set_num_threads(1)
+    timed = calls(args.vocab, args.dim)
+    for fn in timed.values():
+        fn()  # compiles
+    best = dict.fromkeys(timed, float("inf"))
+    for _ in range(args.rounds):
+        for name, fn in timed.items():
+            best[name] = min(best[name], timeit.timeit(fn, number=args.number) / args.number * 1e6)
+    raw = best["raw Triton launch"]
+    print(f"host time per call, Triton {triton.__version__}, stand-in sm_90 driver (launches not run), "
+          f"best of {args.rounds} rounds x {args.number} calls")
+    for name, us in best.items():
+        print(f"{name:26s} {us:8.2f} us   {us / raw:5.2f}x a raw Triton launch")
+
+
+if __name__ == "__main__":
+    main()
