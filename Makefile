@@ -49,7 +49,9 @@ COMPAT_VENV  := .venv-compat
 # of its own: every specialisation compiles for that machine's sm_90 without spills, and an
 # eager forward + backward compiles through its JIT and launches through pyembed's cached
 # launcher (tests/triton_launch_worker.py, driver stood in; it caught a backward kernel
-# that 3.6 failed to compile at d = 16-64). Only that: its interpreter, with NumPy >= 2.4, cannot run a loop bounded by a tensor (Triton
+# that 3.6 failed to compile at d = 16-64), and every specialisation the triton tests
+# launch (recorded under .venv's interpreter) compiles (tests/triton_specs.py). Only that:
+# its interpreter, with NumPy >= 2.4, cannot run a loop bounded by a tensor (Triton
 # 3.8's can), and for sm_80 it spills 8 B in one d=100 bf16 forward, where 3.8 does not.
 GPU_TRITON   ?= 3.6.0
 define NO_SPILLS
@@ -60,7 +62,7 @@ print(f"{len(report)} Triton specialisations compiled, spills: {spills or 'none'
 sys.exit(bool(spills))
 endef
 export NO_SPILLS
-test-compat:
+test-compat: $(INSTALL_STAMP)
 	rm -rf $(COMPAT_VENV) && $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/pip install "torch==$(COMPAT_TORCH)" "setuptools>=77" wheel ninja build pytest hypothesis numpy
 	$(COMPAT_VENV)/bin/python -m build --sdist --outdir $(COMPAT_VENV)/dist .
@@ -73,6 +75,9 @@ test-compat:
 	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_aot.py --quick \
 		| bin/python -c "$$NO_SPILLS"
 	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_launch_worker.py eager
+	$(PY) tests/triton_specs.py record $(CURDIR)/build/triton_specs.json
+	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_specs.py \
+		compile $(CURDIR)/build/triton_specs.json
 
 clean:
 	rm -rf build *.egg-info pyembed/*.so
