@@ -49,14 +49,15 @@ def _supported() -> bool:
                                                          "launch_exit_hook")))
 
 
-def _launch_key(device, args: tuple, constexprs: dict):
+def _launch_key(context: tuple, args: tuple, constexprs: dict):
     """One flat tuple of what Triton specialises a launch on (None: an argument of a type
-    whose specialisation is not known here): the device; the constexprs' names, values and
-    types (True == 1 in a tuple, not as a constexpr); for an int argument, == 1 (then a
-    constant), divisible by 16, and 32-bit, 64-bit or unsigned; for a tensor, its dtype
-    and whether its address is 16-byte aligned; for a float, a bool or None, its type.
-    Flat, because it is built and hashed on every launch."""
-    key = [device, *constexprs, *constexprs.values(), *map(type, constexprs.values())]
+    whose specialisation is not known here): ``context`` (the device and the JIT's global
+    options); the constexprs' names, values and types (True == 1 in a tuple, not as a
+    constexpr); for an int argument, == 1 (then a constant), divisible by 16, and 32-bit,
+    64-bit or unsigned; for a tensor, its dtype and whether its address is 16-byte
+    aligned; for a float, a bool or None, its type. Flat, because it is built and hashed
+    on every launch."""
+    key = [*context, *constexprs, *constexprs.values(), *map(type, constexprs.values())]
     append = key.append
     for arg in args:
         kind = type(arg)
