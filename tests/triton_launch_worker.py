@@ -1,8 +1,8 @@
 """Run by tests/test_triton_launch.py in a subprocess (TRITON_INTERPRET unset: the real
-JIT). Triton compiles for sm_90 with ptxas as on a GPU, but the driver is a stand-in:
-loading a binary names it by its bytes' hash, and the launcher records what it is given
-(grid, stream, binary, arguments) instead of calling cuLaunchKernel. Each check prints
-one JSON line; the test asserts on them.
+JIT). Triton compiles for sm_90 with ptxas as on a GPU, but the driver is a stand-in
+(bench/stand_in_driver.py): loading a binary names it by its bytes' hash, and the
+launcher records what it is given (grid, stream, binary, arguments) instead of calling
+cuLaunchKernel. Each check prints one JSON line; the test asserts on them.
 
 What is checked: ``kernels.launch.cached`` launches exactly what Triton's own
 ``kernel[grid](...)`` launches -- the same binary with the same arguments, grid and
