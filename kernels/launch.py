@@ -18,9 +18,10 @@ tests/test_triton_launch.py checks that it launches the binary and arguments Tri
 run would, for arguments that differ in each property Triton specialises on.
 
 Under the interpreter (TRITON_INTERPRET=1) and on Triton releases before 3.3 (whose
-launcher took other arguments), ``cached`` returns the kernel itself. Kernels with
-pre-run hooks, a stage-inspection hook set, or keywords out of the signature's order
-always take Triton's run; profiler launch hooks are called as Triton calls them.
+launcher took other arguments), ``cached`` returns the kernel itself. A callable grid,
+kernels with pre-run hooks, a stage-inspection hook set, or keywords out of the
+signature's order always take Triton's run; profiler launch hooks are called as Triton
+calls them.
 """
 
 from __future__ import annotations
@@ -93,8 +94,10 @@ class CachedLauncher:
         driver = triton.runtime.driver.active
         device = driver.get_current_device()
         runtime = knobs.runtime
-        # Hooks that Triton's run calls before compiling or launching: none, or its own path.
-        plain = not getattr(self.kernel, "pre_run_hooks", None) and runtime.add_stages_inspection_hook is None
+        # A grid given as a tuple, and no hook that Triton's run calls before compiling or
+        # launching; else Triton's own path (a callable grid is evaluated there).
+        plain = (type(grid) is tuple and not getattr(self.kernel, "pre_run_hooks", None)
+                 and runtime.add_stages_inspection_hook is None)
         key = _launch_key((device, runtime.debug, knobs.compilation.instrumentation_mode), args, constexprs)
         compiled = self.compiled.get(key) if plain else None
         if compiled is None:
