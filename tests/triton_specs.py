@@ -53,20 +53,6 @@ def record(out: str, pytest_args: list) -> int:
     return int(code)
 
 
-def _key(entry) -> str:
-    """Triton's specialisation of a launch: ints by == 1, % 16 and 32/64 bits, floats by type."""
-    name, args, constexprs = entry
-
-    def of(value):
-        if isinstance(value, bool) or value is None or isinstance(value, float):
-            return type(value).__name__
-        if isinstance(value, int):
-            return "one" if value == 1 else [value % 16 == 0, -(2**31) <= value < 2**31]
-        return value
-
-    return json.dumps([name, [of(a) for a in args], constexprs], sort_keys=True)
-
-
 def compile_all(path: str) -> int:
     os.environ.pop("TRITON_INTERPRET", None)
     sys.path.insert(0, str(ROOT / "bench"))
@@ -77,6 +63,7 @@ def compile_all(path: str) -> int:
     import triton
 
     from pyembed.kernels import embedding as kernels
+    from pyembed.kernels.launch import _launch_key
 
     def argument(value):
         if isinstance(value, list) and value[:1] == ["tensor"]:
@@ -84,11 +71,14 @@ def compile_all(path: str) -> int:
             return base if value[2] else base[1:]  # one element in: not 16-byte aligned
         return value
 
-    entries = {_key(e): e for e in json.loads(pathlib.Path(path).read_text())}
+    entries = {}  # one launch per distinct specialisation, by the cached launcher's key
+    for name, recorded, constexprs in json.loads(pathlib.Path(path).read_text()):
+        args = tuple(map(argument, recorded))
+        entries.setdefault((name, _launch_key((), args, constexprs)), (name, args, constexprs))
     failed = []
     for name, args, constexprs in entries.values():
         try:
-            getattr(kernels, name).warmup(*map(argument, args), grid=(1,), **constexprs)
+            getattr(kernels, name).warmup(*args, grid=(1,), **constexprs)
         except Exception as error:  # noqa: BLE001 - every failure is reported, then the exit code says it
             failed.append(f"{name} {constexprs}: {str(error).splitlines()[0][:200]}")
     print(f"Triton {triton.__version__}: {len(entries) - len(failed)} of {len(entries)} specialisations compiled "
