@@ -22,7 +22,7 @@ import triton
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import stand_in_driver  # noqa: E402  (standalone: an installed copy's venv runs this file too)
 
-driver = stand_in_driver.install()
+stand_in_driver.install()
 launches = stand_in_driver.launches
 
 from pyembed.kernels import embedding as k  # noqa: E402  (after the driver is set)

@@ -127,13 +127,13 @@ def host_cost_targets(backends, weight, ids, per_call, rounds=5):
     import triton
     import triton.language as tl
 
+    from pyembed.kernels.launch import cached
+
     @triton.jit
     def _touch(x_ptr):  # one pointer, one store: the least a Triton launch can do
         tl.store(x_ptr, 1.0)
 
     scratch = torch.empty(1, device=weight.device)
-    from pyembed.kernels.launch import cached
-
     calls = {"F.embedding": lambda: torch.nn.functional.embedding(ids, weight),
              "raw Triton launch": lambda: _touch[(1,)](scratch),
              "raw launch, cached (kernels/launch.py)": lambda: cached(_touch)[(1,)](scratch)}
