@@ -381,6 +381,40 @@ def _finish_segments_kernel(
 
 
 @triton.jit
+def _few_tokens_gradient_kernel(
+    keys_ptr,  # (n,) int32/int64 ids or positions, n <= FEW_TOKENS
+    dout_ptr,  # (n, dim) the output gradient
+    out_ptr,  # (num_rows, dim) out: every row
+    scale: tl.float64, n, num_rows, skip, dim,
+    DIVIDE_BY_COUNT: tl.constexpr, COMPUTE_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """A dense gradient of a few tokens without the sort: a program owns BLOCK_R rows,
+    reads every token's key and sums the dout rows of its own rows' tokens in token order
+    -- the order the sorted path sums a segment in, with the same factor, so both give the
+    same bits. Every row written once (untouched rows as zeros)."""
+    acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
+    g0 = tl.program_id(0).to(tl.int64) * BLOCK_R
+    g = (g0 + tl.arange(0, BLOCK_R))[:, None]  # (BLOCK_R, 1) columns, as _finish_segments_kernel
+    cols = (tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
+    col_ok = cols < dim
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype)
+    count = tl.zeros([BLOCK_R, 1], dtype=tl.int32)
+    for t in range(0, n):
+        key = tl.load(keys_ptr + t).to(tl.int64)
+        if _used_key(key, num_rows, skip) & (key >= g0) & (key < g0 + BLOCK_R):  # dout read by its row's program only
+            hit = g == key
+            row = tl.load(dout_ptr + t * dim + cols, mask=col_ok, other=0.0).to(acc_dtype)
+            acc += tl.where(hit, row, 0.0)  # + 0.0 elsewhere: a sum of this kind is never -0.0, so no bit changes
+            count += hit.to(tl.int32)
+    if DIVIDE_BY_COUNT:
+        acc = acc * (tl.full([], scale, acc_dtype) / tl.maximum(count, 1).to(acc_dtype))
+    else:
+        acc = acc * tl.full([], scale, acc_dtype)
+    acc = tl.where(count > 0, acc, 0.0)
+    tl.store(out_ptr + g * dim + cols, _rounded(acc, out_ptr), mask=(g < num_rows) & col_ok)
+
+
+@triton.jit
 def _batch_sum_kernel(
     dout_ptr,  # (batch, seq_len, dim)
     out_ptr,  # (num_positions, dim): row offset + t receives sum_b dout[b, t] (t < steps), the rest zeros
@@ -561,6 +595,10 @@ def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scal
 
 BOUNDS_BLOCK = 1024  # sorted positions per program of the sort-input and segment-start kernels
 CHUNK_ROWS = 128  # sorted positions per chunk: the longest segment summed directly
+# A dense gradient of at most this many tokens skips the sort: one kernel, in which a
+# program reads every key per tile of rows it writes (csrc/cuda's kFewTokens). The sorted
+# path is four launches plus torch's sort -- all host cost for a one-token step.
+FEW_TOKENS = 32
 
 
 class Segments(NamedTuple):
@@ -635,8 +673,19 @@ def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: b
 
 def dense_gradient(dout2d, keys, num_rows: int, skip: int, scale: float, divide_by_count: bool, launch=_direct):
     """The (num_rows, d) gradient of the rows named by ``keys``, each row written once
-    (untouched ones as zeros: no fill before). Three kernels around the sort."""
+    (untouched ones as zeros: no fill before). Three kernels around the sort; one for
+    at most FEW_TOKENS tokens."""
     grad = dout2d.new_empty(num_rows, dout2d.shape[1])
+    if keys.numel() <= FEW_TOKENS:
+        dim = dout2d.shape[1]
+        if num_rows and dim:
+            block_r, block_d = _blocks(dim)
+            launch(_few_tokens_gradient_kernel)[(_cdiv(num_rows, block_r), _cdiv(dim, block_d))](
+                keys.reshape(-1), dout2d, grad, scale, keys.numel(), num_rows, skip, dim,
+                DIVIDE_BY_COUNT=divide_by_count, COMPUTE_F64=dout2d.dtype == torch.float64, BLOCK_R=block_r,
+                BLOCK_D=block_d,
+            )
+        return grad
     segments = sorted_segments(dout2d, keys, num_rows, skip, by_row=True, launch=launch)
     finish_segments(dout2d, segments, scale, divide_by_count, grad, zero_empty=True, launch=launch)
     return grad

@@ -60,7 +60,7 @@ def test_cuda_kernels_compile_for_sm80_and_sm90_without_spills(ptxas_report):
     for arch in ARCHS:
         names = {k for k, a in kernels if a == arch}
         for family in ("embedding_forward_kernel", "sort_inputs_kernel", "segment_starts_kernel", "chunk_kernel",
-                       "finish_segments_kernel", "batch_sum_kernel"):
+                       "finish_segments_kernel", "batch_sum_kernel", "few_tokens_gradient_kernel"):
             assert any(family in n for n in names), f"{family} not compiled for sm_{arch}"
     spilling = {k: v for k, v in kernels.items() if v[1] or v[2]}
     assert not spilling, f"kernels spill registers: {spilling}"
@@ -94,3 +94,15 @@ def test_forward_moves_rows_with_128_bit_accesses(ptxas_report, arch):
         assert re.search(r"st\.global\.v4\.", body), f"{fragment}: no 128-bit store"
     scalar = _entry_body(ptx, "embedding_forward_kernelIfiLi1E")
     assert not re.search(r"\.v4\.", scalar)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_few_tokens_gradient_writes_rows_with_128_bit_accesses(ptxas_report, arch):
+    """The one-kernel backward of a short batch writes the whole (V, d) table: it must
+    move it as the finish kernel does, 16 bytes per access, with its kFewRows rows of
+    sums kept in registers (no spills: the test above)."""
+    ptx = ptxas_report[1][arch]
+    for fragment in ("few_tokens_gradient_kernelIlffLi4E", "few_tokens_gradient_kernelIlN3c108BFloat16EfLi8E"):
+        body = _entry_body(ptx, fragment)
+        assert re.search(r"ld\.global(\.nc)?\.v4\.", body), f"{fragment}: no 128-bit load"
+        assert re.search(r"st\.global\.v4\.", body), f"{fragment}: no 128-bit store"

@@ -186,6 +186,73 @@ def test_triton_dense_backward_is_three_kernels_around_one_sort(interpreted_laun
     torch.testing.assert_close(dp.double(), dout.double().sum(0), rtol=1e-5, atol=1e-4)
 
 
+# A batch of at most 32 tokens (a one-token step, a short batch; csrc/cuda's kFewTokens,
+# kernels.embedding.FEW_TOKENS) is one kernel per gradient, no sort: on a GPU the sorted
+# path's launches and CUB's operations are all host cost at that size. Same sums, bit for
+# bit: shown against the sorted path on the same tokens behind 40 unused ones (id -1).
+SHORT_VOCAB, SHORT_POSITIONS = 40, 12
+
+
+def _short_batch(num_tokens, dim, dtype):
+    gen = torch.Generator().manual_seed(num_tokens * 1000 + dim)
+    ids = torch.randint(0, SHORT_VOCAB, (num_tokens,), generator=gen)
+    ids[: num_tokens // 3] = 6  # a repeated row
+    ids[1:4] = torch.tensor([3, -1, SHORT_VOCAB])[: max(num_tokens - 1, 0)]  # the padding row (3), out-of-range ids
+    positions = torch.randint(0, SHORT_POSITIONS, (num_tokens,), generator=gen)
+    return ids, positions, torch.randn(num_tokens, dim, generator=gen).to(dtype)
+
+
+def _short_batch_backward(backend, emulated, dout, ids, positions, by_freq):
+    """(dW, dP, kernels launched, sorts) of the dense backward on backend "cuda" (emulated) or "triton"."""
+    if backend == "cuda":
+        emulated.take_launch_counts()
+        dw, dp = emulated.embedding_backward(dout, ids, positions, 0, SHORT_VOCAB, SHORT_POSITIONS, 1.5, 3, by_freq,
+                                             True, True)
+        return (dw, dp, *emulated.take_launch_counts())
+    from pyembed import _triton
+
+    with HostSyncRecorder() as rec:
+        dw, dp = _triton.backward(dout, ids, positions, 0, SHORT_VOCAB, SHORT_POSITIONS, 1.5, 3, by_freq, True, True)
+    return dw, dp, None, rec.names.count("aten::sort")
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("dim", [8, 60, 97])
+@pytest.mark.parametrize("num_tokens", [1, 7, 32])
+def test_short_batch_gradient_is_one_kernel_with_the_sorted_paths_sums(request, backend, dtype, dim, num_tokens):
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton interpreter (no GPU here)")
+    emulated = request.getfixturevalue("emulated") if backend == "cuda" else None
+    interpreted_launches = request.getfixturevalue("interpreted_launches") if backend == "triton" else []
+    ids, positions, dout = _short_batch(num_tokens, dim, dtype)
+    for by_freq in (False, True):
+        interpreted_launches.clear()
+        dw, dp, kernels, sorts = _short_batch_backward(backend, emulated, dout, ids, positions, by_freq)
+        assert sorts == 0 and kernels in (2, None), (kernels, sorts)  # one per gradient
+        if backend == "triton":
+            assert interpreted_launches == ["_few_tokens_gradient_kernel"] * 2
+        keep = (ids >= 0) & (ids < SHORT_VOCAB) & (ids != 3)
+        terms = dout.double()
+        if by_freq:
+            terms = terms / torch.bincount(ids[keep], minlength=SHORT_VOCAB).double()[ids.clamp(0, SHORT_VOCAB - 1),
+                                                                                        None]
+        exact, bound = accumulation_bound(ids[keep], terms[keep], SHORT_VOCAB, 1.5, dtype)
+        assert_within(dw, exact, bound, what="dW")
+        exact, bound = accumulation_bound(positions, dout, SHORT_POSITIONS, 1.0, dtype)
+        assert_within(dp, exact, bound, what="dP")
+        untouched = torch.ones(SHORT_VOCAB, dtype=torch.bool)
+        untouched[ids[keep]] = False
+        assert not dw[untouched].signbit().any() and not dw[untouched].any()  # +0.0, as a zero fill
+
+        unused = torch.randn(40, dim, dtype=torch.float64).to(dtype)
+        dw_sorted, dp_sorted, kernels, sorts = _short_batch_backward(
+            backend, emulated, torch.cat([unused, dout]), torch.cat([torch.full((40,), -1), ids]),
+            torch.cat([torch.full((40,), -1), positions]), by_freq)
+        assert sorts == 2 and kernels in (6, None), (kernels, sorts)  # three kernels around a sort, per gradient
+        assert torch.equal(dw, dw_sorted) and torch.equal(dp, dp_sorted)
+
+
 # ----------------------------------------------------------------- the default check on a GPU
 # validate=True on CUDA tensors checks the ranges inside the forward kernel (pyembed.checks):
 # no sync; the next forward on the device raises what the kernel recorded. Shown here on the

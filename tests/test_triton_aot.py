@@ -58,8 +58,19 @@ def test_scalar_parameters_reach_the_kernel_as_fp64(report):
     # ones round once).
     forwards = {k: v["float_params"] for k, v in report.items() if k.startswith("forward")}
     assert forwards and all(params == ["f64"] * 3 for params in forwards.values()), forwards
-    finishes = {k: v["float_params"] for k, v in report.items() if k.startswith("finish_segments")}
-    assert finishes and all(params == ["f64"] for params in finishes.values()), finishes  # the gradient's scale
+    for kernel in ("finish_segments", "few_tokens"):  # the gradient's scale
+        scales = {k: v["float_params"] for k, v in report.items() if k.startswith(kernel)}
+        assert scales and all(params == ["f64"] for params in scales.values()), scales
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_few_tokens_gradient_writes_the_table_in_128_bit_stores(report, arch):
+    # A short batch's backward writes every row of the (V, d) table in this one kernel.
+    wide = [k for k in report if k.startswith("few_tokens") and k.endswith(arch) and "fp64" not in k
+            and re.search(r"d=(768|4096) ", k)]
+    assert len(wide) == 3 * 2 * 2 + 1  # dtypes x d x by_freq, plus int32 ids
+    narrow = [k for k, v in report.items() if k in wide and not v["v4_stores"]]
+    assert not narrow, narrow
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

@@ -108,6 +108,15 @@ def finish_source(dtype, dim, *, divide, partials=True):
         "CHUNK": k.CHUNK_ROWS, "BLOCK_R": block_r, "BLOCK_D": block_d})
 
 
+def few_tokens_source(dtype, dim, *, divide, id_type="i64"):
+    """A dense gradient of at most FEW_TOKENS tokens: one pass over the table's rows."""
+    block_r, block_d = k._blocks(dim)
+    args = {"keys_ptr": f"*{id_type}", "dout_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "scale": 27.7, "n": 7,
+            "num_rows": 50257, "skip": 3, "dim": dim}
+    return _source(k._few_tokens_gradient_kernel, args, {
+        "DIVIDE_BY_COUNT": divide, "COMPUTE_F64": dtype == "fp64", "BLOCK_R": block_r, "BLOCK_D": block_d})
+
+
 def bounds_source(kernel, key_type="i16"):
     """The sort's inputs (int64 ids in, key_type keys out, the bounds' zeros) and the
     segment starts of a sparse gradient (on key_type sorted keys)."""
@@ -169,6 +178,9 @@ def sources():
         out[f"finish_segments {dtype} d={dim}"] = (finish_source, (dtype, dim), {"divide": False})
         out[f"finish_segments {dtype} by_freq d={dim}"] = (finish_source, (dtype, dim), {"divide": True})
         out[f"batch_sum {dtype} d={dim}"] = (batch_source, (dtype, dim), {})
+        out[f"few_tokens {dtype} d={dim}"] = (few_tokens_source, (dtype, dim), {"divide": False})
+        out[f"few_tokens {dtype} by_freq d={dim}"] = (few_tokens_source, (dtype, dim), {"divide": True})
+    out["few_tokens fp32 int32-ids d=768"] = (few_tokens_source, ("fp32", 768), {"divide": False, "id_type": "i32"})
     # A backward of at most CHUNK_ROWS tokens has no partials. Not at d = 100: for bf16 on
     # sm_80 ptxas spills 40 B there (the direct loop's scalar loads; the same before the
     # column-tile form of finish_segments), in a launch of at most 128 tokens.

@@ -22,7 +22,8 @@
 // around the sort (Launch::sort_pairs: CUB's radix sort, a histogram and a pass per 8
 // bits): the sort's inputs; one pass over the sorted positions (segment bounds, the long
 // segments' pieces); one over the table's rows (each written once, untouched rows as
-// zeros: no zero fill before).
+// zeros: no zero fill before). A batch of at most kFewTokens tokens skips the sort: one
+// kernel reads every key per group of rows (few_tokens_gradient_kernel), same sums.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -327,6 +328,50 @@ __global__ void finish_segments_kernel(const T* __restrict__ dout, const int64_t
   }
 }
 
+// A dense gradient of at most kFewTokens tokens (a one-token step, a short batch) in one
+// launch, no sort: each thread group owns kFewRows consecutive rows of the table, reads
+// every token's key and sums the dout rows of its own rows' tokens in token order -- the
+// order the sorted path sums a segment in, so both give the same bits. Every row written
+// once (untouched rows as zeros). The sorted path is five launches and CUB's eight GPU
+// operations, all host cost when the batch is small; here each thread reads n keys (from
+// cache: every thread reads the same ones) per kFewRows rows it writes, which stays small
+// next to writing them while n <= 4 * kFewRows.
+constexpr int64_t kFewTokens = 32;
+constexpr int kFewRows = 8;
+
+template <typename index_t, typename T, typename A, int VEC>
+__global__ void few_tokens_gradient_kernel(const index_t* __restrict__ keys, int64_t n, const T* __restrict__ dout,
+                                           T* __restrict__ out, A scale, bool divide_by_count, int64_t num_rows,
+                                           int64_t skip, int64_t dim) {
+  const int64_t g0 = (static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y) * kFewRows;
+  if (g0 >= num_rows) return;
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
+    A acc[kFewRows][VEC] = {};
+    int count[kFewRows] = {};  // n <= kFewTokens
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t key = static_cast<int64_t>(keys[t]), k = key - g0;
+      if (k < 0 || k >= kFewRows || !used_key(key, num_rows, skip)) continue;
+      A x[VEC];
+      load_pack<VEC>(dout + t * dim + j, x);
+#pragma unroll
+      for (int r = 0; r < kFewRows; ++r) {  // acc[k] with k known at run time only: registers stay registers
+        if (r != k) continue;
+        ++count[r];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[r][i] += x[i];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kFewRows; ++r) {
+      if (g0 + r >= num_rows) break;
+      const A factor = divide_by_count && count[r] > 0 ? scale / static_cast<A>(count[r]) : scale;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[r][i] = count[r] > 0 ? acc[r][i] * factor : A(0);  // +0, never -0
+      store_pack<VEC>(out + (g0 + r) * dim + j, acc[r]);
+    }
+  }
+}
+
 // Learned positions with p = offset + t: out[p] = sum over b of dout[b, t] for the
 // `steps` positions the sequence reaches, zeros for every other row of the table.
 template <typename T, int VEC>
@@ -554,11 +599,35 @@ void finish_segments(const at::Tensor& dout, const SortedSegments& seg, double s
   if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
 }
 
-// A dense gradient (num_rows, d) of the rows named by `keys`, each row written once.
+// few_tokens_gradient_kernel over every row of grad.
+template <class Launch, typename T>
+void few_tokens_gradient(const at::Tensor& dout, const at::Tensor& keys, int64_t skip, double scale,
+                         bool divide_by_count, at::Tensor& grad) {
+  using A = acc_t<T>;
+  const int64_t num_rows = grad.size(0), dim = grad.size(1);
+  if (num_rows == 0 || dim == 0) return;
+  const int vec = vector_width<T>(dim, {dout.data_ptr(), grad.data_ptr()});
+  const RowGrid g = row_grid((num_rows + kFewRows - 1) / kFewRows, dim, vec);
+  AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_few_tokens_gradient", [&] {
+    auto run = [&](auto v) {
+      Launch::run(g.grid, g.block, few_tokens_gradient_kernel<index_t, T, A, decltype(v)::value>,
+                  keys.data_ptr<index_t>(), keys.numel(), dout.data_ptr<T>(), grad.data_ptr<T>(),
+                  static_cast<A>(scale), divide_by_count, num_rows, skip, dim);
+    };
+    if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
+  });
+}
+
+// A dense gradient (num_rows, d) of the rows named by `keys`, each row written once: one
+// kernel for a few tokens, else three around the sort.
 template <class Launch, typename T>
 at::Tensor dense_gradient(const at::Tensor& dout, const at::Tensor& keys, int64_t num_rows, int64_t skip,
                           double scale, bool divide_by_count) {
   at::Tensor grad = at::empty({num_rows, dout.size(1)}, dout.options());
+  if (keys.numel() <= kFewTokens) {
+    few_tokens_gradient<Launch, T>(dout, keys.contiguous(), skip, scale, divide_by_count, grad);
+    return grad;
+  }
   const SortedSegments seg = sorted_segments<Launch, T>(dout, keys, num_rows, skip, /*by_row=*/true);
   finish_segments<Launch, T>(dout, seg, scale, divide_by_count, /*zero_empty=*/true, grad);
   return grad;
@@ -566,7 +635,8 @@ at::Tensor dense_gradient(const at::Tensor& dout, const at::Tensor& keys, int64_
 
 // Dense gradients (weight_grad (V, d) and / or pos_grad (max_seq_len, d); (0, d) when not
 // needed): no device->host sync. Each is written once, every row: no zero fill first.
-// Launches for the token table: sort_inputs, the radix sort, chunk_kernel, finish_segments.
+// Launches for the token table: sort_inputs, the radix sort, chunk_kernel, finish_segments
+// (up to kFewTokens tokens: few_tokens_gradient_kernel alone).
 template <class Launch>
 std::tuple<at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out_in, const at::Tensor& ids_in,
                                                const std::optional<at::Tensor>& position_ids_in, int64_t offset,
