@@ -386,7 +386,8 @@ def _few_tokens_gradient_kernel(
     dout_ptr,  # (n, dim) the output gradient
     out_ptr,  # (num_rows, dim) out: every row
     scale: tl.float64, n, num_rows, skip, dim,
-    DIVIDE_BY_COUNT: tl.constexpr, COMPUTE_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    DIVIDE_BY_COUNT: tl.constexpr, COMPUTE_F64: tl.constexpr, FEW: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """A dense gradient of a few tokens without the sort: a program owns BLOCK_R rows,
     reads every token's key and sums the dout rows of its own rows' tokens in token order
@@ -399,7 +400,12 @@ def _few_tokens_gradient_kernel(
     col_ok = cols < dim
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype)
     count = tl.zeros([BLOCK_R, 1], dtype=tl.int32)
-    for t in range(0, n):
+    # Every key in one load; the token loop runs only in a program that owns a token's row:
+    # most programs of a large table own none, and skip it.
+    t_all = tl.arange(0, FEW)
+    k_all = tl.load(keys_ptr + t_all, mask=t_all < n, other=-1).to(tl.int64)
+    owns_any = tl.max(((k_all >= g0) & (k_all < g0 + BLOCK_R)).to(tl.int32), 0)
+    for t in range(0, n * owns_any):
         key = tl.load(keys_ptr + t).to(tl.int64)
         if _used_key(key, num_rows, skip) & (key >= g0) & (key < g0 + BLOCK_R):  # dout read by its row's program only
             hit = g == key
@@ -682,8 +688,8 @@ def dense_gradient(dout2d, keys, num_rows: int, skip: int, scale: float, divide_
             block_r, block_d = _blocks(dim)
             launch(_few_tokens_gradient_kernel)[(_cdiv(num_rows, block_r), _cdiv(dim, block_d))](
                 keys.reshape(-1), dout2d, grad, scale, keys.numel(), num_rows, skip, dim,
-                DIVIDE_BY_COUNT=divide_by_count, COMPUTE_F64=dout2d.dtype == torch.float64, BLOCK_R=block_r,
-                BLOCK_D=block_d,
+                DIVIDE_BY_COUNT=divide_by_count, COMPUTE_F64=dout2d.dtype == torch.float64, FEW=FEW_TOKENS,
+                BLOCK_R=block_r, BLOCK_D=block_d,
             )
         return grad
     segments = sorted_segments(dout2d, keys, num_rows, skip, by_row=True, launch=launch)

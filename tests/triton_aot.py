@@ -114,7 +114,8 @@ def few_tokens_source(dtype, dim, *, divide, id_type="i64"):
     args = {"keys_ptr": f"*{id_type}", "dout_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "scale": 27.7, "n": 7,
             "num_rows": 50257, "skip": 3, "dim": dim}
     return _source(k._few_tokens_gradient_kernel, args, {
-        "DIVIDE_BY_COUNT": divide, "COMPUTE_F64": dtype == "fp64", "BLOCK_R": block_r, "BLOCK_D": block_d})
+        "DIVIDE_BY_COUNT": divide, "COMPUTE_F64": dtype == "fp64", "FEW": k.FEW_TOKENS, "BLOCK_R": block_r,
+        "BLOCK_D": block_d})
 
 
 def bounds_source(kernel, key_type="i16"):
