@@ -65,6 +65,34 @@ def test_cuda_gradients_match_the_float64_reference(sparse):
         torch.testing.assert_close(p.grad.cpu().double(), p64.grad, rtol=1e-5, atol=1e-4, msg=backend)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dim", [64, 97, 768])
+def test_short_batch_gradient_is_the_sorted_paths_bit_for_bit(dtype, dim):
+    """A dense gradient of at most 32 tokens is one kernel without the sort (csrc/cuda's
+    kFewTokens, kernels.embedding.FEW_TOKENS): the same sums as the sorted path, shown on
+    the same tokens behind 40 unused ids (-1), and within fp32 accumulation of float64."""
+    g = torch.Generator().manual_seed(dim)
+    vocab, num_positions = 50257, 64
+    for num_tokens in (1, 7, 32):
+        ids = torch.randint(0, vocab, (num_tokens,), generator=g)
+        ids[: num_tokens // 3] = 6  # a repeated row
+        ids[1:4] = torch.tensor([3, -1, vocab])[: max(num_tokens - 1, 0)]  # the padding row, out-of-range ids
+        positions = torch.randint(0, num_positions, (num_tokens,), generator=g)
+        dout = torch.randn(num_tokens, dim, generator=g).to(dtype)
+        keep = (ids >= 0) & (ids < vocab) & (ids != 3)
+        exact = torch.zeros(vocab, dim, dtype=torch.float64).index_add_(0, ids[keep], dout[keep].double()) * 1.5
+        unused = torch.full((40,), -1)
+        longer = (torch.cat([torch.randn(40, dim, generator=g).to(dtype), dout]).cuda(), torch.cat([unused, ids]).cuda(),
+                  torch.cat([unused, positions]).cuda())
+        for backend in _cuda_backends():
+            op = dispatch.get(backend).backward_op(longer[0])
+            dw, dp = op(dout.cuda(), ids.cuda(), positions.cuda(), 0, vocab, num_positions, 1.5, 3, False, True, True)
+            dw_sorted, dp_sorted = op(*longer, 0, vocab, num_positions, 1.5, 3, False, True, True)
+            assert torch.equal(dw, dw_sorted) and torch.equal(dp, dp_sorted), (backend, num_tokens)
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(dw.cpu().double(), exact, rtol=tol, atol=tol, msg=backend)
+
+
 def test_output_of_more_than_2_to_the_31_elements():
     if torch.cuda.get_device_properties(0).total_memory < 12 * 2**30:
         pytest.skip("needs a GPU with at least 12 GiB for a 4 GiB output")
