@@ -332,7 +332,7 @@ __global__ void finish_segments_kernel(const T* __restrict__ dout, const int64_t
 // launch, no sort: each thread group owns kFewRows consecutive rows of the table, reads
 // every token's key and sums the dout rows of its own rows' tokens in token order -- the
 // order the sorted path sums a segment in, so both give the same bits. Every row written
-// once (untouched rows as zeros). The sorted path is five launches and CUB's eight GPU
+// once (untouched rows as zeros). The sorted path is three kernels and CUB's eight GPU
 // operations, all host cost when the batch is small; here each thread reads n keys (from
 // cache: every thread reads the same ones) per kFewRows rows it writes, which stays small
 // next to writing them while n <= 4 * kFewRows.
