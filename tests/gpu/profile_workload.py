@@ -4,8 +4,8 @@ of kernels one call launches, and torch.profiler's tables by GPU and by CPU time
 GPT-2 8x2048 and 1x1 tokens (fp32, learned positions), after the host microseconds of
 each layer of a one-token call. ``--ncu`` instead runs one forward
 per backend on a Llama-2 8x2048 table (fp32 and bf16) and one dense backward per backend
-at GPT-2 8x2048 (fp32, a row used 12000 times), for Nsight Compute to read the kernels'
-DRAM throughput and occupancy.
+at GPT-2 8x2048 (fp32, a row used 12000 times) and 1x1 (the few-token kernel writing the
+whole table), for Nsight Compute to read the kernels' DRAM throughput and occupancy.
 
 The first GPU run (H100, torch 2.11) measured pyembed below eager and torch.compile in
 most cases, by margins that host-side work (launches, the range check's sync) explains
@@ -164,6 +164,9 @@ def ncu_kernels(backends):
     ids[:, :1500] = 17  # a hot row: the chunk kernel's long-segment pieces run too
     for backend in backends:  # the backward's kernels: sort inputs, chunks, the table's rows, batch sum
         dispatch.get(backend).backward(dout, ids, None, 0, GPT2[0], pos_weight.shape[0], 2.0, None, False, True, True)
+    for backend in backends:  # a one-token backward: the few-token kernel writes the whole table alone
+        dispatch.get(backend).backward(dout[:1, :1], ids[:1, :1], None, 0, GPT2[0], pos_weight.shape[0], 2.0, None,
+                                       False, True, True)
     torch.cuda.synchronize()
 
 
