@@ -88,6 +88,23 @@ def test_compiled_backward_holds_the_triton_kernels_and_copies_no_input():
     assert written == [["out_ptr", "zeros_ptr"], ["begin_ptr", "end_ptr", "partials_ptr"], ["out_ptr"], ["out_ptr"]], out
 
 
+def test_compiled_short_batch_backward_is_one_kernel_writing_only_the_gradient():
+    # At most 32 tokens: no sort in the graph, the few-token kernel (the table's rows) and
+    # the positions' batch sum, each found to write only its output.
+    out = _run(SM90_TRACE +
+        "f = lambda dout, ids: torch.ops.pyembed.triton_backward(dout, ids, None, 0, 1000, 64, 2.0, None, False,\n"
+        "                                                        True, True)\n"
+        "with FakeTensorMode():\n"
+        "    ids = torch.empty(1, 8, dtype=torch.long, device='cuda')\n"
+        "    dout = torch.empty(1, 8, 64, device='cuda')\n"
+        "    aot_function(f, fw_compiler=keep)(dout, ids)\n"
+        "print('opaque' if 'pyembed.triton_backward' in graphs[0] else 'traced', 'sort' in graphs[0])\n"
+        "print(re.findall(r'tensors_to_clone = (\\[[^\\]]*\\])', graphs[0]))\n")
+    first, clones = out.strip().splitlines()
+    assert first == "traced False", out
+    assert [eval(names) for names in eval(clones)] == [["out_ptr"], ["out_ptr"]], out
+
+
 def test_compiled_kernel_with_the_range_check_writes_no_input_tensor():
     # The in-kernel range check (validate=True on a GPU) stores into the error record
     # through an integer address. Inductor's mutation analysis of the kernel (it needs a
