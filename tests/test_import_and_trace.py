@@ -65,44 +65,38 @@ SM90_TRACE = (
 )
 
 
-def test_compiled_backward_holds_the_triton_kernels_and_copies_no_input():
-    # The dense backward as the forward: under AOTAutograd's functionalisation on fake CUDA
-    # tensors (sm_90 target for Inductor's mutation analysis), the graph holds the sort and
-    # each Triton kernel -- what Inductor can schedule and fuse -- not an opaque
-    # pyembed op, and each kernel is found to write only its outputs (the output gradient
-    # and the ids are never copied).
+def _traced_backward(batch: int, seq_len: int) -> tuple[str, list]:
+    """The triton dense backward of (batch, seq_len) tokens under AOTAutograd's
+    functionalisation on fake CUDA tensors (sm_90 target for Inductor's mutation analysis):
+    ("traced" or "opaque" and whether the graph sorts, the pointers each kernel launch writes)."""
     out = _run(SM90_TRACE +
         "f = lambda dout, ids: torch.ops.pyembed.triton_backward(dout, ids, None, 0, 1000, 64, 2.0, None, False,\n"
         "                                                        True, True)\n"
         "with FakeTensorMode():\n"
-        "    ids = torch.empty(4, 512, dtype=torch.long, device='cuda')\n"
-        "    dout = torch.empty(4, 512, 64, device='cuda')\n"
+        f"    ids = torch.empty({batch}, {seq_len}, dtype=torch.long, device='cuda')\n"
+        f"    dout = torch.empty({batch}, {seq_len}, 64, device='cuda')\n"
         "    aot_function(f, fw_compiler=keep)(dout, ids)\n"
         "print('opaque' if 'pyembed.triton_backward' in graphs[0] else 'traced', 'sort' in graphs[0])\n"
         "print(re.findall(r'tensors_to_clone = (\\[[^\\]]*\\])', graphs[0]))\n")
     first, clones = out.strip().splitlines()
-    assert first == "traced True", out
-    written = [eval(names) for names in eval(clones)]  # the pointers each kernel launch writes
+    return first, [eval(names) for names in eval(clones)]
+
+
+def test_compiled_backward_holds_the_triton_kernels_and_copies_no_input():
+    # The dense backward as the forward: the graph holds the sort and each Triton kernel --
+    # what Inductor can schedule and fuse -- not an opaque pyembed op, and each kernel is
+    # found to write only its outputs (the output gradient and the ids are never copied).
     # The sort's inputs, the chunks (segment bounds, long segments' pieces), the table's
     # rows, the positions' batch sum: no input (dout, ids, the sorted keys) is written.
-    assert written == [["out_ptr", "zeros_ptr"], ["begin_ptr", "end_ptr", "partials_ptr"], ["out_ptr"], ["out_ptr"]], out
+    assert _traced_backward(4, 512) == ("traced True", [["out_ptr", "zeros_ptr"], ["begin_ptr", "end_ptr",
+                                                                                  "partials_ptr"], ["out_ptr"],
+                                                         ["out_ptr"]])
 
 
 def test_compiled_short_batch_backward_is_one_kernel_writing_only_the_gradient():
     # At most 32 tokens: no sort in the graph, the few-token kernel (the table's rows) and
     # the positions' batch sum, each found to write only its output.
-    out = _run(SM90_TRACE +
-        "f = lambda dout, ids: torch.ops.pyembed.triton_backward(dout, ids, None, 0, 1000, 64, 2.0, None, False,\n"
-        "                                                        True, True)\n"
-        "with FakeTensorMode():\n"
-        "    ids = torch.empty(1, 8, dtype=torch.long, device='cuda')\n"
-        "    dout = torch.empty(1, 8, 64, device='cuda')\n"
-        "    aot_function(f, fw_compiler=keep)(dout, ids)\n"
-        "print('opaque' if 'pyembed.triton_backward' in graphs[0] else 'traced', 'sort' in graphs[0])\n"
-        "print(re.findall(r'tensors_to_clone = (\\[[^\\]]*\\])', graphs[0]))\n")
-    first, clones = out.strip().splitlines()
-    assert first == "traced False", out
-    assert [eval(names) for names in eval(clones)] == [["out_ptr"], ["out_ptr"]], out
+    assert _traced_backward(1, 8) == ("traced False", [["out_ptr"], ["out_ptr"]])
 
 
 def test_compiled_kernel_with_the_range_check_writes_no_input_tensor():
