@@ -376,6 +376,8 @@ def _finish_segments_kernel(
         acc = acc * (tl.full([], scale, acc_dtype) / tl.maximum(length, 1).to(acc_dtype))
     else:
         acc = acc * tl.full([], scale, acc_dtype)
+    if ZERO_EMPTY:  # +0.0, as a zero fill (0 * a negative scale is -0.0)
+        acc = tl.where(length > 0, acc, 0.0)
     write = g_ok & ((length > 0) | ZERO_EMPTY)
     tl.store(out_ptr + g * dim + cols, _rounded(acc, out_ptr), mask=write & col_ok)
 

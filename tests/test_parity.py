@@ -420,6 +420,29 @@ def test_backward_steps_over_unused_keys_among_used_ones(request, backend, dtype
 
 
 @pytest.mark.parametrize("backend", BACKENDS + ["cuda-emulated"])
+@pytest.mark.parametrize("num_tokens", [5, 300], ids=["short-batch", "sorted"])
+def test_untouched_rows_are_positive_zeros_under_a_negative_scale(request, backend, num_tokens):
+    """A dense gradient's untouched rows and padding row are +0.0, bit for bit what
+    nn.Embedding's zero-filled gradient holds, also when the scale is negative (a sum of
+    nothing times -1.5 would be -0.0): on the short-batch path and the sorted one."""
+    _, dense, _ = _backend_ops(backend, request.getfixturevalue("emulated") if backend == "cuda-emulated" else None)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 20, (1, num_tokens), generator=gen)  # rows 20-29 never named
+    ids[0, :2] = 4  # the padding row, used
+    dout = torch.randn(1, num_tokens, 8, generator=gen)
+    table = torch.nn.Embedding(30, 8, padding_idx=4)
+    table(ids).backward(dout * -1.5)
+    dw, _ = dense(dout, ids, None, 0, 30, 0, -1.5, 4, False, True, False)
+    untouched = torch.ones(30, dtype=torch.bool)
+    untouched[ids] = False
+    untouched[4] = True
+    assert torch.equal(dw[untouched].view(torch.int32), table.weight.grad[untouched].view(torch.int32))
+    keep = ids != 4
+    exact, bound = accumulation_bound(ids[keep], dout[keep], 30, -1.5, torch.float32)
+    assert_within(dw, exact, bound, what=f"{backend} dW")
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["cuda-emulated"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_sinusoid_of_a_column_shard_is_the_wide_tables_columns(request, backend, dtype):
     """A column shard (DTensor Shard(1)) computes columns [c0, c0 + n) of the D-wide
