@@ -18,7 +18,7 @@ dense gradient is three kernels around the sort: the sort's inputs, one pass ove
 sorted positions (segment bounds, the long segments' pieces), one over the table's rows
 (each written once, untouched ones as zeros) -- as csrc/cuda/embedding_kernels.cuh,
 which has the same structure. The learned-PE gradient with p = offset + t is a batch
-reduction.
+reduction, run by extra programs of the table's last kernel (no launch of its own).
 
 Scalars: Triton types a Python float argument as fp32, so ``scale`` and the sinusoid's
 frequency step are annotated fp64 (exact for fp64 tables) and rounded to the compute
@@ -335,6 +335,28 @@ def _chunk_kernel(
 
 
 @triton.jit
+def _position_sums(dout_ptr, out_ptr, program, rows, batch, seq_len, steps, offset, dim, COMPUTE_F64: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows program * BLOCK_R + [0, BLOCK_R) of the learned positions' gradient with
+    p = offset + t: the sum over b of dout[b, t], b ascending, for the `steps` positions
+    the sequence reaches, zeros in every other row. Run by extra programs of the token
+    table's last kernel (one launch less per backward), or by _batch_sum_kernel alone."""
+    acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
+    p = (program.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]  # (BLOCK_R, 1), as the segments' rows
+    cols = (tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
+    col_ok = cols < dim
+    t = p - offset
+    reached = (t >= 0) & (t < steps)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype)
+    row = t * dim  # (BLOCK_R, 1): dout[b, t]'s offset, + cols in each load
+    step = tl.full([], seq_len, tl.int64) * dim  # 64-bit: batch * seq_len * dim passes 2^31
+    for b in range(0, batch * tl.max(tl.max(reached.to(tl.int32), 1), 0)):
+        acc += tl.load(dout_ptr + row + cols, mask=reached & col_ok, other=0.0).to(acc_dtype)
+        row += step
+    tl.store(out_ptr + p * dim + cols, _rounded(acc, out_ptr), mask=(p < rows) & col_ok)
+
+
+@triton.jit
 def _finish_segments_kernel(
     dout_ptr,  # (n, dim) the output gradient
     order_ptr,  # (n,) int64 its row for sorted position r
@@ -342,44 +364,52 @@ def _finish_segments_kernel(
     begin_ptr, end_ptr,  # (num_segments,) int64: segment g sums sorted positions [begin, end)
     out_ptr,  # (num_segments, dim) out: row g
     scale: tl.float64, num_segments, dim,
-    DIVIDE_BY_COUNT: tl.constexpr, ZERO_EMPTY: tl.constexpr, HAS_PARTIALS: tl.constexpr,
+    table_programs,  # programs (along axis 0) that write out; those after write pos_out, when HAS_POSITIONS
+    pos_out_ptr, pos_rows, batch, seq_len, steps, offset,  # the learned positions' gradient (_position_sums)
+    DIVIDE_BY_COUNT: tl.constexpr, ZERO_EMPTY: tl.constexpr, HAS_PARTIALS: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     COMPUTE_F64: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """out[g] = factor * (sum of the dout rows of segment g), summed in sorted (= token)
     order, rounded once; factor = scale, or scale / the segment's token count. A segment
     longer than CHUNK adds its pieces' partial sums (_chunk_kernel) instead. An empty
     segment is written as zeros with ZERO_EMPTY (a dense gradient by table row: every row
-    written once, no fill before), else not at all. BLOCK_R segments per program."""
-    acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
-    # Every per-segment value is a (BLOCK_R, 1) column of the tile, not a vector broadcast
-    # into it: with vectors, Triton 3.6's layout pass fails to compile the direct loop for
-    # BLOCK_D 16-64 (the mask and the load it guards end up in different layouts).
-    g = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
-    cols = (tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
-    g_ok = g < num_segments
-    col_ok = cols < dim
-    begin = tl.load(begin_ptr + g, mask=g_ok, other=0)
-    length = tl.load(end_ptr + g, mask=g_ok, other=0) - begin
-    direct = tl.where(length <= CHUNK, length, 0)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype)
-    for k in range(0, tl.max(tl.max(direct, 1), 0)):
-        take = k < direct
-        token = tl.load(order_ptr + begin + k, mask=take, other=0)
-        acc += tl.load(dout_ptr + token * dim + cols, mask=take & col_ok, other=0.0).to(acc_dtype)
-    if HAS_PARTIALS:
-        first_chunk = begin // CHUNK
-        pieces = tl.where(length > CHUNK, (begin + length - 1) // CHUNK - first_chunk + 1, 0)
-        for k in range(0, tl.max(tl.max(pieces, 1), 0)):
-            slot = 2 * (first_chunk + k) + ((k == 0) & (begin % CHUNK != 0)).to(tl.int64)
-            acc += tl.load(partials_ptr + slot * dim + cols, mask=(k < pieces) & col_ok, other=0.0)
-    if DIVIDE_BY_COUNT:
-        acc = acc * (tl.full([], scale, acc_dtype) / tl.maximum(length, 1).to(acc_dtype))
+    written once, no fill before), else not at all. BLOCK_R segments per program; the
+    programs after table_programs write the learned positions' gradient (HAS_POSITIONS)."""
+    if tl.program_id(0) >= table_programs:
+        if HAS_POSITIONS:
+            _position_sums(dout_ptr, pos_out_ptr, tl.program_id(0) - table_programs, pos_rows, batch, seq_len, steps,
+                           offset, dim, COMPUTE_F64, BLOCK_R, BLOCK_D)
     else:
-        acc = acc * tl.full([], scale, acc_dtype)
-    if ZERO_EMPTY:  # +0.0, as a zero fill (0 * a negative scale is -0.0)
-        acc = tl.where(length > 0, acc, 0.0)
-    write = g_ok & ((length > 0) | ZERO_EMPTY)
-    tl.store(out_ptr + g * dim + cols, _rounded(acc, out_ptr), mask=write & col_ok)
+        acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
+        # Every per-segment value is a (BLOCK_R, 1) column of the tile, not a vector broadcast
+        # into it: with vectors, Triton 3.6's layout pass fails to compile the direct loop for
+        # BLOCK_D 16-64 (the mask and the load it guards end up in different layouts).
+        g = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
+        cols = (tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
+        g_ok = g < num_segments
+        col_ok = cols < dim
+        begin = tl.load(begin_ptr + g, mask=g_ok, other=0)
+        length = tl.load(end_ptr + g, mask=g_ok, other=0) - begin
+        direct = tl.where(length <= CHUNK, length, 0)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype)
+        for k in range(0, tl.max(tl.max(direct, 1), 0)):
+            take = k < direct
+            token = tl.load(order_ptr + begin + k, mask=take, other=0)
+            acc += tl.load(dout_ptr + token * dim + cols, mask=take & col_ok, other=0.0).to(acc_dtype)
+        if HAS_PARTIALS:
+            first_chunk = begin // CHUNK
+            pieces = tl.where(length > CHUNK, (begin + length - 1) // CHUNK - first_chunk + 1, 0)
+            for k in range(0, tl.max(tl.max(pieces, 1), 0)):
+                slot = 2 * (first_chunk + k) + ((k == 0) & (begin % CHUNK != 0)).to(tl.int64)
+                acc += tl.load(partials_ptr + slot * dim + cols, mask=(k < pieces) & col_ok, other=0.0)
+        if DIVIDE_BY_COUNT:
+            acc = acc * (tl.full([], scale, acc_dtype) / tl.maximum(length, 1).to(acc_dtype))
+        else:
+            acc = acc * tl.full([], scale, acc_dtype)
+        if ZERO_EMPTY:  # +0.0, as a zero fill (0 * a negative scale is -0.0)
+            acc = tl.where(length > 0, acc, 0.0)
+        write = g_ok & ((length > 0) | ZERO_EMPTY)
+        tl.store(out_ptr + g * dim + cols, _rounded(acc, out_ptr), mask=write & col_ok)
 
 
 @triton.jit
@@ -388,60 +418,58 @@ def _few_tokens_gradient_kernel(
     dout_ptr,  # (n, dim) the output gradient
     out_ptr,  # (num_rows, dim) out: every row
     scale: tl.float64, n, num_rows, skip, dim,
-    DIVIDE_BY_COUNT: tl.constexpr, COMPUTE_F64: tl.constexpr, FEW: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    table_programs,  # programs (along axis 0) that write out; those after write pos_out, when HAS_POSITIONS
+    pos_out_ptr, pos_rows, batch, seq_len, steps, offset,  # the learned positions' gradient (_position_sums)
+    DIVIDE_BY_COUNT: tl.constexpr, HAS_POSITIONS: tl.constexpr, COMPUTE_F64: tl.constexpr, FEW: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """A dense gradient of a few tokens without the sort: a program owns BLOCK_R rows,
     reads every token's key and sums the dout rows of its own rows' tokens in token order
     -- the order the sorted path sums a segment in, with the same factor, so both give the
-    same bits. Every row written once (untouched rows as zeros)."""
-    acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
-    g0 = tl.program_id(0).to(tl.int64) * BLOCK_R
-    g = (g0 + tl.arange(0, BLOCK_R))[:, None]  # (BLOCK_R, 1) columns, as _finish_segments_kernel
-    cols = (tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
-    col_ok = cols < dim
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype)
-    count = tl.zeros([BLOCK_R, 1], dtype=tl.int32)
-    # Every key in one load; the token loop runs only in a program that owns a token's row:
-    # most programs of a large table own none, and skip it.
-    t_all = tl.arange(0, FEW)
-    k_all = tl.load(keys_ptr + t_all, mask=t_all < n, other=-1).to(tl.int64)
-    owns_any = tl.max(((k_all >= g0) & (k_all < g0 + BLOCK_R)).to(tl.int32), 0)
-    for t in range(0, n * owns_any):
-        key = tl.load(keys_ptr + t).to(tl.int64)
-        if _used_key(key, num_rows, skip) & (key >= g0) & (key < g0 + BLOCK_R):  # dout read by its row's program only
-            hit = g == key
-            row = tl.load(dout_ptr + t * dim + cols, mask=col_ok, other=0.0).to(acc_dtype)
-            acc += tl.where(hit, row, 0.0)  # + 0.0 elsewhere: a sum of this kind is never -0.0, so no bit changes
-            count += hit.to(tl.int32)
-    if DIVIDE_BY_COUNT:
-        acc = acc * (tl.full([], scale, acc_dtype) / tl.maximum(count, 1).to(acc_dtype))
+    same bits. Every row written once (untouched rows as zeros); the programs after
+    table_programs write the learned positions' gradient (HAS_POSITIONS)."""
+    if tl.program_id(0) >= table_programs:
+        if HAS_POSITIONS:
+            _position_sums(dout_ptr, pos_out_ptr, tl.program_id(0) - table_programs, pos_rows, batch, seq_len, steps,
+                           offset, dim, COMPUTE_F64, BLOCK_R, BLOCK_D)
     else:
-        acc = acc * tl.full([], scale, acc_dtype)
-    acc = tl.where(count > 0, acc, 0.0)
-    tl.store(out_ptr + g * dim + cols, _rounded(acc, out_ptr), mask=(g < num_rows) & col_ok)
+        acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
+        g0 = tl.program_id(0).to(tl.int64) * BLOCK_R
+        g = (g0 + tl.arange(0, BLOCK_R))[:, None]  # (BLOCK_R, 1) columns, as _finish_segments_kernel
+        cols = (tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
+        col_ok = cols < dim
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype)
+        count = tl.zeros([BLOCK_R, 1], dtype=tl.int32)
+        # Every key in one load; the token loop runs only in a program that owns a token's row:
+        # most programs of a large table own none, and skip it.
+        t_all = tl.arange(0, FEW)
+        k_all = tl.load(keys_ptr + t_all, mask=t_all < n, other=-1).to(tl.int64)
+        owns_any = tl.max(((k_all >= g0) & (k_all < g0 + BLOCK_R)).to(tl.int32), 0)
+        for t in range(0, n * owns_any):
+            key = tl.load(keys_ptr + t).to(tl.int64)
+            if _used_key(key, num_rows, skip) & (key >= g0) & (key < g0 + BLOCK_R):  # dout read by its row's program only
+                hit = g == key
+                row = tl.load(dout_ptr + t * dim + cols, mask=col_ok, other=0.0).to(acc_dtype)
+                acc += tl.where(hit, row, 0.0)  # + 0.0 elsewhere: a sum of this kind is never -0.0, so no bit changes
+                count += hit.to(tl.int32)
+        if DIVIDE_BY_COUNT:
+            acc = acc * (tl.full([], scale, acc_dtype) / tl.maximum(count, 1).to(acc_dtype))
+        else:
+            acc = acc * tl.full([], scale, acc_dtype)
+        acc = tl.where(count > 0, acc, 0.0)
+        tl.store(out_ptr + g * dim + cols, _rounded(acc, out_ptr), mask=(g < num_rows) & col_ok)
 
 
 @triton.jit
 def _batch_sum_kernel(
     dout_ptr,  # (batch, seq_len, dim)
-    out_ptr,  # (num_positions, dim): row offset + t receives sum_b dout[b, t] (t < steps), the rest zeros
-    batch, seq_len, steps, offset, dim,
-    COMPUTE_F64: tl.constexpr, BLOCK_D: tl.constexpr,
+    out_ptr,  # (rows, dim): the learned positions' gradient (_position_sums)
+    rows, batch, seq_len, steps, offset, dim,
+    COMPUTE_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
-    p = tl.program_id(0).to(tl.int64)
-    t = p - offset
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_ok = cols < dim
-    acc = tl.zeros([BLOCK_D], dtype=acc_dtype)
-    offs = t * dim + cols
-    step = tl.full([], seq_len, tl.int64) * dim  # 64-bit: batch * seq_len * dim passes 2^31
-    count = tl.where((t >= 0) & (t < steps), batch, 0)
-    for b in range(0, count):
-        acc += tl.load(dout_ptr + offs, mask=col_ok, other=0.0).to(acc_dtype)
-        offs += step
-    tl.store(out_ptr + p * dim + cols, _rounded(acc, out_ptr), mask=col_ok)
+    """The learned positions' gradient alone (when the token table needs none)."""
+    _position_sums(dout_ptr, out_ptr, tl.program_id(0), rows, batch, seq_len, steps, offset, dim, COMPUTE_F64,
+                   BLOCK_R, BLOCK_D)
 
 
 @triton.jit
@@ -662,40 +690,71 @@ def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch
     return Segments(order, seg_keys, begin, end, count, partials)
 
 
+class PositionSums(NamedTuple):
+    """The learned positions' gradient with p = offset + t (no position_ids): row p sums
+    dout[b, t] over the batch for the ``steps`` positions the sequence reaches, the other
+    rows zeros (_position_sums). Written by the programs after the token table's in that
+    table's last kernel (one launch less per backward), or by batch_sum alone."""
+
+    out: torch.Tensor  # (num_positions, d), num_positions and d > 0
+    batch: int
+    seq_len: int
+    steps: int
+    offset: int
+
+    def launch_args(self) -> tuple:
+        return (self.out, self.out.shape[0], self.batch, self.seq_len, self.steps, self.offset)
+
+
+def _position_args(positions: Optional[PositionSums], dout2d) -> tuple:
+    """The kernels' (pos_out_ptr, pos_rows, batch, seq_len, steps, offset): unused without positions."""
+    return positions.launch_args() if positions is not None else (dout2d, 0, 0, 0, 0, 0)
+
+
 def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool, out, zero_empty: bool,
-                    launch=_direct):
+                    launch=_direct, positions: Optional[PositionSums] = None):
     """out[g] = factor(g) * (sum of the dout rows of segment g) for the first out.shape[0]
     segments, in one launch: factor = scale, or scale / its token count; zero_empty: empty
-    segments written as zeros (a dense gradient by row: each row written once)."""
+    segments written as zeros (a dense gradient by row: each row written once). The same
+    launch writes ``positions``, if given."""
     rows, dim = out.shape
-    if rows == 0 or dim == 0:
+    pos_rows = 0 if positions is None else positions.out.shape[0]
+    if rows + pos_rows == 0 or dim == 0:
         return
     block_r, block_d = _blocks(dim)
+    table_programs = _cdiv(rows, block_r)
     partials = segments.partials
-    launch(_finish_segments_kernel)[(_cdiv(rows, block_r), _cdiv(dim, block_d))](
+    launch(_finish_segments_kernel)[(table_programs + _cdiv(pos_rows, block_r), _cdiv(dim, block_d))](
         dout2d, segments.order, partials if partials is not None else dout2d, segments.begin, segments.end, out,
-        scale, rows, dim, DIVIDE_BY_COUNT=divide_by_count, ZERO_EMPTY=zero_empty, HAS_PARTIALS=partials is not None,
-        COMPUTE_F64=dout2d.dtype == torch.float64, CHUNK=CHUNK_ROWS, BLOCK_R=block_r, BLOCK_D=block_d,
+        scale, rows, dim, table_programs, *_position_args(positions, dout2d),
+        DIVIDE_BY_COUNT=divide_by_count, ZERO_EMPTY=zero_empty, HAS_PARTIALS=partials is not None,
+        HAS_POSITIONS=positions is not None, COMPUTE_F64=dout2d.dtype == torch.float64, CHUNK=CHUNK_ROWS,
+        BLOCK_R=block_r, BLOCK_D=block_d,
     )
 
 
-def dense_gradient(dout2d, keys, num_rows: int, skip: int, scale: float, divide_by_count: bool, launch=_direct):
+def dense_gradient(dout2d, keys, num_rows: int, skip: int, scale: float, divide_by_count: bool, launch=_direct,
+                   positions: Optional[PositionSums] = None):
     """The (num_rows, d) gradient of the rows named by ``keys``, each row written once
     (untouched ones as zeros: no fill before). Three kernels around the sort; one for
-    at most FEW_TOKENS tokens."""
+    at most FEW_TOKENS tokens. The last one also writes ``positions``, if given."""
     grad = dout2d.new_empty(num_rows, dout2d.shape[1])
     if keys.numel() <= FEW_TOKENS:
         dim = dout2d.shape[1]
-        if num_rows and dim:
+        pos_rows = 0 if positions is None else positions.out.shape[0]
+        if num_rows + pos_rows and dim:
             block_r, block_d = _blocks(dim)
-            launch(_few_tokens_gradient_kernel)[(_cdiv(num_rows, block_r), _cdiv(dim, block_d))](
-                keys.reshape(-1), dout2d, grad, scale, keys.numel(), num_rows, skip, dim,
-                DIVIDE_BY_COUNT=divide_by_count, COMPUTE_F64=dout2d.dtype == torch.float64, FEW=FEW_TOKENS,
+            table_programs = _cdiv(num_rows, block_r)
+            launch(_few_tokens_gradient_kernel)[(table_programs + _cdiv(pos_rows, block_r), _cdiv(dim, block_d))](
+                keys.reshape(-1), dout2d, grad, scale, keys.numel(), num_rows, skip, dim, table_programs,
+                *_position_args(positions, dout2d), DIVIDE_BY_COUNT=divide_by_count,
+                HAS_POSITIONS=positions is not None, COMPUTE_F64=dout2d.dtype == torch.float64, FEW=FEW_TOKENS,
                 BLOCK_R=block_r, BLOCK_D=block_d,
             )
         return grad
     segments = sorted_segments(dout2d, keys, num_rows, skip, by_row=True, launch=launch)
-    finish_segments(dout2d, segments, scale, divide_by_count, grad, zero_empty=True, launch=launch)
+    finish_segments(dout2d, segments, scale, divide_by_count, grad, zero_empty=True, launch=launch,
+                    positions=positions)
     return grad
 
 
@@ -709,13 +768,11 @@ def used_row_sums(dout2d, keys, num_rows: int, skip: int, scale: float, divide_b
     return segments, values
 
 
-def batch_sum(dout, out, batch: int, seq_len: int, steps: int, offset: int, launch=_direct):
-    """Learned positions with p = offset + t: every row of out (num_positions, d) written
-    once, sum_b dout[b, t] for the steps the sequence reaches, zeros elsewhere."""
-    num_positions, dim = out.shape
-    if num_positions == 0 or dim == 0:
-        return
-    _, block_d = _blocks(dim)
-    launch(_batch_sum_kernel)[(num_positions, _cdiv(dim, block_d))](
-        dout, out, batch, seq_len, steps, offset, dim, COMPUTE_F64=dout.dtype == torch.float64, BLOCK_D=block_d,
+def batch_sum(dout2d, positions: PositionSums, launch=_direct):
+    """The learned positions' gradient alone, in one launch (the token table needs none):
+    one row per program (a tile of rows spilled 16 B for fp16 on sm_80)."""
+    _, block_d = _blocks(dout2d.shape[1])
+    launch(_batch_sum_kernel)[(positions.out.shape[0], _cdiv(dout2d.shape[1], block_d))](
+        dout2d, *positions.launch_args(), dout2d.shape[1], COMPUTE_F64=dout2d.dtype == torch.float64,
+        BLOCK_R=1, BLOCK_D=block_d,
     )

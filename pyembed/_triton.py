@@ -129,17 +129,22 @@ def _backward(grad_out, ids, position_ids, offset: int, num_embeddings: int, num
     dout = grad_out.contiguous().reshape(ids.numel(), dim)  # not -1: d may be 0
     weight_grad = pos_grad = None  # (0, d) where not asked for: made only then (each op costs the host)
     with _on_device(grad_out) if device_guard else contextlib.nullcontext():
-        # Dense gradients are written once, every row: no zero fill first.
-        if need_weight_grad:
-            weight_grad = k.dense_gradient(dout, ids, num_embeddings, -1 if padding_idx is None else padding_idx,
-                                           scale, scale_grad_by_freq, launch=launch)
-        if need_pos_grad and position_ids is not None:
-            pos_grad = k.dense_gradient(dout, position_ids, num_positions, -1, 1.0, False, launch=launch)
-        elif need_pos_grad:
+        # Dense gradients are written once, every row: no zero fill first. Learned positions
+        # by p = offset + t are written by the token table's last kernel.
+        positions = None
+        if need_pos_grad and position_ids is None:
             pos_grad = grad_out.new_empty(num_positions, dim)
             seq_len = ids.shape[-1] if ids.numel() else 0
-            k.batch_sum(dout, pos_grad, ids.numel() // max(seq_len, 1), seq_len,
-                        min(max(num_positions - offset, 0), seq_len), offset, launch=launch)
+            if num_positions and dim:
+                positions = k.PositionSums(pos_grad, ids.numel() // max(seq_len, 1), seq_len,
+                                           min(max(num_positions - offset, 0), seq_len), offset)
+        if need_weight_grad:
+            weight_grad = k.dense_gradient(dout, ids, num_embeddings, -1 if padding_idx is None else padding_idx,
+                                           scale, scale_grad_by_freq, launch=launch, positions=positions)
+        elif positions is not None:
+            k.batch_sum(dout, positions, launch=launch)
+        if need_pos_grad and position_ids is not None:
+            pos_grad = k.dense_gradient(dout, position_ids, num_positions, -1, 1.0, False, launch=launch)
     return (grad_out.new_empty(0, dim) if weight_grad is None else weight_grad,
             grad_out.new_empty(0, dim) if pos_grad is None else pos_grad)
 

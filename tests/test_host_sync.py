@@ -82,9 +82,10 @@ def test_triton_forward_and_dense_backward_never_sync():
     out = torch.empty(*ids.shape, 16)
     with HostSyncRecorder() as rec:
         k.embedding_forward(ids, weight, pos_weight, position_ids, k.POS_LEARNED, 2.0, 0, None, 0, 1.0, 0, 16, out)
-        dw = k.dense_gradient(dout.reshape(-1, 16), ids, 50, 5, 1.0, True)
+        dw = k.dense_gradient(dout.reshape(-1, 16), ids, 50, 5, 1.0, True,
+                              positions=k.PositionSums(torch.empty(120, 16), 4, 100, 100, 3))
         dp = k.dense_gradient(dout.reshape(-1, 16), position_ids, 120, -1, 1.0, False)
-        k.batch_sum(dout, torch.zeros(120, 16), 4, 100, 100, 3)
+        k.batch_sum(dout.reshape(-1, 16), k.PositionSums(torch.empty(120, 16), 4, 100, 100, 3))
     assert rec.syncs == []
     counts = torch.bincount(ids.reshape(-1), minlength=50).double().clamp(min=1)[:, None]
     torch.testing.assert_close(dw.double(), exact_row_sums(ids, dout, 50, skip=5) / counts, rtol=1e-5, atol=1e-5)
@@ -153,7 +154,8 @@ def test_triton_dense_backward_is_a_few_ops(interpreted_launches):
 
 # Launches per dense backward, the contract of issue #30: three kernels around one sort
 # (the sort's inputs; one pass over the sorted positions; one over the table's rows) at
-# GPT-2's 8x2048 tokens, hot rows included -- plus one kernel for learned positions.
+# GPT-2's 8x2048 tokens, hot rows included; the learned positions' batch sums are extra
+# blocks of the last one.
 # Each launch costs the host microseconds and the GPU a ramp; the reduction tree,
 # scans and fills this replaced were ~25 launches at this size.
 def _gpt2_backward_inputs():
@@ -167,7 +169,7 @@ def test_emulated_cuda_dense_backward_is_three_kernels_around_one_sort(emulated)
     ids, dout = _gpt2_backward_inputs()
     emulated.take_launch_counts()
     dw, dp = emulated.embedding_backward(dout, ids, None, 0, 50257, 2048, 1.0, None, False, True, True)
-    assert emulated.take_launch_counts() == (3 + 1, 1)  # (kernels, sorts): + batch_sum for learned positions
+    assert emulated.take_launch_counts() == (3, 1)  # (kernels, sorts), learned positions included
     torch.testing.assert_close(dw[13].double(), dout[:, :1500].double().sum((0, 1)), rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(dp.double(), dout.double().sum(0), rtol=1e-5, atol=1e-4)
 
@@ -179,8 +181,7 @@ def test_triton_dense_backward_is_three_kernels_around_one_sort(interpreted_laun
     ids, dout = _gpt2_backward_inputs()
     with HostSyncRecorder() as rec:
         dw, dp = _triton.backward(dout, ids, None, 0, 50257, 2048, 1.0, None, False, True, True)
-    assert interpreted_launches == [
-        "_sort_inputs_kernel", "_chunk_kernel", "_finish_segments_kernel", "_batch_sum_kernel"]
+    assert interpreted_launches == ["_sort_inputs_kernel", "_chunk_kernel", "_finish_segments_kernel"]
     assert rec.names.count("aten::sort") == 1 and not rec.syncs
     torch.testing.assert_close(dw[13].double(), dout[:, :1500].double().sum((0, 1)), rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(dp.double(), dout.double().sum(0), rtol=1e-5, atol=1e-4)
@@ -251,6 +252,51 @@ def test_short_batch_gradient_is_one_kernel_with_the_sorted_paths_sums(request, 
             torch.cat([torch.full((40,), -1), positions]), by_freq)
         assert sorts == 2 and kernels in (6, None), (kernels, sorts)  # three kernels around a sort, per gradient
         assert torch.equal(dw, dw_sorted) and torch.equal(dp, dp_sorted)
+
+
+# Learned positions by p = offset + t: their gradient is written by extra blocks of the
+# token table's last kernel -- no launch of its own -- with the sums the kernel that
+# writes it alone (a frozen token table) makes, bit for bit: on the short-batch path and
+# the sorted one, with an offset that leaves rows unreached and a sequence that runs past
+# the table of positions.
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("batch, seq_len", [(1, 1), (3, 7), (4, 50)], ids=["1x1", "3x7", "4x50"])
+@pytest.mark.parametrize("offset, num_positions", [(0, 60), (5, 30)], ids=["from-0", "offset-5"])
+def test_learned_positions_gradient_rides_in_the_tables_last_kernel(request, backend, dtype, batch, seq_len, offset,
+                                                                    num_positions):
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton interpreter (no GPU here)")
+    gen = torch.Generator().manual_seed(batch * seq_len + offset)
+    ids = torch.randint(0, 40, (batch, seq_len), generator=gen)
+    dout = torch.randn(batch, seq_len, 24, generator=gen).to(dtype)
+    if backend == "cuda":
+        emulated = request.getfixturevalue("emulated")
+
+        def run(need_weight_grad):
+            emulated.take_launch_counts()
+            _, dp = emulated.embedding_backward(dout, ids, None, offset, 40, num_positions, 1.0, None, False,
+                                                need_weight_grad, True)
+            return dp, emulated.take_launch_counts()[0]
+    else:
+        from pyembed import _triton
+
+        launched = request.getfixturevalue("interpreted_launches")
+
+        def run(need_weight_grad):
+            launched.clear()
+            _, dp = _triton.backward(dout, ids, None, offset, 40, num_positions, 1.0, None, False, need_weight_grad,
+                                     True)
+            return dp, len(launched)
+    table_launches = 1 if ids.numel() <= 32 else 3
+    dp, launches = run(True)
+    dp_alone, launches_alone = run(False)
+    assert (launches, launches_alone) == (table_launches, 1)
+    assert torch.equal(dp, dp_alone)
+    keys = (offset + torch.arange(seq_len)).expand(batch, seq_len)
+    reached = keys < num_positions
+    exact, bound = accumulation_bound(keys[reached], dout[reached], num_positions, 1.0, dtype)
+    assert_within(dp, exact, bound, what="dP")
 
 
 # ----------------------------------------------------------------- the default check on a GPU

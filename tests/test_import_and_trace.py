@@ -87,16 +87,16 @@ def test_compiled_backward_holds_the_triton_kernels_and_copies_no_input():
     # what Inductor can schedule and fuse -- not an opaque pyembed op, and each kernel is
     # found to write only its outputs (the output gradient and the ids are never copied).
     # The sort's inputs, the chunks (segment bounds, long segments' pieces), the table's
-    # rows, the positions' batch sum: no input (dout, ids, the sorted keys) is written.
+    # rows and the positions' (one kernel): no input (dout, ids, the sorted keys) is written.
     assert _traced_backward(4, 512) == ("traced True", [["out_ptr", "zeros_ptr"], ["begin_ptr", "end_ptr",
-                                                                                  "partials_ptr"], ["out_ptr"],
-                                                         ["out_ptr"]])
+                                                                                  "partials_ptr"],
+                                                         ["out_ptr", "pos_out_ptr"]])
 
 
-def test_compiled_short_batch_backward_is_one_kernel_writing_only_the_gradient():
-    # At most 32 tokens: no sort in the graph, the few-token kernel (the table's rows) and
-    # the positions' batch sum, each found to write only its output.
-    assert _traced_backward(1, 8) == ("traced False", [["out_ptr"], ["out_ptr"]])
+def test_compiled_short_batch_backward_is_one_kernel_writing_only_the_gradients():
+    # At most 32 tokens: no sort in the graph, one kernel -- the few-token one, writing the
+    # table's rows and the positions' -- found to write only its outputs.
+    assert _traced_backward(1, 8) == ("traced False", [["out_ptr", "pos_out_ptr"]])
 
 
 def test_compiled_kernel_with_the_range_check_writes_no_input_tensor():

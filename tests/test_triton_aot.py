@@ -68,7 +68,7 @@ def test_few_tokens_gradient_writes_the_table_in_128_bit_stores(report, arch):
     # A short batch's backward writes every row of the (V, d) table in this one kernel.
     wide = [k for k in report if k.startswith("few_tokens") and k.endswith(arch) and "fp64" not in k
             and re.search(r"d=(768|4096) ", k)]
-    assert len(wide) == 3 * 2 * 2 + 1  # dtypes x d x by_freq, plus int32 ids
+    assert len(wide) == 3 * 2 * 3 + 1  # dtypes x d x (by_freq or not, by_freq without positions), plus int32 ids
     narrow = [k for k, v in report.items() if k in wide and not v["v4_stores"]]
     assert not narrow, narrow
 

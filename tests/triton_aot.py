@@ -96,26 +96,37 @@ def chunk_source(dtype, dim, *, key_type="i16", by_slot=False, partials=True):
         "BLOCK_D": k._blocks(dim)[1]})
 
 
-def finish_source(dtype, dim, *, divide, partials=True):
+def _position_args(dtype, batch, seq_len):
+    """The learned positions' gradient a table's last kernel may write too (kernels'
+    _position_sums): 2048 positions, from offset 3."""
+    return {"pos_out_ptr": f"*{dtype}", "pos_rows": 2048, "batch": batch, "seq_len": seq_len,
+            "steps": min(seq_len, 2045), "offset": 3}
+
+
+def finish_source(dtype, dim, *, divide, partials=True, positions=True):
     """One pass over a dense gradient's rows (with scale_grad_by_freq's division or not;
-    partials=False: a backward of at most one chunk of tokens)."""
+    partials=False: a backward of at most one chunk of tokens), and the learned positions'
+    (positions=False: none, or by position_ids)."""
     acc = "fp64" if dtype == "fp64" else "fp32"
     block_r, block_d = k._blocks(dim)
     args = {"dout_ptr": f"*{dtype}", "order_ptr": "*i64", "partials_ptr": f"*{acc}", "begin_ptr": "*i64",
-            "end_ptr": "*i64", "out_ptr": f"*{dtype}", "scale": 27.7, "num_segments": 50257, "dim": dim}
+            "end_ptr": "*i64", "out_ptr": f"*{dtype}", "scale": 27.7, "num_segments": 50257, "dim": dim,
+            "table_programs": -(-50257 // block_r), **_position_args(dtype, 8, 512)}
     return _source(k._finish_segments_kernel, args, {
-        "DIVIDE_BY_COUNT": divide, "ZERO_EMPTY": True, "HAS_PARTIALS": partials, "COMPUTE_F64": acc == "fp64",
-        "CHUNK": k.CHUNK_ROWS, "BLOCK_R": block_r, "BLOCK_D": block_d})
+        "DIVIDE_BY_COUNT": divide, "ZERO_EMPTY": True, "HAS_PARTIALS": partials, "HAS_POSITIONS": positions,
+        "COMPUTE_F64": acc == "fp64", "CHUNK": k.CHUNK_ROWS, "BLOCK_R": block_r, "BLOCK_D": block_d})
 
 
-def few_tokens_source(dtype, dim, *, divide, id_type="i64"):
-    """A dense gradient of at most FEW_TOKENS tokens: one pass over the table's rows."""
+def few_tokens_source(dtype, dim, *, divide, id_type="i64", positions=True):
+    """A dense gradient of at most FEW_TOKENS tokens: one pass over the table's rows, and
+    the learned positions' (positions=False: none, or by position_ids)."""
     block_r, block_d = k._blocks(dim)
     args = {"keys_ptr": f"*{id_type}", "dout_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "scale": 27.7, "n": 7,
-            "num_rows": 50257, "skip": 3, "dim": dim}
+            "num_rows": 50257, "skip": 3, "dim": dim, "table_programs": -(-50257 // block_r),
+            **_position_args(dtype, 1, 7)}
     return _source(k._few_tokens_gradient_kernel, args, {
-        "DIVIDE_BY_COUNT": divide, "COMPUTE_F64": dtype == "fp64", "FEW": k.FEW_TOKENS, "BLOCK_R": block_r,
-        "BLOCK_D": block_d})
+        "DIVIDE_BY_COUNT": divide, "HAS_POSITIONS": positions, "COMPUTE_F64": dtype == "fp64", "FEW": k.FEW_TOKENS,
+        "BLOCK_R": block_r, "BLOCK_D": block_d})
 
 
 def bounds_source(kernel, key_type="i16"):
@@ -130,9 +141,11 @@ def bounds_source(kernel, key_type="i16"):
 
 
 def batch_source(dtype, dim):
-    args = {"dout_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "batch": 8, "seq_len": 512, "steps": 512, "offset": 3,
-            "dim": dim}
-    return _source(k._batch_sum_kernel, args, {"COMPUTE_F64": dtype == "fp64", "BLOCK_D": k._blocks(dim)[1]})
+    """The learned positions' gradient alone (a frozen token table), one row per program."""
+    args = {"dout_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "rows": 2048, "batch": 8, "seq_len": 512,
+            "steps": 512, "offset": 3, "dim": dim}
+    return _source(k._batch_sum_kernel, args, {"COMPUTE_F64": dtype == "fp64", "BLOCK_R": 1,
+                                               "BLOCK_D": k._blocks(dim)[1]})
 
 
 # (rule, its flags): SGD with momentum, AdamW, Adagrad, SparseAdam -- the rule's longest path.
@@ -181,6 +194,11 @@ def sources():
         out[f"batch_sum {dtype} d={dim}"] = (batch_source, (dtype, dim), {})
         out[f"few_tokens {dtype} d={dim}"] = (few_tokens_source, (dtype, dim), {"divide": False})
         out[f"few_tokens {dtype} by_freq d={dim}"] = (few_tokens_source, (dtype, dim), {"divide": True})
+        # Without the positions' programs: a table without learned positions, or by position_ids.
+        out[f"finish_segments no-positions {dtype} d={dim}"] = (finish_source, (dtype, dim), {
+            "divide": False, "positions": False})
+        out[f"few_tokens no-positions {dtype} by_freq d={dim}"] = (few_tokens_source, (dtype, dim), {
+            "divide": True, "positions": False})
     out["few_tokens fp32 int32-ids d=768"] = (few_tokens_source, ("fp32", 768), {"divide": False, "id_type": "i32"})
     # A backward of at most CHUNK_ROWS tokens has no partials. Not at d = 100: for bf16 on
     # sm_80 ptxas spills 40 B there (the direct loop's scalar loads; the same before the

@@ -24,6 +24,8 @@
 // segments' pieces); one over the table's rows (each written once, untouched rows as
 // zeros: no zero fill before). A batch of at most kFewTokens tokens skips the sort: one
 // kernel reads every key per group of rows (few_tokens_gradient_kernel), same sums.
+// Learned positions (p = offset + t) are summed over the batch by extra blocks of the
+// table's last kernel (PositionSums): no launch of their own.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -283,17 +285,63 @@ __global__ void chunk_kernel(const K* __restrict__ sorted, const int64_t* __rest
   }
 }
 
+// Learned positions with p = offset + t (no position_ids): row p of their gradient is
+// the sum over b of dout[b, t], b ascending, for the `steps` positions the sequence
+// reaches, and zeros in every other row. The token table's last kernel writes them too,
+// in blocks after its own (first_block on): one launch less per backward; batch_sum_kernel
+// alone when the table needs no gradient.
+template <typename T>
+struct PositionSums {
+  T* out = nullptr;  // (rows, dim); nullptr: no positional gradient in this launch
+  int64_t rows = 0, batch = 0, seq_len = 0, steps = 0, offset = 0;
+  int64_t first_block = std::numeric_limits<int64_t>::max();  // the launch's blocks from here on write `out`
+};
+
+// Row p of pos.out, this thread's columns.
+template <int VEC, typename T>
+__device__ __forceinline__ void position_sum_row(const T* __restrict__ dout, const PositionSums<T>& pos, int64_t p,
+                                                 int64_t dim) {
+  using A = acc_t<T>;
+  if (p >= pos.rows) return;
+  const int64_t t = p - pos.offset;
+  const int64_t count = t >= 0 && t < pos.steps ? pos.batch : 0;
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
+    A acc[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] = A(0);
+    for (int64_t b = 0; b < count; ++b) {
+      A x[VEC];
+      load_pack<VEC>(dout + (b * pos.seq_len + t) * dim + j, x);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] += x[i];
+    }
+    store_pack<VEC>(pos.out + p * dim + j, acc);
+  }
+}
+
+// This block's rows of pos.out, if it is one of the blocks that write them (blockDim.y rows each).
+template <int VEC, typename T>
+__device__ __forceinline__ bool position_block(const T* __restrict__ dout, const PositionSums<T>& pos, int64_t dim) {
+  if (static_cast<int64_t>(blockIdx.x) < pos.first_block) return false;
+  position_sum_row<VEC>(dout, pos, (static_cast<int64_t>(blockIdx.x) - pos.first_block) * blockDim.y + threadIdx.y,
+                        dim);
+  return true;
+}
+
 // out[g] = factor * (sum of the dout rows of segment g) for every segment g < num_segments,
 // summed in sorted (= token) order, rounded once: factor = scale, or scale / (the
 // segment's token count) with divide_by_count. A segment longer than a chunk adds its
 // pieces' partial sums instead (chunk_kernel). An empty segment (an untouched row) is
 // written as zeros with zero_empty (a dense gradient: every row written once, no fill
-// before), else not at all.
+// before), else not at all. Blocks from positions.first_block on write the learned
+// positions' gradient instead (PositionSums).
 template <typename T, typename A, int VEC>
 __global__ void finish_segments_kernel(const T* __restrict__ dout, const int64_t* __restrict__ order,
                                        const A* __restrict__ partials, const int64_t* __restrict__ begin,
                                        const int64_t* __restrict__ end, T* __restrict__ out, A scale,
-                                       bool divide_by_count, bool zero_empty, int64_t num_segments, int64_t dim) {
+                                       bool divide_by_count, bool zero_empty, int64_t num_segments, int64_t dim,
+                                       PositionSums<T> positions) {
+  if (position_block<VEC>(dout, positions, dim)) return;
   const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (g >= num_segments) return;
   const int64_t b = begin[g], e = end[g];
@@ -342,7 +390,8 @@ constexpr int kFewRows = 8;
 template <typename index_t, typename T, typename A, int VEC>
 __global__ void few_tokens_gradient_kernel(const index_t* __restrict__ keys, int64_t n, const T* __restrict__ dout,
                                            T* __restrict__ out, A scale, bool divide_by_count, int64_t num_rows,
-                                           int64_t skip, int64_t dim) {
+                                           int64_t skip, int64_t dim, PositionSums<T> positions) {
+  if (position_block<VEC>(dout, positions, dim)) return;
   const int64_t g0 = (static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y) * kFewRows;
   if (g0 >= num_rows) return;
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
@@ -372,28 +421,10 @@ __global__ void few_tokens_gradient_kernel(const index_t* __restrict__ keys, int
   }
 }
 
-// Learned positions with p = offset + t: out[p] = sum over b of dout[b, t] for the
-// `steps` positions the sequence reaches, zeros for every other row of the table.
+// The learned positions' gradient alone (the token table needs none): PositionSums with first_block 0.
 template <typename T, int VEC>
-__global__ void batch_sum_kernel(const T* __restrict__ dout, T* __restrict__ out, int64_t batch, int64_t seq_len,
-                                 int64_t steps, int64_t offset, int64_t num_positions, int64_t dim) {
-  using A = acc_t<T>;
-  const int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (p >= num_positions) return;
-  const int64_t t = p - offset;
-  const int64_t count = t >= 0 && t < steps ? batch : 0;
-  for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
-    A acc[VEC];
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) acc[i] = A(0);
-    for (int64_t b = 0; b < count; ++b) {
-      A x[VEC];
-      load_pack<VEC>(dout + (b * seq_len + t) * dim + j, x);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[i] += x[i];
-    }
-    store_pack<VEC>(out + p * dim + j, acc);
-  }
+__global__ void batch_sum_kernel(const T* __restrict__ dout, PositionSums<T> positions, int64_t dim) {
+  position_block<VEC>(dout, positions, dim);
 }
 
 // ------------------------------------------------------------------------- host side
@@ -420,6 +451,21 @@ inline RowGrid row_grid(int64_t rows, int64_t dim, int vec) {
   const int64_t blocks = std::max<int64_t>(1, (rows + ty - 1) / ty);
   TORCH_CHECK(blocks < (int64_t(1) << 31), "pyembed: too many rows for one launch: ", rows);
   return {dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(tx), static_cast<unsigned>(ty))};
+}
+
+// g (over `units` rows or groups of rows of a table) extended by the blocks that write the
+// learned positions' rows, when the launch writes them too (PositionSums): they follow
+// the table's blocks, blockDim.y rows each.
+template <typename T>
+RowGrid add_position_blocks(RowGrid g, int64_t units, PositionSums<T>& positions) {
+  int64_t blocks = units > 0 ? g.grid.x : 0;
+  if (positions.out != nullptr) {
+    positions.first_block = blocks;
+    blocks += (positions.rows + g.block.y - 1) / g.block.y;
+  }
+  TORCH_CHECK(blocks < (int64_t(1) << 31), "pyembed: too many rows for one launch: ", positions.rows);
+  g.grid.x = static_cast<unsigned>(std::max<int64_t>(blocks, 1));
+  return g;
 }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -584,59 +630,63 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
 // zeros (a dense gradient, numbered by row: every row written once, no fill before).
 template <class Launch, typename T>
 void finish_segments(const at::Tensor& dout, const SortedSegments& seg, double scale, bool divide_by_count,
-                     bool zero_empty, at::Tensor& out) {
+                     bool zero_empty, at::Tensor& out, PositionSums<T> positions = {}) {
   using A = acc_t<T>;
   const int64_t dim = dout.size(1), rows = out.size(0);
-  if (dim == 0 || rows == 0) return;
+  if (dim == 0 || rows + positions.rows == 0) return;
   const A* partials = seg.partials.defined() ? seg.partials.data_ptr<A>() : nullptr;
-  const int vec = vector_width<T>(dim, {dout.data_ptr(), out.data_ptr()});
-  const RowGrid g = row_grid(rows, dim, vec);
+  const int vec = vector_width<T>(dim, {dout.data_ptr(), out.data_ptr(), positions.out});
+  const RowGrid g = add_position_blocks(row_grid(rows, dim, vec), rows, positions);
   auto run = [&](auto v) {
     Launch::run(g.grid, g.block, finish_segments_kernel<T, A, decltype(v)::value>, dout.data_ptr<T>(),
                 seg.order.data_ptr<int64_t>(), partials, seg.begin.data_ptr<int64_t>(), seg.end.data_ptr<int64_t>(),
-                out.data_ptr<T>(), static_cast<A>(scale), divide_by_count, zero_empty, rows, dim);
+                out.data_ptr<T>(), static_cast<A>(scale), divide_by_count, zero_empty, rows, dim, positions);
   };
   if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
 }
 
-// few_tokens_gradient_kernel over every row of grad.
+// few_tokens_gradient_kernel over every row of grad (and of positions.out).
 template <class Launch, typename T>
 void few_tokens_gradient(const at::Tensor& dout, const at::Tensor& keys, int64_t skip, double scale,
-                         bool divide_by_count, at::Tensor& grad) {
+                         bool divide_by_count, at::Tensor& grad, PositionSums<T> positions) {
   using A = acc_t<T>;
   const int64_t num_rows = grad.size(0), dim = grad.size(1);
-  if (num_rows == 0 || dim == 0) return;
-  const int vec = vector_width<T>(dim, {dout.data_ptr(), grad.data_ptr()});
-  const RowGrid g = row_grid((num_rows + kFewRows - 1) / kFewRows, dim, vec);
+  if (dim == 0 || num_rows + positions.rows == 0) return;
+  const int vec = vector_width<T>(dim, {dout.data_ptr(), grad.data_ptr(), positions.out});
+  const int64_t groups = (num_rows + kFewRows - 1) / kFewRows;
+  const RowGrid g = add_position_blocks(row_grid(groups, dim, vec), groups, positions);
   AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_few_tokens_gradient", [&] {
     auto run = [&](auto v) {
       Launch::run(g.grid, g.block, few_tokens_gradient_kernel<index_t, T, A, decltype(v)::value>,
                   keys.data_ptr<index_t>(), keys.numel(), dout.data_ptr<T>(), grad.data_ptr<T>(),
-                  static_cast<A>(scale), divide_by_count, num_rows, skip, dim);
+                  static_cast<A>(scale), divide_by_count, num_rows, skip, dim, positions);
     };
     if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
   });
 }
 
 // A dense gradient (num_rows, d) of the rows named by `keys`, each row written once: one
-// kernel for a few tokens, else three around the sort.
+// kernel for a few tokens, else three around the sort. Its last kernel also writes the
+// learned positions' gradient, if given (PositionSums).
 template <class Launch, typename T>
 at::Tensor dense_gradient(const at::Tensor& dout, const at::Tensor& keys, int64_t num_rows, int64_t skip,
-                          double scale, bool divide_by_count) {
+                          double scale, bool divide_by_count, PositionSums<T> positions = {}) {
   at::Tensor grad = at::empty({num_rows, dout.size(1)}, dout.options());
   if (keys.numel() <= kFewTokens) {
-    few_tokens_gradient<Launch, T>(dout, keys.contiguous(), skip, scale, divide_by_count, grad);
+    few_tokens_gradient<Launch, T>(dout, keys.contiguous(), skip, scale, divide_by_count, grad, positions);
     return grad;
   }
   const SortedSegments seg = sorted_segments<Launch, T>(dout, keys, num_rows, skip, /*by_row=*/true);
-  finish_segments<Launch, T>(dout, seg, scale, divide_by_count, /*zero_empty=*/true, grad);
+  finish_segments<Launch, T>(dout, seg, scale, divide_by_count, /*zero_empty=*/true, grad, positions);
   return grad;
 }
 
 // Dense gradients (weight_grad (V, d) and / or pos_grad (max_seq_len, d); (0, d) when not
 // needed): no device->host sync. Each is written once, every row: no zero fill first.
 // Launches for the token table: sort_inputs, the radix sort, chunk_kernel, finish_segments
-// (up to kFewTokens tokens: few_tokens_gradient_kernel alone).
+// (up to kFewTokens tokens: few_tokens_gradient_kernel alone); learned positions by
+// p = offset + t are written by the table's last kernel (or batch_sum_kernel, when the
+// table needs no gradient); by position_ids, they are a dense gradient of their own.
 template <class Launch>
 std::tuple<at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out_in, const at::Tensor& ids_in,
                                                const std::optional<at::Tensor>& position_ids_in, int64_t offset,
@@ -651,25 +701,33 @@ std::tuple<at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out_in, co
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dout.scalar_type(), "pyembed_backward_cuda", [&] {
     using T = scalar_t;
+    PositionSums<T> positions;
+    if (need_pos_grad && !position_ids_in) {
+      pos_grad = at::empty({num_positions, dim}, options);  // every row written by the launch that takes positions
+      const int64_t seq_len = num_tokens > 0 ? ids_in.size(-1) : 0;
+      if (num_positions > 0 && dim > 0) {
+        positions.out = pos_grad.data_ptr<T>();
+        positions.rows = num_positions;
+        positions.batch = seq_len > 0 ? num_tokens / seq_len : 0;
+        positions.seq_len = seq_len;
+        positions.steps = std::clamp<int64_t>(num_positions - offset, 0, seq_len);
+        positions.offset = offset;
+      }
+    }
     if (need_weight_grad) {
       weight_grad = dense_gradient<Launch, T>(dout, ids_in, num_embeddings, padding_idx.value_or(-1), scale,
-                                              scale_grad_by_freq);
+                                              scale_grad_by_freq, positions);
+    } else if (positions.out != nullptr) {
+      const int vec = vector_width<T>(dim, {dout.data_ptr(), positions.out});
+      const RowGrid g = add_position_blocks(row_grid(0, dim, vec), 0, positions);
+      if (vec > 1) {
+        Launch::run(g.grid, g.block, batch_sum_kernel<T, 16 / sizeof(T)>, dout.data_ptr<T>(), positions, dim);
+      } else {
+        Launch::run(g.grid, g.block, batch_sum_kernel<T, 1>, dout.data_ptr<T>(), positions, dim);
+      }
     }
     if (need_pos_grad && position_ids_in) {
       pos_grad = dense_gradient<Launch, T>(dout, *position_ids_in, num_positions, -1, 1.0, false);
-    } else if (need_pos_grad) {
-      pos_grad = at::empty({num_positions, dim}, options);  // every row written by batch_sum_kernel
-      const int64_t seq_len = num_tokens > 0 ? ids_in.size(-1) : 0;
-      const int64_t steps = std::clamp<int64_t>(num_positions - offset, 0, seq_len);
-      if (num_positions > 0 && dim > 0) {
-        const int vec = vector_width<T>(dim, {dout.data_ptr(), pos_grad.data_ptr()});
-        const RowGrid g = row_grid(num_positions, dim, vec);
-        auto run = [&](auto kernel) {
-          Launch::run(g.grid, g.block, kernel, dout.data_ptr<T>(), pos_grad.data_ptr<T>(),
-                      seq_len > 0 ? num_tokens / seq_len : 0, seq_len, steps, offset, num_positions, dim);
-        };
-        if (vec > 1) run(batch_sum_kernel<T, 16 / sizeof(T)>); else run(batch_sum_kernel<T, 1>);
-      }
     }
   });
   return {weight_grad.defined() ? weight_grad : at::empty({0, dim}, options),
