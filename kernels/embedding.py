@@ -461,6 +461,51 @@ def _few_tokens_gradient_kernel(
 
 
 @triton.jit
+def _few_tokens_slots_kernel(
+    keys_ptr,  # (n,) int32/int64 ids, n <= FEW
+    dout_ptr,  # (n, dim) the output gradient
+    rows_ptr,  # (slots,) int64 out: slot s's row, -1 past the used ones
+    values_ptr,  # (slots, dim) out: the used rows' scaled sums (the slots past them not written)
+    scale: tl.float64, n, slots, num_rows, skip, dim,
+    DIVIDE_BY_COUNT: tl.constexpr, COMPUTE_F64: tl.constexpr, FEW: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """A sparse gradient's rows (touched_rows, the sparse backward) of a few tokens without
+    the sort: slot s is the s-th smallest used key -- the sorted path's numbering -- with
+    the sum of its tokens' dout rows in token order and the same factor, so the same bits.
+    A token's slot is the number of distinct used keys below its own (an n x n comparison).
+    Each program holds every slot's sums for BLOCK_D columns."""
+    acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
+    i = tl.arange(0, FEW)
+    k = tl.load(keys_ptr + i, mask=i < n, other=-1).to(tl.int64)
+    used = _used_key(k, num_rows, skip) & (i < n)
+    # The first token of each used key, then each token's slot: the first tokens' keys below its key.
+    earlier_same = (k[None, :] == k[:, None]) & used[None, :] & (i[None, :] < i[:, None])
+    first = used & (tl.sum(earlier_same.to(tl.int32), 1) == 0)
+    slot = tl.sum(((k[None, :] < k[:, None]) & first[None, :]).to(tl.int32), 1)
+    distinct = tl.sum(first.to(tl.int32), 0)
+    s = i[:, None]  # (FEW, 1): the slots, as rows of the tile
+    cols = (tl.program_id(0).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
+    col_ok = cols < dim
+    acc = tl.zeros([FEW, BLOCK_D], dtype=acc_dtype)
+    count = tl.zeros([FEW, 1], dtype=tl.int32)
+    for t in range(0, n):
+        key = tl.load(keys_ptr + t).to(tl.int64)
+        if _used_key(key, num_rows, skip):
+            hit = s == tl.sum(tl.where(i == t, slot, 0), 0)  # token t's slot
+            row = tl.load(dout_ptr + t * dim + cols, mask=col_ok, other=0.0).to(acc_dtype)
+            acc += tl.where(hit, row, 0.0)  # + 0.0 elsewhere: as _few_tokens_gradient_kernel, no bit changes
+            count += hit.to(tl.int32)
+    if DIVIDE_BY_COUNT:
+        acc = acc * (tl.full([], scale, acc_dtype) / tl.maximum(count, 1).to(acc_dtype))
+    else:
+        acc = acc * tl.full([], scale, acc_dtype)
+    tl.store(values_ptr + s * dim + cols, _rounded(acc, values_ptr), mask=(s < distinct) & col_ok)
+    if tl.program_id(0) == 0:
+        slot_row = tl.max(tl.where((slot[None, :] == s) & first[None, :], k[None, :], -1), 1)  # -1: no such slot
+        tl.store(rows_ptr + i, slot_row, mask=i < slots)
+
+
+@triton.jit
 def _batch_sum_kernel(
     dout_ptr,  # (batch, seq_len, dim)
     out_ptr,  # (rows, dim): the learned positions' gradient (_position_sums)
@@ -759,13 +804,32 @@ def dense_gradient(dout2d, keys, num_rows: int, skip: int, scale: float, divide_
 
 
 def used_row_sums(dout2d, keys, num_rows: int, skip: int, scale: float, divide_by_count: bool, exact: bool):
-    """(segments by slot, values): the scaled sums of the used rows, in key order -- exact:
-    one row per used row (one host sync, for their number), else min(tokens, V) rows, the
-    slots past the used rows not written."""
+    """(rows, values) by slot: slot s holds the s-th smallest used key and its tokens'
+    scaled sum. exact: the U used rows only (one host sync, for U); else min(tokens, V)
+    slots, a size the host knows, those past the used rows marked row -1 (values not
+    written). At most FEW_TOKENS tokens: one kernel; else the sort and two kernels around."""
+    keys = keys.reshape(-1)
+    n, dim = keys.numel(), dout2d.shape[1]
+    if n <= FEW_TOKENS:
+        slots = min(n, max(num_rows, 0))
+        rows = torch.empty(slots, dtype=torch.long, device=keys.device)
+        values = dout2d.new_empty(slots, dim)
+        if slots:
+            block_d = min(_blocks(dim)[1], TILE_ELEMENTS // FEW_TOKENS)  # a tile holds every slot's sums
+            _direct(_few_tokens_slots_kernel)[(max(_cdiv(dim, block_d), 1),)](
+                keys, dout2d, rows, values, scale, n, slots, num_rows, skip, dim, DIVIDE_BY_COUNT=divide_by_count,
+                COMPUTE_F64=dout2d.dtype == torch.float64, FEW=FEW_TOKENS, BLOCK_D=block_d,
+            )
+        if exact:
+            used = int((rows >= 0).sum())
+            return rows[:used], values[:used]
+        return rows, values
     segments = sorted_segments(dout2d, keys, num_rows, skip, by_row=False)
-    values = dout2d.new_empty(int(segments.count) if exact else segments.keys.numel(), dout2d.shape[1])
+    values = dout2d.new_empty(int(segments.count) if exact else segments.keys.numel(), dim)
     finish_segments(dout2d, segments, scale, divide_by_count, values, zero_empty=False)
-    return segments, values
+    if exact:
+        return segments.keys[:values.shape[0]].clone(), values
+    return torch.where(segments.end > segments.begin, segments.keys, -1), values
 
 
 def batch_sum(dout2d, positions: PositionSums, launch=_direct):

@@ -174,22 +174,18 @@ def triton_sparse_backward(grad_out: torch.Tensor, ids: torch.Tensor, num_embedd
                            padding_idx: Optional[int], scale_grad_by_freq: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The token table's sparse gradient (schema of reference.embedding_sparse_backward):
     one host sync, for the number of touched rows."""
-    segments, values = _used_row_sums(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq,
-                                      exact=True)
-    return segments.keys[:values.shape[0]].clone(), values
+    return _used_row_sums(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, exact=True)
 
 
 def touched_rows(grad_out: torch.Tensor, ids: torch.Tensor, num_embeddings: int, scale: float,
                  padding_idx: Optional[int], scale_grad_by_freq: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The sparse backward without its host sync (schema of
     torch.ops.pyembed.embedding_touched_rows): min(tokens, V) slots, unused ones row -1."""
-    segments, values = _used_row_sums(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq,
-                                      exact=False)
-    return torch.where(segments.end > segments.begin, segments.keys, -1), values
+    return _used_row_sums(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, exact=False)
 
 
 def _used_row_sums(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, exact: bool):
-    """kernels.embedding.used_row_sums on the op's arguments: (segments by slot, their sums)."""
+    """kernels.embedding.used_row_sums on the op's arguments: (rows by slot, their sums)."""
     with _on_device(grad_out):
         return _kernels().used_row_sums(
             grad_out.contiguous().reshape(ids.numel(), grad_out.shape[-1]), ids, num_embeddings,

@@ -254,6 +254,62 @@ def test_short_batch_gradient_is_one_kernel_with_the_sorted_paths_sums(request, 
         assert torch.equal(dw, dw_sorted) and torch.equal(dp, dp_sorted)
 
 
+def _short_batch_rows(backend, emulated, dout, ids, by_freq):
+    """(touched rows, their values, the sparse backward's rows and values, kernels launched
+    or None, sorts) on backend "cuda" (emulated) or "triton"; scale 1.5, padding row 3."""
+    args = (dout, ids, SHORT_VOCAB, 1.5, 3, by_freq)
+    if backend == "cuda":
+        emulated.take_launch_counts()
+        rows, values = emulated.embedding_touched_rows(*args)
+        kernels, sorts = emulated.take_launch_counts()
+        return (rows, values, *emulated.embedding_sparse_backward(*args), kernels, sorts)
+    from pyembed import _triton
+
+    with HostSyncRecorder() as rec:
+        rows, values = _triton.touched_rows(*args)
+    return (rows, values, *torch.ops.pyembed.triton_sparse_backward(*args), None, rec.names.count("aten::sort"))
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("dim", [8, 97])
+@pytest.mark.parametrize("num_tokens", [1, 7, 32])
+def test_short_batch_touched_rows_are_one_kernel_with_the_sorted_paths_sums(request, backend, dtype, dim,
+                                                                             num_tokens):
+    # What the optimizer in the backward (a one-token fused step) and the sparse backward
+    # take: the used rows ascending, slot by slot, with their sums -- one kernel without
+    # the sort, bit for bit the sorted path's (shown behind 40 unused ids, as above).
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton interpreter (no GPU here)")
+    emulated = request.getfixturevalue("emulated") if backend == "cuda" else None
+    interpreted_launches = request.getfixturevalue("interpreted_launches") if backend == "triton" else []
+    ids, _, dout = _short_batch(num_tokens, dim, dtype)
+    keep = (ids >= 0) & (ids < SHORT_VOCAB) & (ids != 3)
+    used = torch.unique(ids[keep])  # sorted
+    for by_freq in (False, True):
+        interpreted_launches.clear()
+        rows, values, sparse_rows, sparse_values, kernels, sorts = _short_batch_rows(backend, emulated, dout, ids,
+                                                                                     by_freq)
+        assert sorts == 0 and kernels in (1, None), (kernels, sorts)
+        if backend == "triton":
+            assert interpreted_launches[0] == "_few_tokens_slots_kernel" and len(set(interpreted_launches)) == 1
+        assert rows.tolist() == used.tolist() + [-1] * (num_tokens - used.numel())
+        terms = dout.double()
+        if by_freq:
+            terms = terms / torch.bincount(ids[keep], minlength=SHORT_VOCAB).double()[ids.clamp(0, SHORT_VOCAB - 1),
+                                                                                        None]
+        exact, bound = accumulation_bound(ids[keep], terms[keep], SHORT_VOCAB, 1.5, dtype)
+        assert_within(values[:used.numel()], exact[used], bound[used], what="touched rows' values")
+        assert torch.equal(sparse_rows, used) and torch.equal(sparse_values, values[:used.numel()])
+
+        sorted_rows, sorted_values, _, _, kernels, sorts = _short_batch_rows(
+            backend, emulated, torch.cat([torch.randn(40, dim, dtype=torch.float64).to(dtype), dout]),
+            torch.cat([torch.full((40,), -1), ids]), by_freq)
+        assert sorts == 1 and kernels in (4, None), (kernels, sorts)  # starts, chunks, finish (and the sort's inputs)
+        assert torch.equal(sorted_rows[:used.numel()], used)
+        assert torch.equal(sorted_values[:used.numel()], values[:used.numel()])
+
+
 # Learned positions by p = offset + t: their gradient is written by extra blocks of the
 # token table's last kernel -- no launch of its own -- with the sums the kernel that
 # writes it alone (a frozen token table) makes, bit for bit: on the short-batch path and

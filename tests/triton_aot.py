@@ -129,6 +129,16 @@ def few_tokens_source(dtype, dim, *, divide, id_type="i64", positions=True):
         "BLOCK_R": block_r, "BLOCK_D": block_d})
 
 
+def few_slots_source(dtype, dim, *, divide):
+    """A sparse gradient's rows (touched rows, the sparse backward) of at most FEW_TOKENS
+    tokens: every slot's sums in one tile, BLOCK_D columns of them per program."""
+    block_d = min(k._blocks(dim)[1], k.TILE_ELEMENTS // k.FEW_TOKENS)
+    args = {"keys_ptr": "*i64", "dout_ptr": f"*{dtype}", "rows_ptr": "*i64", "values_ptr": f"*{dtype}",
+            "scale": 27.7, "n": 7, "slots": 7, "num_rows": 50257, "skip": 3, "dim": dim}
+    return _source(k._few_tokens_slots_kernel, args, {
+        "DIVIDE_BY_COUNT": divide, "COMPUTE_F64": dtype == "fp64", "FEW": k.FEW_TOKENS, "BLOCK_D": block_d})
+
+
 def bounds_source(kernel, key_type="i16"):
     """The sort's inputs (int64 ids in, key_type keys out, the bounds' zeros) and the
     segment starts of a sparse gradient (on key_type sorted keys)."""
@@ -199,6 +209,8 @@ def sources():
             "divide": False, "positions": False})
         out[f"few_tokens no-positions {dtype} by_freq d={dim}"] = (few_tokens_source, (dtype, dim), {
             "divide": True, "positions": False})
+        out[f"few_slots {dtype} d={dim}"] = (few_slots_source, (dtype, dim), {"divide": False})
+        out[f"few_slots {dtype} by_freq d={dim}"] = (few_slots_source, (dtype, dim), {"divide": True})
     out["few_tokens fp32 int32-ids d=768"] = (few_tokens_source, ("fp32", 768), {"divide": False, "id_type": "i32"})
     # A backward of at most CHUNK_ROWS tokens has no partials. Not at d = 100: for bf16 on
     # sm_80 ptxas spills 40 B there (the direct loop's scalar loads; the same before the

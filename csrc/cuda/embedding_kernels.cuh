@@ -421,6 +421,49 @@ __global__ void few_tokens_gradient_kernel(const index_t* __restrict__ keys, int
   }
 }
 
+// A sparse gradient's rows (the sparse backward, touched_rows) of at most kFewTokens
+// tokens in one launch, no sort: slot s is the s-th smallest used key -- the sorted path's
+// numbering -- with the sum of its tokens' dout rows in token order and the same factor,
+// so the same bits. A thread finds its slot's key as s + 1 successive minima over the n
+// keys (from cache: every thread reads the same few), then sums its columns. rows[s] is
+// -1 for the slots past the used keys, whose values are not written.
+template <typename index_t, typename T, typename A, int VEC>
+__global__ void few_tokens_slots_kernel(const index_t* __restrict__ keys, int64_t n, const T* __restrict__ dout,
+                                        int64_t* __restrict__ rows, T* __restrict__ values, A scale,
+                                        bool divide_by_count, int64_t slots, int64_t num_rows, int64_t skip,
+                                        int64_t dim) {
+  const int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (s >= slots) return;
+  int64_t key = -1;  // after r steps: the r-th smallest used key
+  for (int64_t r = 0; r <= s; ++r) {
+    int64_t next = INT64_MAX;
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t k = static_cast<int64_t>(keys[t]);
+      if (used_key(k, num_rows, skip) && k > key && k < next) next = k;
+    }
+    key = next;
+  }
+  if (key == INT64_MAX) key = -1;  // fewer than s + 1 used keys
+  if (threadIdx.x == 0) rows[s] = key;
+  if (key < 0) return;
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
+    A acc[VEC] = {};
+    int64_t count = 0;
+    for (int64_t t = 0; t < n; ++t) {
+      if (static_cast<int64_t>(keys[t]) != key) continue;
+      A x[VEC];
+      load_pack<VEC>(dout + t * dim + j, x);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] += x[i];
+      ++count;
+    }
+    const A factor = divide_by_count ? scale / static_cast<A>(count) : scale;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] *= factor;
+    store_pack<VEC>(values + s * dim + j, acc);
+  }
+}
+
 // The learned positions' gradient alone (the token table needs none): PositionSums with first_block 0.
 template <typename T, int VEC>
 __global__ void batch_sum_kernel(const T* __restrict__ dout, PositionSums<T> positions, int64_t dim) {
@@ -734,25 +777,55 @@ std::tuple<at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out_in, co
           pos_grad.defined() ? pos_grad : at::empty({0, dim}, options)};
 }
 
-// The token table's gradient rows: the used ids' segments by slot, the first `rows`
-// slots' scaled sums written into a (rows, d) tensor -- rows >= the number of touched rows.
+// The token table's gradient rows, by slot: slot s holds the s-th smallest used id and
+// its tokens' scaled sum. exact: the U used rows only (U read back from the device: one
+// host sync); else min(tokens, V) slots, a size the host knows, the slots past the used
+// rows marked row -1 (their values not written). Up to kFewTokens tokens:
+// few_tokens_slots_kernel alone; else the sorted segments by slot and finish_segments.
 template <class Launch>
-std::pair<SortedSegments, at::Tensor> sum_used_rows(const at::Tensor& grad_out_in, const at::Tensor& ids_in,
-                                                     int64_t num_embeddings, double scale,
-                                                     std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
-                                                     bool exact) {
+std::pair<at::Tensor, at::Tensor> sum_used_rows(const at::Tensor& grad_out_in, const at::Tensor& ids_in,
+                                                int64_t num_embeddings, double scale,
+                                                std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
+                                                bool exact) {
   check_same_device(grad_out_in.device(), {&ids_in});
   const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
   const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
-  SortedSegments seg;
-  at::Tensor values;
+  const int64_t skip = padding_idx.value_or(-1);
+  at::Tensor rows, values;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dout.scalar_type(), "pyembed_sum_used_rows_cuda", [&] {
-    seg = sorted_segments<Launch, scalar_t>(dout, ids_in, num_embeddings, padding_idx.value_or(-1), false);
-    const int64_t rows = exact ? seg.count.item<int64_t>() : seg.keys.numel();  // exact: one device->host read
-    values = at::empty({rows, dim}, dout.options());
-    finish_segments<Launch, scalar_t>(dout, seg, scale, scale_grad_by_freq, /*zero_empty=*/false, values);
+    using T = scalar_t;
+    using A = acc_t<T>;
+    if (num_tokens <= kFewTokens) {
+      const int64_t slots = std::min(num_tokens, std::max<int64_t>(num_embeddings, 0));
+      rows = at::empty({slots}, dout.options().dtype(at::kLong));
+      values = at::empty({slots, dim}, dout.options());
+      if (slots > 0) {
+        const at::Tensor keys = ids_in.reshape(-1).contiguous();
+        const int vec = vector_width<T>(dim, {dout.data_ptr(), values.data_ptr()});
+        const RowGrid g = row_grid(slots, dim, vec);
+        AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_few_tokens_slots", [&] {
+          auto run = [&](auto v) {
+            Launch::run(g.grid, g.block, few_tokens_slots_kernel<index_t, T, A, decltype(v)::value>,
+                        keys.data_ptr<index_t>(), num_tokens, dout.data_ptr<T>(), rows.data_ptr<int64_t>(),
+                        values.data_ptr<T>(), static_cast<A>(scale), scale_grad_by_freq, slots, num_embeddings, skip,
+                        dim);
+          };
+          if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
+        });
+      }
+      if (exact) {
+        const int64_t used = rows.ge(0).sum().item<int64_t>();  // one device->host read
+        rows = rows.slice(0, 0, used), values = values.slice(0, 0, used);
+      }
+      return;
+    }
+    const SortedSegments seg = sorted_segments<Launch, T>(dout, ids_in, num_embeddings, skip, /*by_row=*/false);
+    const int64_t used = exact ? seg.count.item<int64_t>() : seg.keys.numel();  // exact: one device->host read
+    values = at::empty({used, dim}, dout.options());
+    finish_segments<Launch, T>(dout, seg, scale, scale_grad_by_freq, /*zero_empty=*/false, values);
+    rows = exact ? seg.keys.slice(0, 0, used).clone() : at::where(seg.end > seg.begin, seg.keys, -1);
   });
-  return {std::move(seg), values};
+  return {rows, values};
 }
 
 // The token table's sparse gradient: (rows (U,) sorted unique used ids, values (U, d)).
@@ -761,9 +834,9 @@ template <class Launch>
 std::tuple<at::Tensor, at::Tensor> sparse_backward_op(const at::Tensor& grad_out, const at::Tensor& ids,
                                                       int64_t num_embeddings, double scale,
                                                       std::optional<int64_t> padding_idx, bool scale_grad_by_freq) {
-  auto [seg, values] = sum_used_rows<Launch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq,
-                                             /*exact=*/true);
-  return {seg.keys.slice(0, 0, values.size(0)).clone(), values};
+  auto [rows, values] = sum_used_rows<Launch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq,
+                                              /*exact=*/true);
+  return {rows, values};
 }
 
 // The sparse backward's (rows, values) without the host sync: sized by the bound
@@ -774,9 +847,9 @@ template <class Launch>
 std::tuple<at::Tensor, at::Tensor> touched_rows_op(const at::Tensor& grad_out, const at::Tensor& ids,
                                                    int64_t num_embeddings, double scale,
                                                    std::optional<int64_t> padding_idx, bool scale_grad_by_freq) {
-  auto [seg, values] = sum_used_rows<Launch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq,
-                                             /*exact=*/false);
-  return {at::where(seg.end > seg.begin, seg.keys, -1), values};
+  auto [rows, values] = sum_used_rows<Launch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq,
+                                              /*exact=*/false);
+  return {rows, values};
 }
 
 }  // namespace pyembed::cuda
