@@ -178,8 +178,9 @@ def step_tables(backend, config, grad_out: torch.Tensor, ids: torch.Tensor, posi
         _update(backend, weight, rows, values, config.sparse)
         need_weight_grad = False
     if pos_weight is not None and need_pos_grad:
-        _, pos_grad = backend.backward(grad_out, ids, position_ids, config.offset, 0, pos_weight.shape[0],
-                                       config.scale, config.padding_idx, False, False, True)
+        _, pos_grad = backend.backward_op(grad_out)(grad_out, ids, position_ids, config.offset, 0,
+                                                    pos_weight.shape[0], config.scale, config.padding_idx, False,
+                                                    False, True)  # eagerly, the op's body: no dispatch
         _update(backend, pos_weight, torch.arange(pos_weight.shape[0], device=pos_grad.device), pos_grad, False)
         need_pos_grad = False
     return need_weight_grad, need_pos_grad
