@@ -98,6 +98,17 @@ def test_forward_moves_rows_with_128_bit_accesses(ptxas_report, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_optimizer_update_moves_the_table_with_128_bit_accesses(ptxas_report, arch):
+    """The optimizer inside the backward is one pass over p and its state (three (V, d)
+    tables for Adam): 16 bytes per access on 16-byte rows, as torch's fused AdamW."""
+    ptx = ptxas_report[1][arch]
+    for fragment in ("optimizer_update_kernelIfLi1ELi4E", "optimizer_update_kernelIN3c108BFloat16ELi1ELi8E"):
+        body = _entry_body(ptx, fragment)
+        assert len(re.findall(r"ld\.global(\.nc)?\.v4\.", body)) >= 3, f"{fragment}: p, m, v not read 16 bytes wide"
+        assert len(re.findall(r"st\.global\.v4\.", body)) >= 3, f"{fragment}: p, m, v not written 16 bytes wide"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_few_tokens_gradient_writes_rows_with_128_bit_accesses(ptxas_report, arch):
     """The one-kernel backward of a short batch writes the whole (V, d) table: it must
     move it as the finish kernel does, 16 bytes per access, with its kFewRows rows of

@@ -288,10 +288,11 @@ def _random_update(cls, kwargs, dtype, rows_count=7, num_rows=19, dim=37, steps=
     return table, state, update, rows, values
 
 
+@pytest.mark.parametrize("dim", [37, 40])  # 40: rows of 16-byte multiples (vector accesses) in every dtype
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", range(len(RULE_CASES)))
 @pytest.mark.parametrize("kernel", ["cpu", "cuda-emulated", "triton"])
-def test_update_kernel_equals_torch_functional_optimizer(kernel, case, dtype, request):
+def test_update_kernel_equals_torch_functional_optimizer(kernel, case, dtype, dim, request):
     if kernel == "cuda-emulated":
         run = request.getfixturevalue("emulated").optimizer_update
     else:
@@ -299,7 +300,7 @@ def test_update_kernel_equals_torch_functional_optimizer(kernel, case, dtype, re
             pytest.skip(f"the {kernel} backend is not available on CPU tensors here")
         run = dispatch.get(kernel).optimizer_update
     cls, kwargs, all_rows = RULE_CASES[case]
-    table, state, update, rows, values = _random_update(cls, kwargs, dtype)
+    table, state, update, rows, values = _random_update(cls, kwargs, dtype, dim=dim)
     assert update.all_rows == all_rows
     # The spec: torch's functional optimizer in float64 on the same inputs, then rounded.
     exact_table = table.detach().double().clone()

@@ -1,7 +1,8 @@
 // The optimizer inside the backward on CUDA tensors (pyembed/optim.py): the rules of
-// csrc/optim.h, one thread per element of an updated row. Compiled by nvcc into
-// pyembed._C (embedding_cuda.cu) and by g++ with host_emulation.h into the test module,
-// like embedding_kernels.cuh; no shared memory, no synchronisation, no host sync.
+// csrc/optim.h, one thread per VEC elements of an updated row (16-byte accesses where the
+// rows allow). Compiled by nvcc into pyembed._C (embedding_cuda.cu) and by g++ with
+// host_emulation.h into the test module, like embedding_kernels.cuh; no shared memory,
+// no synchronisation, no host sync.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,31 +15,35 @@
 
 namespace pyembed::cuda {
 
-// Element e = (i, j) of the updated rows: all_rows: table row i, whose gradient is row
-// row_slot[i] of values (-1: none, g = 0); else touched row i, table row rows[i]. A row
-// outside the table (-1: an unused slot of touched_rows_op) is skipped: nothing is read
-// or written out of bounds.
-template <typename T, int RULE>
+// Item e = (i, VEC elements from column j) of the updated rows: all_rows: table row i,
+// whose gradient is row row_slot[i] of values (-1: none, g = 0); else touched row i,
+// table row rows[i]. A row outside the table (-1: an unused slot of touched_rows_op) is
+// skipped: nothing is read or written out of bounds. VEC > 1 (16-byte accesses, as the
+// embedding kernels): d a multiple of VEC and every tensor 16-byte aligned.
+template <typename T, int RULE, int VEC>
 __global__ void optimizer_update_kernel(T* param, T* state1, T* state2, const int64_t* rows, const int64_t* row_slot,
                                         const T* values, int64_t num_rows, int64_t touched, int64_t dim,
                                         optim::Scalars<acc_type<T>> h, bool all_rows) {
   using A = acc_type<T>;
-  const int64_t total = (all_rows ? num_rows : touched) * dim;
+  const int64_t per_row = dim / VEC;
+  const int64_t total = (all_rows ? num_rows : touched) * per_row;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += stride) {
-    const int64_t i = e / dim, j = e - i * dim;
+    const int64_t i = e / per_row, j = (e - i * per_row) * VEC;
     const int64_t row = all_rows ? i : rows[i];
     const int64_t slot = all_rows ? row_slot[i] : i;
     if (row < 0 || row >= num_rows) continue;
     const int64_t at = row * dim + j;
-    A p = static_cast<A>(param[at]);
-    A s1 = state1 ? static_cast<A>(state1[at]) : A(0);
-    A s2 = state2 ? static_cast<A>(state2[at]) : A(0);
-    const A g = slot >= 0 ? static_cast<A>(values[slot * dim + j]) : A(0);
-    optim::update<RULE>(p, s1, s2, g, h);
-    param[at] = static_cast<T>(p);
-    if (state1) state1[at] = static_cast<T>(s1);
-    if (state2) state2[at] = static_cast<T>(s2);
+    A p[VEC], s1[VEC] = {}, s2[VEC] = {}, g[VEC] = {};
+    load_pack<VEC>(param + at, p);
+    if (state1) load_pack<VEC>(state1 + at, s1);
+    if (state2) load_pack<VEC>(state2 + at, s2);
+    if (slot >= 0) load_pack<VEC>(values + slot * dim + j, g);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) optim::update<RULE>(p[k], s1[k], s2[k], g[k], h);
+    store_pack<VEC>(param + at, p);
+    if (state1) store_pack<VEC>(state1 + at, s1);
+    if (state2) store_pack<VEC>(state2 + at, s2);
   }
 }
 
@@ -64,28 +69,36 @@ void optimizer_update_op(const at::Tensor& param, const at::Tensor& state1, cons
                   row_slot.data_ptr<int64_t>(), touched, num_rows);
     }
   }
-  const int64_t total = (all_rows ? num_rows : touched) * dim;
-  if (total == 0) return;
-  // A grid-stride loop over at most 64k blocks: any table size, 64-bit offsets.
-  const RowGrid launch_shape = linear_grid(std::min<int64_t>(total, int64_t(65535) * kThreadsPerBlock));
+  if ((all_rows ? num_rows : touched) == 0 || dim == 0) return;
   const int rule32 = static_cast<int>(rule);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, param.scalar_type(), "pyembed_optimizer_update_cuda", [&] {
-    const auto h = optim::Scalars<acc_type<scalar_t>>::from(rule32, hyper.data());
-    auto* p = param.data_ptr<scalar_t>();
-    auto* s1 = state1.numel() ? state1.data_ptr<scalar_t>() : nullptr;
-    auto* s2 = state2.numel() ? state2.data_ptr<scalar_t>() : nullptr;
+    using T = scalar_t;
+    const auto h = optim::Scalars<acc_type<T>>::from(rule32, hyper.data());
+    auto* p = param.data_ptr<T>();
+    auto* s1 = state1.numel() ? state1.data_ptr<T>() : nullptr;
+    auto* s2 = state2.numel() ? state2.data_ptr<T>() : nullptr;
     const int64_t* r = rows.data_ptr<int64_t>();
     const int64_t* slots = all_rows ? row_slot.data_ptr<int64_t>() : nullptr;
-    const auto* v = values.data_ptr<scalar_t>();
-    auto launch = [&](auto kernel) {
-      Launch::run(launch_shape.grid, launch_shape.block, kernel, p, s1, s2, r, slots, v, num_rows, touched, dim, h,
-                  all_rows);
+    const auto* v = values.data_ptr<T>();
+    const int vec = vector_width<T>(dim, {p, s1, s2, touched > 0 ? v : nullptr});
+    // A grid-stride loop over at most 64k blocks: any table size, 64-bit offsets.
+    const RowGrid shape = linear_grid(std::min<int64_t>((all_rows ? num_rows : touched) * (dim / vec),
+                                                        int64_t(65535) * kThreadsPerBlock));
+    auto launch = [&](auto rule_constant) {
+      constexpr int kRule = decltype(rule_constant)::value;
+      if (vec > 1) {
+        Launch::run(shape.grid, shape.block, optimizer_update_kernel<T, kRule, 16 / sizeof(T)>, p, s1, s2, r, slots,
+                    v, num_rows, touched, dim, h, all_rows);
+      } else {
+        Launch::run(shape.grid, shape.block, optimizer_update_kernel<T, kRule, 1>, p, s1, s2, r, slots, v, num_rows,
+                    touched, dim, h, all_rows);
+      }
     };
     switch (rule32) {
-      case optim::kSGD: return launch(optimizer_update_kernel<scalar_t, optim::kSGD>);
-      case optim::kAdam: return launch(optimizer_update_kernel<scalar_t, optim::kAdam>);
-      case optim::kAdagrad: return launch(optimizer_update_kernel<scalar_t, optim::kAdagrad>);
-      default: return launch(optimizer_update_kernel<scalar_t, optim::kSparseAdam>);
+      case optim::kSGD: return launch(std::integral_constant<int, optim::kSGD>{});
+      case optim::kAdam: return launch(std::integral_constant<int, optim::kAdam>{});
+      case optim::kAdagrad: return launch(std::integral_constant<int, optim::kAdagrad>{});
+      default: return launch(std::integral_constant<int, optim::kSparseAdam>{});
     }
   });
 }
