@@ -6,7 +6,8 @@ for sm_90, and a stand-in driver (bench/stand_in_driver.py) takes the launches a
 so everything but the driver's cuLaunchKernel is timed: a raw Triton launch of a
 one-store kernel, the same through pyembed's cached launcher (kernels/launch.py),
 F.embedding on the CPU for scale, and pyembed's one-token forward (no gradient; with
-one) and forward + backward -- the default checks as on a GPU (inside the kernel). The
+one), forward + backward, and a training step with AdamW inside the backward
+(``apply_optimizer_in_backward``) -- the default checks as on a GPU (inside the kernel). The
 calls take turns, round after round; each figure is its best round. Issue #29's target
 compares a one-token forward with a raw Triton launch (<= 2x); on a GPU both also pay
 the driver's launch, the same constant, which this leaves out.
@@ -45,11 +46,17 @@ def calls(vocab: int, dim: int) -> dict:
     pos_weight = torch.randn(1024, dim, requires_grad=True)
     frozen, frozen_pos = weight.detach(), pos_weight.detach()
     scratch = torch.empty(1)
+    fused_step = pyembed.EmbeddingLayer(vocab, dim, max_seq_len=1024, backend="triton")
+    pyembed.apply_optimizer_in_backward(torch.optim.AdamW, fused_step.parameters())
 
     def forward_backward():
         out = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="triton")
         out.backward(torch.ones_like(out))
         weight.grad = pos_weight.grad = None
+
+    def step_in_backward():  # forward, backward, AdamW on both tables inside the backward
+        out = fused_step(ids)
+        out.backward(torch.ones_like(out))
 
     return {
         "raw Triton launch": lambda: _touch[(1,)](scratch),
@@ -59,6 +66,7 @@ def calls(vocab: int, dim: int) -> dict:
                                                                     backend="triton"),
         "triton 1x1 fwd": lambda: pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="triton"),
         "triton 1x1 fwd+bwd": forward_backward,
+        "triton 1x1 fused AdamW step": step_in_backward,
     }
 
 
@@ -83,7 +91,7 @@ def main(argv=None) -> None:
     print(f"host time per call, Triton {triton.__version__}, stand-in sm_90 driver (launches not run), "
           f"best of {args.rounds} rounds x {args.number} calls")
     for name, us in best.items():
-        print(f"{name:26s} {us:8.2f} us   {us / raw:5.2f}x a raw Triton launch")
+        print(f"{name:28s} {us:8.2f} us   {us / raw:5.2f}x a raw Triton launch")
 
 
 if __name__ == "__main__":
