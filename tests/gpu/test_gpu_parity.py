@@ -93,6 +93,54 @@ def test_short_batch_gradient_is_the_sorted_paths_bit_for_bit(dtype, dim):
             torch.testing.assert_close(dw.cpu().double(), exact, rtol=tol, atol=tol, msg=backend)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_short_batch_touched_rows_are_the_sorted_paths_bit_for_bit(dtype):
+    """The rows the optimizer in the backward and the sparse backward take, for at most 32
+    tokens: one kernel without the sort, slot s the s-th smallest used id, the same sums as
+    the sorted path (behind 40 unused ids)."""
+    g = torch.Generator().manual_seed(11)
+    vocab, dim = 50257, 768
+    for num_tokens in (1, 7, 32):
+        ids = torch.randint(0, vocab, (num_tokens,), generator=g)
+        ids[: num_tokens // 3] = 6
+        ids[1:4] = torch.tensor([3, -1, vocab])[: max(num_tokens - 1, 0)]
+        dout = torch.randn(num_tokens, dim, generator=g).to(dtype)
+        used = torch.unique(ids[(ids >= 0) & (ids < vocab) & (ids != 3)])
+        longer = (torch.cat([torch.randn(40, dim, generator=g).to(dtype), dout]).cuda(),
+                  torch.cat([torch.full((40,), -1), ids]).cuda())
+        for backend in _cuda_backends():
+            ops = dispatch.get(backend)
+            if ops.touched_rows is None:
+                continue
+            for by_freq in (False, True):
+                rows, values = ops.touched_rows(dout.cuda(), ids.cuda(), vocab, 1.5, 3, by_freq)
+                rows_sorted, values_sorted = ops.touched_rows(*longer, vocab, 1.5, 3, by_freq)
+                sparse_rows, sparse_values = ops.sparse_backward(dout.cuda(), ids.cuda(), vocab, 1.5, 3, by_freq)
+                u = used.numel()
+                assert rows.cpu().tolist() == used.tolist() + [-1] * (num_tokens - u), backend
+                assert torch.equal(rows_sorted[:u], rows[:u]) and torch.equal(values_sorted[:u], values[:u]), backend
+                assert torch.equal(sparse_rows, rows[:u]) and torch.equal(sparse_values, values[:u]), backend
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8 * 512], ids=["1x1", "8x512"])
+def test_learned_positions_gradient_in_the_tables_kernel_is_the_standalone_ones(num_tokens):
+    """Learned positions by offset + t are summed by extra blocks of the token table's last
+    kernel: bit for bit what the standalone kernel (a frozen token table) writes."""
+    g = torch.Generator().manual_seed(12)
+    batch = 1 if num_tokens == 1 else 8
+    ids = torch.randint(0, 50257, (batch, num_tokens // batch), generator=g).cuda()
+    dout = torch.randn(batch, num_tokens // batch, 768, generator=g).cuda()
+    for backend in _cuda_backends():
+        op = dispatch.get(backend).backward_op(dout)
+        _, dp = op(dout, ids, None, 3, 50257, 1024, 1.5, None, False, True, True)
+        _, dp_alone = op(dout, ids, None, 3, 50257, 1024, 1.5, None, False, False, True)
+        assert torch.equal(dp, dp_alone), backend
+        t = num_tokens // batch
+        exact = torch.zeros(1024, 768, dtype=torch.float64)
+        exact[3:3 + min(t, 1021)] = dout.double().sum(0)[:1021].cpu()
+        torch.testing.assert_close(dp.cpu().double(), exact, rtol=1e-5, atol=1e-4, msg=backend)
+
+
 def test_output_of_more_than_2_to_the_31_elements():
     if torch.cuda.get_device_properties(0).total_memory < 12 * 2**30:
         pytest.skip("needs a GPU with at least 12 GiB for a 4 GiB output")
