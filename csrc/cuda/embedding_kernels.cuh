@@ -506,7 +506,7 @@ RowGrid add_position_blocks(RowGrid g, int64_t units, PositionSums<T>& positions
     positions.first_block = blocks;
     blocks += (positions.rows + g.block.y - 1) / g.block.y;
   }
-  TORCH_CHECK(blocks < (int64_t(1) << 31), "pyembed: too many rows for one launch: ", positions.rows);
+  TORCH_CHECK(blocks < (int64_t(1) << 31), "pyembed: too many blocks for one launch: ", blocks);
   g.grid.x = static_cast<unsigned>(std::max<int64_t>(blocks, 1));
   return g;
 }
