@@ -249,7 +249,8 @@ def main() -> int:
             if os.path.exists(ncu):
                 check.run("ncu on the forward and backward kernels",
                           [ncu, "--clock-control", "none", "--kernel-name",
-                           "regex:forward|sort_inputs|chunk_kernel|finish_segments|batch_sum|few_tokens", "--launch-count", "20",
+                           "regex:forward|sort_inputs|chunk_kernel|finish_segments|batch_sum|few_tokens|optimizer_update",
+                           "--launch-count", "24",
                            "--section", "SpeedOfLight", "--section", "Occupancy", "--section", "LaunchStats",
                            args.python, profiler, "--ncu"], "ncu.log", 300, cwd=stage)
         if not args.rehearse and not args.skip_bench:

@@ -5,7 +5,8 @@ GPT-2 8x2048 and 1x1 tokens (fp32, learned positions), after the host microsecon
 each layer of a one-token call. ``--ncu`` instead runs one forward
 per backend on a Llama-2 8x2048 table (fp32 and bf16) and one dense backward per backend
 at GPT-2 8x2048 (fp32, a row used 12000 times) and 1x1 (the few-token kernel writing the
-whole table), for Nsight Compute to read the kernels' DRAM throughput and occupancy.
+whole table), and one AdamW update inside the backward per backend (a Llama-2 bf16 table),
+for Nsight Compute to read the kernels' DRAM throughput and occupancy.
 
 The first GPU run (H100, torch 2.11) measured pyembed below eager and torch.compile in
 most cases, by margins that host-side work (launches, the range check's sync) explains
@@ -167,6 +168,16 @@ def ncu_kernels(backends):
     for backend in backends:  # a one-token backward: the few-token kernel writes the whole table alone
         dispatch.get(backend).backward(dout[:1, :1], ids[:1, :1], None, 0, GPT2[0], pos_weight.shape[0], 2.0, None,
                                        False, True, True)
+    # The optimizer inside the backward: AdamW over every row of a Llama-2 bf16 table (p, m
+    # and v each read and written once), 2048 rows with a gradient.
+    table = torch.randn(32000, 4096, device="cuda", dtype=torch.bfloat16)
+    rows = torch.randperm(32000, device="cuda")[:2048].sort().values
+    values = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
+    adamw = [1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, 0.0, 0.1, 0.03]  # csrc/optim.h's Adam order: decoupled, not maximize
+    for backend in backends:
+        update = dispatch.get(backend).optimizer_update
+        if update is not None:
+            update(table, torch.zeros_like(table), torch.zeros_like(table), rows, values, 1, adamw, True)
     torch.cuda.synchronize()
 
 
