@@ -89,8 +89,9 @@ def suite(name: str) -> list[Case]:
     mode, fp32, learned positions, uniform ids, dense grads) plus one-axis sweeps around
     GPT-2 8x512. gpu: what a GPU user compares -- GPT-2, Llama-2 and Llama-3 tables, 1x1
     (decoding) and 8x2048 (training) tokens, fp32 and bf16, learned and sinusoidal
-    positions, fwd / fwd+bwd / step, plus a sparse step and the Zipf and one-hot id
-    distributions at GPT-2 8x2048 (one GPU call must hold it: every case compiles afresh).
+    positions, fwd / fwd+bwd / step, plus a sparse step, GPT-2's embedding dropout (0.1) and
+    the Zipf and one-hot id distributions at GPT-2 8x2048 (one GPU call must hold it: every
+    case compiles afresh).
     all: the whole cross product (hours). quick: one tiny shape, every mode (seconds; used
     by the tests)."""
     if name == "quick":
@@ -109,7 +110,7 @@ def suite(name: str) -> list[Case]:
         cases = [Case(s, b, t, m, dt, p) for (b, t), s, m, dt, p in itertools.product(
             ((8, 2048), (1, 1)), ("gpt2", "llama2", "llama3"), ("fwd", "fwd+bwd", "step"), ("fp32", "bf16"),
             ("learned", "sinusoidal"))]
-        cases += [Case("gpt2", 8, 2048, "step", grad="sparse")]
+        cases += [Case("gpt2", 8, 2048, "step", grad="sparse"), Case("gpt2", 8, 2048, "fwd+bwd", dropout=0.1)]
         return cases + [Case("gpt2", 8, 2048, "fwd+bwd", dist=d) for d in ("zipf", "onehot")]
     if name != "cpu":
         raise ValueError(f"unknown suite {name!r}")
