@@ -58,6 +58,15 @@ def test_environment_variable_overrides_auto(monkeypatch):
     monkeypatch.setenv("PYEMBED_BACKEND", "nonsense")
     with pytest.raises(ValueError, match="nonsense"):
         pyembed.fused_embedding(ids, weight)
+    monkeypatch.delenv("PYEMBED_BACKEND")  # read on every call: unset, auto picks by rank again
+    expected = "cpu" if "cpu" in dispatch.backends_for("cpu") else "reference"
+    assert dispatch.resolve("auto", torch.device("cpu")).name == expected
+    os.environ["PYEMBED_BACKEND"] = "reference"  # as a script sets it, not through monkeypatch
+    try:
+        assert dispatch.resolve("auto", torch.device("cpu")).name == "reference"
+    finally:
+        del os.environ["PYEMBED_BACKEND"]
+    assert dispatch.resolve("auto", torch.device("cpu")).name == expected
 
 
 # (forward, dense backward, sparse backward) ops of each backend that runs on CPU tensors here.
