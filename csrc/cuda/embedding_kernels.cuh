@@ -381,21 +381,29 @@ __global__ void finish_segments_kernel(const T* __restrict__ dout, const int64_t
 }
 
 // A dense gradient of at most kFewTokens tokens (a one-token step, a short batch) in one
-// launch, no sort: each thread group owns kFewRows consecutive rows of the table, reads
-// every token's key and sums the dout rows of its own rows' tokens in token order -- the
-// order the sorted path sums a segment in, so both give the same bits. Every row written
-// once (untouched rows as zeros). The sorted path is three kernels and CUB's eight GPU
-// operations, all host cost when the batch is small; here each thread reads n keys (from
-// cache: every thread reads the same ones) per kFewRows rows it writes, which stays small
-// next to writing them while n <= 4 * kFewRows.
+// launch, no sort: each thread group owns few_rows<VEC>() consecutive rows of the table,
+// reads every token's key and sums the dout rows of its own rows' tokens in token order --
+// the order the sorted path sums a segment in, so both give the same bits. Every row
+// written once (untouched rows as zeros). The sorted path is three kernels and CUB's
+// eight GPU operations, all host cost when the batch is small; here each thread reads n
+// keys (from cache: every thread reads the same ones) per few_rows rows it writes, which
+// stays small next to writing them while n <= 32.
 constexpr int64_t kFewTokens = 32;
-constexpr int kFewRows = 8;
+
+// Rows per thread group: 8, or 4 for 8-element (bf16/fp16 16-byte) accesses -- at most
+// 32 fp32 sums in registers (8 rows of 8 took 95 registers at sm_90: a quarter of the
+// threads an SM holds, for a kernel that writes the whole table).
+template <int VEC>
+constexpr int few_rows() {
+  return VEC >= 8 ? 4 : 8;
+}
 
 template <typename index_t, typename T, typename A, int VEC>
 __global__ void few_tokens_gradient_kernel(const index_t* __restrict__ keys, int64_t n, const T* __restrict__ dout,
                                            T* __restrict__ out, A scale, bool divide_by_count, int64_t num_rows,
                                            int64_t skip, int64_t dim, PositionSums<T> positions) {
   if (position_block<VEC>(dout, positions, dim)) return;
+  constexpr int kFewRows = few_rows<VEC>();
   const int64_t g0 = (static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y) * kFewRows;
   if (g0 >= num_rows) return;
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
@@ -707,7 +715,8 @@ void few_tokens_gradient(const at::Tensor& dout, const at::Tensor& keys, int64_t
   const int64_t num_rows = grad.size(0), dim = grad.size(1);
   if (dim == 0 || num_rows + positions.rows == 0) return;
   const int vec = vector_width<T>(dim, {dout.data_ptr(), grad.data_ptr(), positions.out});
-  const int64_t groups = (num_rows + kFewRows - 1) / kFewRows;
+  const int64_t rows_per_group = vec > 1 ? few_rows<16 / sizeof(T)>() : few_rows<1>();  // the kernel's
+  const int64_t groups = (num_rows + rows_per_group - 1) / rows_per_group;
   const RowGrid g = add_position_blocks(row_grid(groups, dim, vec), groups, positions);
   AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_few_tokens_gradient", [&] {
     auto run = [&](auto v) {
