@@ -756,6 +756,13 @@ def _position_args(positions: Optional[PositionSums], dout2d) -> tuple:
     return positions.launch_args() if positions is not None else (dout2d, 0, 0, 0, 0, 0)
 
 
+def _programs_with_positions(rows: int, block_r: int, positions: Optional[PositionSums]) -> tuple[int, int]:
+    """(the programs over a table's `rows`, all programs along axis 0): those after the
+    table's write ``positions``' rows, BLOCK_R each (csrc/cuda's add_position_blocks)."""
+    table_programs = _cdiv(rows, block_r)
+    return table_programs, table_programs + (0 if positions is None else _cdiv(positions.out.shape[0], block_r))
+
+
 def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool, out, zero_empty: bool,
                     launch=_direct, positions: Optional[PositionSums] = None):
     """out[g] = factor(g) * (sum of the dout rows of segment g) for the first out.shape[0]
@@ -763,13 +770,12 @@ def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: b
     segments written as zeros (a dense gradient by row: each row written once). The same
     launch writes ``positions``, if given."""
     rows, dim = out.shape
-    pos_rows = 0 if positions is None else positions.out.shape[0]
-    if rows + pos_rows == 0 or dim == 0:
-        return
     block_r, block_d = _blocks(dim)
-    table_programs = _cdiv(rows, block_r)
+    table_programs, programs = _programs_with_positions(rows, block_r, positions)
+    if programs == 0 or dim == 0:
+        return
     partials = segments.partials
-    launch(_finish_segments_kernel)[(table_programs + _cdiv(pos_rows, block_r), _cdiv(dim, block_d))](
+    launch(_finish_segments_kernel)[(programs, _cdiv(dim, block_d))](
         dout2d, segments.order, partials if partials is not None else dout2d, segments.begin, segments.end, out,
         scale, rows, dim, table_programs, *_position_args(positions, dout2d),
         DIVIDE_BY_COUNT=divide_by_count, ZERO_EMPTY=zero_empty, HAS_PARTIALS=partials is not None,
@@ -786,11 +792,10 @@ def dense_gradient(dout2d, keys, num_rows: int, skip: int, scale: float, divide_
     grad = dout2d.new_empty(num_rows, dout2d.shape[1])
     if keys.numel() <= FEW_TOKENS:
         dim = dout2d.shape[1]
-        pos_rows = 0 if positions is None else positions.out.shape[0]
-        if num_rows + pos_rows and dim:
-            block_r, block_d = _blocks(dim)
-            table_programs = _cdiv(num_rows, block_r)
-            launch(_few_tokens_gradient_kernel)[(table_programs + _cdiv(pos_rows, block_r), _cdiv(dim, block_d))](
+        block_r, block_d = _blocks(dim)
+        table_programs, programs = _programs_with_positions(num_rows, block_r, positions)
+        if programs and dim:
+            launch(_few_tokens_gradient_kernel)[(programs, _cdiv(dim, block_d))](
                 keys.reshape(-1), dout2d, grad, scale, keys.numel(), num_rows, skip, dim, table_programs,
                 *_position_args(positions, dout2d), DIVIDE_BY_COUNT=divide_by_count,
                 HAS_POSITIONS=positions is not None, COMPUTE_F64=dout2d.dtype == torch.float64, FEW=FEW_TOKENS,

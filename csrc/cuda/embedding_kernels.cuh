@@ -715,11 +715,10 @@ void few_tokens_gradient(const at::Tensor& dout, const at::Tensor& keys, int64_t
   const int64_t num_rows = grad.size(0), dim = grad.size(1);
   if (dim == 0 || num_rows + positions.rows == 0) return;
   const int vec = vector_width<T>(dim, {dout.data_ptr(), grad.data_ptr(), positions.out});
-  const int64_t rows_per_group = vec > 1 ? few_rows<16 / sizeof(T)>() : few_rows<1>();  // the kernel's
-  const int64_t groups = (num_rows + rows_per_group - 1) / rows_per_group;
-  const RowGrid g = add_position_blocks(row_grid(groups, dim, vec), groups, positions);
   AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_few_tokens_gradient", [&] {
     auto run = [&](auto v) {
+      const int64_t groups = (num_rows + few_rows<decltype(v)::value>() - 1) / few_rows<decltype(v)::value>();
+      const RowGrid g = add_position_blocks(row_grid(groups, dim, vec), groups, positions);
       Launch::run(g.grid, g.block, few_tokens_gradient_kernel<index_t, T, A, decltype(v)::value>,
                   keys.data_ptr<index_t>(), keys.numel(), dout.data_ptr<T>(), grad.data_ptr<T>(),
                   static_cast<A>(scale), divide_by_count, num_rows, skip, dim, positions);
@@ -803,10 +802,10 @@ std::tuple<at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out_in, co
 // rows marked row -1 (their values not written). Up to kFewTokens tokens:
 // few_tokens_slots_kernel alone; else the sorted segments by slot and finish_segments.
 template <class Launch>
-std::pair<at::Tensor, at::Tensor> sum_used_rows(const at::Tensor& grad_out_in, const at::Tensor& ids_in,
-                                                int64_t num_embeddings, double scale,
-                                                std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
-                                                bool exact) {
+std::tuple<at::Tensor, at::Tensor> sum_used_rows(const at::Tensor& grad_out_in, const at::Tensor& ids_in,
+                                                 int64_t num_embeddings, double scale,
+                                                 std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
+                                                 bool exact) {
   check_same_device(grad_out_in.device(), {&ids_in});
   const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
   const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
@@ -854,9 +853,8 @@ template <class Launch>
 std::tuple<at::Tensor, at::Tensor> sparse_backward_op(const at::Tensor& grad_out, const at::Tensor& ids,
                                                       int64_t num_embeddings, double scale,
                                                       std::optional<int64_t> padding_idx, bool scale_grad_by_freq) {
-  auto [rows, values] = sum_used_rows<Launch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq,
-                                              /*exact=*/true);
-  return {rows, values};
+  return sum_used_rows<Launch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq,
+                               /*exact=*/true);
 }
 
 // The sparse backward's (rows, values) without the host sync: sized by the bound
@@ -867,9 +865,8 @@ template <class Launch>
 std::tuple<at::Tensor, at::Tensor> touched_rows_op(const at::Tensor& grad_out, const at::Tensor& ids,
                                                    int64_t num_embeddings, double scale,
                                                    std::optional<int64_t> padding_idx, bool scale_grad_by_freq) {
-  auto [rows, values] = sum_used_rows<Launch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq,
-                                              /*exact=*/false);
-  return {rows, values};
+  return sum_used_rows<Launch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq,
+                               /*exact=*/false);
 }
 
 }  // namespace pyembed::cuda
