@@ -103,13 +103,16 @@ def _dropout_keep(key_ptr, tok, threshold, BLOCK_T: tl.constexpr, BLOCK_D: tl.co
 
 
 @triton.jit
-def _record_bad_ranges(error_record, tok_ok, ids, id_ok, pos, num_embeddings, num_positions, POS_MODE: tl.constexpr,
-                       HAS_POSITION_IDS: tl.constexpr, BLOCK_T: tl.constexpr):
+def _record_bad_ranges(record_high, record_low, tok_ok, ids, id_ok, pos, num_embeddings, num_positions,
+                       POS_MODE: tl.constexpr, HAS_POSITION_IDS: tl.constexpr, BLOCK_T: tl.constexpr):
     """validate=True on a GPU: write what is out of range into the error record (layout in
     pyembed/checks.py) instead of making the host wait for the answer. The record is host
-    memory the GPU writes directly, passed as an integer address. Plain stores (no
-    atomics): any one offender serves the message. One column block writes."""
-    record = error_record.to(tl.int64).to(tl.pointer_type(tl.int64))
+    memory the GPU writes directly, passed as an integer address in two parts below 2^31
+    (embedding_forward says why). Plain stores (no atomics): any one offender serves the
+    message. One column block writes."""
+    # tl.cast, not .to: torch.compile's mutation analysis may pass the ints as constants.
+    address = tl.cast(record_high, tl.int64) * 2147483648 + tl.cast(record_low, tl.int64)
+    record = address.to(tl.pointer_type(tl.int64))
     first = tl.program_id(1) == 0
     at = tl.zeros([BLOCK_T], dtype=tl.int64)  # every token's lane stores to the same slot
     bad_id = tok_ok & ~id_ok & first
@@ -142,7 +145,7 @@ def _embedding_forward_kernel(
     sinusoid_pair_offset,  # the table's column 0 is column 2 * this of the encoding (a column shard)
     dropout_threshold,  # int64 ceil(p * 2^32): an element is kept iff its Philox word >= this
     dropout_scale: tl.float64,  # 1 / (1 - p), for the kept elements
-    error_record,  # int64 address of the range check's record (pyembed.checks), when CHECK_RANGES
+    error_record_high, error_record_low,  # the range check's record address (pyembed.checks), when CHECK_RANGES
     POS_MODE: tl.constexpr, HAS_POSITION_IDS: tl.constexpr, HAS_DROPOUT: tl.constexpr, COMPUTE_F64: tl.constexpr,
     CHECK_RANGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -158,8 +161,8 @@ def _embedding_forward_kernel(
     else:
         pos = offset + tok % seq_len  # (unused, so not computed, without a positional encoding)
     if CHECK_RANGES:  # before the row is loaded: fewer registers live (no spill at d=100 bf16)
-        _record_bad_ranges(error_record, tok_ok, ids, id_ok, pos, num_embeddings, num_positions, POS_MODE,
-                           HAS_POSITION_IDS, BLOCK_T)
+        _record_bad_ranges(error_record_high, error_record_low, tok_ok, ids, id_ok, pos, num_embeddings,
+                           num_positions, POS_MODE, HAS_POSITION_IDS, BLOCK_T)
     x = tl.load(weight_ptr + ids[:, None] * dim + cols[None, :], mask=id_ok[:, None] & col_ok[None, :], other=0.0)
     # tl.full rounds the fp64 scalars once, to the compute dtype (and keeps a Python
     # float exact under the interpreter, where arguments stay Python objects).
@@ -655,8 +658,11 @@ def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scal
                       sinusoid_dim: int, out, launch=_direct, error_record: int = 0):
     """Fill out (ids.numel(), d) in place; dropout_key None: no dropout; the sinusoid of
     column j is column sinusoid_column_offset + j (even) of a sinusoid_dim-wide one;
-    error_record: the address the range check records into (0: no check). ``launch`` wraps
-    the kernel (torch.library's wrap_triton when torch.compile traces the op: pyembed/_triton.py)."""
+    error_record: the address the range check records into (0: no check), which the kernel
+    takes as its high bits and low 31 bits: Inductor of torch 2.11 fails to compile a user
+    kernel given an int beyond int32 ('int' object has no attribute 'xreplace', seen on the
+    H100). ``launch`` wraps the kernel (torch.library's wrap_triton when torch.compile traces
+    the op: pyembed/_triton.py)."""
     num_tokens, dim = ids.numel(), weight.shape[1]
     if num_tokens == 0 or dim == 0:
         return
@@ -668,7 +674,7 @@ def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scal
         num_tokens, ids.shape[-1] if ids.dim() else 1, weight.shape[0],
         pos_weight.shape[0] if pos_weight is not None else 0, dim, offset, scale, -math.log(10000.0) / sinusoid_dim,
         sinusoid_column_offset // 2,
-        dropout_threshold, dropout_scale, error_record,
+        dropout_threshold, dropout_scale, error_record >> 31, error_record & 0x7FFFFFFF,
         POS_MODE=pos_mode, HAS_POSITION_IDS=position_ids is not None, HAS_DROPOUT=dropout_key is not None,
         COMPUTE_F64=weight.dtype == torch.float64, CHECK_RANGES=error_record != 0, BLOCK_T=block_t, BLOCK_D=block_d,
     )

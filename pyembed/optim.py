@@ -192,7 +192,7 @@ def _update(backend, table: torch.Tensor, rows: torch.Tensor, values: torch.Tens
         if backend.optimizer_update is None:
             reference_update(table, state, update, rows, values, sparse_grad)
         else:
-            state1, state2 = state_tensors(update.rule, state)
+            state1, state2 = state_tensors(update.rule, state, table)
             backend.optimizer_update(table.detach(), state1, state2, rows, values.to(table.dtype), update.rule,
                                      list(update.hyper), update.all_rows)
 
@@ -305,13 +305,15 @@ def prepare(table: torch.Tensor) -> tuple[torch.optim.Optimizer, dict, Update]:
     return optimizer, state, Update(rule, (clr, wd, float(group["eps"]), maximize), wd != 0)
 
 
-def state_tensors(rule: int, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(state1, state2) as the kernels take them; an unused one is an empty tensor."""
+def state_tensors(rule: int, state: dict, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(state1, state2) as the kernels take them; an unused one is an empty tensor on the
+    table's device (the C++ ops check that every tensor is on one device)."""
+    unused = table.new_empty(0)
     if rule == SGD:
         buffer = state.get("momentum_buffer")
-        return (buffer if buffer is not None else torch.empty(0)), torch.empty(0)
+        return (buffer if buffer is not None else unused), unused
     if rule == ADAGRAD:
-        return state["sum"], torch.empty(0)
+        return state["sum"], unused
     return state["exp_avg"], state["exp_avg_sq"]
 
 

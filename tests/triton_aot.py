@@ -76,7 +76,8 @@ def forward_source(dtype, pos_mode, dim, *, position_ids=False, id_type="i64", s
             "position_ids_ptr": "*i64", "dropout_key_ptr": "*i64", "out_ptr": f"*{dtype}", "num_tokens": TOKENS,
             "seq_len": seq_len, "num_embeddings": 50257, "num_positions": 2048, "dim": dim, "offset": 3,
             "scale": 27.7, "neg_log_base_over_dim": -0.012, "sinusoid_pair_offset": 0, "dropout_threshold": 429496730, "dropout_scale": 1.1,
-            "error_record": ERROR_RECORD if check else 0}
+            "error_record_high": ERROR_RECORD >> 31 if check else 0,
+            "error_record_low": ERROR_RECORD & 0x7FFFFFFF if check else 0}
     return _source(k._embedding_forward_kernel, args, {
         "POS_MODE": pos_mode, "HAS_POSITION_IDS": position_ids, "HAS_DROPOUT": dropout,
         "COMPUTE_F64": dtype == "fp64", "CHECK_RANGES": check, "BLOCK_T": block_t, "BLOCK_D": block_d})
