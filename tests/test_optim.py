@@ -308,7 +308,7 @@ def test_update_kernel_equals_torch_functional_optimizer(kernel, case, dtype, di
                        (v.clone() if isinstance(v, torch.Tensor) else v)) for k, v in state.items()}
     optim.reference_update(exact_table, exact_state, update, rows, values.double(),
                            sparse_grad=cls is torch.optim.SparseAdam)  # torch's SparseAdam takes only sparse ones
-    state1, state2 = optim.state_tensors(update.rule, state)
+    state1, state2 = optim.state_tensors(update.rule, state, table)
     run(table.detach(), state1, state2, rows, values, update.rule, list(update.hyper), update.all_rows)
     # Computed in float32 and rounded once: within a few units of the dtype's last place.
     tol = {torch.float32: 2e-6, torch.float64: 1e-12, torch.bfloat16: 2 * 2.0**-8}[dtype]
@@ -344,7 +344,7 @@ def test_gpu_touched_rows_need_no_sync_and_the_update_skips_their_unused_slots(k
         results = []
         for r, v in ((rows, values), (exact_rows, exact_values)):
             table, state, upd, _, _ = _random_update(cls, kwargs, torch.float32, num_rows=19, dim=16)
-            state1, state2 = optim.state_tensors(upd.rule, state)
+            state1, state2 = optim.state_tensors(upd.rule, state, table)
             update(table.detach(), state1, state2, r, v, upd.rule, list(upd.hyper), upd.all_rows)
             results.append(torch.cat([table.detach(), state1, state2]))
         assert upd.all_rows == all_rows and torch.equal(results[0], results[1])
