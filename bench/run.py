@@ -273,8 +273,10 @@ def time_gpu_graphs(fns: dict) -> dict:
     timings = {}
     for name, fn in fns.items():
         try:
-            timings[name] = triton.testing.do_bench_cudagraph(fn, quantiles=[0.5])[0]
-        except Exception:  # noqa: BLE001 - a host sync inside the call: not capturable, no GPU-only time
+            # return_mode, not quantiles=[0.5]: Triton returns one quantile as a float, and
+            # indexing it raised a TypeError here that left every graph_ms empty on the H100.
+            timings[name] = triton.testing.do_bench_cudagraph(fn, return_mode="median")
+        except RuntimeError:  # a host sync inside the call: not capturable, no GPU-only time
             torch.cuda.synchronize()
     return timings
 
