@@ -2,7 +2,8 @@
 ``validate`` setting, the median of forward and forward + backward (do_bench), the number
 of kernels one call launches, and torch.profiler's tables by GPU and by CPU time, at
 GPT-2 8x2048 and 1x1 tokens (fp32, learned positions), after the host microseconds of
-each layer of a one-token call. ``--ncu`` instead runs one forward
+each layer of a one-token call, then an AdamW training step's kernels with torch's
+optimizer and with the optimizer inside pyembed's backward. ``--ncu`` instead runs one forward
 per backend on a Llama-2 8x2048 table (fp32 and bf16) and one dense backward per backend
 at GPT-2 8x2048 (fp32, a row used 12000 times) and 1x1 (the few-token kernel writing the
 whole table), and one AdamW update inside the backward per backend (a Llama-2 bf16 table),
@@ -181,6 +182,38 @@ def ncu_kernels(backends):
     torch.cuda.synchronize()
 
 
+def step_profile(backends, batch=8, seq_len=2048):
+    """Where an AdamW training step's GPU time goes, GPT-2 fp32 8x2048: torch's fused AdamW
+    after pyembed's dense backward, and AdamW inside pyembed's backward. The H100 run at
+    664ac49 measured the latter slower at this shape (1.38 against 0.68 ms, `cuda`; faster
+    at 1 token and on Llama tables), though it moves fewer bytes."""
+    for backend in backends:
+        for in_backward in (False, True):
+            weight, pos_weight, ids, dout = tensors(*GPT2, batch, seq_len, torch.float32)
+            weight, pos_weight = torch.nn.Parameter(weight.detach()), torch.nn.Parameter(pos_weight.detach())
+            if in_backward:
+                pyembed.apply_optimizer_in_backward(torch.optim.AdamW, [weight, pos_weight], {"lr": 1e-4})
+                optimizer = None
+            else:
+                optimizer = torch.optim.AdamW([weight, pos_weight], lr=1e-4, fused=True)
+
+            def step():
+                pyembed.fused_embedding(ids, weight, pos_weight, scale=GPT2[1] ** 0.5, backend=backend).backward(dout)
+                if optimizer is not None:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+
+            name = f"{batch}x{seq_len} {backend} AdamW step, " + ("inside the backward" if in_backward else
+                                                                 "torch's fused=True after the backward")
+            print(f"{name}: {triton.testing.do_bench(step, return_mode='median') * 1e3:.1f} us", flush=True)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    step()
+                torch.cuda.synchronize()
+            print(f"\n== {name}, x5, by cuda_time_total")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ncu", action="store_true", help="one forward per backend and dtype and one backward, for ncu")
@@ -191,6 +224,7 @@ def main():
     else:
         host_costs(backends)
         profile(backends, [(8, 2048), (1, 1)])
+        step_profile(backends)
 
 
 if __name__ == "__main__":
