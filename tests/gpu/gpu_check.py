@@ -222,10 +222,11 @@ def main() -> int:
         elif args.all_tests:
             tests = [f"{tests_dir}/gpu", tests_dir]
         else:
-            # What needs the GPU, first: tests/gpu, then the suite's CUDA / triton
-            # parametrisations. The CPU-only rest (Inductor on CPU, emulation, packaging) is
-            # CI's, and would not fit one 10-minute call (--all-tests runs it too).
-            tests = [f"{tests_dir}/gpu", tests_dir, "-k", "cuda or gpu or triton"]
+            # What needs the GPU: tests/gpu and the suite's '@cuda' parametrisations
+            # (tests/conftest.py's --gpu-only). The CPU-only rest (host emulation, AOT
+            # compiles, Inductor on CPU, packaging) is CI's, and would not fit one 10-minute
+            # call (--all-tests runs it too).
+            tests = [f"{tests_dir}/gpu", tests_dir, "--gpu-only"]
         if not args.skip_tests:
             check.start("pytest tests/ tests/gpu/",
                         [args.python, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider", f"--rootdir={ROOT}",
