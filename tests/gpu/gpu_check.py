@@ -13,11 +13,11 @@ On a machine whose python already has a CUDA torch, offline:
 and writes everything under GPU_CHECK_OUT (default gpu-check/): logs, junit.xml, the
 benchmark's CSV / markdown / PNG, and summary.md naming the device and versions with
 pass/fail counts, sanitizer error counts, the profile's medians and the benchmark table.
-On the H100 machine (16 cores) the build took 1 minute and the benchmark 6 (5 providers;
-7 now run there); the tests were stopped after 4 and 7 minutes, unfinished: a host that
-limits one command to 10 minutes runs this in two calls (the --skip-* options): the tests
-and sanitizers with --tests-timeout below the limit, then the profile and the benchmark
-with --bench-timeout what is left.
+On the H100 machine (16 cores, 2026-11-24) the build took 82 s and the benchmark 430 s (8
+providers); the tests, selected then by name, were stopped unfinished after 400 s (now
+--gpu-only, the tests that need the GPU). A host that limits one command to 10 minutes
+runs this in three calls (the --skip-* options, README): the tests and sanitizers with
+--tests-timeout below the limit, the profile and ncu, then the benchmark.
 
 Without a CUDA device it prints one line and exits 2. Exit 0 when every step passed,
 1 otherwise. ``--rehearse`` runs the CPU-side parts here (build for sm_90, staging, a
