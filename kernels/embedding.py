@@ -111,7 +111,7 @@ def _record_bad_ranges(record_high, record_low, tok_ok, ids, id_ok, pos, num_emb
     (embedding_forward says why). Plain stores (no atomics): any one offender serves the
     message. One column block writes."""
     # tl.cast, not .to: torch.compile's mutation analysis may pass the ints as constants.
-    address = tl.cast(record_high, tl.int64) * 2147483648 + tl.cast(record_low, tl.int64)
+    address = tl.cast(record_high, tl.int64) * 2147483648 + tl.cast(record_low, tl.int64)  # error_record_parts
     record = address.to(tl.pointer_type(tl.int64))
     first = tl.program_id(1) == 0
     at = tl.zeros([BLOCK_T], dtype=tl.int64)  # every token's lane stores to the same slot
@@ -653,6 +653,12 @@ def optimizer_update(param, state1, state2, rows, values, rule: int, hyper, all_
         BLOCK_R=block_r, BLOCK_D=block_d,
     )
 
+def error_record_parts(address: int) -> tuple[int, int]:
+    """The error record's address as the forward kernel takes it: the bits above the low 31
+    and the low 31, two ints below 2^31 (embedding_forward says why)."""
+    return address >> 31, address & 0x7FFFFFFF
+
+
 def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scale: float, offset: int,
                       dropout_key, dropout_threshold: int, dropout_scale: float, sinusoid_column_offset: int,
                       sinusoid_dim: int, out, launch=_direct, error_record: int = 0):
@@ -674,7 +680,7 @@ def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scal
         num_tokens, ids.shape[-1] if ids.dim() else 1, weight.shape[0],
         pos_weight.shape[0] if pos_weight is not None else 0, dim, offset, scale, -math.log(10000.0) / sinusoid_dim,
         sinusoid_column_offset // 2,
-        dropout_threshold, dropout_scale, error_record >> 31, error_record & 0x7FFFFFFF,
+        dropout_threshold, dropout_scale, *error_record_parts(error_record),
         POS_MODE=pos_mode, HAS_POSITION_IDS=position_ids is not None, HAS_DROPOUT=dropout_key is not None,
         COMPUTE_F64=weight.dtype == torch.float64, CHECK_RANGES=error_record != 0, BLOCK_T=block_t, BLOCK_D=block_d,
     )

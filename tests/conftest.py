@@ -73,7 +73,8 @@ def needs_gpu(item) -> bool:
 def pytest_collection_modifyitems(config, items):
     if not config.getoption("--gpu-only"):
         return
-    deselected = [item for item in items if not needs_gpu(item)]
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = [item for item in items if needs_gpu(item)]
+    keep, deselected = [], []
+    for item in items:
+        (keep if needs_gpu(item) else deselected).append(item)
+    config.hook.pytest_deselected(items=deselected)
+    items[:] = keep

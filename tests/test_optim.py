@@ -485,10 +485,10 @@ def test_a_warning_under_torch_distributed_where_replicas_would_drift():
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("rule, state", [(optim.SGD, {}), (optim.ADAGRAD, {"sum": "table"})], ids=["SGD", "Adagrad"])
-def test_unused_state_tensors_are_on_the_tables_device(rule, state):
+@pytest.mark.parametrize("rule, held", [(optim.SGD, ()), (optim.ADAGRAD, ("sum",))], ids=["SGD", "Adagrad"])
+def test_unused_state_tensors_are_on_the_tables_device(rule, held):
     # The C++ ops refuse tensors on two devices: on an H100, SGD and Adagrad on CUDA tables
     # failed with CPU placeholders for the state they do not have (meta stands in here).
     table = torch.empty(V, D, device="meta")
-    state = {name: torch.empty_like(table) for name in state}
+    state = {name: torch.empty_like(table) for name in held}
     assert all(t.device == table.device for t in optim.state_tensors(rule, state, table))

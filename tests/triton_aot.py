@@ -72,12 +72,12 @@ def forward_source(dtype, pos_mode, dim, *, position_ids=False, id_type="i64", s
     """The forward kernel; check: the in-kernel range check (validate=True on a GPU, the
     default) or not (validate=False / "sync")."""
     block_t, block_d = k._blocks(dim, pos_mode, dropout)
+    record_high, record_low = k.error_record_parts(ERROR_RECORD if check else 0)
     args = {"ids_ptr": f"*{id_type}", "weight_ptr": f"*{dtype}", "pos_weight_ptr": f"*{dtype}",
             "position_ids_ptr": "*i64", "dropout_key_ptr": "*i64", "out_ptr": f"*{dtype}", "num_tokens": TOKENS,
             "seq_len": seq_len, "num_embeddings": 50257, "num_positions": 2048, "dim": dim, "offset": 3,
             "scale": 27.7, "neg_log_base_over_dim": -0.012, "sinusoid_pair_offset": 0, "dropout_threshold": 429496730, "dropout_scale": 1.1,
-            "error_record_high": ERROR_RECORD >> 31 if check else 0,
-            "error_record_low": ERROR_RECORD & 0x7FFFFFFF if check else 0}
+            "error_record_high": record_high, "error_record_low": record_low}
     return _source(k._embedding_forward_kernel, args, {
         "POS_MODE": pos_mode, "HAS_POSITION_IDS": position_ids, "HAS_DROPOUT": dropout,
         "COMPUTE_F64": dtype == "fp64", "CHECK_RANGES": check, "BLOCK_T": block_t, "BLOCK_D": block_d})

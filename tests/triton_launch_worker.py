@@ -57,7 +57,7 @@ def forward_variants():
     def call(ids=ids, weight=weight, pos=pos, out=out, num_tokens=64, seq_len=32, dim=768, offset=0, record=0,
              scale=2.0, f64=False):
         args = (ids, weight, pos, ids, ids, out, num_tokens, seq_len, weight.shape[0], pos.shape[0], dim, offset,
-                scale, -0.01, 0, 0, 1.0, record >> 31, record & 0x7FFFFFFF)  # the address in two parts
+                scale, -0.01, 0, 0, 1.0, *k.error_record_parts(record))
         constexprs = dict(POS_MODE=1, HAS_POSITION_IDS=False, HAS_DROPOUT=False, COMPUTE_F64=f64,
                           CHECK_RANGES=record != 0, BLOCK_T=4, BLOCK_D=512)
         return (16, 2), args, constexprs
