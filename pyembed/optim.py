@@ -17,6 +17,7 @@ gradient that the plain path would have produced. The cpu backend runs a C++ ker
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 import warnings
@@ -186,10 +187,15 @@ def step_tables(backend, config, grad_out: torch.Tensor, ids: torch.Tensor, posi
         _, pos_grad = backend.backward_op(grad_out)(grad_out, ids, position_ids, config.offset, 0,
                                                     pos_weight.shape[0], config.scale, config.padding_idx, False,
                                                     False, True)  # eagerly, the op's body: no dispatch
-        _update(backend, pos_weight, torch.arange(pos_weight.shape[0], device=pos_grad.device), pos_grad, False,
-                every_row=True)
+        _update(backend, pos_weight, _every_row(pos_weight.shape[0], pos_grad.device), pos_grad, False, every_row=True)
         need_pos_grad = False
     return need_weight_grad, need_pos_grad
+
+
+@functools.lru_cache(maxsize=None)
+def _every_row(num_rows: int, device: torch.device) -> torch.Tensor:
+    """0..num_rows-1 on ``device``, made once: only read, and on a GPU an arange is a launch per step."""
+    return torch.arange(num_rows, device=device)
 
 
 def _update(backend, table: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, sparse_grad: bool,
