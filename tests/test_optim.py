@@ -492,3 +492,64 @@ def test_unused_state_tensors_are_on_the_tables_device(rule, held):
     table = torch.empty(V, D, device="meta")
     state = {name: torch.empty_like(table) for name in held}
     assert all(t.device == table.device for t in optim.state_tensors(rule, state, table))
+
+
+def test_a_forward_on_fused_tables_compares_no_tensors():
+    """The host code of a forward whose tables have their optimizer in the backward runs no
+    tensor comparison: a Python ``==`` / ``!=`` involving a tensor goes through torch's
+    function dispatch (~9 us a call, as ``optim.fused_tables`` once paid on every forward).
+    Recorded at the torch-function level, where such a call shows; the step still trains
+    (the tables change)."""
+    from torch.overrides import TorchFunctionMode
+
+    class Comparisons(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("__eq__", "__ne__", "eq", "ne"):
+                self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    layer = pyembed.EmbeddingLayer(V, D, MAX_LEN, backend="cpu")
+    pyembed.apply_optimizer_in_backward(torch.optim.AdamW, layer.parameters(), {"lr": 0.1})
+    before = [p.detach().clone() for p in layer.parameters()]
+    ids = torch.randint(0, V, (BATCH, SEQ))
+    with Comparisons() as mode:
+        out = layer(ids)
+    assert mode.seen == []
+    out.sum().backward()
+    assert all(not torch.equal(p, b) for p, b in zip(layer.parameters(), before))
+
+
+def test_the_learned_positions_update_builds_no_row_map(request):
+    """AdamW updates every row of a table; for the token table the kernel finds each row's
+    gradient through a (V,) row->slot map built per step, but the learned positions' dense
+    gradient has a row for every position: their update takes it as given (no (P,) map, no
+    arange per step). ATen ops of a second step's backward recorded (the triton backend's
+    host code under the interpreter); the result is the torch optimizer's
+    (test_fused_training_equals_torch_optimizer)."""
+    from test_host_sync import HostSyncRecorder
+
+    if "triton" not in CPU_BACKENDS:
+        pytest.skip("the triton backend is not available on CPU tensors here")
+
+    class Made(HostSyncRecorder):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if func._schema.name in ("aten::full", "aten::arange", "aten::arange.start_step"):
+                self.calls[-1] = (func._schema.name, out.dtype, out.numel())
+            return out
+
+    vocab, positions = 40, 24
+    layer = pyembed.EmbeddingLayer(vocab, D, positions, backend="triton")
+    pyembed.apply_optimizer_in_backward(torch.optim.AdamW, layer.parameters(), {"lr": 0.1})
+    ids = torch.randint(0, vocab, (BATCH, SEQ))
+    layer(ids).sum().backward()  # the first step creates the state
+    out = layer(ids).sum()
+    with Made() as made:
+        out.backward()
+    int_tensors_made = [(name, numel) for name, dtype, numel in made.calls
+                        if name.startswith(("aten::full", "aten::arange")) and dtype == torch.long]
+    assert int_tensors_made == [("aten::full", vocab)], int_tensors_made
