@@ -3,9 +3,10 @@
 Protocol (DESIGN §8):
 - correctness gate first: each provider's output and gradients are compared with the
   float64 reference on that very case; a wrong provider is reported FAILED, never timed;
-- timing: on a GPU ``triton.testing.do_bench`` (median, p20, p80); on a CPU a warmed-up
-  ``time.perf_counter`` loop in which the providers and the copy baseline take turns
-  call by call, so a noisy machine slows them all alike; median, p20, p80;
+- timing: on a GPU ``triton.testing.do_bench``'s samples, taken in four rounds in which
+  the providers and the copy baseline take turns; on a CPU a warmed-up
+  ``time.perf_counter`` loop in which they take turns call by call; either way a noisy
+  machine slows them all alike; median, p20, p80;
 - the same rounds time a plain ``copy_`` moving the case's minimal bytes, and every row
   reports its effective bandwidth as a percentage of that copy's.
 
@@ -258,10 +259,28 @@ def time_cpu(fns: dict, budget_s: float, min_reps: int, max_reps: int) -> dict:
             for k, v in samples.items()}
 
 
+GPU_ROUNDS = 4  # rounds of GPU_ROUND_MS each: the 100 ms of samples do_bench takes by default, in turns
+GPU_ROUND_MS = 25
+
+
 def time_gpu(fns: dict) -> dict:
+    """Median, p20 and p80 (ms) of each callable's calls as ``triton.testing.do_bench``
+    times them (the L2 cache flushed before each, CUDA events), in GPU_ROUNDS rounds that
+    take the callables in a rotating order, as time_cpu does: a drift in the machine's
+    speed (another tenant, clocks; the H100 runs flagged many cases noisy) then lands on
+    every provider of the case alike, not on whichever was being timed during it."""
     import triton.testing
 
-    return {k: list(triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])) for k, fn in fns.items()}
+    samples = {k: [] for k in fns}
+    names = list(fns)
+    for r in range(GPU_ROUNDS):
+        first = r % len(names)
+        for k in names[first:] + names[:first]:
+            # The first round warms each callable up as do_bench does by default (25 ms).
+            samples[k] += triton.testing.do_bench(fns[k], warmup=25 if r == 0 else 1, rep=GPU_ROUND_MS,
+                                                  return_mode="all")
+    return {k: torch.tensor(v).quantile(torch.tensor([0.5, 0.2, 0.8]), interpolation="nearest").tolist()
+            for k, v in samples.items()}
 
 
 def time_gpu_graphs(fns: dict) -> dict:

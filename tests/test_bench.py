@@ -106,6 +106,32 @@ def test_triton_host_timing_runs_without_a_gpu():
         "triton 1x1 fwd+bwd", "triton 1x1 fused AdamW step"]
 
 
+def test_gpu_timings_take_turns_and_summarise_every_rounds_samples(monkeypatch):
+    # On a GPU the providers of a case are timed in rounds, in a rotating order (a drift in
+    # the machine's speed then slows them all alike), and each row's quantiles are over the
+    # samples of every round, not of one do_bench call.
+    pytest.importorskip("triton", reason="triton is not installed")
+    import triton.testing
+
+    order, warmups = [], []
+    rounds = {"copy": [[1.0, 1.0]] * run.GPU_ROUNDS, "pyembed": [[8.0, 10.0], [2.0], [6.0], [4.0]]}
+
+    def bench(fn, warmup, rep, return_mode):
+        name = fn()
+        order.append(name)
+        warmups.append(warmup)
+        assert rep == run.GPU_ROUND_MS and return_mode == "all"
+        return list(rounds[name][order.count(name) - 1])
+
+    monkeypatch.setattr(triton.testing, "do_bench", bench)
+    assert run.GPU_ROUNDS == 4
+    timings = run.time_gpu({"copy": lambda: "copy", "pyembed": lambda: "pyembed"})
+    assert order == ["copy", "pyembed", "pyembed", "copy", "copy", "pyembed", "pyembed", "copy"]
+    assert warmups == [25, 25] + [1] * 6  # each callable warmed up once, in the first round
+    assert timings["copy"] == [1.0, 1.0, 1.0]
+    assert timings["pyembed"] == [6.0, 4.0, 8.0]  # median, p20, p80 of 2, 4, 6, 8, 10 (nearest rank)
+
+
 def test_gpu_graph_timings_are_triton_medians_and_skip_uncapturable_calls(monkeypatch):
     # The GPU-only column (graph_ms) from do_bench_cudagraph as Triton summarises it: the
     # H100 run at 664ac49 got no graph_ms at all, indexing the float that one quantile gives.
