@@ -326,13 +326,13 @@ def prepare(table: torch.Tensor) -> tuple[torch.optim.Optimizer, dict, Update]:
 def state_tensors(rule: int, state: dict, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(state1, state2) as the kernels take them; an unused one is an empty tensor on the
     table's device (the C++ ops check that every tensor is on one device)."""
+    if rule in (ADAM, SPARSE_ADAM):  # both held: no placeholder to allocate (~0.7 us a table a step)
+        return state["exp_avg"], state["exp_avg_sq"]
     unused = table.new_empty(0)
     if rule == SGD:
         buffer = state.get("momentum_buffer")
         return (buffer if buffer is not None else unused), unused
-    if rule == ADAGRAD:
-        return state["sum"], unused
-    return state["exp_avg"], state["exp_avg_sq"]
+    return state["sum"], unused  # Adagrad
 
 
 def reference_update(table: torch.Tensor, state: dict, update: Update, rows: torch.Tensor,
