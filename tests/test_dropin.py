@@ -313,3 +313,32 @@ def test_torch_export_with_dynamic_shapes_keeps_the_checks(backend, pos_encoding
     torch.testing.assert_close(exported(other), model(other), rtol=0, atol=0)
     with pytest.raises(IndexError, match="max id 70"):
         exported(torch.tensor([[1, 70]]))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_under_autocast_the_lookup_keeps_its_dtype_and_gradients_as_nn_embedding(backend):
+    """Mixed-precision training wraps the model in torch.autocast. nn.Embedding is on none
+    of autocast's cast lists: its output keeps the table's dtype and the next op (a
+    Linear) is the one that runs in bfloat16. pyembed's ops take the same place: the same
+    output, dtype and gradient as nn.Embedding's under the same autocast, the layer's too."""
+    torch.manual_seed(0)
+    ours = pyembed.FusedEmbedding(50, 16, backend=backend)
+    theirs = nn.Embedding(50, 16)
+    with torch.no_grad():
+        theirs.weight.copy_(ours.weight)
+    head = nn.Linear(16, 4)
+    ids = torch.randint(0, 50, (2, 8))
+    results = []
+    for embedding in (ours, theirs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            rows = embedding(ids)
+            logits = head(rows)
+        logits.float().square().sum().backward()
+        results.append((rows.dtype, logits.dtype, rows.detach(), embedding.weight.grad))
+    (rows_dtype, logits_dtype, rows, grad), expected = results
+    assert (rows_dtype, logits_dtype) == (torch.float32, torch.bfloat16) == expected[:2]
+    assert torch.equal(rows, expected[2])
+    torch.testing.assert_close(grad, expected[3])  # the same bf16 head's gradient, summed per row
+    layer = pyembed.EmbeddingLayer(50, 16, 8, backend=backend)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(ids).dtype == torch.float32
