@@ -194,8 +194,10 @@ def step_tables(backend, config, grad_out: torch.Tensor, ids: torch.Tensor, posi
 
 @functools.lru_cache(maxsize=None)
 def _every_row(num_rows: int, device: torch.device) -> torch.Tensor:
-    """0..num_rows-1 on ``device``, made once: only read, and on a GPU an arange is a launch per step."""
-    return torch.arange(num_rows, device=device)
+    """0..num_rows-1 on ``device``, made once (on a GPU an arange per step was a launch) and
+    only read. Copied from the host with a blocking copy, so that it is written before any
+    stream reads it, whichever stream a later step runs on."""
+    return torch.arange(num_rows).to(device)
 
 
 def _update(backend, table: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, sparse_grad: bool,
