@@ -202,3 +202,31 @@ def test_learned_position_gradient_past_2_to_the_31_elements():
         pyembed.fused_embedding(ids, weight, pos_weight, validate=False, backend=backend).backward(dout)
         torch.testing.assert_close(pos_weight.grad, dout[-1], rtol=0, atol=0, msg=backend)
         del pos_weight
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_under_cuda_autocast_the_lookup_keeps_its_dtype_and_gradients_as_nn_embedding(dtype, backend):
+    """Mixed-precision training (torch.autocast on CUDA): nn.Embedding is on none of
+    autocast's cast lists, so its output keeps the table's dtype and the next Linear runs
+    in the autocast dtype; pyembed's ops (C++ and Python custom ops) take the same place
+    (tests/test_dropin.py shows it on the CPU)."""
+    _kernel_ops(backend)
+    torch.manual_seed(0)
+    ours = pyembed.FusedEmbedding(1000, 64, backend=backend, device="cuda")
+    theirs = torch.nn.Embedding(1000, 64, device="cuda")
+    with torch.no_grad():
+        theirs.weight.copy_(ours.weight)
+    head = torch.nn.Linear(64, 8, device="cuda")
+    ids = torch.randint(0, 1000, (4, 128), device="cuda")
+    results = []
+    for embedding in (ours, theirs):
+        with torch.autocast("cuda", dtype=dtype):
+            rows = embedding(ids)
+            logits = head(rows)
+        logits.float().square().sum().backward()
+        results.append((rows.dtype, logits.dtype, rows.detach(), embedding.weight.grad))
+    (rows_dtype, logits_dtype, rows, grad), expected = results
+    assert (rows_dtype, logits_dtype) == (torch.float32, dtype) == expected[:2]
+    assert torch.equal(rows, expected[2])
+    torch.testing.assert_close(grad, expected[3], rtol=1e-5, atol=1e-5)  # fp32 sums of the same rows, other order
