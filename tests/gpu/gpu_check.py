@@ -16,8 +16,10 @@ pass/fail counts, sanitizer error counts, the profile's medians and the benchmar
 On the H100 machine (16 cores, 2026-11-24) the build took 82 s and the benchmark 430 s (8
 providers); the tests, selected then by name, were stopped unfinished after 400 s (now
 --gpu-only, the tests that need the GPU). A host that limits one command to 10 minutes
-runs this in three calls (the --skip-* options, README): the tests and sanitizers with
---tests-timeout below the limit, the profile and ncu, then the benchmark.
+runs this in four calls (the --skip-* options, README): the tests and sanitizers with
+--tests-timeout below the limit, the profile and ncu, then the benchmark in two calls by
+shape (--bench-args '--shape ...', each with its own --out), since compiled triton runs
+again.
 
 Without a CUDA device it prints one line and exits 2. Exit 0 when every step passed,
 1 otherwise. ``--rehearse`` runs the CPU-side parts here (build for sm_90, staging, a
