@@ -212,14 +212,15 @@ def _used_key(key, num_rows, skip):
 def _sort_inputs_kernel(
     keys_ptr,  # (n,) int32/int64 ids or positions
     out_ptr,  # (n,) sort_key_dtype(num_rows) out: the key, or num_rows if unused
-    zeros_ptr,  # (num_zeros,) int64 out: the segment bounds' starting zeros
-    n, num_zeros, num_rows, skip,
+    bounds_ptr,  # (num_bounds,) int64 out: the segment bounds' starting values
+    n, num_zeros, num_bounds, num_rows, skip,
     BLOCK: tl.constexpr,
 ):
     """What the sort needs, in one launch: the keys it sees -- used ones as they are, the
     rest as num_rows (after every used key), in the narrowest type that holds them
-    (sort_key_dtype) -- and the zeros the segment bounds start from (empty ranges where no
-    segment lands)."""
+    (sort_key_dtype) -- and the values the segment bounds start from: num_zeros zeros
+    (begin, end: empty ranges where no segment lands), then -1 (the slots' keys: a slot no
+    segment lands in)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = r < n
     key = tl.load(keys_ptr + r, mask=ok, other=0).to(tl.int64)
@@ -227,7 +228,7 @@ def _sort_inputs_kernel(
     if out_ptr.dtype.element_ty == tl.int16:
         out -= INT16_KEY_BIAS
     tl.store(out_ptr + r, out.to(out_ptr.dtype.element_ty), mask=ok)
-    tl.store(zeros_ptr + r, tl.zeros([BLOCK], tl.int64), mask=r < num_zeros)
+    tl.store(bounds_ptr + r, tl.where(r < num_zeros, 0, -1).to(tl.int64), mask=r < num_bounds)
 
 
 @triton.jit
@@ -703,7 +704,7 @@ class Segments(NamedTuple):
     than a chunk (``_chunk_kernel``; None when no segment can be)."""
 
     order: torch.Tensor  # (tokens,) token index of each sorted position
-    keys: Optional[torch.Tensor]  # by slot: the key of slot s (0 when empty)
+    keys: Optional[torch.Tensor]  # by slot: the key of slot s (-1 when empty)
     begin: torch.Tensor  # sorted positions [begin, end) of each segment
     end: torch.Tensor
     count: Optional[torch.Tensor]  # by slot: () int64 on the device
@@ -717,12 +718,13 @@ def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch
     keys = keys.reshape(-1)
     n, dim, device = keys.numel(), dout2d.shape[1], keys.device
     num_rows = max(num_rows, 0)
-    bounds = torch.empty(2 if by_row else 3, num_rows if by_row else min(n, num_rows), dtype=torch.long,
-                         device=device)  # begin, end (, keys): zeroed by _sort_inputs_kernel
+    entries = num_rows if by_row else min(n, num_rows)
+    bounds = torch.empty(2 if by_row else 3, entries, dtype=torch.long,
+                         device=device)  # begin, end (, keys): set by _sort_inputs_kernel
     compact = torch.empty(n, dtype=sort_key_dtype(num_rows), device=device)
     if n + bounds.numel():
         launch(_sort_inputs_kernel)[(_cdiv(max(n, bounds.numel()), BOUNDS_BLOCK),)](
-            keys, compact, bounds, n, bounds.numel(), num_rows, skip, BLOCK=BOUNDS_BLOCK)
+            keys, compact, bounds, n, 2 * entries, bounds.numel(), num_rows, skip, BLOCK=BOUNDS_BLOCK)
     begin, end, seg_keys = bounds[0], bounds[1], None if by_row else bounds[2]
     if n == 0:
         return Segments(torch.empty(0, dtype=torch.long, device=device), seg_keys, begin, end,
@@ -846,7 +848,7 @@ def used_row_sums(dout2d, keys, num_rows: int, skip: int, scale: float, divide_b
     finish_segments(dout2d, segments, scale, divide_by_count, values, zero_empty=False)
     if exact:
         return segments.keys[:values.shape[0]].clone(), values
-    return torch.where(segments.end > segments.begin, segments.keys, -1), values
+    return segments.keys, values  # -1 where no segment landed
 
 
 def batch_sum(dout2d, positions: PositionSums, launch=_direct):

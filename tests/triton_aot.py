@@ -141,11 +141,13 @@ def few_slots_source(dtype, dim, *, divide):
 
 
 def bounds_source(kernel, key_type="i16"):
-    """The sort's inputs (int64 ids in, key_type keys out, the bounds' zeros) and the
-    segment starts of a sparse gradient (on key_type sorted keys)."""
+    """The sort's inputs (int64 ids in, key_type keys out, the bounds' starting values:
+    zeros, then -1 for the slots' keys) and the segment starts of a sparse gradient (on
+    key_type sorted keys)."""
     if kernel == "inputs":
-        return _source(k._sort_inputs_kernel, {"keys_ptr": "*i64", "out_ptr": f"*{key_type}", "zeros_ptr": "*i64",
-                                               "n": TOKENS, "num_zeros": 2 * 50257, "num_rows": 50257, "skip": 3},
+        return _source(k._sort_inputs_kernel, {"keys_ptr": "*i64", "out_ptr": f"*{key_type}", "bounds_ptr": "*i64",
+                                               "n": TOKENS, "num_zeros": 2 * TOKENS, "num_bounds": 3 * TOKENS,
+                                               "num_rows": 50257, "skip": 3},
                        {"BLOCK": k.BOUNDS_BLOCK})
     return _source(k._segment_starts_kernel, {"sorted_ptr": f"*{key_type}", "starts_ptr": "*i64", "n": TOKENS,
                                               "num_rows": 50257}, {"BLOCK": k.BOUNDS_BLOCK})

@@ -176,14 +176,15 @@ __device__ __forceinline__ bool used_key(int64_t key, int64_t num_rows, int64_t 
 
 // What the sort needs, in one launch: the keys it sees -- a used key as it is, every other
 // one as num_rows (sorted after all used ones), in K: 32 bits when the table allows --
-// the values it carries (each token's index), and the zeros the segment bounds start
-// from (`zeros` entries; empty ranges where no segment lands).
+// the values it carries (each token's index), and the segment bounds' starting values:
+// `num_zeros` zeros (begin, end: empty ranges where no segment lands), then -1 up to
+// `num_bounds` (the slots' keys: -1 marks a slot no segment lands in).
 template <typename index_t, typename K>
 __global__ void sort_inputs_kernel(const index_t* __restrict__ keys, int64_t n, int64_t num_rows, int64_t skip,
-                                   K* __restrict__ out, int64_t* __restrict__ iota, int64_t* __restrict__ zeros,
-                                   int64_t num_zeros) {
+                                   K* __restrict__ out, int64_t* __restrict__ iota, int64_t* __restrict__ bounds,
+                                   int64_t num_zeros, int64_t num_bounds) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (r < num_zeros) zeros[r] = 0;
+  if (r < num_bounds) bounds[r] = r < num_zeros ? 0 : -1;
   if (r >= n) return;
   const int64_t key = static_cast<int64_t>(keys[r]);
   out[r] = static_cast<K>(used_key(key, num_rows, skip) ? key : num_rows);
@@ -612,7 +613,7 @@ inline int64_t key_bits(int64_t max_key) {
 // Plus the partial sums of the pieces of segments longer than a chunk (chunk_kernel).
 struct SortedSegments {
   at::Tensor order;       // (tokens,) token index of each sorted position
-  at::Tensor keys;        // by slot: the key of segment s (0 for an empty slot)
+  at::Tensor keys;        // by slot: the key of segment s (-1 for an empty slot)
   at::Tensor begin, end;  // the segment's sorted positions [begin, end)
   at::Tensor count;       // by slot: () int64 on the device, the number of segments
   at::Tensor partials;    // (2 * chunks, d) in the compute dtype, or undefined: no segment is longer than a chunk
@@ -632,7 +633,7 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
   num_rows = std::max<int64_t>(num_rows, 0);
   const auto long_options = keys.options().dtype(at::kLong);
   const int64_t entries = by_row ? num_rows : std::min(n, num_rows);
-  const at::Tensor bounds = at::empty({by_row ? 2 : 3, entries}, long_options);  // zeroed by sort_inputs
+  const at::Tensor bounds = at::empty({by_row ? 2 : 3, entries}, long_options);  // set by sort_inputs
   seg.begin = bounds[0], seg.end = bounds[1];
   if (!by_row) seg.keys = bounds[2];
   seg.order = at::empty({n}, long_options);
@@ -646,7 +647,7 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
         using K = decltype(key_type);
         Launch::run(g.grid, g.block, sort_inputs_kernel<index_t, K>, keys.data_ptr<index_t>(), n, num_rows, skip,
                     compact.data_ptr<K>(), seg.order.data_ptr<int64_t>(), bounds.data_ptr<int64_t>(),
-                    bounds.numel());
+                    2 * entries, bounds.numel());
       };
       if (narrow) run(int32_t{}); else run(int64_t{});
     });
@@ -842,7 +843,7 @@ std::tuple<at::Tensor, at::Tensor> sum_used_rows(const at::Tensor& grad_out_in, 
     const int64_t used = exact ? seg.count.item<int64_t>() : seg.keys.numel();  // exact: one device->host read
     values = at::empty({used, dim}, dout.options());
     finish_segments<Launch, T>(dout, seg, scale, scale_grad_by_freq, /*zero_empty=*/false, values);
-    rows = exact ? seg.keys.slice(0, 0, used).clone() : at::where(seg.end > seg.begin, seg.keys, -1);
+    rows = exact ? seg.keys.slice(0, 0, used).clone() : seg.keys;  // -1 where no segment landed
   });
   return {rows, values};
 }
