@@ -88,7 +88,7 @@ def test_compiled_backward_holds_the_triton_kernels_and_copies_no_input():
     # found to write only its outputs (the output gradient and the ids are never copied).
     # The sort's inputs, the chunks (segment bounds, long segments' pieces), the table's
     # rows and the positions' (one kernel): no input (dout, ids, the sorted keys) is written.
-    assert _traced_backward(4, 512) == ("traced True", [["out_ptr", "zeros_ptr"], ["begin_ptr", "end_ptr",
+    assert _traced_backward(4, 512) == ("traced True", [["out_ptr", "bounds_ptr"], ["begin_ptr", "end_ptr",
                                                                                   "partials_ptr"],
                                                          ["out_ptr", "pos_out_ptr"]])
 
