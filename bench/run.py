@@ -243,19 +243,28 @@ def time_cpu(fns: dict, budget_s: float, min_reps: int, max_reps: int) -> dict:
         for _ in range(2):
             fn()
     samples = {k: [] for k in fns}
-    names = list(fns)
     start = time.perf_counter()
     while True:
-        first = len(samples[names[0]]) % len(names)
-        for k in names[first:] + names[:first]:
+        for k in _rotated(list(fns), len(samples[next(iter(fns))])):
             fn = fns[k]
             t0 = time.perf_counter()
             fn()
-            samples[k].append(time.perf_counter() - t0)
+            samples[k].append((time.perf_counter() - t0) * 1e3)
         reps = len(next(iter(samples.values())))
         if reps >= max_reps or (reps >= min_reps and time.perf_counter() - start > budget_s):
             break
-    return {k: [q * 1e3 for q in torch.tensor(v).quantile(torch.tensor([0.5, 0.2, 0.8]), interpolation="nearest").tolist()]
+    return _median_p20_p80(samples)
+
+
+def _rotated(names: list, round_index: int) -> list:
+    """The callables' order in round ``round_index``: each round starts one further on."""
+    first = round_index % len(names)
+    return names[first:] + names[:first]
+
+
+def _median_p20_p80(samples: dict) -> dict:
+    """name -> [median, p20, p80] of its samples (nearest rank)."""
+    return {k: torch.tensor(v).quantile(torch.tensor([0.5, 0.2, 0.8]), interpolation="nearest").tolist()
             for k, v in samples.items()}
 
 
@@ -272,15 +281,12 @@ def time_gpu(fns: dict) -> dict:
     import triton.testing
 
     samples = {k: [] for k in fns}
-    names = list(fns)
     for r in range(GPU_ROUNDS):
-        first = r % len(names)
-        for k in names[first:] + names[:first]:
+        for k in _rotated(list(fns), r):
             # The first round warms each callable up as do_bench does by default (25 ms).
             samples[k] += triton.testing.do_bench(fns[k], warmup=25 if r == 0 else 1, rep=GPU_ROUND_MS,
                                                   return_mode="all")
-    return {k: torch.tensor(v).quantile(torch.tensor([0.5, 0.2, 0.8]), interpolation="nearest").tolist()
-            for k, v in samples.items()}
+    return _median_p20_p80(samples)
 
 
 def time_gpu_graphs(fns: dict) -> dict:

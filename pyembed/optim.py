@@ -187,13 +187,13 @@ def step_tables(backend, config, grad_out: torch.Tensor, ids: torch.Tensor, posi
         _, pos_grad = backend.backward_op(grad_out)(grad_out, ids, position_ids, config.offset, 0,
                                                     pos_weight.shape[0], config.scale, config.padding_idx, False,
                                                     False, True)  # eagerly, the op's body: no dispatch
-        _update(backend, pos_weight, _every_row(pos_weight.shape[0], pos_grad.device), pos_grad, False, every_row=True)
+        _update(backend, pos_weight, _row_range(pos_weight.shape[0], pos_grad.device), pos_grad, False, every_row=True)
         need_pos_grad = False
     return need_weight_grad, need_pos_grad
 
 
 @functools.lru_cache(maxsize=None)
-def _every_row(num_rows: int, device: torch.device) -> torch.Tensor:
+def _row_range(num_rows: int, device: torch.device) -> torch.Tensor:
     """0..num_rows-1 on ``device``, made once (on a GPU an arange per step was a launch) and
     only read. Copied from the host with a blocking copy, so that it is written before any
     stream reads it, whichever stream a later step runs on."""
