@@ -30,6 +30,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                              all_rows);
         },
         "the CUDA optimizer update, emulated on CPU tensors (same arguments as torch.ops.pyembed.optimizer_update)");
+  m.def("forward_token_order",
+        [](int64_t num_tokens, int64_t seq_len, int64_t pos_mode) {
+          auto order = at::empty({num_tokens}, at::kLong);
+          auto run = [&](auto pos) {
+            for (int64_t slot = 0; slot < num_tokens; ++slot) {
+              order[slot] = pyembed::cuda::token_of_slot<decltype(pos)::value>(slot, num_tokens, seq_len).token;
+            }
+          };
+          using pyembed::PosEncoding;
+          if (pos_mode == static_cast<int>(PosEncoding::kLearned)) {
+            run(std::integral_constant<int, static_cast<int>(PosEncoding::kLearned)>{});
+          } else if (pos_mode == static_cast<int>(PosEncoding::kSinusoidal)) {
+            run(std::integral_constant<int, static_cast<int>(PosEncoding::kSinusoidal)>{});
+          } else {
+            run(std::integral_constant<int, static_cast<int>(PosEncoding::kNone)>{});
+          }
+          return order;
+        },
+        "the token each slot (thread row, in launch order) of the forward kernel handles, per positional mode");
   m.def("take_launch_counts",
         [] {
           const auto counts = std::make_pair(EmulatedLaunch::kernel_launches, EmulatedLaunch::sorts);
