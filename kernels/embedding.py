@@ -103,6 +103,21 @@ def _dropout_keep(key_ptr, tok, threshold, BLOCK_T: tl.constexpr, BLOCK_D: tl.co
 
 
 @triton.jit
+def _token_of_slot(slot, num_tokens, seq_len, POS_MODE: tl.constexpr):
+    """The token of each of the forward's token slots ``slot`` (launch order). With learned
+    positions the slots run position-major -- the batch's tokens at position t one after
+    another -- so the B reads of a positional row meet in L2 (csrc/cuda's token_of_slot:
+    in token order a row comes back only after seq_len tokens' rows, which at long
+    sequences and wide rows is past the L2). Else token order."""
+    if POS_MODE == 1:
+        batch = tl.maximum(num_tokens // seq_len, 1)  # ids are (B, T) or (T,) with a positional encoding
+        t = slot // batch
+        return (slot - t * batch) * seq_len + t
+    else:
+        return slot
+
+
+@triton.jit
 def _record_bad_ranges(record_high, record_low, tok_ok, ids, id_ok, pos, num_embeddings, num_positions,
                        POS_MODE: tl.constexpr, HAS_POSITION_IDS: tl.constexpr, BLOCK_T: tl.constexpr):
     """validate=True on a GPU: write what is out of range into the error record (layout in
@@ -150,9 +165,10 @@ def _embedding_forward_kernel(
     CHECK_RANGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
-    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok = _token_of_slot(slot, num_tokens, seq_len, POS_MODE)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
-    tok_ok = tok < num_tokens
+    tok_ok = slot < num_tokens
     col_ok = cols < dim
     ids = tl.load(ids_ptr + tok, mask=tok_ok, other=0).to(tl.int64)
     id_ok = tok_ok & (ids >= 0) & (ids < num_embeddings)

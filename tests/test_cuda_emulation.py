@@ -146,23 +146,6 @@ def test_emulated_position_ids_and_out_of_range_ids(emulated):
     assert torch.equal(dw.sum(1).nonzero().reshape(-1), torch.tensor([0, 29]))
 
 
-@pytest.mark.parametrize("batch, seq_len", [(8, 2048), (3, 7), (1, 5), (5, 1)])
-def test_forward_reads_a_positional_row_for_the_whole_batch_at_once(emulated, batch, seq_len):
-    # With learned positions the forward's thread rows (slots, in launch order) take the
-    # batch's tokens at position t one after another: the B reads of positional row t
-    # then meet in L2 (in token order a row came back only after seq_len tokens of rows,
-    # 96 MB at Llama's d = 4096 fp32 -- past an H100's L2, so it was read from DRAM B
-    # times). Every token once; the other modes keep token order.
-    n = batch * seq_len
-    learned = emulated.forward_token_order(n, seq_len, 1)
-    t = torch.arange(seq_len)[:, None]
-    b = torch.arange(batch)[None, :]
-    assert torch.equal(learned, (b * seq_len + t).reshape(-1))  # slot = t * batch + b
-    assert torch.equal(learned.sort().values, torch.arange(n))
-    for mode in (0, 2):  # none, sinusoidal: one row per token
-        assert torch.equal(emulated.forward_token_order(n, seq_len, mode), torch.arange(n))
-
-
 def test_emulated_backward_is_deterministic(emulated):
     ids = torch.randint(0, 5, (4, 500), generator=torch.Generator().manual_seed(2))
     dout = torch.randn(4, 500, 32)

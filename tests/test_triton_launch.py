@@ -32,7 +32,10 @@ def test_cached_launches_equal_tritons_for_every_specialisation_in_every_order()
     # them is cached, any other launches the binary and arguments Triton launches for it.
     result = _worker("forward")
     assert result["mismatches"] == []
-    assert result["binaries"] == 12  # the variants Triton compiles apart (5 share the plain call's binary)
+    # The variants Triton compiles apart: 6 share the plain call's binary, and the two
+    # offsets past 2^31 one (the offset's % 16 tells the compiler nothing about an address
+    # since learned positions take their tokens in position-major order).
+    assert result["binaries"] == 10
     assert result["cached"] == 2  # the last pair, each under its own key
 
 

@@ -39,9 +39,11 @@ def record(out: str, pytest_args: list) -> int:
     launch = interpreter.GridExecutor.__call__
 
     def recording_launch(self, *args, **kwargs):
-        entry = [self.fn.__name__, [_as_specialised(a) for a in args],
-                 {name: _as_specialised(v) for name, v in kwargs.items()}]
-        launched[json.dumps(entry)] = entry
+        # pyembed's kernels only (a test may launch a kernel of its own around one of their helpers)
+        if getattr(self.fn, "__module__", None) == "pyembed.kernels.embedding":
+            entry = [self.fn.__name__, [_as_specialised(a) for a in args],
+                     {name: _as_specialised(v) for name, v in kwargs.items()}]
+            launched[json.dumps(entry)] = entry
         return launch(self, *args, **kwargs)
 
     interpreter.GridExecutor.__call__ = recording_launch
