@@ -14,7 +14,7 @@ COLUMNS = [
     "timestamp", "device", "torch", "pyembed", "suite", "shape", "batch", "seq_len", "tokens", "mode", "dtype", "pos",
     "dist", "grad", "dropout", "provider", "status", "median_ms", "p20_ms", "p80_ms", "gbps", "pct_of_copy", "copy_ms",
     "min_bytes", "grad_bytes", "saved_bytes", "speedup_vs_eager", "speedup_vs_compile", "spread",
-    "graph_ms", "graph_pct_of_copy", "step_peak_bytes", "note",
+    "graph_ms", "graph_pct_of_copy", "step_peak_bytes", "timing", "note",
 ]
 
 
@@ -108,7 +108,8 @@ LEGEND = ("A cell: median time · the speed-up over eager / over compile (the to
           "bytes, timed in the same rounds (100% is the memory ceiling); on a GPU, \"graphed\": the GPU-only time of "
           "the call replayed from a CUDA graph (no host work) and its % of a graphed copy; \"peak +\": the GPU memory "
           "a training step allocates beyond the tables and optimizer state (the gradient among it); n/a: the provider "
-          "cannot run the case.")
+          "cannot run the case. On a GPU, decoding-sized cases are timed as calls back to back, host time included, "
+          "and training-sized ones by do_bench, the L2 flushed before each call (the CSV's timing column).")
 
 
 def table(rows: list[dict], providers: list[str]) -> str:

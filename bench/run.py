@@ -6,7 +6,11 @@ Protocol (DESIGN §8):
 - timing: on a GPU ``triton.testing.do_bench``'s samples, taken in four rounds in which
   the providers and the copy baseline take turns; on a CPU a warmed-up
   ``time.perf_counter`` loop in which they take turns call by call; either way a noisy
-  machine slows them all alike; median, p20, p80;
+  machine slows them all alike; median, p20, p80. do_bench flushes the L2 before each
+  call and times it on the GPU, which hides as much host time as the flush takes (~85 us
+  on an H100): right for a training-sized call, not for a decoding one, whose cost is its
+  host time. So a GPU case of fewer than GPU_LOOP_TOKENS tokens is timed as a decoding loop
+  runs, calls back to back with CUDA events between samples (the ``timing`` column);
 - the same rounds time a plain ``copy_`` moving the case's minimal bytes, and every row
   reports its effective bandwidth as a percentage of that copy's.
 
@@ -289,6 +293,45 @@ def time_gpu(fns: dict) -> dict:
     return _median_p20_p80(samples)
 
 
+# Fewer tokens than this: a call's cost is mostly its host time (a one-token call is), so
+# the GPU rounds time calls back to back (time_gpu_loop) instead of do_bench's flushed calls.
+GPU_LOOP_TOKENS = 512
+GPU_LOOP_SAMPLE_MS = 1.0  # back-to-back calls per sample: about this long
+
+
+def time_gpu_loop(fns: dict) -> dict:
+    """Median, p20 and p80 (ms per call) of each callable run back to back, as a decoding
+    loop runs it: no L2 flush, CUDA events between samples of about GPU_LOOP_SAMPLE_MS, so
+    a sample is the GPU's time or the host's, whichever is longer. do_bench flushes the L2
+    before each call and times the call on the GPU while the host is still ahead of it, so
+    up to the flush's time (~85 us on an H100) of host work never shows: at 664ac49 its
+    one-token figures were the kernels' microseconds for some providers and host hiccups of
+    100+ us for others. The same rounds and rotating order as time_gpu."""
+    calls = {}
+    for name, fn in fns.items():
+        fn()  # compiled, allocated
+        calls[name] = max(1, round(GPU_LOOP_SAMPLE_MS / _back_to_back(fn, 5, 1)[0]))
+    samples = {k: [] for k in fns}
+    per_round = max(1, round(GPU_ROUND_MS / GPU_LOOP_SAMPLE_MS))
+    for r in range(GPU_ROUNDS):
+        for k in _rotated(list(fns), r):
+            samples[k] += _back_to_back(fns[k], calls[k], per_round)
+    return _median_p20_p80(samples)
+
+
+def _back_to_back(fn, calls: int, samples: int) -> list:
+    """ms per call of ``samples`` runs of ``calls`` back-to-back calls, an event between runs."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(samples + 1)]
+    torch.cuda.synchronize()
+    events[0].record()
+    for event in events[1:]:
+        for _ in range(calls):
+            fn()
+        event.record()
+    torch.cuda.synchronize()
+    return [max(a.elapsed_time(b), 1e-6) / calls for a, b in zip(events, events[1:])]
+
+
 def time_gpu_graphs(fns: dict) -> dict:
     """GPU-only time: each callable captured in a CUDA graph and replayed (no host work
     between kernels), median ms; a callable that cannot be captured (it waits for the
@@ -352,12 +395,16 @@ def run_case(case: Case, device, provs: list[Provider], args) -> list[dict]:
     graphed = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-        timings = time_gpu(fns)
-        # Against the bytes floor (DESIGN §8), after the wall-clock timings; training-sized
-        # batches only (a one-token call is all host time, and each capture costs seconds).
-        if case.mode in ("fwd", "fwd+bwd") and case.tokens >= 4096:
+        timing = "loop" if case.tokens < GPU_LOOP_TOKENS else "flushed"
+        timings = time_gpu_loop(fns) if timing == "loop" else time_gpu(fns)
+        # GPU-only, after the wall-clock timings: training-sized forwards and backwards
+        # against the bytes floor (DESIGN §8), and short forwards as a decoding loop under
+        # CUDA graphs runs them (a short backward writes the whole gradient per call, and a
+        # capture of thousands of those costs seconds).
+        if case.mode == "fwd" or (case.mode == "fwd+bwd" and case.tokens >= 4096):
             graphed = time_gpu_graphs(fns)
     else:
+        timing = "cpu"
         timings = time_cpu(fns, args.budget, args.min_reps, args.max_reps)
     copy_ms = timings["copy"][0]
     for row in rows:
@@ -367,7 +414,7 @@ def run_case(case: Case, device, provs: list[Provider], args) -> list[dict]:
                        pct_of_copy=100.0 * copy_ms / med, spread=p80 / p20)
             if p80 / p20 > SPREAD_WARN:
                 row["note"] = (row["note"] + "; " if row["note"] else "") + f"noisy (p80/p20 = {p80 / p20:.2f})"
-        row.update(copy_ms=copy_ms, min_bytes=nbytes)
+        row.update(copy_ms=copy_ms, min_bytes=nbytes, timing=timing)
         if row["provider"] in graphed and "copy" in graphed:
             row.update(graph_ms=graphed[row["provider"]],
                        graph_pct_of_copy=100.0 * graphed["copy"] / graphed[row["provider"]])

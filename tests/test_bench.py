@@ -132,6 +132,42 @@ def test_gpu_timings_take_turns_and_summarise_every_rounds_samples(monkeypatch):
     assert timings["pyembed"] == [6.0, 4.0, 8.0]  # median, p20, p80 of 2, 4, 6, 8, 10 (nearest rank)
 
 
+def test_gpu_decoding_timings_are_calls_back_to_back_in_rounds(monkeypatch):
+    # A decoding-sized GPU case is timed as a decoding loop runs: calls back to back, CUDA
+    # events between samples of ~1 ms, so host time shows (do_bench's L2 flush hid up to
+    # ~85 us of it per call on the H100). Stand-in events read a clock each call advances.
+    clock, order = [0.0], []
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.at = clock[0]
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    def provider(name, ms):
+        def call():
+            order.append(name)
+            clock[0] += ms
+        return call
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    timings = run.time_gpu_loop({"copy": provider("copy", 0.004), "pyembed": provider("pyembed", 0.05)})
+    assert timings["copy"] == pytest.approx([0.004] * 3) and timings["pyembed"] == pytest.approx([0.05] * 3)
+    runs = [name for i, name in enumerate(order) if i == 0 or order[i - 1] != name]
+    # one call and a 5-call estimate each, then 4 rounds in a rotating order -- (copy,
+    # pyembed), (pyembed, copy), ...: neighbouring rounds run their shared provider as one run
+    assert runs == ["copy", "pyembed"] + ["copy", "pyembed"] * 2 + ["copy"]
+    per_sample = {"copy": round(run.GPU_LOOP_SAMPLE_MS / 0.004), "pyembed": round(run.GPU_LOOP_SAMPLE_MS / 0.05)}
+    samples = run.GPU_ROUNDS * round(run.GPU_ROUND_MS / run.GPU_LOOP_SAMPLE_MS)
+    assert {name: order.count(name) for name in per_sample} == {
+        name: 6 + samples * calls for name, calls in per_sample.items()}
+
+
 def test_gpu_graph_timings_are_triton_medians_and_skip_uncapturable_calls(monkeypatch):
     # The GPU-only column (graph_ms) from do_bench_cudagraph as Triton summarises it: the
     # H100 run at 664ac49 got no graph_ms at all, indexing the float that one quantile gives.
