@@ -307,15 +307,18 @@ def time_gpu_loop(fns: dict) -> dict:
     up to the flush's time (~85 us on an H100) of host work never shows: at 664ac49 its
     one-token figures were the kernels' microseconds for some providers and host hiccups of
     100+ us for others. The same rounds and rotating order as time_gpu."""
-    calls = {}
+    calls, per_round = {}, {}
     for name, fn in fns.items():
         fn()  # compiled, allocated
-        calls[name] = max(1, round(GPU_LOOP_SAMPLE_MS / _back_to_back(fn, 5, 1)[0]))
+        call_ms = _back_to_back(fn, 5, 1)[0]
+        calls[name] = max(1, round(GPU_LOOP_SAMPLE_MS / call_ms))
+        # GPU_ROUND_MS of calls per round, as do_bench's rounds (a call longer than a sample
+        # -- a one-token step over a Llama table -- is a sample of its own)
+        per_round[name] = max(1, round(GPU_ROUND_MS / max(GPU_LOOP_SAMPLE_MS, call_ms)))
     samples = {k: [] for k in fns}
-    per_round = max(1, round(GPU_ROUND_MS / GPU_LOOP_SAMPLE_MS))
     for r in range(GPU_ROUNDS):
         for k in _rotated(list(fns), r):
-            samples[k] += _back_to_back(fns[k], calls[k], per_round)
+            samples[k] += _back_to_back(fns[k], calls[k], per_round[k])
     return _median_p20_p80(samples)
 
 

@@ -156,16 +156,21 @@ def test_gpu_decoding_timings_are_calls_back_to_back_in_rounds(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
-    timings = run.time_gpu_loop({"copy": provider("copy", 0.004), "pyembed": provider("pyembed", 0.05)})
+    timings = run.time_gpu_loop({"copy": provider("copy", 0.004), "pyembed": provider("pyembed", 0.05),
+                                 "step": provider("step", 5.0)})
     assert timings["copy"] == pytest.approx([0.004] * 3) and timings["pyembed"] == pytest.approx([0.05] * 3)
+    assert timings["step"] == pytest.approx([5.0] * 3)
     runs = [name for i, name in enumerate(order) if i == 0 or order[i - 1] != name]
-    # one call and a 5-call estimate each, then 4 rounds in a rotating order -- (copy,
-    # pyembed), (pyembed, copy), ...: neighbouring rounds run their shared provider as one run
-    assert runs == ["copy", "pyembed"] + ["copy", "pyembed"] * 2 + ["copy"]
+    # one call and a 5-call estimate each, then 4 rounds in a rotating order
+    assert runs == ["copy", "pyembed", "step"] + ["copy", "pyembed", "step", "pyembed", "step", "copy",
+                                                  "step", "copy", "pyembed", "copy", "pyembed", "step"]
+    # Each round ~GPU_ROUND_MS of calls: ~1 ms samples of several calls, or one call per
+    # sample where a call is longer.
     per_sample = {"copy": round(run.GPU_LOOP_SAMPLE_MS / 0.004), "pyembed": round(run.GPU_LOOP_SAMPLE_MS / 0.05)}
     samples = run.GPU_ROUNDS * round(run.GPU_ROUND_MS / run.GPU_LOOP_SAMPLE_MS)
     assert {name: order.count(name) for name in per_sample} == {
         name: 6 + samples * calls for name, calls in per_sample.items()}
+    assert order.count("step") == 6 + run.GPU_ROUNDS * round(run.GPU_ROUND_MS / 5.0)
 
 
 def test_gpu_graph_timings_are_triton_medians_and_skip_uncapturable_calls(monkeypatch):
