@@ -410,6 +410,17 @@ def _bad_inputs():
     return torch.tensor([[1, 2, 12, 3], [-5, 4, 9, 0]]), weight, pos_weight
 
 
+def test_check_errors_waits_for_a_gpu_only_when_asked(monkeypatch):
+    from pyembed import checks
+
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    checks.check_errors("cuda:0", wait=False)  # a host memory read: never waits
+    assert waited == []
+    checks.check_errors("cuda:0")
+    assert waited == [torch.device("cuda", 0)]
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
 def test_triton_default_check_never_syncs_and_the_next_call_raises(monkeypatch):
     pytest.importorskip("triton", reason="triton is not installed")
@@ -465,6 +476,10 @@ def test_emulated_cuda_kernel_records_bad_ranges_and_the_next_call_raises(emulat
         emulated.embedding_forward(ids.clamp(0, 9), weight, None, None, "none", 1.0, 0, None, 0.0, 0, 0, record)
     assert str(raised.value) == str(checks.deferred_error(torch.device("cpu"), found))  # one message, two languages
     checks.check_errors("cpu")  # the op cleared it
+    emulated.embedding_forward(ids, weight, pos_weight, None, "learned", 2.0, 0, None, 0.0, 0, 0, record)
+    with pytest.raises(IndexError, match="id (12|-5), but the embedding table has V=10"):
+        checks.check_errors("cpu", wait=False)  # what has run so far, without a synchronisation
+    checks.check_errors("cpu")
 
     positions = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 2]])  # 6 >= max_seq_len
     emulated.embedding_forward(ids.clamp(0, 9), weight, pos_weight, positions, "learned", 1.0, 0, None, 0.0, 0, 0,
