@@ -64,9 +64,10 @@ def fused_embedding(
             waits for the device: the bad ids get zero rows and the error is raised by the
             next forward on that device (or ``pyembed.check_errors()``), the CUDA context
             intact; a compiled `triton` layer and a replayed CUDA graph leave it to the next
-            eager forward or ``check_errors()`` (``wait=False``: no sync). "sync": the error in the call itself, everywhere (a device->host sync
-            on a GPU). False: no check. Unchecked or deferred, an out-of-range id yields a
-            zero row, never an out-of-bounds access.
+            eager forward or ``check_errors()`` (``wait=False``: no sync). "sync": the
+            error in the call itself, everywhere (a device->host sync on a GPU). False: no
+            check. Unchecked or deferred, an out-of-range id yields a zero row, never an
+            out-of-bounds access.
         dropout_p: drop each output element with this probability (0: no dropout; apply
             it in training only). The mask is Philox4x32 keyed by a (seed, offset) drawn
             per call from ``generator`` or the device's default generator (so
