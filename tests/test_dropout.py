@@ -63,7 +63,8 @@ def test_every_backend_drops_the_reference_mask_bitwise(backend, dtype, dim):
 def test_emulated_cuda_kernel_drops_the_reference_mask(emulated):
     ids = torch.randint(0, 40, (5, 9), dtype=torch.int32)
     key = reference.draw_dropout_key(torch.device("cpu"), torch.Generator().manual_seed(3))
-    for dim, dtype in ((64, torch.float32), (48, torch.float16), (10, torch.float32)):  # vector and scalar paths
+    # 4, 8, 2 (float64) and 1 element per thread: whole Philox groups, and parts of one
+    for dim, dtype in ((64, torch.float32), (48, torch.float16), (12, torch.float64), (10, torch.float32)):
         weight = torch.randn(40, dim).to(dtype)
         for pos in ("none", "sinusoidal"):
             out = emulated.embedding_forward(ids, weight, None, None, pos, 2.0, 0, key, Q, 0, 0)
