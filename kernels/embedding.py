@@ -103,13 +103,15 @@ def _dropout_keep(key_ptr, tok, threshold, BLOCK_T: tl.constexpr, BLOCK_D: tl.co
 
 
 @triton.jit
-def _token_of_slot(slot, num_tokens, seq_len, POS_MODE: tl.constexpr):
+def _token_of_slot(slot, num_tokens, seq_len, POS_MODE: tl.constexpr, HAS_POSITION_IDS: tl.constexpr):
     """The token of each of the forward's token slots ``slot`` (launch order). With learned
-    positions the slots run position-major -- the batch's tokens at position t one after
-    another -- so the B reads of a positional row meet in L2 (csrc/cuda's token_of_slot:
-    in token order a row comes back only after seq_len tokens' rows, which at long
-    sequences and wide rows is past the L2). Else token order."""
-    if POS_MODE == 1:
+    positions offset + t (no position_ids: the rows share their positions) the slots run
+    position-major -- the batch's tokens at position t one after another -- so the B reads
+    of a positional row meet in L2 (csrc/cuda's token_of_slot: in token order a row comes
+    back only after seq_len tokens' rows, which at long sequences and wide rows is past the
+    L2). Given position_ids (packed sequences restart them inside a row) and in the other
+    modes: token order."""
+    if POS_MODE == 1 and not HAS_POSITION_IDS:
         batch = tl.maximum(num_tokens // seq_len, 1)  # ids are (B, T) or (T,) with a positional encoding
         t = slot // batch
         return (slot - t * batch) * seq_len + t
@@ -166,7 +168,7 @@ def _embedding_forward_kernel(
 ):
     acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
     slot = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tok = _token_of_slot(slot, num_tokens, seq_len, POS_MODE)
+    tok = _token_of_slot(slot, num_tokens, seq_len, POS_MODE, HAS_POSITION_IDS)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
     tok_ok = slot < num_tokens
     col_ok = cols < dim

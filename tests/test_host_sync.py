@@ -188,14 +188,16 @@ def test_triton_dense_backward_is_three_kernels_around_one_sort(interpreted_laun
     torch.testing.assert_close(dp.double(), dout.double().sum(0), rtol=1e-5, atol=1e-4)
 
 
-def _forward_token_order(request, backend: str, num_tokens: int, seq_len: int, pos_mode: int) -> torch.Tensor:
+def _forward_token_order(request, backend: str, num_tokens: int, seq_len: int, pos_mode: int,
+                         position_ids: bool = False) -> torch.Tensor:
     """The token each slot (thread row / tile row, in launch order) of a forward kernel
     handles: csrc/cuda's token_of_slot (emulated), kernels.embedding's _token_of_slot
     (interpreted)."""
     if backend == "cuda":
-        return request.getfixturevalue("emulated").forward_token_order(num_tokens, seq_len, pos_mode)
+        return request.getfixturevalue("emulated").forward_token_order(num_tokens, seq_len, pos_mode, position_ids)
     order = torch.full((num_tokens,), -1, dtype=torch.long)
-    _order_kernel[(-(-num_tokens // 1024),)](order, num_tokens, seq_len, POS_MODE=pos_mode, BLOCK=1024)
+    _order_kernel[(-(-num_tokens // 1024),)](order, num_tokens, seq_len, POS_MODE=pos_mode,
+                                              HAS_POSITION_IDS=position_ids, BLOCK=1024)
     return order
 
 
@@ -206,20 +208,22 @@ if importlib.util.find_spec("triton") is not None:
     from pyembed.kernels.embedding import _token_of_slot
 
     @triton.jit
-    def _order_kernel(out_ptr, num_tokens, seq_len, POS_MODE: tl.constexpr, BLOCK: tl.constexpr):
+    def _order_kernel(out_ptr, num_tokens, seq_len, POS_MODE: tl.constexpr, HAS_POSITION_IDS: tl.constexpr,
+                      BLOCK: tl.constexpr):
         slot = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        token = _token_of_slot(slot, num_tokens, seq_len, POS_MODE)
+        token = _token_of_slot(slot, num_tokens, seq_len, POS_MODE, HAS_POSITION_IDS)
         tl.store(out_ptr + slot, token, mask=slot < num_tokens)
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("batch, seq_len", [(8, 2048), (3, 7), (1, 5), (5, 1)])
 def test_forward_reads_a_positional_row_for_the_whole_batch_at_once(request, backend, batch, seq_len):
-    # With learned positions the forward takes the batch's tokens at position t one after
-    # another: the B reads of positional row t then meet in L2. In token order a row came
-    # back only after seq_len tokens of rows (96 MB at Llama's d = 4096 fp32 in the cuda
-    # kernel -- past an H100's L2, so it was read from DRAM B times). Every token once; the
-    # other modes keep token order.
+    # With learned positions offset + t the forward takes the batch's tokens at position t
+    # one after another: the B reads of positional row t then meet in L2. In token order a
+    # row came back only after seq_len tokens of rows (96 MB at Llama's d = 4096 fp32 in the
+    # cuda kernel -- past an H100's L2, so it was read from DRAM B times). Every token once;
+    # given position_ids (packed sequences restart them within a row, where token order
+    # keeps a repeat close) and in the other modes: token order.
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs the Triton interpreter (no GPU here)")
     n = batch * seq_len
@@ -229,6 +233,8 @@ def test_forward_reads_a_positional_row_for_the_whole_batch_at_once(request, bac
     assert torch.equal(learned.sort().values, torch.arange(n))
     for mode in (0, 2):  # none, sinusoidal: one row per token
         assert torch.equal(_forward_token_order(request, backend, n, seq_len, mode), torch.arange(n))
+    for mode in (1, 2):
+        assert torch.equal(_forward_token_order(request, backend, n, seq_len, mode, position_ids=True), torch.arange(n))
 
 
 # A batch of at most 32 tokens (a one-token step, a short batch; csrc/cuda's kFewTokens,

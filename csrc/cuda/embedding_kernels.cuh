@@ -79,28 +79,31 @@ __device__ __forceinline__ A sinusoid_angle(int64_t p, int64_t k, A neg_log_base
 }
 
 // The token a forward thread row handles: (token, t) for row `slot` of the launch, t
-// the token's index in its sequence. With learned positions the slots run position-major
-// -- the batch's tokens at position t take consecutive slots -- so the B reads of
-// positional row t come together and all but the first hit L2. In token order they are
-// seq_len tokens apart: at Llama's d = 4096 over 2048 positions, 96 MB of fp32 rows
-// (table, positional and output row per token) pass between two reads of a positional
-// row, more than an H100's 50 MB of L2, so each batch row read the positional table from
-// DRAM again (the H100 at 664ac49: 63-68% of copy bandwidth with learned positions at
-// Llama sizes, 87-93% with the sinusoid, which reads no table; 91-101% at GPT-2's d = 768,
-// where 18 MB pass). The other modes read one row per token: token order.
+// the token's index in its sequence. With learned positions p = offset + t (no
+// position_ids: the batch's rows share their positions) the slots run position-major --
+// the batch's tokens at position t take consecutive slots -- so the B reads of positional
+// row t come together and all but the first hit L2. In token order they are seq_len
+// tokens apart: at Llama's d = 4096 over 2048 positions, 96 MB of fp32 rows (table,
+// positional and output row per token) pass between two reads of a positional row, more
+// than an H100's 50 MB of L2, so each batch row read the positional table from DRAM again
+// (the H100 at 664ac49: 63-68% of copy bandwidth with learned positions at Llama sizes,
+// 87-93% with the sinusoid, which reads no table; 91-101% at GPT-2's d = 768, where 18 MB
+// pass). Given position_ids, whose rows need not share positions (packed sequences restart
+// them inside a row, where token order keeps a repeat close), and in the other modes,
+// which read one row per token: token order.
 struct TokenSlot {
   int64_t token, t;
 };
 
 template <int POS>
-__host__ __device__ __forceinline__ TokenSlot token_of_slot(int64_t slot, int64_t num_tokens, int64_t seq_len) {
-  if constexpr (POS == static_cast<int>(PosEncoding::kLearned)) {
+__host__ __device__ __forceinline__ TokenSlot token_of_slot(int64_t slot, int64_t num_tokens, int64_t seq_len,
+                                                            bool has_position_ids) {
+  if (POS == static_cast<int>(PosEncoding::kLearned) && !has_position_ids) {
     const int64_t batch = num_tokens / seq_len;  // ids are (B, T) or (T,) with a positional encoding
     const int64_t t = slot / batch;
     return {(slot - t * batch) * seq_len + t, t};
-  } else {
-    return {slot, slot % seq_len};
   }
+  return {slot, slot % seq_len};
 }
 
 // out[token, :] = round(W[ids[token]] * scale + PE(p(token))). blockDim.y tokens per
@@ -125,7 +128,7 @@ __global__ void embedding_forward_kernel(
   using A = acc_t<T>;
   const int64_t slot = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (slot >= num_tokens) return;
-  const TokenSlot at = token_of_slot<POS>(slot, num_tokens, seq_len);
+  const TokenSlot at = token_of_slot<POS>(slot, num_tokens, seq_len, position_ids != nullptr);
   const int64_t token = at.token;
   const int64_t id = static_cast<int64_t>(ids[token]);
   const bool id_ok = id >= 0 && id < num_embeddings;

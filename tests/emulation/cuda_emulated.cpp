@@ -31,11 +31,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "the CUDA optimizer update, emulated on CPU tensors (same arguments as torch.ops.pyembed.optimizer_update)");
   m.def("forward_token_order",
-        [](int64_t num_tokens, int64_t seq_len, int64_t pos_mode) {
+        [](int64_t num_tokens, int64_t seq_len, int64_t pos_mode, bool has_position_ids) {
           auto order = at::empty({num_tokens}, at::kLong);
           auto run = [&](auto pos) {
             for (int64_t slot = 0; slot < num_tokens; ++slot) {
-              order[slot] = pyembed::cuda::token_of_slot<decltype(pos)::value>(slot, num_tokens, seq_len).token;
+              order[slot] =
+                  pyembed::cuda::token_of_slot<decltype(pos)::value>(slot, num_tokens, seq_len, has_position_ids)
+                      .token;
             }
           };
           using pyembed::PosEncoding;
@@ -48,7 +50,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           }
           return order;
         },
-        "the token each slot (thread row, in launch order) of the forward kernel handles, per positional mode");
+        "the token each slot (thread row, in launch order) of the forward kernel handles, per positional mode "
+        "and whether position_ids are given");
   m.def("take_launch_counts",
         [] {
           const auto counts = std::make_pair(EmulatedLaunch::kernel_launches, EmulatedLaunch::sorts);
