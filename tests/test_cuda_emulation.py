@@ -2,6 +2,7 @@
 by g++ with the host emulation header and run on CPU tensors, against independent
 results: eager PyTorch in float64 and the accumulation bound (DESIGN §6)."""
 
+import itertools
 import math
 
 import pytest
@@ -109,6 +110,34 @@ def test_emulated_segments_across_chunk_boundaries_sum_exactly(emulated, dtype):
     rows, values = emulated.embedding_touched_rows(dout, ids, BOUNDARY_VOCAB, 1.0, 11, False)
     assert rows.tolist() == used + [-1] * (BOUNDARY_VOCAB - len(used))
     assert torch.equal(values[:len(used)].double(), exact[used])
+
+
+@pytest.mark.parametrize("dim", [8, 60, 768], ids=str)  # 16-byte accesses or one element; GPT-2's row
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_emulated_segment_groups_mix_every_kind_of_row(emulated, dtype, dim):
+    # finish_segments_kernel takes four consecutive rows per thread group: the untouched and
+    # once-used ones in one pass (their loads together), the others one by one after it.
+    # Here every group mixes a row used 0, 1, 3 and 130 times (past a chunk of 128: summed
+    # in pieces), in a different order each, and the table's last group is partial (23
+    # rows). Integer-valued gradients: every sum is exact, so each path must give
+    # float64's index_add rounded once, bit for bit.
+    uses = [n for order in list(itertools.permutations([0, 1, 3, 130]))[::4] for n in order][:23]
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.repeat_interleave(torch.arange(23), torch.tensor(uses))
+    ids = ids[torch.randperm(ids.numel(), generator=gen)][None]
+    dout = torch.randint(-2, 3, (1, ids.shape[1], dim), generator=gen).to(dtype)
+    exact = exact_row_sums(ids, dout, 23)
+    dw, _ = backward(emulated, dout, ids, num_embeddings=23, scale=-0.5)
+    assert torch.equal(dw, (exact * -0.5).to(dtype))
+    untouched = torch.tensor(uses) == 0
+    assert not dw[untouched].signbit().any()  # +0 as a zero fill, not 0 * a negative scale
+    used = torch.tensor(uses).nonzero().reshape(-1)
+    rows, values = emulated.embedding_sparse_backward(dout, ids, 23, -0.5, None, False)
+    assert torch.equal(rows, used) and torch.equal(values, (exact[used] * -0.5).to(dtype))
+    by_freq, _ = backward(emulated, dout, ids, num_embeddings=23, scale_grad_by_freq=True)
+    terms = dout.double() / torch.tensor(uses, dtype=torch.float64)[ids][..., None]
+    want, bound = accumulation_bound(ids, terms, 23, 1.0, dtype)
+    assert_within(by_freq, want, bound, what="scale_grad_by_freq")
 
 
 @pytest.mark.parametrize("vocab", KEY_WIDTH_VOCABS)
