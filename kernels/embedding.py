@@ -42,6 +42,12 @@ from .launch import cached
 
 POS_NONE, POS_LEARNED, POS_SINUSOIDAL = (POS_CODES[name] for name in ("none", "learned", "sinusoidal"))
 MAX_BLOCK_D = 512
+# A row wider than MAX_BLOCK_D takes column tiles of the widest power of two, down to
+# MIN_BLOCK_D, whose lanes past the row's end are at most 1/9 of all: GPT-2's d = 768 in
+# two 512-wide tiles left a quarter of the lanes (the second tile's half) idle -- the H100
+# at a4a8951 measured the GPT-2 `triton` forward at 1.34x the `cuda` one's GPU time (fp32)
+# against 1.06x at Llama's d = 4096, which 512-wide tiles fill -- three 256-wide tiles fill it.
+MIN_BLOCK_D = 128
 TILE_ELEMENTS = 2048  # BLOCK_T * BLOCK_D: 16 fp32 registers per thread at 4 warps
 # Narrow rows make tall tiles, and every token of a tile holds its id, position and row
 # offsets (64-bit) in registers: past 64 tokens, d=8 tiles spill (tests/triton_aot.py).
@@ -62,6 +68,9 @@ def _blocks(dim: int, pos_mode: int = POS_NONE, dropout: bool = False) -> tuple[
 @functools.lru_cache(maxsize=None)
 def _blocks_of(dim: int, pos_mode: int, dropout: bool) -> tuple[int, int]:
     block_d = min(triton.next_power_of_2(max(dim, 4 if dropout else 1)), MAX_BLOCK_D)
+    if dim > MAX_BLOCK_D:  # several column tiles: narrower ones where the last would idle many lanes
+        while block_d > MIN_BLOCK_D and _cdiv(dim, block_d) * block_d * 8 > dim * 9:
+            block_d //= 2
     tile = TILE_ELEMENTS // 2 if pos_mode == POS_SINUSOIDAL or dropout else TILE_ELEMENTS
     return max(1, min(tile // block_d, MAX_BLOCK_T)), block_d
 
@@ -795,6 +804,14 @@ def _programs_with_positions(rows: int, block_r: int, positions: Optional[Positi
     return table_programs, table_programs + (0 if positions is None else _cdiv(positions.out.shape[0], block_r))
 
 
+def _segment_blocks(dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_D) of _finish_segments_kernel: _blocks' tile, half as many rows in
+    float64, whose values take two registers each (with 8 rows of 256 at d = 768 it spilled
+    16 bytes on sm_90)."""
+    block_r, block_d = _blocks(dim)
+    return (max(1, block_r // 2) if dtype == torch.float64 else block_r), block_d
+
+
 def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool, out, zero_empty: bool,
                     launch=_direct, positions: Optional[PositionSums] = None):
     """out[g] = factor(g) * (sum of the dout rows of segment g) for the first out.shape[0]
@@ -802,7 +819,7 @@ def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: b
     segments written as zeros (a dense gradient by row: each row written once). The same
     launch writes ``positions``, if given."""
     rows, dim = out.shape
-    block_r, block_d = _blocks(dim)
+    block_r, block_d = _segment_blocks(dim, dout2d.dtype)
     table_programs, programs = _programs_with_positions(rows, block_r, positions)
     if programs == 0 or dim == 0:
         return

@@ -23,6 +23,7 @@ import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -109,7 +110,7 @@ def finish_source(dtype, dim, *, divide, partials=True, positions=True):
     partials=False: a backward of at most one chunk of tokens), and the learned positions'
     (positions=False: none, or by position_ids)."""
     acc = "fp64" if dtype == "fp64" else "fp32"
-    block_r, block_d = k._blocks(dim)
+    block_r, block_d = k._segment_blocks(dim, torch.float64 if dtype == "fp64" else torch.float32)
     args = {"dout_ptr": f"*{dtype}", "order_ptr": "*i64", "partials_ptr": f"*{acc}", "begin_ptr": "*i64",
             "end_ptr": "*i64", "out_ptr": f"*{dtype}", "scale": 27.7, "num_segments": 50257, "dim": dim,
             "table_programs": -(-50257 // block_r), **_position_args(dtype, 8, 512)}
