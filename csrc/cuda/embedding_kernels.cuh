@@ -428,13 +428,17 @@ __global__ void finish_segments_kernel(const T* __restrict__ dout, const int64_t
   constexpr int64_t kEmpty = -1, kLonger = -2;  // token[k] of an empty segment, of one of two or more tokens
   const int64_t g0 = (static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y) * kRows;
   if (g0 >= num_segments) return;
-  int64_t token[kRows];  // the token of a one-token segment, else kEmpty / kLonger
+  // Every segment's bounds, then every one-token segment's token: each step's loads
+  // together, not a chain per segment (the rows past num_segments read the last row's).
+  int64_t first[kRows], length[kRows], token[kRows];  // token: of a one-token segment, else kEmpty / kLonger
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
-    const bool real = g0 + k < num_segments;
-    const int64_t b = real ? begin[g0 + k] : 0, length = real ? end[g0 + k] - b : 0;
-    token[k] = length == 1 ? order[b] : length == 0 ? kEmpty : kLonger;
+    const int64_t g = g0 + k < num_segments ? g0 + k : num_segments - 1;
+    first[k] = begin[g];
+    length[k] = g0 + k < num_segments ? end[g] - first[k] : 0;
   }
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) token[k] = length[k] == 1 ? order[first[k]] : length[k] == 0 ? kEmpty : kLonger;
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
     Pack<T, VEC> row[kRows];  // as stored: half the registers of fp32 sums for bf16 / fp16
 #pragma unroll
