@@ -379,18 +379,25 @@ __device__ __forceinline__ bool position_block(const T* __restrict__ dout, const
   return true;
 }
 
-// acc = the sum of long segment [b, e)'s pieces' partial sums (chunk_kernel), in order.
-template <int VEC, typename A>
-__device__ __forceinline__ void sum_pieces(const A* __restrict__ partials, int64_t b, int64_t e, int64_t dim,
-                                           int64_t j, A (&acc)[VEC]) {
+// d_row = factor * (the sum of long segment [b, e)'s pieces' partial sums (chunk_kernel),
+// in order): sum_rows for a segment longer than a chunk. This thread's columns only.
+template <int VEC, typename A, typename D>
+__device__ __forceinline__ void sum_pieces(const A* __restrict__ partials, int64_t b, int64_t e,
+                                           D* __restrict__ d_row, A factor, int64_t dim) {
   const int64_t first = first_piece_slot(b), last = 2 * ((e - 1) / kChunkRows);
-  load_pack<VEC>(partials + first * dim + j, acc);
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
+    A acc[VEC];
+    load_pack<VEC>(partials + first * dim + j, acc);
 #pragma unroll 4
-  for (int64_t slot = first - first % 2 + 2; slot <= last; slot += 2) {
-    A x[VEC];
-    load_pack<VEC>(partials + slot * dim + j, x);
+    for (int64_t slot = first - first % 2 + 2; slot <= last; slot += 2) {
+      A x[VEC];
+      load_pack<VEC>(partials + slot * dim + j, x);
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) acc[i] += x[i];
+      for (int i = 0; i < VEC; ++i) acc[i] += x[i];
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] *= factor;
+    store_pack<VEC>(d_row + j, acc);
   }
 }
 
@@ -454,8 +461,10 @@ __global__ void finish_segments_kernel(const T* __restrict__ dout, const int64_t
       store_pack<VEC>(out + (g0 + k) * dim + j, sum);
     }
   }
+  // Segments of two or more tokens. A loop, not unrolled, so its bounds are read again
+  // (from cache): first[k] with k known at run time only would live in local memory.
 #pragma unroll 1
-  for (int k = 0; k < kRows; ++k) {  // segments of two or more tokens
+  for (int k = 0; k < kRows; ++k) {
     if (g0 + k >= num_segments) break;
     const int64_t b = begin[g0 + k], e = end[g0 + k];
     if (e - b < 2) continue;
@@ -463,14 +472,8 @@ __global__ void finish_segments_kernel(const T* __restrict__ dout, const int64_t
     const A factor = divide_by_count ? scale / static_cast<A>(e - b) : scale;
     if (e - b <= kChunkRows) {
       sum_rows<VEC>(dout, order, b, e, d_row, factor, dim);
-      continue;
-    }
-    for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
-      A acc[VEC];
-      sum_pieces<VEC>(partials, b, e, dim, j, acc);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[i] *= factor;
-      store_pack<VEC>(d_row + j, acc);
+    } else {
+      sum_pieces<VEC>(partials, b, e, d_row, factor, dim);
     }
   }
 }
