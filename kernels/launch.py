@@ -79,6 +79,44 @@ def _launch_key(context: tuple, args: tuple, constexprs: dict):
     return tuple(key)
 
 
+_KEYED_TYPES = {int: "int", torch.Tensor: "tensor", torch.nn.Parameter: "tensor", float: "plain", bool: "plain",
+                type(None): "plain"}
+
+
+def _key_function(args: tuple):
+    """``_launch_key`` unrolled for arguments of the types ``args`` has (None where one has
+    a type the key does not know): a function, written once per kernel as Triton writes its
+    binder, that returns the same key for arguments of those types -- ints in 32 bits --
+    and None for any others (the caller then takes ``_launch_key``). Its loop, with a type
+    test per argument, was 2.6 us of a 6.4 us one-token forward launch; unrolled, 1.6 us."""
+    guards, items = [], []
+    for i, arg in enumerate(args):
+        kind, name = _KEYED_TYPES.get(type(arg)), f"a{i}"
+        if kind == "int":
+            guards.append(f"type({name}) is int and {_INT32_MIN} <= {name} < {_INT32_END}")
+            items.append(f"'one' if {name} == 1 else {name} & 15 == 0")
+        elif kind == "tensor":
+            guards.append(f"(type({name}) is Tensor or type({name}) is Parameter)")
+            items += [f"{name}.dtype", f"{name}.data_ptr() & 15 == 0"]
+        elif kind == "plain":
+            guards.append(f"type({name}) is {type(arg).__name__}")
+            items.append(type(arg).__name__)
+        else:
+            return None
+    names = "".join(f"a{i}, " for i in range(len(args)))
+    source = (f"def key(context, args, constexprs):\n"
+              f"    if len(args) != {len(args)}:\n"
+              f"        return None\n"
+              f"    ({names}) = args\n"
+              f"    if not ({' and '.join(guards) or 'True'}):\n"
+              f"        return None\n"
+              f"    return (*context, *constexprs, *constexprs.values(), *map(type, constexprs.values()), "
+              f"{''.join(item + ', ' for item in items)})\n")
+    namespace = {"Tensor": torch.Tensor, "Parameter": torch.nn.Parameter, "NoneType": type(None)}
+    exec(source, namespace)
+    return namespace["key"]
+
+
 class CachedLauncher:
     """``cached(kernel)``: the kernel's launches, each specialisation found by a dict lookup."""
 
@@ -86,6 +124,7 @@ class CachedLauncher:
         self.kernel = kernel
         self.names = tuple(kernel.arg_names)
         self.compiled = {}  # launch key -> CompiledKernel
+        self.key_of = None  # _key_function of the first launch's arguments
 
     def __getitem__(self, grid):
         return lambda *args, **constexprs: self.launch(grid, args, constexprs)
@@ -98,7 +137,12 @@ class CachedLauncher:
         # launching; else Triton's own path (a callable grid is evaluated there).
         plain = (type(grid) is tuple and not getattr(self.kernel, "pre_run_hooks", None)
                  and runtime.add_stages_inspection_hook is None)
-        key = _launch_key((device, runtime.debug, knobs.compilation.instrumentation_mode), args, constexprs)
+        context = (device, runtime.debug, knobs.compilation.instrumentation_mode)
+        if self.key_of is None:
+            self.key_of = _key_function(args) or _launch_key
+        key = self.key_of(context, args, constexprs)
+        if key is None:  # arguments of other types than the first launch's
+            key = _launch_key(context, args, constexprs)
         compiled = self.compiled.get(key) if plain else None
         if compiled is None:
             compiled = self.kernel[grid](*args, **constexprs)  # compiles a new specialisation, launches

@@ -92,6 +92,30 @@ def apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config: Fuse
     return FusedEmbeddingFunction.apply(*tensors, config)  # what torch.compile traces (no custom jvp)
 
 
+def python_lookup(backend: str):
+    """``backend``'s lookup under the contract of the C++ backends' ``pyembed::embedding``
+    op (csrc/autograd.cpp), for a backend whose kernels are launched from Python (triton):
+    every argument checked, the range check in the call when ``validate``, else into
+    ``error_record`` inside the kernel, then the forward op alone when nothing will ask for
+    a gradient, else the autograd.Function. fused_embedding sends plain eager calls here as
+    it sends them to that op: the general route's layers (argument forms no plain call
+    has, dtensor, dropout, sparse) cost a one-token `triton` lookup ~3 us of its ~16."""
+    def lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
+               scale_grad_by_freq, validate, error_record):
+        pos_encoding, position_ids = checks.check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
+        if padding_idx is not None:
+            padding_idx = checks.normalize_padding_idx(padding_idx, weight.shape[0])
+        config = FusedConfig(pos_encoding, float(scale), offset, padding_idx, bool(scale_grad_by_freq), False,
+                             validate, backend, 0.0, error_record)
+        ids, weight = ids.contiguous(), weight.contiguous()
+        pos_weight = None if pos_weight is None else pos_weight.contiguous()
+        position_ids = None if position_ids is None else position_ids.contiguous()
+        if torch.is_grad_enabled() and (weight.requires_grad or (pos_weight is not None and pos_weight.requires_grad)):
+            return FusedEmbeddingFunctionWithJvp.apply(ids, weight, pos_weight, position_ids, None, config)
+        return _fused_forward(ids, weight, pos_weight, position_ids, None, config)
+    return lookup
+
+
 def checked_ids(ids, weight, pos_weight, position_ids, pos_encoding: str) -> torch.Tensor:
     max_seq_len = pos_weight.shape[0] if pos_encoding == "learned" else None
     return checks.checked_ids(ids, weight.shape[0], position_ids, max_seq_len)
@@ -169,7 +193,8 @@ def _fused_forward(ids, weight, pos_weight, position_ids, dropout_key, config: F
 def _fused_save(ctx, ids, weight, pos_weight, position_ids, dropout_key, config: FusedConfig):
     """Only the ids, positions and dropout key are saved: never the table, the output or a mask."""
     ctx.save_for_backward(ids, position_ids, dropout_key)
-    ctx.save_for_forward(ids, position_ids, dropout_key)
+    if forward_ad._current_level >= 0 or functorch_active():  # only a jvp reads them (0.4 us a call)
+        ctx.save_for_forward(ids, position_ids, dropout_key)
     ctx.config = config
     # Tables whose optimizer runs in the backward are held (not saved: the update changes them).
     ctx.fused_tables = optim.fused_tables(weight, pos_weight) if optim.tables_are_fused else None

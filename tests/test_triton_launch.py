@@ -37,6 +37,16 @@ def test_cached_launches_equal_tritons_for_every_specialisation_in_every_order()
     # since learned positions take their tokens in position-major order).
     assert result["binaries"] == 10
     assert result["cached"] == 2  # the last pair, each under its own key
+    # The unrolled key agrees with the loop wherever it answers; it declines only where an
+    # argument's type differs (an int scale) or an int is past 32 bits (the 2^31 offsets).
+    unrolled = result["unrolled"]
+    assert "differ" not in unrolled
+    declined = {tuple(pair) for pair in unrolled["declined"]}
+    wide = {"offset 2^31", "offset 2^31 + 1"}
+    for first, second in declined:
+        assert first == "integer scale" or second == "integer scale" or second in wide, (first, second)
+    assert ("plain", "integer scale") in declined and ("plain", "offset 2^31") in declined
+    assert len(unrolled["agree"]) > len(result["unrolled"]["declined"])
 
 
 def test_eager_forward_and_backward_launch_through_the_cache():

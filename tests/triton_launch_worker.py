@@ -98,8 +98,19 @@ def check_forward_variants():
             if not _same(got, expected[second]):
                 mismatches.append((first, second, attempt))
     hits = len(launch.cached(kernel).compiled)
+    # The key unrolled for one launch's argument types (launch._key_function) is the loop's
+    # key for arguments of those types, and declines (None) every other variant's.
+    context = ("device", False, "")
+    unrolled = {}
+    for first, (_, args, constexprs) in variants.items():
+        key_of = launch._key_function(args)
+        for second, (_, other_args, other_constexprs) in variants.items():
+            key = key_of(context, other_args, other_constexprs)
+            unrolled.setdefault("declined" if key is None else "agree" if key == launch._launch_key(
+                context, other_args, other_constexprs) else "differ", set()).add((first, second))
     print(json.dumps({"check": "forward variants", "mismatches": mismatches, "binaries": len(set(binaries.values())),
-                      "variants": len(variants), "cached": hits}))
+                      "variants": len(variants), "cached": hits,
+                      "unrolled": {name: sorted(pairs) for name, pairs in unrolled.items()}}))
 
 
 def check_eager_calls():
