@@ -56,11 +56,14 @@ def apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config: Fuse
                None if position_ids is None else position_ids.contiguous(), dropout_key)
     backend = dispatch.get(config.backend)
     plain_eager = autograd_may_be_cpp()
-    if plain_eager and not (torch.is_grad_enabled() and (weight.requires_grad or (
+    no_transform = forward_ad._current_level < 0 and not functorch_active()  # nothing needs the Function's jvp/vmap
+    if no_transform and not (torch.is_grad_enabled() and (weight.requires_grad or (
             pos_weight is not None and pos_weight.requires_grad))):
         # Nothing will ask this call for a gradient (inference, torch.no_grad, frozen
         # tables): the forward op alone. An autograd.Function's apply and saved context
-        # were half the host time of a one-token triton lookup (launch stubbed: 17.6 -> 9.6 us).
+        # were half the host time of a one-token triton lookup (launch stubbed: 17.6 -> 9.6 us);
+        # under torch.compile (grad mode and requires_grad are guarded) Dynamo then traces
+        # no Function, and its guards on the Function's code go too.
         return _fused_forward(*tensors, config)
     if (cpp_autograd and backend.autograd_op is not None and dropout_key is None and not config.sparse
             and not config.sinusoid_dim and plain_eager):
@@ -92,14 +95,15 @@ def apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config: Fuse
     return FusedEmbeddingFunction.apply(*tensors, config)  # what torch.compile traces (no custom jvp)
 
 
-def python_lookup(backend: str):
+def python_lookup(backend: str, eager_forward):
     """``backend``'s lookup under the contract of the C++ backends' ``pyembed::embedding``
     op (csrc/autograd.cpp), for a backend whose kernels are launched from Python (triton):
     every argument checked, the range check in the call when ``validate``, else into
-    ``error_record`` inside the kernel, then the forward op alone when nothing will ask for
-    a gradient, else the autograd.Function. fused_embedding sends plain eager calls here as
-    it sends them to that op: the general route's layers (argument forms no plain call
-    has, dtensor, dropout, sparse) cost a one-token `triton` lookup ~3 us of its ~16."""
+    ``error_record`` inside the kernel, then the forward's eager body (``eager_forward``)
+    alone when nothing will ask for a gradient, else the autograd.Function. fused_embedding
+    sends plain eager calls here as it sends them to that op: the general route's layers
+    (argument forms no plain call has, dtensor, dropout, sparse) cost a one-token `triton`
+    lookup ~2 us of its ~16."""
     def lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
                scale_grad_by_freq, validate, error_record):
         pos_encoding, position_ids = checks.check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
@@ -112,7 +116,10 @@ def python_lookup(backend: str):
         position_ids = None if position_ids is None else position_ids.contiguous()
         if torch.is_grad_enabled() and (weight.requires_grad or (pos_weight is not None and pos_weight.requires_grad)):
             return FusedEmbeddingFunctionWithJvp.apply(ids, weight, pos_weight, position_ids, None, config)
-        return _fused_forward(ids, weight, pos_weight, position_ids, None, config)
+        if validate:
+            ids = checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
+        return eager_forward(ids, weight, pos_weight, position_ids, pos_encoding, config.scale, offset, None, 0.0, 0, 0,
+                             error_record)
     return lookup
 
 

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import pyembed
-from pyembed import dispatch
+from pyembed import _ops, dispatch
 from helpers import CPU_BACKENDS, eager_embedding, make_inputs, run_with_grads
 import test_errors
 
@@ -204,6 +204,35 @@ def test_torch_compile_fullgraph_traces_the_layer(backend):
     expected.pow(2).sum().backward()
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     torch.testing.assert_close(grad, layer.token_embedding.weight.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_compiled_call_without_a_gradient_traces_the_forward_op_alone(backend):
+    # Inference (no_grad) and frozen tables: the graph is the forward op (after the range
+    # check), as #29 asks of a compiled call (one op per direction), with eager's output; a
+    # table that wants a gradient traces the Function, whose backward is the other op.
+    def traced_targets(layer, ids, grad_mode):
+        graphs = []
+        torch._dynamo.reset()  # a fresh cache each time: these compiles would pass the recompile limit
+        compiled = torch.compile(layer, fullgraph=True, backend=lambda gm, _: graphs.append(gm) or gm.forward)
+        with torch.set_grad_enabled(grad_mode):
+            out = compiled(ids)
+            expected = layer(ids)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        # An op's packet or its overload (a Python custom op is traced as its .default).
+        return [str(node.target).removesuffix(".default") for node in graphs[0].graph.nodes
+                if node.op == "call_function"]
+
+    torch.manual_seed(0)
+    layer = pyembed.EmbeddingLayer(100, 16, 64, scale_embeddings=True, backend=backend)
+    ids = torch.randint(0, 100, (2, 9))
+    forward_op = _ops._qualname(dispatch.get(backend).forward).replace("::", ".")
+    for grad_mode, frozen in ((False, False), (True, True)):
+        layer.requires_grad_(not frozen)
+        targets = traced_targets(layer, ids, grad_mode)
+        assert forward_op in targets and "autograd_function_apply" not in targets, (grad_mode, frozen, targets)
+    layer.requires_grad_(True)
+    assert "autograd_function_apply" in traced_targets(layer, ids, True)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
