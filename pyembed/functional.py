@@ -80,9 +80,25 @@ def fused_embedding(
         ``ids.shape + (d,)`` tensor of ``weight.dtype``. Differentiable to any order, in
         forward mode too, and under ``torch.func`` transforms (``vmap``, ``grad``).
     """
+    fused_table = optim.tables_are_fused and (optim.fused_optimizer(weight) or optim.fused_optimizer(pos_weight))
+    if not sparse and type(dropout_p) in (float, int) and dropout_p == 0 and type(offset) is int and not fused_table:
+        fast = _eager_backend(ids, weight, backend)
+        if fast is not None and fast.autograd_op is not None:
+            # The common eager call: one op that checks its arguments and holds its autograd
+            # node (the C++ backends' pyembed::embedding; triton's in Python, with the same
+            # contract). Nothing else runs before it: each layer of the general route below
+            # cost a one-token lookup a few tenths of a microsecond.
+            if pos_encoding is None or pos_encoding == "none":
+                pos_encoding = "learned" if pos_weight is not None else "none"
+            sync_check, error_record = range_checks(validate, fast, weight.device)
+            try:
+                return fast.autograd_op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
+                                        padding_idx, scale_grad_by_freq, sync_check, error_record)
+            except (RuntimeError, TypeError, ValueError) as error:
+                raise checks.from_cpp(error) from None
     options = (pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, sparse, validate, dropout_p, generator,
-               backend)  # a plain tuple: the cheapest to build on the hot path
-    if optim.tables_are_fused and (optim.fused_optimizer(weight) or optim.fused_optimizer(pos_weight)):
+               backend)
+    if fused_table:
         # A table whose optimizer runs in the backward (pyembed.optim): the Python Function,
         # whose backward updates it, run outside any compiled graph (a graph break under
         # torch.compile: AOTAutograd cannot mutate a parameter in a backward).
@@ -92,24 +108,11 @@ def fused_embedding(
 
 
 def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_autograd: bool = True):
-    """fused_embedding's body: its tensors, and its other arguments as given, in its order.
-    cpp_autograd=False: never the C++ autograd node (a table with a fused optimizer needs
-    the Python backward, where the update runs)."""
+    """fused_embedding's general route: its tensors, and its other arguments as given, in
+    its order. cpp_autograd=False: never the C++ autograd node (a table with a fused
+    optimizer needs the Python backward, where the update runs)."""
     pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, sparse, validate, dropout_p, generator, backend = \
         options
-    eager = _eager_backend(ids, weight, backend)  # resolved once, for either path below
-    plain = (cpp_autograd and not sparse and type(dropout_p) in (float, int) and dropout_p == 0
-             and type(offset) is int)
-    fast = eager if plain and eager is not None and eager.autograd_op is not None else None
-    if fast is not None:
-        if pos_encoding is None or pos_encoding == "none":
-            pos_encoding = "learned" if pos_weight is not None else "none"
-        sync_check, error_record = range_checks(validate, fast, weight.device)
-        try:
-            return fast.autograd_op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                                    scale_grad_by_freq, sync_check, error_record)
-        except (RuntimeError, TypeError, ValueError) as error:
-            raise checks.from_cpp(error) from None
     if isinstance(weight, torch.Tensor) and not (weight.is_floating_point() or weight.is_complex()):
         return _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx, validate)
     pos_encoding, position_ids = checks.check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
@@ -119,7 +122,7 @@ def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_
         padding_idx = checks.normalize_padding_idx(padding_idx, weight.shape[0])
     if not cpp_autograd:
         optim.check_call(weight, pos_weight, sparse)
-    chosen = eager if eager is not None else dispatch.resolve(backend, weight.device)
+    chosen = dispatch.resolve(backend, weight.device)
     if checks.is_dtensor(weight):  # a table sharded by torch.distributed (parallelize_module)
         # Checked in the call (every rank sees the same global ids): the shards' kernels
         # hold local ids, which are out of range by design on all but one rank.
