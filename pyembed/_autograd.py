@@ -67,10 +67,10 @@ def apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config: Fuse
         return _fused_forward(*tensors, config)
     if (cpp_autograd and backend.autograd_op is not None and dropout_key is None and not config.sparse
             and not config.sinusoid_dim and plain_eager):
-        # The common eager call on a C++ backend: one op whose autograd node is C++ too
-        # (csrc/autograd.cpp), a few us less than an autograd.Function -- most of a one-token
-        # lookup. Everything else (dropout, sparse, forward AD, torch.func, torch.compile)
-        # takes a Function below.
+        # The common eager call: the backend's lookup op (on a C++ backend its autograd node
+        # is C++ too, csrc/autograd.cpp: a few us less than an autograd.Function -- most of a
+        # one-token lookup; triton's is python_lookup below). Everything else (dropout,
+        # sparse, forward AD, torch.func, torch.compile) takes a Function below.
         ids, weight, pos_weight, position_ids, _ = tensors
         if config.validate:  # here, not in the op: the Python checks raise pyembed's exception types
             ids = checked_ids(ids, weight, pos_weight, position_ids, config.pos_encoding)

@@ -36,8 +36,9 @@ class Backend:
     backward: Callable  # op with the schema of reference.embedding_backward (dense, no host sync)
     sparse_backward: Callable  # op with the schema of reference.embedding_sparse_backward
     why_unavailable: Callable[[torch.device], Optional[str]]  # None when it can run there
-    # The lookup with its autograd node in C++ (the C++ backends' pyembed::embedding), used
-    # for plain eager calls instead of the Python autograd.Function; None: always the Function.
+    # The lookup that checks its arguments and holds its own autograd, for plain eager calls
+    # (the C++ backends' pyembed::embedding, with a C++ node; triton's Python function with
+    # that op's contract, pyembed._autograd.python_lookup); None: the general route.
     autograd_op: Optional[Callable] = None
     # Its forward kernel checks id / position ranges itself into an error record (the
     # ``error_record`` argument; pyembed.checks): validate=True on a GPU then never syncs.

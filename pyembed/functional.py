@@ -1,11 +1,12 @@
 """``fused_embedding``: the public op -- its checks (pyembed/checks.py), the backend
 (pyembed/dispatch.py), and the route to autograd (pyembed/_autograd.py).
 
-A plain eager call on a C++ backend goes straight to that backend's ``pyembed::embedding``
-op, which checks every argument itself, with the messages the Python checks below use,
-and has a C++ autograd node (csrc/autograd.cpp); its bad-input errors are raised as
-pyembed's exception types (checks.from_cpp), anything else as it is. The Python below
-runs for every other call. Checks here read only metadata (dtype, shape, device), so they
+A plain eager call goes straight to its backend's lookup op: on a C++ backend
+``pyembed::embedding``, which checks every argument itself, with the messages the Python
+checks below use, and has a C++ autograd node (csrc/autograd.cpp); on ``triton`` a Python
+function with that op's contract (pyembed._autograd.python_lookup). Its bad-input errors
+are raised as pyembed's exception types (checks.from_cpp), anything else as it is. The
+general route below runs for every other call. Checks here read only metadata (dtype, shape, device), so they
 cost nothing under ``torch.compile``; the data-dependent ones (id range, negative or
 too-large position_ids) are one op shared by every backend (pyembed.checks), skipped with
 ``validate=False``.
@@ -145,9 +146,9 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 def _eager_backend(ids, weight, backend: str) -> Optional[dispatch.Backend]:
     """The backend of a common eager call -- plain tensors, a float table; not compiling,
     no forward-mode AD, no torch.func transform -- or None when the call needs more care
-    (or its arguments are wrong: the checks then say what). A C++ backend's
-    pyembed::embedding op checks every argument itself and has a C++ autograd node
-    (csrc/autograd.cpp): a one-token lookup is ~10 us, and the Python checks and
+    (or its arguments are wrong: the checks then say what). Its lookup op (Backend.autograd_op)
+    checks every argument itself: on a C++ backend, with a C++ autograd node
+    (csrc/autograd.cpp), a one-token lookup is ~10 us on a GPU host, and the Python checks and
     autograd.Function it skips were half of that."""
     if not _autograd.autograd_may_be_cpp():
         return None

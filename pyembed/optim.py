@@ -21,8 +21,7 @@ import functools
 import math
 import types
 import warnings
-from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 import torch
 from torch.optim import _functional as _sparse_functional, adagrad as _adagrad, adam as _adam, sgd as _sgd
@@ -218,10 +217,10 @@ def _update(backend, table: torch.Tensor, rows: torch.Tensor, values: torch.Tens
 
 
 # --------------------------------------------------------------------------- one update
-@dataclass(frozen=True)
-class Update:
+class Update(NamedTuple):
     """One table's update, as the kernels take it: rule, host scalars, and whether rows
-    with no gradient change too (dense semantics: decay, momentum, weight decay)."""
+    with no gradient change too (dense semantics: decay, momentum, weight decay). A
+    NamedTuple: built per table per step, where a frozen dataclass's __init__ cost ~1 us."""
 
     rule: int
     hyper: tuple[float, ...]  # per rule, in the order of csrc/optim.h Scalars::from (built by prepare)
@@ -262,8 +261,9 @@ def _check_table_use(table: torch.Tensor, sparse_grad: bool, positional: bool) -
 
 def _group_of(optimizer: torch.optim.Optimizer, table: torch.Tensor) -> dict:
     for group in optimizer.param_groups:
-        if any(p is table for p in group["params"]):
-            return group
+        for p in group["params"]:
+            if p is table:
+                return group
     raise checks.InputValueError("pyembed: the fused optimizer no longer holds this table in its param_groups")
 
 
@@ -299,7 +299,7 @@ def prepare(table: torch.Tensor) -> tuple[torch.optim.Optimizer, dict, Update]:
             state["exp_avg"] = torch.zeros_like(table)
             state["exp_avg_sq"] = torch.zeros_like(table)
         state["step"] += 1
-        beta1, beta2 = (float(b) for b in group["betas"])
+        beta1, beta2 = map(float, group["betas"])
         step = state["step"]
         step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
         hyper = (step_size, beta1, beta2, float(group["eps"]), maximize, lr)  # lr: for the reference only
@@ -317,7 +317,7 @@ def prepare(table: torch.Tensor) -> tuple[torch.optim.Optimizer, dict, Update]:
     step = float(state["step"])  # a device->host read only when the user keeps step on the device
     wd = float(group["weight_decay"])
     if rule == ADAM:
-        beta1, beta2 = (float(b) for b in group["betas"])
+        beta1, beta2 = map(float, group["betas"])
         hyper = (lr, beta1, beta2, float(group["eps"]), wd, float(bool(group.get("decoupled_weight_decay"))),
                  maximize, 1 - beta1**step, math.sqrt(1 - beta2**step))
         return optimizer, state, Update(rule, hyper, True)
