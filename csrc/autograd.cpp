@@ -95,37 +95,50 @@ std::tuple<at::Tensor, at::Tensor> differentiable_backward(
   return {grad_weight, grad_pos};
 }
 
+// What the node needs besides the tables: not autograd inputs (ids never require a
+// gradient), so Function::apply tracks two tensors, not four -- each input it tracks costs
+// a VariableInfo (a sizes vector) and an edge, on every call of a one-token lookup.
+struct Lookup {
+  at::Tensor ids;
+  std::optional<at::Tensor> position_ids;
+  std::string_view pos_encoding;
+  double scale;
+  int64_t offset;
+  std::optional<int64_t> padding_idx;
+  bool scale_grad_by_freq;
+  int64_t error_record;
+};
+
 struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
   // The tables come first: autograd numbers the tensor inputs in this order, so
   // needs_input_grad(0) is the weight and (1) the positional table when there is one.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& weight, const std::optional<at::Tensor>& pos_weight,
-                            const at::Tensor& ids, const std::optional<at::Tensor>& position_ids,
-                            std::string_view pos_encoding, double scale, int64_t offset,
-                            std::optional<int64_t> padding_idx, bool scale_grad_by_freq, int64_t error_record) {
-    ctx->save_for_backward({ids, position_ids.value_or(at::Tensor())});
-    ctx->saved_data["num_embeddings"] = weight.size(0);
-    ctx->saved_data["learned"] = pos_encoding == "learned" && pos_weight.has_value();
-    ctx->saved_data["num_positions"] = pos_weight.has_value() ? pos_weight->size(0) : int64_t(0);
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["offset"] = offset;
-    ctx->saved_data["padding_idx"] = padding_idx;
-    ctx->saved_data["scale_grad_by_freq"] = scale_grad_by_freq;
+                            const Lookup& lookup) {
+    ctx->save_for_backward({lookup.ids, lookup.position_ids.value_or(at::Tensor())});
+    // One entry, not one per scalar: each insertion into saved_data (a hash map that grows
+    // as it fills) cost the forward of a one-token lookup tens of nanoseconds.
+    ctx->saved_data["lookup"] = c10::ivalue::Tuple::create(
+        {weight.size(0), lookup.pos_encoding == "learned" && pos_weight.has_value(),
+         pos_weight.has_value() ? pos_weight->size(0) : int64_t(0), lookup.scale, lookup.offset, lookup.padding_idx,
+         lookup.scale_grad_by_freq});
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return call_forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, error_record);
+    return call_forward(lookup.ids, weight, pos_weight, lookup.position_ids, lookup.pos_encoding, lookup.scale,
+                        lookup.offset, lookup.error_record);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &ids = saved[0], &position_ids = saved[1];
-    const bool learned = ctx->saved_data["learned"].toBool();
+    const auto& lookup = ctx->saved_data["lookup"].toTupleRef().elements();
+    const int64_t num_embeddings = lookup[0].toInt();
+    const bool learned = lookup[1].toBool();
+    const int64_t num_positions = lookup[2].toInt();
+    const double scale = lookup[3].toDouble();
+    const int64_t offset = lookup[4].toInt();
+    const auto padding_idx = lookup[5].toOptional<int64_t>();
+    const bool by_freq = lookup[6].toBool();
     const bool need_weight_grad = ctx->needs_input_grad(0);
     const bool need_pos_grad = learned && ctx->needs_input_grad(1);
-    const int64_t num_embeddings = ctx->saved_data["num_embeddings"].toInt();
-    const int64_t num_positions = ctx->saved_data["num_positions"].toInt();
-    const double scale = ctx->saved_data["scale"].toDouble();
-    const int64_t offset = ctx->saved_data["offset"].toInt();
-    const auto padding_idx = ctx->saved_data["padding_idx"].toOptional<int64_t>();
-    const bool by_freq = ctx->saved_data["scale_grad_by_freq"].toBool();
     const at::Tensor grad_out = grad_outputs[0].contiguous();
 
     at::Tensor grad_weight, grad_pos;
@@ -143,10 +156,8 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
                                                         need_weight_grad, need_pos_grad);
       }
     }
-    // One entry per forward argument: (weight, pos_weight, then nothing for the rest).
-    return {need_weight_grad ? grad_weight : at::Tensor(), need_pos_grad ? grad_pos : at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+    // One entry per forward argument: the weight, pos_weight, nothing for the lookup.
+    return {need_weight_grad ? grad_weight : at::Tensor(), need_pos_grad ? grad_pos : at::Tensor(), at::Tensor()};
   }
 };
 
@@ -174,8 +185,9 @@ at::Tensor embedding_autograd(const at::Tensor& ids, const at::Tensor& weight,
   }
   const LookupArgs args =
       check_lookup(ids, weight, pos_weight, position_ids, pos_encoding, offset, padding_idx, validate);
-  return EmbeddingFunction::apply(weight, pos_weight, ids, args.position_ids, pos_encoding, scale, offset,
-                                  args.padding_idx, scale_grad_by_freq, error_record);
+  return EmbeddingFunction::apply(weight, pos_weight,
+                                  Lookup{ids, args.position_ids, pos_encoding, scale, offset, args.padding_idx,
+                                         scale_grad_by_freq, error_record});
 }
 
 }  // namespace

@@ -207,6 +207,28 @@ def test_torch_compile_fullgraph_traces_the_layer(backend):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_compiled_autograd_runs_the_eager_forwards_backward(backend):
+    # An eager forward (the C++ backends' autograd node, triton's Function) whose backward
+    # compiled autograd traces (torch._dynamo.compiled_autograd, as torchtitan enables it):
+    # the same gradients as the plain backward, bit for bit. (Not fullgraph: compiled
+    # autograd runs any C++ custom Function's node eagerly, in a graph break of its own.)
+    from torch._dynamo import compiled_autograd
+
+    torch.manual_seed(0)
+    layer = pyembed.EmbeddingLayer(100, 16, 64, scale_embeddings=True, backend=backend)
+    ids = torch.randint(0, 100, (2, 9))
+    layer(ids).pow(2).sum().backward()
+    expected = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    out = layer(ids)
+    with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+        out.pow(2).sum().backward()
+    for param, grad in zip(layer.parameters(), expected):
+        torch.testing.assert_close(param.grad, grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_compiled_call_without_a_gradient_traces_the_forward_op_alone(backend):
     # Inference (no_grad) and frozen tables: the graph is the forward op (after the range
     # check), as #29 asks of a compiled call (one op per direction), with eager's output; a
