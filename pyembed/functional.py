@@ -82,16 +82,24 @@ def fused_embedding(
         forward mode too, and under ``torch.func`` transforms (``vmap``, ``grad``).
     """
     fused_table = optim.tables_are_fused and (optim.fused_optimizer(weight) or optim.fused_optimizer(pos_weight))
-    if not sparse and type(dropout_p) in (float, int) and dropout_p == 0 and type(offset) is int and not fused_table:
-        fast = _eager_backend(ids, weight, backend)
+    if (not sparse and type(dropout_p) in (float, int) and dropout_p == 0 and type(offset) is int and not fused_table
+            and type(weight) in _PLAIN_TENSORS and type(ids) is torch.Tensor and weight.is_floating_point()
+            and _autograd.autograd_may_be_cpp()):
+        # The common eager call -- plain tensors, a float table, no dropout, a dense gradient;
+        # not compiling, no forward-mode AD, no torch.func transform: its backend's lookup op,
+        # which checks its arguments and holds its autograd node (the C++ backends'
+        # pyembed::embedding; triton's in Python, with the same contract). Nothing else runs
+        # before it: each layer of the general route below cost a one-token lookup a few
+        # tenths of a microsecond (a one-token `cuda` lookup is ~10 us on a GPU host).
+        device = weight.device
+        try:
+            fast = dispatch.resolve(backend, device)
+        except (RuntimeError, ValueError):
+            fast = None  # the general route raises it, after the argument checks
         if fast is not None and fast.autograd_op is not None:
-            # The common eager call: one op that checks its arguments and holds its autograd
-            # node (the C++ backends' pyembed::embedding; triton's in Python, with the same
-            # contract). Nothing else runs before it: each layer of the general route below
-            # cost a one-token lookup a few tenths of a microsecond.
             if pos_encoding is None or pos_encoding == "none":
                 pos_encoding = "learned" if pos_weight is not None else "none"
-            sync_check, error_record = range_checks(validate, fast, weight.device)
+            sync_check, error_record = range_checks(validate, fast, device)
             try:
                 return fast.autograd_op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
                                         padding_idx, scale_grad_by_freq, sync_check, error_record)
@@ -141,23 +149,6 @@ def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
-def _eager_backend(ids, weight, backend: str) -> Optional[dispatch.Backend]:
-    """The backend of a common eager call -- plain tensors, a float table; not compiling,
-    no forward-mode AD, no torch.func transform -- or None when the call needs more care
-    (or its arguments are wrong: the checks then say what). Its lookup op (Backend.autograd_op)
-    checks every argument itself: on a C++ backend, with a C++ autograd node
-    (csrc/autograd.cpp), a one-token lookup is ~10 us on a GPU host, and the Python checks and
-    autograd.Function it skips were half of that."""
-    if not _autograd.autograd_may_be_cpp():
-        return None
-    if type(weight) not in _PLAIN_TENSORS or type(ids) is not torch.Tensor or not weight.is_floating_point():
-        return None
-    try:
-        return dispatch.resolve(backend, weight.device)
-    except (RuntimeError, ValueError):
-        return None  # the slow path raises it, after the argument checks
 
 
 _VALIDATE_VALUES = (True, False, "sync")
