@@ -141,7 +141,7 @@ class CachedLauncher:
         if self.key_of is None:
             self.key_of = _key_function(args) or _launch_key
         key = self.key_of(context, args, constexprs)
-        if key is None:  # arguments of other types than the first launch's
+        if key is None and self.key_of is not _launch_key:  # other argument types than the first launch's
             key = _launch_key(context, args, constexprs)
         compiled = self.compiled.get(key) if plain else None
         if compiled is None:

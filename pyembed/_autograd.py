@@ -52,13 +52,11 @@ def apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config: Fuse
     pyembed._dtensor), named here once; the kernels index rows densely, so tensors are made
     contiguous. cpp_autograd=False: never the C++ autograd node (a table whose optimizer
     runs in the backward needs the Python one, pyembed.optim)."""
-    tensors = (ids.contiguous(), weight.contiguous(), None if pos_weight is None else pos_weight.contiguous(),
-               None if position_ids is None else position_ids.contiguous(), dropout_key)
+    tensors = (*_contiguous(ids, weight, pos_weight, position_ids), dropout_key)
     backend = dispatch.get(config.backend)
     plain_eager = autograd_may_be_cpp()
     no_transform = forward_ad._current_level < 0 and not functorch_active()  # nothing needs the Function's jvp/vmap
-    if no_transform and not (torch.is_grad_enabled() and (weight.requires_grad or (
-            pos_weight is not None and pos_weight.requires_grad))):
+    if no_transform and not _wants_gradient(weight, pos_weight):
         # Nothing will ask this call for a gradient (inference, torch.no_grad, frozen
         # tables): the forward op alone. An autograd.Function's apply and saved context
         # were half the host time of a one-token triton lookup (launch stubbed: 17.6 -> 9.6 us);
@@ -109,18 +107,27 @@ def python_lookup(backend: str, eager_forward):
         pos_encoding, position_ids = checks.check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
         if padding_idx is not None:
             padding_idx = checks.normalize_padding_idx(padding_idx, weight.shape[0])
-        config = FusedConfig(pos_encoding, float(scale), offset, padding_idx, bool(scale_grad_by_freq), False,
-                             validate, backend, 0.0, error_record)
-        ids, weight = ids.contiguous(), weight.contiguous()
-        pos_weight = None if pos_weight is None else pos_weight.contiguous()
-        position_ids = None if position_ids is None else position_ids.contiguous()
-        if torch.is_grad_enabled() and (weight.requires_grad or (pos_weight is not None and pos_weight.requires_grad)):
+        ids, weight, pos_weight, position_ids = _contiguous(ids, weight, pos_weight, position_ids)
+        if _wants_gradient(weight, pos_weight):
+            config = FusedConfig(pos_encoding, float(scale), offset, padding_idx, bool(scale_grad_by_freq), False,
+                                 validate, backend, 0.0, error_record)
             return FusedEmbeddingFunctionWithJvp.apply(ids, weight, pos_weight, position_ids, None, config)
         if validate:
             ids = checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
-        return eager_forward(ids, weight, pos_weight, position_ids, pos_encoding, config.scale, offset, None, 0.0, 0, 0,
+        return eager_forward(ids, weight, pos_weight, position_ids, pos_encoding, float(scale), offset, None, 0.0, 0, 0,
                              error_record)
     return lookup
+
+
+def _contiguous(ids, weight, pos_weight, position_ids) -> tuple:
+    """The lookup's tensors as the kernels index them (dense rows); None stays None."""
+    return (ids.contiguous(), weight.contiguous(), None if pos_weight is None else pos_weight.contiguous(),
+            None if position_ids is None else position_ids.contiguous())
+
+
+def _wants_gradient(weight, pos_weight) -> bool:
+    """Something will ask this call for a gradient (grad mode on and a table that needs one)."""
+    return torch.is_grad_enabled() and (weight.requires_grad or (pos_weight is not None and pos_weight.requires_grad))
 
 
 def checked_ids(ids, weight, pos_weight, position_ids, pos_encoding: str) -> torch.Tensor:

@@ -6,10 +6,10 @@ A plain eager call goes straight to its backend's lookup op: on a C++ backend
 checks below use, and has a C++ autograd node (csrc/autograd.cpp); on ``triton`` a Python
 function with that op's contract (pyembed._autograd.python_lookup). Its bad-input errors
 are raised as pyembed's exception types (checks.from_cpp), anything else as it is. The
-general route below runs for every other call. Checks here read only metadata (dtype, shape, device), so they
-cost nothing under ``torch.compile``; the data-dependent ones (id range, negative or
-too-large position_ids) are one op shared by every backend (pyembed.checks), skipped with
-``validate=False``.
+general route below runs for every other call. Checks here read only metadata (dtype,
+shape, device), so they cost nothing under ``torch.compile``; the data-dependent ones (id
+range, negative or too-large position_ids) are one op shared by every backend
+(pyembed.checks), skipped with ``validate=False``.
 """
 
 from __future__ import annotations
