@@ -48,6 +48,29 @@ def test_quick_suite_writes_csv_table_and_plots(tmp_path, capsys):
     assert report.markdown(report.load_csv(tmp_path / "results.csv"), names) == report.markdown(rows, names)
 
 
+def test_backward_on_the_calling_thread_is_run_and_recorded(tmp_path, monkeypatch):
+    """--no-autograd-threads: each case runs with autograd's engine threads off (in the
+    worker process too), and the rows say so; the flag's default leaves them on."""
+    seen = []
+    real_run_case = run.run_case
+
+    def recording(case, device, provs, args):
+        seen.append(torch._C._is_multithreading_enabled())
+        return real_run_case(case, device, provs, args)
+
+    monkeypatch.setattr(run, "run_case", recording)
+    common = ["--quick", "--no-isolate", "--mode", "fwd+bwd", "--provider", "eager", "--budget", "0.05",
+              "--min-reps", "3", "--out", str(tmp_path)]
+    try:
+        off = run.main(common + ["--no-autograd-threads"])
+    finally:
+        torch.autograd.set_multithreading_enabled(True)
+    on = run.main(common)
+    assert seen == [False] * len(off) + [True] * len(on) and off and on
+    assert all(r["device"].endswith("(backward on the calling thread)") and r["status"] == "ok" for r in off)
+    assert not any("calling thread" in r["device"] for r in on)
+
+
 def test_compiled_provider_never_falls_back_to_eager():
     # With one compiled function across cases, Dynamo stops compiling at its recompile
     # limit and the "compile" column silently becomes eager. Every case compiles afresh:
