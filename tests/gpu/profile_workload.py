@@ -125,6 +125,56 @@ def host_costs(backends, calls=300):
         print(f"host 8x2048 {backend}: dense backward op: {us:.1f} us/call (GPU work included)", flush=True)
 
 
+def host_only_costs(backends, calls=40, rounds=3):
+    """The host time of a GPT-2 8x2048 forward + backward alone: the GPU is held by a ~1 s
+    sleep kernel first, so the host never waits for it (a call that does wait, a sync,
+    shows as ~1 s / calls). With autograd's device thread as torch sets it up (the CUDA
+    part of a backward handed to a worker thread) and without it
+    (``set_multithreading_enabled(False)``: the calling thread runs it): at d81f5b2 the
+    handoff cost every backward ~100-300 us on the H100's host, torch's own included.
+    Then the parts of pyembed's backward: the dense backward op and `triton`'s torch.sort."""
+    import time
+
+    weight, pos_weight, ids, dout = tensors(*GPT2, 8, 2048, torch.float32)
+    scale = GPT2[1] ** 0.5
+
+    def host_only(fn):
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # cycles: ~1 s at the H100's 1.98 GHz
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        us = (time.perf_counter() - start) / calls * 1e6
+        torch.cuda.synchronize()
+        return us
+
+    def fwd_bwd(layer):
+        def run():
+            weight.grad = pos_weight.grad = None
+            layer().backward(dout)
+        return run
+
+    layers = {"eager F.embedding * scale + pos": fwd_bwd(
+        lambda: torch.nn.functional.embedding(ids, weight) * scale + pos_weight[:2048])}
+    layers.update({f"pyembed {b}": fwd_bwd(lambda b=b: pyembed.fused_embedding(ids, weight, pos_weight, scale=scale,
+                                                                                  backend=b)) for b in backends})
+    for threads in (True, False):
+        with torch.autograd.set_multithreading_enabled(threads):
+            for name, fn in layers.items():
+                us = min(host_only(fn) for _ in range(rounds))
+                print(f"host 8x2048 fwd+bwd, GPU busy, autograd threads {'on' if threads else 'off'}: {name}: "
+                      f"{us:.1f} us/call", flush=True)
+    for backend in backends:
+        op = dispatch.get(backend).backward
+        us = min(host_only(lambda op=op: op(dout, ids, None, 0, GPT2[0], 2048, scale, None, False, True, True))
+                 for _ in range(rounds))
+        print(f"host 8x2048 GPU busy: {backend} dense backward op: {us:.1f} us/call", flush=True)
+    keys = ids.reshape(-1).int()
+    us = min(host_only(lambda: keys.sort(stable=True)) for _ in range(rounds))
+    print(f"host 8x2048 GPU busy: torch.sort of the int32 keys (triton's backward): {us:.1f} us/call", flush=True)
+
+
 def host_cost_targets(backends, weight, ids, per_call, rounds=5):
     """Issue #29's host-cost targets, side by side in one process: a one-token lookup
     (default arguments, a table that wants a gradient, and under no_grad) against
@@ -228,6 +278,7 @@ def main():
         ncu_kernels(backends)
     else:
         host_costs(backends)
+        host_only_costs(backends)
         profile(backends, [(8, 2048), (1, 1)])
         step_profile(backends)
 
