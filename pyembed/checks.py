@@ -112,22 +112,33 @@ def check_ranges_eager(ids: torch.Tensor, num_embeddings: int, position_ids: Opt
     raise_for_extremes(extremes, num_embeddings, max_seq_len)
 
 
-@torch.library.custom_op("pyembed::check_ranges", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
-def check_ranges_op(ids: torch.Tensor, num_embeddings: int, position_ids: Optional[torch.Tensor],
-                    max_seq_len: int) -> torch.Tensor:
-    """The range checks as an op a compiled graph keeps: returns a copy of ids (a custom
-    op may not return an input), which the lookup then reads, so it is never dropped or
-    reordered. max_seq_len < 0: positions are only checked for being >= 0."""
+# pyembed::check_ranges: the range checks as an op a compiled graph keeps. It returns a copy
+# of ids (an op may not return an input), which the lookup then reads, so it is never
+# dropped or reordered. max_seq_len < 0: positions are only checked for being >= 0.
+# Defined here with the body below for every device (so it runs without the compiled
+# extension); csrc/pyembed.cpp registers its CPU and CUDA kernels, which a compiled graph
+# calls without entering Python: through torch.library.custom_op the op cost ~16 us a call
+# on the development VM (a Python autograd layer, then this body's ~4 us).
+_LIB = torch.library.Library("pyembed", "FRAGMENT")
+_LIB.define("check_ranges(Tensor ids, int num_embeddings, Tensor? position_ids, int max_seq_len) -> Tensor",
+            tags=CUDAGRAPH_UNSAFE)
+
+
+def _check_ranges_body(ids: torch.Tensor, num_embeddings: int, position_ids: Optional[torch.Tensor],
+                       max_seq_len: int) -> torch.Tensor:
     check_ranges_eager(ids, num_embeddings, position_ids, max_seq_len if max_seq_len >= 0 else None)
     return ids.clone()
 
 
-@check_ranges_op.register_fake
+_LIB.impl("check_ranges", _check_ranges_body, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("pyembed::check_ranges", lib=_LIB)
 def _(ids, num_embeddings, position_ids, max_seq_len):
     return torch.empty_like(ids)
 
 
-@check_ranges_op.register_vmap
+@torch.library.register_vmap("pyembed::check_ranges", lib=_LIB)
 def _(info, in_dims, ids, num_embeddings, position_ids, max_seq_len):
     # The checks hold for every sample at once: check the whole batched tensors.
     check_ranges_eager(ids, num_embeddings, position_ids, max_seq_len if max_seq_len >= 0 else None)

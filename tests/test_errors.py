@@ -93,6 +93,57 @@ def test_bad_input_raises_clear_error_and_corrupts_nothing(backend, case):
         assert torch.equal(kwargs[k], v), f"{k} changed"
 
 
+# The checks of values (a sequence longer than the learned table is a shape, refused when traced).
+RANGE_CASES = [c for c in CASES if c[0] in ("id too large", "negative id", "V in message", "position_ids past max",
+                                            "negative position_ids")]
+
+
+@pytest.mark.parametrize("case", RANGE_CASES, ids=[c[0] for c in RANGE_CASES])
+def test_compiled_range_checks_raise_the_eager_errors(case):
+    """Under torch.compile the ranges are checked by the pyembed::check_ranges op the graph
+    holds (its C++ kernel where the extension is built): the same class and message as
+    the eager call, and no table changed."""
+    _, build, exc, fragment = case
+    weight, pos_weight = _tables()
+    kwargs = build(weight, pos_weight)
+    ids = kwargs.pop("ids")
+    before = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda ids: pyembed.fused_embedding(ids, **kwargs), fullgraph=True, backend="aot_eager")
+    with pytest.raises(exc) as info:
+        compiled(ids)
+    assert fragment in str(info.value), str(info.value)
+    with pytest.raises(exc) as eager:
+        pyembed.fused_embedding(ids, **kwargs)
+    assert str(info.value) == str(eager.value)
+    for k, v in before.items():
+        assert torch.equal(kwargs[k], v), f"{k} changed"
+
+
+@pytest.mark.parametrize("ids, positions, max_seq_len", [
+    ([[1, 10, 3]], None, -1), ([[-1, 2]], None, -1), ([[3]], None, -1), ([[12]], None, -1),
+    ([[0, 1, 2]], [[0, 6, 1]], 6), ([[0, 1, 2]], [[0, -2, 1]], -1), ([[0, 1, 2]], [[0, 5, 1]], 6),
+    ([[0]], [[0]], 1), ([[]], [[]], 3)])
+def test_range_check_kernel_agrees_with_the_python_body(ids, positions, max_seq_len):
+    """The op's C++ kernel (what a compiled graph on a CPU runs) and its Python body (what
+    runs without the extension) accept and refuse the same inputs with the same message;
+    the accepted ids come back as a copy."""
+    from pyembed import checks
+
+    ids = torch.tensor(ids, dtype=torch.long)
+    positions = None if positions is None else torch.tensor(positions, dtype=torch.long)
+    outcomes = []
+    for run in (torch.ops.pyembed.check_ranges.default, checks._check_ranges_body):
+        try:
+            out = run(ids, V, positions, max_seq_len)
+        except (IndexError, ValueError) as error:
+            outcomes.append((IndexError if isinstance(error, IndexError) else ValueError, str(error)))
+        else:
+            assert torch.equal(out, ids) and (out.numel() == 0 or out.data_ptr() != ids.data_ptr())
+            outcomes.append(None)
+    assert outcomes[0] == outcomes[1]
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_any_shape_without_positional_encoding(backend):
     weight = torch.randn(V, D)
