@@ -117,6 +117,30 @@ def host_costs(backends, calls=300):
     with torch.no_grad():
         for name, fn in layers.items():
             print(f"host 1x1 {name}: {per_call(fn):.1f} us/call", flush=True)
+    # With a gradient, the layers a one-token `triton` call adds to the no_grad one: at
+    # d81f5b2 ~20-26 us on the H100's host against ~6 us on the development VM. torch's own
+    # cost of an autograd.Function's apply on a CUDA tensor calibrates the rest.
+    from pyembed import _autograd
+
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    config = _autograd.FusedConfig("learned", 2.0, 0, None, False, False, False, "triton", 0.0, 0)
+    graded = {"a plain autograd.Function's apply (a view)": lambda: Identity.apply(weight),
+              "F.embedding": lambda: torch.nn.functional.embedding(ids, weight)}
+    if "triton" in backends:
+        graded["triton: FusedEmbeddingFunctionWithJvp.apply"] = lambda: _autograd.FusedEmbeddingFunctionWithJvp.apply(
+            ids, weight, pos_weight, None, None, config)
+        graded["triton: its lookup op (checks, then that apply)"] = lambda: dispatch.get("triton").autograd_op(
+            ids, weight, pos_weight, None, "learned", 2.0, 0, None, False, False, 0)
+    for name, fn in graded.items():
+        print(f"host 1x1 with a gradient, {name}: {per_call(fn):.1f} us/call", flush=True)
     host_cost_targets(backends, weight, ids, per_call)
     weight, pos_weight, ids, dout = tensors(*GPT2, 8, 2048, torch.float32)
     for backend in backends:
