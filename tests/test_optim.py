@@ -553,3 +553,26 @@ def test_the_learned_positions_update_builds_no_row_map(request):
     int_tensors_made = [(name, numel) for name, dtype, numel in made.calls
                         if name.startswith(("aten::full", "aten::arange")) and dtype == torch.long]
     assert int_tensors_made == [("aten::full", vocab)], int_tensors_made
+
+
+def test_a_dropped_fused_table_is_freed_by_the_cycle_collector():
+    """The table and its in-backward optimizer refer to each other (as with
+    torch.distributed.optim), so dropping them frees nothing until gc.collect() (README;
+    the benchmark collects between cases) -- and then everything, the state included."""
+    import gc
+    import weakref
+
+    layer = pyembed.FusedEmbedding(100, 8)
+    [opt] = pyembed.apply_optimizer_in_backward(torch.optim.AdamW, [layer.weight], {"lr": 1e-3})
+    layer(torch.randint(0, 100, (2, 5))).sum().backward()
+    table, state = weakref.ref(layer.weight), weakref.ref(opt.state[layer.weight]["exp_avg"])
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del layer, opt
+        assert table() is not None and state() is not None
+        gc.collect()
+        assert table() is None and state() is None
+    finally:
+        if was_enabled:
+            gc.enable()
