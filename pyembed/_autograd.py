@@ -54,8 +54,8 @@ def apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config: Fuse
     runs in the backward needs the Python one, pyembed.optim)."""
     tensors = (*_contiguous(ids, weight, pos_weight, position_ids), dropout_key)
     backend = dispatch.get(config.backend)
-    plain_eager = autograd_may_be_cpp()
     no_transform = forward_ad._current_level < 0 and not functorch_active()  # nothing needs the Function's jvp/vmap
+    plain_eager = no_transform and not torch.compiler.is_compiling()  # autograd_may_be_cpp(), its parts asked once
     if no_transform and not _wants_gradient(weight, pos_weight):
         # Nothing will ask this call for a gradient (inference, torch.no_grad, frozen
         # tables): the forward op alone. An autograd.Function's apply and saved context

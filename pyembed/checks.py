@@ -141,8 +141,7 @@ def _(ids, num_embeddings, position_ids, max_seq_len):
 @torch.library.register_vmap("pyembed::check_ranges", lib=_LIB)
 def _(info, in_dims, ids, num_embeddings, position_ids, max_seq_len):
     # The checks hold for every sample at once: check the whole batched tensors.
-    check_ranges_eager(ids, num_embeddings, position_ids, max_seq_len if max_seq_len >= 0 else None)
-    return ids.clone(), in_dims[0]
+    return _check_ranges_body(ids, num_embeddings, position_ids, max_seq_len), in_dims[0]
 
 
 def checked_ids(ids: torch.Tensor, num_embeddings: int, position_ids: Optional[torch.Tensor],
