@@ -36,6 +36,7 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from ..checks import POS_CODES  # installed as pyembed.kernels
 from .launch import cached
@@ -82,14 +83,22 @@ def _cdiv(a, b):
 
 @triton.jit
 def _rounded(x, ptr):
-    """x converted to ptr's element type, rounding to nearest even. bf16 is rounded by
-    hand: on a GPU this is what cvt.rn does, and Triton's CPU interpreter truncates."""
-    if ptr.dtype.element_ty == tl.bfloat16:
+    """x converted to ptr's element type, rounding to nearest even. On a GPU that is the
+    conversion itself (cvt.rn.bf16x2.f32: one instruction per two elements); Triton's CPU
+    interpreter truncates to bf16, so there bf16 is rounded by hand. (By hand on the GPU
+    too, the rounding and its NaN test cost ~30 instructions per 16 elements: the `triton`
+    bf16 forward ran at 1.29x-1.34x the `cuda` one's GPU time on the H100 at d81f5b2.)"""
+    if ptr.dtype.element_ty == tl.bfloat16 and INTERPRETED:
         bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         return tl.where(x != x, x.to(tl.bfloat16), bits.to(tl.uint16).to(tl.bfloat16, bitcast=True))
     else:
         return x.to(ptr.dtype.element_ty)
+
+
+# Whether @triton.jit made these kernels Python functions for Triton's CPU interpreter
+# (TRITON_INTERPRET, as this module was imported), which rounds to bf16 unlike a GPU.
+INTERPRETED = tl.constexpr(not isinstance(_rounded, JITFunction))
 
 
 @triton.jit
@@ -113,19 +122,19 @@ def _dropout_keep(key_ptr, tok, threshold, BLOCK_T: tl.constexpr, BLOCK_D: tl.co
 
 @triton.jit
 def _token_of_slot(slot, num_tokens, seq_len, POS_MODE: tl.constexpr, HAS_POSITION_IDS: tl.constexpr):
-    """The token of each of the forward's token slots ``slot`` (launch order). With learned
-    positions offset + t (no position_ids: the rows share their positions) the slots run
-    position-major -- the batch's tokens at position t one after another -- so the B reads
-    of a positional row meet in L2 (csrc/cuda's token_of_slot: in token order a row comes
-    back only after seq_len tokens' rows, which at long sequences and wide rows is past the
-    L2). Given position_ids (packed sequences restart them inside a row) and in the other
-    modes: token order."""
+    """(token, t) of each of the forward's token slots ``slot`` (launch order), t the
+    token's index in its sequence. With learned positions offset + t (no position_ids:
+    the rows share their positions) the slots run position-major -- the batch's tokens at
+    position t one after another -- so the B reads of a positional row meet in L2
+    (csrc/cuda's token_of_slot: in token order a row comes back only after seq_len tokens'
+    rows, which at long sequences and wide rows is past the L2). Given position_ids
+    (packed sequences restart them inside a row) and in the other modes: token order."""
     if POS_MODE == 1 and not HAS_POSITION_IDS:
         batch = tl.maximum(num_tokens // seq_len, 1)  # ids are (B, T) or (T,) with a positional encoding
         t = slot // batch
-        return (slot - t * batch) * seq_len + t
+        return (slot - t * batch) * seq_len + t, t
     else:
-        return slot
+        return slot, slot % seq_len
 
 
 @triton.jit
@@ -173,11 +182,19 @@ def _embedding_forward_kernel(
     dropout_scale: tl.float64,  # 1 / (1 - p), for the kept elements
     error_record_high, error_record_low,  # the range check's record address (pyembed.checks), when CHECK_RANGES
     POS_MODE: tl.constexpr, HAS_POSITION_IDS: tl.constexpr, HAS_DROPOUT: tl.constexpr, COMPUTE_F64: tl.constexpr,
-    CHECK_RANGES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHECK_RANGES: tl.constexpr, WIDE_SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
-    slot = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tok = _token_of_slot(slot, num_tokens, seq_len, POS_MODE, HAS_POSITION_IDS)
+    # Slots, and their division into (token, t), in 32 bits unless the launch's slots pass
+    # 2^31 (WIDE_SLOTS): a 64-bit division is a ~70-instruction subroutine, and a thread
+    # divides for each token it holds (sm_90, learned positions, d = 4096: ~830 instructions
+    # per thread for 16 bf16 elements with it and the bf16 rounding by hand, ~300 without).
+    if WIDE_SLOTS:
+        slot = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    else:
+        slot = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok, t = _token_of_slot(slot, num_tokens, seq_len, POS_MODE, HAS_POSITION_IDS)
+    tok = tok.to(tl.int64)  # row offsets are 64-bit: token * dim passes 2^31 on large batches
     cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
     tok_ok = slot < num_tokens
     col_ok = cols < dim
@@ -186,7 +203,7 @@ def _embedding_forward_kernel(
     if HAS_POSITION_IDS:
         pos = tl.load(position_ids_ptr + tok, mask=tok_ok, other=0)
     else:
-        pos = offset + tok % seq_len  # (unused, so not computed, without a positional encoding)
+        pos = offset + t  # (unused, so not computed, without a positional encoding)
     if CHECK_RANGES:  # before the row is loaded: fewer registers live (no spill at d=100 bf16)
         _record_bad_ranges(error_record_high, error_record_low, tok_ok, ids, id_ok, pos, num_embeddings,
                            num_positions, POS_MODE, HAS_POSITION_IDS, BLOCK_T)
@@ -710,7 +727,8 @@ def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scal
         sinusoid_column_offset // 2,
         dropout_threshold, dropout_scale, *error_record_parts(error_record),
         POS_MODE=pos_mode, HAS_POSITION_IDS=position_ids is not None, HAS_DROPOUT=dropout_key is not None,
-        COMPUTE_F64=weight.dtype == torch.float64, CHECK_RANGES=error_record != 0, BLOCK_T=block_t, BLOCK_D=block_d,
+        COMPUTE_F64=weight.dtype == torch.float64, CHECK_RANGES=error_record != 0,
+        WIDE_SLOTS=num_tokens + block_t > 2**31, BLOCK_T=block_t, BLOCK_D=block_d,
     )
 
 

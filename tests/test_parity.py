@@ -460,3 +460,38 @@ def test_sinusoid_of_a_column_shard_is_the_wide_tables_columns(request, backend,
     for start, width in ((1, 4), (20, 6)):  # odd start (a pair split), past the last column
         with pytest.raises(ValueError, match="even-aligned slice"):
             op(ids, torch.ones(40, width, dtype=dtype), None, None, "sinusoidal", 2.0, 0, None, 0.0, start, full_dim)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.startswith("triton")])
+@pytest.mark.parametrize("pos_encoding, position_ids", [("learned", False), ("learned", True), ("sinusoidal", False),
+                                                        ("none", False)])
+def test_triton_forward_with_64_bit_slots_equals_32_bit_slots(backend, pos_encoding, position_ids):
+    """The triton forward divides its slots into (token, t) in 32 bits unless a launch has
+    more than 2^31 of them (WIDE_SLOTS, which no test here can allocate): the 64-bit path,
+    forced on a small batch, gives the same bits, and both equal the float64 reference."""
+    from pyembed.kernels import embedding as k
+
+    def wide(kernel):  # the launch with WIDE_SLOTS forced on
+        launch = k._direct(kernel)
+        return type("Wide", (), {"__getitem__": lambda self, grid: lambda *args, **constexprs: launch[grid](
+            *args, **{**constexprs, "WIDE_SLOTS": True})})()
+
+    device = "cuda" if backend.endswith("@cuda") else "cpu"
+    batch, seq_len, dim, offset = 3, 37, 40, 5
+    ids, weight, pos_weight, _ = make_inputs(batch, seq_len, 50, dim, torch.float32, torch.int64,
+                                             offset + seq_len + 3 if pos_encoding == "learned" else None)
+    ids, weight = ids.to(device), weight.to(device)
+    pos_weight = pos_weight.to(device) if pos_weight is not None else None
+    pids = (torch.arange(seq_len).flip(0).repeat(batch, 1) + offset).to(device) if position_ids else None
+    mode = k.POS_CODES[pos_encoding]
+    outs = []
+    for launch in (k._direct, wide):
+        out = torch.empty(batch * seq_len, dim, device=device)
+        k.embedding_forward(ids, weight, pos_weight, pids, mode, 2.0, offset, None, 0, 1.0, 0, dim, out, launch=launch)
+        outs.append(out.view(batch, seq_len, dim).cpu())
+    assert torch.equal(outs[0], outs[1])
+    exact = eager_embedding(ids.cpu(), weight.cpu().double(), None if pos_weight is None else pos_weight.cpu().double(),
+                            pos_encoding=pos_encoding, scale=2.0, offset=offset,
+                            position_ids=pids.cpu() if position_ids else None)
+    atol = 1e-6 + (sinusoid_atol(ids.cpu(), offset=offset) if pos_encoding == "sinusoidal" else 0)
+    assert_within(outs[0], exact, atol, 1e-6, what=f"{pos_encoding} forward vs float64")

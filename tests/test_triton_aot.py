@@ -83,3 +83,23 @@ def test_optimizer_update_reads_and_writes_the_table_in_128_bit_accesses(report,
     assert not narrow, narrow
     updates = {k: v["float_params"] for k, v in report.items() if k.startswith("optimizer_update")}
     assert all(params == ["f64"] * 9 for params in updates.values()), updates  # the host's scalars, exactly
+
+
+def test_forward_divides_slots_in_32_bits_below_2_31_tokens(report):
+    # The position-major slot -> (token, t) division: a 64-bit div/rem is a ~70-instruction
+    # SASS subroutine, called per token a thread holds; with it (and bf16 rounded by hand)
+    # the sm_90 bf16 learned forward at d = 4096 ran ~830 instructions per thread for 16
+    # elements, ~300 without. Only a launch past 2^31 slots keeps 64-bit slots.
+    forwards = {k: v["div64"] for k, v in report.items() if k.startswith("forward")}
+    wide = {k: n for k, n in forwards.items() if "wide-slots" in k}
+    assert wide and all(wide.values()), wide
+    dividing = {k: n for k, n in forwards.items() if n and k not in wide}
+    assert not dividing, dividing
+
+
+def test_bf16_is_rounded_by_the_conversion_instruction_on_a_gpu(report):
+    # cvt.rn.bf16x2.f32 rounds to nearest even, two elements per instruction; the rounding by
+    # hand that Triton's interpreter needs (it truncates) costs a NaN test and ~5 integer
+    # instructions per element, and must not reach a GPU kernel.
+    by_hand = {k: v["nan_tests"] for k, v in report.items() if v["nan_tests"]}
+    assert not by_hand, by_hand

@@ -69,19 +69,20 @@ ERROR_RECORD = 0x7F3A_2C00_0400
 
 
 def forward_source(dtype, pos_mode, dim, *, position_ids=False, id_type="i64", seq_len=TOKENS, dropout=False,
-                   check=True):
+                   check=True, tokens=TOKENS):
     """The forward kernel; check: the in-kernel range check (validate=True on a GPU, the
-    default) or not (validate=False / "sync")."""
+    default) or not (validate=False / "sync"); tokens past 2^31 take 64-bit slots."""
     block_t, block_d = k._blocks(dim, pos_mode, dropout)
     record_high, record_low = k.error_record_parts(ERROR_RECORD if check else 0)
     args = {"ids_ptr": f"*{id_type}", "weight_ptr": f"*{dtype}", "pos_weight_ptr": f"*{dtype}",
-            "position_ids_ptr": "*i64", "dropout_key_ptr": "*i64", "out_ptr": f"*{dtype}", "num_tokens": TOKENS,
+            "position_ids_ptr": "*i64", "dropout_key_ptr": "*i64", "out_ptr": f"*{dtype}", "num_tokens": tokens,
             "seq_len": seq_len, "num_embeddings": 50257, "num_positions": 2048, "dim": dim, "offset": 3,
             "scale": 27.7, "neg_log_base_over_dim": -0.012, "sinusoid_pair_offset": 0, "dropout_threshold": 429496730, "dropout_scale": 1.1,
             "error_record_high": record_high, "error_record_low": record_low}
     return _source(k._embedding_forward_kernel, args, {
         "POS_MODE": pos_mode, "HAS_POSITION_IDS": position_ids, "HAS_DROPOUT": dropout,
-        "COMPUTE_F64": dtype == "fp64", "CHECK_RANGES": check, "BLOCK_T": block_t, "BLOCK_D": block_d})
+        "COMPUTE_F64": dtype == "fp64", "CHECK_RANGES": check, "WIDE_SLOTS": tokens + block_t > 2**31,
+        "BLOCK_T": block_t, "BLOCK_D": block_d})
 
 
 def chunk_source(dtype, dim, *, key_type="i16", by_slot=False, partials=True):
@@ -199,6 +200,9 @@ def sources():
         out[f"forward fp32 learned int32-ids d={dim}"] = (forward_source, ("fp32", 1, dim), {"id_type": "i32"})
     for mode, vname in ((1, "learned"), (2, "sinusoidal")):
         out[f"forward fp64 {vname} d=768"] = (forward_source, ("fp64", mode, 768), {})
+    for dtype in ("fp32", "bf16"):  # 2^31 + 2^20 tokens: 64-bit slots (an H200 holds 8 GB of int32 ids)
+        out[f"forward {dtype} learned wide-slots d=8"] = (forward_source, (dtype, 1, 8), {"tokens": 2**31 + 2**20,
+                                                                                         "id_type": "i32"})
     # The backward's tiles also at d = 64: BLOCK_D 16-64 is where Triton 3.6 once failed to
     # compile finish_segments (a layout-pass error), which d = 8 and 100 did not show.
     for dtype, dim in itertools.product(("fp32", "fp16", "bf16", "fp64"), DIMS + (64,)):
@@ -264,7 +268,11 @@ def compile_one(job):
         "shared": compiled.metadata.shared, **ptxas_report(ptx),
         "v4_loads": len(re.findall(r"ld\.global[\.\w]*\.v4\.", ptx)),
         "v4_stores": len(re.findall(r"st\.global[\.\w]*\.v4\.", ptx)),
-        "float_params": re.findall(r"\.param \.(f32|f64)", params)}
+        "float_params": re.findall(r"\.param \.(f32|f64)", params),
+        # A 64-bit division or remainder: a ~70-instruction subroutine per value in SASS.
+        "div64": len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx)),
+        # bf16 rounded by hand (kernels' _rounded, for the interpreter): a NaN test per element.
+        "nan_tests": len(re.findall(r"setp\.nan\.", ptx))}
 
 
 def main():

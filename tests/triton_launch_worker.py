@@ -59,7 +59,7 @@ def forward_variants():
         args = (ids, weight, pos, ids, ids, out, num_tokens, seq_len, weight.shape[0], pos.shape[0], dim, offset,
                 scale, -0.01, 0, 0, 1.0, *k.error_record_parts(record))
         constexprs = dict(POS_MODE=1, HAS_POSITION_IDS=False, HAS_DROPOUT=False, COMPUTE_F64=f64,
-                          CHECK_RANGES=record != 0, BLOCK_T=4, BLOCK_D=512)
+                          CHECK_RANGES=record != 0, WIDE_SLOTS=False, BLOCK_T=4, BLOCK_D=512)
         return (16, 2), args, constexprs
 
     return {
