@@ -195,9 +195,10 @@ def _forward_token_order(request, backend: str, num_tokens: int, seq_len: int, p
     (interpreted)."""
     if backend == "cuda":
         return request.getfixturevalue("emulated").forward_token_order(num_tokens, seq_len, pos_mode, position_ids)
-    order = torch.full((num_tokens,), -1, dtype=torch.long)
-    _order_kernel[(-(-num_tokens // 1024),)](order, num_tokens, seq_len, POS_MODE=pos_mode,
+    order, t = torch.full((num_tokens,), -1, dtype=torch.long), torch.full((num_tokens,), -1, dtype=torch.long)
+    _order_kernel[(-(-num_tokens // 1024),)](order, t, num_tokens, seq_len, POS_MODE=pos_mode,
                                               HAS_POSITION_IDS=position_ids, BLOCK=1024)
+    assert torch.equal(t, order % seq_len)  # each slot's token's index in its sequence, as it returns it
     return order
 
 
@@ -208,11 +209,12 @@ if importlib.util.find_spec("triton") is not None:
     from pyembed.kernels.embedding import _token_of_slot
 
     @triton.jit
-    def _order_kernel(out_ptr, num_tokens, seq_len, POS_MODE: tl.constexpr, HAS_POSITION_IDS: tl.constexpr,
+    def _order_kernel(out_ptr, t_ptr, num_tokens, seq_len, POS_MODE: tl.constexpr, HAS_POSITION_IDS: tl.constexpr,
                       BLOCK: tl.constexpr):
-        slot = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        token = _token_of_slot(slot, num_tokens, seq_len, POS_MODE, HAS_POSITION_IDS)
+        slot = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # 32-bit slots, as the forward's below 2^31
+        token, t = _token_of_slot(slot, num_tokens, seq_len, POS_MODE, HAS_POSITION_IDS)
         tl.store(out_ptr + slot, token, mask=slot < num_tokens)
+        tl.store(t_ptr + slot, t, mask=slot < num_tokens)
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
