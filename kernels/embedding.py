@@ -263,8 +263,8 @@ def _sort_inputs_kernel(
     """What the sort needs, in one launch: the keys it sees -- used ones as they are, the
     rest as num_rows (after every used key), in the narrowest type that holds them
     (sort_key_dtype) -- and the values the segment bounds start from: num_zeros zeros
-    (begin, end: empty ranges where no segment lands), then -1 (the slots' keys: a slot no
-    segment lands in)."""
+    (begin, end, first token: empty ranges where no segment lands), then -1 (the slots'
+    keys: a slot no segment lands in)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = r < n
     key = tl.load(keys_ptr + r, mask=ok, other=0).to(tl.int64)
@@ -320,6 +320,7 @@ def _chunk_kernel(
     scan_ptr,  # (n,) int64 inclusive scan of the segment starts: scan - 1 is r's slot, when BY_SLOT
     keys_ptr,  # (slots,) int64 out: the key of each slot, when BY_SLOT
     begin_ptr, end_ptr,  # int64 out, zero-filled: segment [begin, end) of each slot (BY_SLOT) or table row
+    first_ptr,  # int64 out, zero-filled: the segment's first token, order[begin]
     dout_ptr,  # (n, dim) the output gradient
     order_ptr,  # (n,) int64 its row for sorted position r
     partials_ptr,  # (2 * chunks, dim) compute dtype out: the long segments' pieces, when HAS_PARTIALS
@@ -329,11 +330,13 @@ def _chunk_kernel(
 ):
     """Chunk c of the sorted positions (program (c, column block)): (1) the segment
     bounds of its positions, each written by the position at the segment's edge, by slot
-    or by table row (the first column block does this); (2) the partial sums of the pieces
-    of segments longer than a chunk -- a chunk holds at most two: the one at its first
-    position (partial row 2c) and, if another reaches its last position, that one's
-    (row 2c + 1). A segment [b, e) of more than CHUNK rows thus has its pieces in row 2c
-    of every chunk c it touches, except the first when it starts inside it (2c + 1)."""
+    or by table row, and the segment's first token, which _finish_segments_kernel reads
+    beside the bounds, not after them (the first column block does this); (2) the partial
+    sums of the pieces of segments longer than a chunk -- a chunk holds at most two: the
+    one at its first position (partial row 2c) and, if another reaches its last position,
+    that one's (row 2c + 1). A segment [b, e) of more than CHUNK rows thus has its pieces
+    in row 2c of every chunk c it touches, except the first when it starts inside it
+    (2c + 1)."""
     acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
     c = tl.program_id(0).to(tl.int64)
     c0 = c * CHUNK
@@ -352,6 +355,7 @@ def _chunk_kernel(
         slot = key
     tl.store(begin_ptr + slot, r, mask=first)
     tl.store(end_ptr + slot, r + 1, mask=last)
+    tl.store(first_ptr + slot, tl.load(order_ptr + r, mask=first), mask=first)
     if HAS_PARTIALS:
         c1 = tl.minimum(c0 + CHUNK, n)
         cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -410,6 +414,7 @@ def _finish_segments_kernel(
     order_ptr,  # (n,) int64 its row for sorted position r
     partials_ptr,  # (2 * chunks, dim) compute dtype: the long segments' pieces, when HAS_PARTIALS
     begin_ptr, end_ptr,  # (num_segments,) int64: segment g sums sorted positions [begin, end)
+    first_ptr,  # (num_segments,) int64: its first token, order[begin]
     out_ptr,  # (num_segments, dim) out: row g
     scale: tl.float64, num_segments, dim,
     table_programs,  # programs (along axis 0) that write out; those after write pos_out, when HAS_POSITIONS
@@ -439,8 +444,12 @@ def _finish_segments_kernel(
         begin = tl.load(begin_ptr + g, mask=g_ok, other=0)
         length = tl.load(end_ptr + g, mask=g_ok, other=0) - begin
         direct = tl.where(length <= CHUNK, length, 0)
-        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype)
-        for k in range(0, tl.max(tl.max(direct, 1), 0)):
+        # The first token comes with the bounds (_chunk_kernel): a row of one token -- most
+        # touched rows -- is two dependent loads away, not three (its order entry first).
+        lead = tl.load(first_ptr + g, mask=g_ok, other=0)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype)  # + x: a sum from +0, as every backend's
+        acc += tl.load(dout_ptr + lead * dim + cols, mask=(direct > 0) & col_ok, other=0.0).to(acc_dtype)
+        for k in range(1, tl.max(tl.max(direct, 1), 0)):
             take = k < direct
             token = tl.load(order_ptr + begin + k, mask=take, other=0)
             acc += tl.load(dout_ptr + token * dim + cols, mask=take & col_ok, other=0.0).to(acc_dtype)
@@ -752,6 +761,7 @@ class Segments(NamedTuple):
     keys: Optional[torch.Tensor]  # by slot: the key of slot s (-1 when empty)
     begin: torch.Tensor  # sorted positions [begin, end) of each segment
     end: torch.Tensor
+    first: torch.Tensor  # its first token, order[begin] (0 where empty)
     count: Optional[torch.Tensor]  # by slot: () int64 on the device
     partials: Optional[torch.Tensor]  # (2 * chunks, d) in the compute dtype
 
@@ -764,15 +774,15 @@ def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch
     n, dim, device = keys.numel(), dout2d.shape[1], keys.device
     num_rows = max(num_rows, 0)
     entries = num_rows if by_row else min(n, num_rows)
-    bounds = torch.empty(2 if by_row else 3, entries, dtype=torch.long,
-                         device=device)  # begin, end (, keys): set by _sort_inputs_kernel
+    bounds = torch.empty(3 if by_row else 4, entries, dtype=torch.long,
+                         device=device)  # begin, end, first token (, keys): set by _sort_inputs_kernel
     compact = torch.empty(n, dtype=sort_key_dtype(num_rows), device=device)
     if n + bounds.numel():
         launch(_sort_inputs_kernel)[(_cdiv(max(n, bounds.numel()), BOUNDS_BLOCK),)](
-            keys, compact, bounds, n, 2 * entries, bounds.numel(), num_rows, skip, BLOCK=BOUNDS_BLOCK)
-    begin, end, seg_keys = bounds[0], bounds[1], None if by_row else bounds[2]
+            keys, compact, bounds, n, 3 * entries, bounds.numel(), num_rows, skip, BLOCK=BOUNDS_BLOCK)
+    begin, end, first, seg_keys = bounds[0], bounds[1], bounds[2], None if by_row else bounds[3]
     if n == 0:
-        return Segments(torch.empty(0, dtype=torch.long, device=device), seg_keys, begin, end,
+        return Segments(torch.empty(0, dtype=torch.long, device=device), seg_keys, begin, end, first,
                         torch.zeros((), dtype=torch.long, device=device), None)
     sorted_keys, order = compact.sort(stable=True)  # unused keys (num_rows) sort last
     scan = count = None
@@ -787,11 +797,11 @@ def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch
     _, block_d = _blocks(dim)
     launch(_chunk_kernel)[(chunks, _cdiv(dim, block_d) if partials is not None else 1)](
         sorted_keys, scan if scan is not None else order, seg_keys if seg_keys is not None else begin, begin, end,
-        dout2d, order, partials if partials is not None else dout2d, n, num_rows, dim,
+        first, dout2d, order, partials if partials is not None else dout2d, n, num_rows, dim,
         BY_SLOT=not by_row, HAS_PARTIALS=partials is not None, COMPUTE_F64=acc == torch.float64, CHUNK=CHUNK_ROWS,
         BLOCK_D=block_d,
     )
-    return Segments(order, seg_keys, begin, end, count, partials)
+    return Segments(order, seg_keys, begin, end, first, count, partials)
 
 
 class PositionSums(NamedTuple):
@@ -843,7 +853,8 @@ def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: b
         return
     partials = segments.partials
     launch(_finish_segments_kernel)[(programs, _cdiv(dim, block_d))](
-        dout2d, segments.order, partials if partials is not None else dout2d, segments.begin, segments.end, out,
+        dout2d, segments.order, partials if partials is not None else dout2d, segments.begin, segments.end,
+        segments.first, out,
         scale, rows, dim, table_programs, *_position_args(positions, dout2d),
         DIVIDE_BY_COUNT=divide_by_count, ZERO_EMPTY=zero_empty, HAS_PARTIALS=partials is not None,
         HAS_POSITIONS=positions is not None, COMPUTE_F64=dout2d.dtype == torch.float64, CHUNK=CHUNK_ROWS,

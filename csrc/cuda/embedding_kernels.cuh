@@ -223,8 +223,9 @@ __device__ __forceinline__ bool used_key(int64_t key, int64_t num_rows, int64_t 
 // What the sort needs, in one launch: the keys it sees -- a used key as it is, every other
 // one as num_rows (sorted after all used ones), in K: 32 bits when the table allows --
 // the values it carries (each token's index), and the segment bounds' starting values:
-// `num_zeros` zeros (begin, end: empty ranges where no segment lands), then -1 up to
-// `num_bounds` (the slots' keys: -1 marks a slot no segment lands in).
+// `num_zeros` zeros (begin, end, first token: empty ranges where no segment lands, whose
+// first token is read but unused), then -1 up to `num_bounds` (the slots' keys: -1 marks a
+// slot no segment lands in).
 template <typename index_t, typename K>
 __global__ void sort_inputs_kernel(const index_t* __restrict__ keys, int64_t n, int64_t num_rows, int64_t skip,
                                    K* __restrict__ out, int64_t* __restrict__ iota, int64_t* __restrict__ bounds,
@@ -296,12 +297,14 @@ __device__ __forceinline__ int64_t first_piece_slot(int64_t b) {
 // Chunk c of the sorted positions: (1) the segment bounds of its positions -- each
 // segment's [begin, end) written by the threads at its edges, at slot scan[r] - 1
 // (numbered segments, with their key) or at the key itself (`scan` nullptr: a dense
-// gradient, one entry per table row); (2) the partial sums of its long-segment pieces
-// (`partials` nullptr when no segment can be longer than a chunk).
+// gradient, one entry per table row), and its first token (order[begin]: what a one-token
+// segment's row is, so finish_segments reads it beside the bounds instead of after them);
+// (2) the partial sums of its long-segment pieces (`partials` nullptr when no segment can
+// be longer than a chunk).
 template <typename K, typename T, typename A, int VEC>
 __global__ void chunk_kernel(const K* __restrict__ sorted, const int64_t* __restrict__ scan, int64_t n,
                              int64_t num_rows, int64_t* __restrict__ keys, int64_t* __restrict__ begin,
-                             int64_t* __restrict__ end, const T* __restrict__ dout,
+                             int64_t* __restrict__ end, int64_t* __restrict__ first, const T* __restrict__ dout,
                              const int64_t* __restrict__ order, A* __restrict__ partials, int64_t num_chunks,
                              int64_t dim) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -313,6 +316,7 @@ __global__ void chunk_kernel(const K* __restrict__ sorted, const int64_t* __rest
     const int64_t s = scan != nullptr ? scan[r] - 1 : key;
     if (r == 0 || sorted[r - 1] != sorted[r]) {
       begin[s] = r;
+      first[s] = order[r];
       if (keys != nullptr) keys[s] = key;
     }
     if (r == n - 1 || sorted[r + 1] != sorted[r]) end[s] = r + 1;
@@ -407,7 +411,10 @@ __device__ __forceinline__ void sum_pieces(const A* __restrict__ partials, int64
 // time: the H100 at a4a8951 ran the GPT-2 fp32 kernel at 64% of DRAM bandwidth, its warps
 // stalled on those loads (long scoreboard: 28 of ~35 cycles per instruction). Each step
 // of the chain is now issued for the group's segments together: kSegmentsPerGroup loads in
-// flight where there was one.
+// flight where there was one. And the first token comes with the bounds (chunk_kernel
+// writes it per segment), so a one-token segment's row is two dependent loads away, not
+// three: a group's rows are stored only once its last load is back (at d81f5b2 this kernel
+// still took ~99 us of GPT-2 fp32's ~129 us backward, both GPU backends alike).
 constexpr int kSegmentsPerGroup = 4;
 
 // out[g] = factor * (sum of the dout rows of segment g) for every segment g < num_segments,
@@ -427,7 +434,8 @@ constexpr int kSegmentsPerGroup = 4;
 template <typename T, typename A, int VEC>
 __global__ void finish_segments_kernel(const T* __restrict__ dout, const int64_t* __restrict__ order,
                                        const A* __restrict__ partials, const int64_t* __restrict__ begin,
-                                       const int64_t* __restrict__ end, T* __restrict__ out, A scale,
+                                       const int64_t* __restrict__ end, const int64_t* __restrict__ first_token,
+                                       T* __restrict__ out, A scale,
                                        bool divide_by_count, bool zero_empty, int64_t num_segments, int64_t dim,
                                        PositionSums<T> positions) {
   if (position_block<VEC>(dout, positions, dim)) return;
@@ -435,17 +443,17 @@ __global__ void finish_segments_kernel(const T* __restrict__ dout, const int64_t
   constexpr int64_t kEmpty = -1, kLonger = -2;  // token[k] of an empty segment, of one of two or more tokens
   const int64_t g0 = (static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y) * kRows;
   if (g0 >= num_segments) return;
-  // Every segment's bounds, then every one-token segment's token: each step's loads
-  // together, not a chain per segment (the rows past num_segments read the last row's).
-  int64_t first[kRows], length[kRows], token[kRows];  // token: of a one-token segment, else kEmpty / kLonger
+  // Every segment's bounds and first token, all loads together, not a chain per segment
+  // (the rows past num_segments read the last row's).
+  int64_t length[kRows], token[kRows];  // token: of a one-token segment, else kEmpty / kLonger
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
     const int64_t g = g0 + k < num_segments ? g0 + k : num_segments - 1;
-    first[k] = begin[g];
-    length[k] = g0 + k < num_segments ? end[g] - first[k] : 0;
+    token[k] = first_token[g];
+    length[k] = g0 + k < num_segments ? end[g] - begin[g] : 0;
   }
 #pragma unroll
-  for (int k = 0; k < kRows; ++k) token[k] = length[k] == 1 ? order[first[k]] : length[k] == 0 ? kEmpty : kLonger;
+  for (int k = 0; k < kRows; ++k) token[k] = length[k] == 1 ? token[k] : length[k] == 0 ? kEmpty : kLonger;
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
     Pack<T, VEC> row[kRows];  // as stored: half the registers of fp32 sums for bf16 / fp16
 #pragma unroll
@@ -712,6 +720,7 @@ struct SortedSegments {
   at::Tensor order;       // (tokens,) token index of each sorted position
   at::Tensor keys;        // by slot: the key of segment s (-1 for an empty slot)
   at::Tensor begin, end;  // the segment's sorted positions [begin, end)
+  at::Tensor first;       // the segment's first token, order[begin] (0 for an empty one)
   at::Tensor count;       // by slot: () int64 on the device, the number of segments
   at::Tensor partials;    // (2 * chunks, d) in the compute dtype, or undefined: no segment is longer than a chunk
 };
@@ -730,9 +739,9 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
   num_rows = std::max<int64_t>(num_rows, 0);
   const auto long_options = keys.options().dtype(at::kLong);
   const int64_t entries = by_row ? num_rows : std::min(n, num_rows);
-  const at::Tensor bounds = at::empty({by_row ? 2 : 3, entries}, long_options);  // set by sort_inputs
-  seg.begin = bounds[0], seg.end = bounds[1];
-  if (!by_row) seg.keys = bounds[2];
+  const at::Tensor bounds = at::empty({by_row ? 3 : 4, entries}, long_options);  // set by sort_inputs
+  seg.begin = bounds[0], seg.end = bounds[1], seg.first = bounds[2];
+  if (!by_row) seg.keys = bounds[3];
   seg.order = at::empty({n}, long_options);
   // 32-bit sort keys when V (the unused keys' stand-in) fits: half the bytes and passes.
   const bool narrow = num_rows < std::numeric_limits<int32_t>::max();
@@ -744,7 +753,7 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
         using K = decltype(key_type);
         Launch::run(g.grid, g.block, sort_inputs_kernel<index_t, K>, keys.data_ptr<index_t>(), n, num_rows, skip,
                     compact.data_ptr<K>(), seg.order.data_ptr<int64_t>(), bounds.data_ptr<int64_t>(),
-                    2 * entries, bounds.numel());
+                    3 * entries, bounds.numel());
       };
       if (narrow) run(int32_t{}); else run(int64_t{});
     });
@@ -775,7 +784,8 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
       Launch::run(g.grid, g.block, chunk_kernel<K, T, A, decltype(v)::value>, sorted.template data_ptr<K>(),
                   by_row ? nullptr : scan.data_ptr<int64_t>(), n, num_rows,
                   by_row ? nullptr : seg.keys.data_ptr<int64_t>(), seg.begin.data_ptr<int64_t>(),
-                  seg.end.data_ptr<int64_t>(), dout.data_ptr<T>(), seg.order.data_ptr<int64_t>(),
+                  seg.end.data_ptr<int64_t>(), seg.first.data_ptr<int64_t>(), dout.data_ptr<T>(),
+                  seg.order.data_ptr<int64_t>(),
                   seg.partials.defined() ? seg.partials.data_ptr<A>() : nullptr, num_chunks, dim);
     };
     if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
@@ -801,7 +811,8 @@ void finish_segments(const at::Tensor& dout, const SortedSegments& seg, double s
   auto run = [&](auto v) {
     Launch::run(g.grid, g.block, finish_segments_kernel<T, A, decltype(v)::value>, dout.data_ptr<T>(),
                 seg.order.data_ptr<int64_t>(), partials, seg.begin.data_ptr<int64_t>(), seg.end.data_ptr<int64_t>(),
-                out.data_ptr<T>(), static_cast<A>(scale), divide_by_count, zero_empty, rows, dim, positions);
+                seg.first.data_ptr<int64_t>(), out.data_ptr<T>(), static_cast<A>(scale), divide_by_count, zero_empty,
+                rows, dim, positions);
   };
   if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
 }
