@@ -12,6 +12,12 @@ and d in {8, 100, 768, 4096} -- so tile sizes are checked where they are really 
 Run by tests/test_triton_aot.py in a subprocess: it needs TRITON_INTERPRET unset (the
 interpreter replaces @triton.jit functions with eager Python ones). Usage:
 ``python tests/triton_aot.py [--quick]`` (--quick: sm_90 only).
+
+``python tests/triton_aot.py --sass [NAME_PART ...]`` instead prints, per sm_90
+specialisation whose name holds every NAME_PART (e.g. ``forward bf16 "learned d=4096"``),
+its SASS instruction count (nvdisasm, shipped with Triton) with every subroutine call
+counted at its callee's length: for a kernel without loops (the forward), about what one
+thread executes -- the figure that showed the forward issue-bound.
 """
 
 import itertools
@@ -275,7 +281,36 @@ def compile_one(job):
         "nan_tests": len(re.findall(r"setp\.nan\.", ptx))}
 
 
+def sass_instructions(name: str, arch: int = 90) -> int:
+    """SASS instructions of `name`'s body, each CALL counted as its subroutine's length
+    (a 64-bit division is one: ~70 instructions)."""
+    factory, args, kwargs = sources()[name]
+    compiled = triton.compile(factory(*args, **kwargs), target=GPUTarget("cuda", arch, 32))
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+    lengths, current, calls = {}, None, []
+    for line in sass.splitlines():
+        if line.startswith(".text.") or line.startswith("$__internal"):  # the kernel, then its subroutines
+            current = line.split(".text.")[-1].rstrip(":")
+            lengths[current] = 0
+        elif current and re.match(r"\s+/\*[0-9a-f]{4}\*/", line):
+            lengths[current] += 1
+            if "CALL.REL" in line:
+                calls.append(re.search(r"`\((\S+)\)", line).group(1))
+    return next(iter(lengths.values())) + sum(lengths[callee] for callee in calls)
+
+
 def main():
+    if "--sass" in sys.argv:
+        parts = sys.argv[sys.argv.index("--sass") + 1:]
+        for name in sources():
+            if all(part in name for part in parts):
+                print(f"{name} sm_90: {sass_instructions(name)} SASS instructions")
+        return
     archs = (90,) if "--quick" in sys.argv else ARCHS
     jobs = [(name, arch) for name in sources() for arch in archs]
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
