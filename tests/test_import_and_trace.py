@@ -86,10 +86,11 @@ def test_compiled_backward_holds_the_triton_kernels_and_copies_no_input():
     # The dense backward as the forward: the graph holds the sort and each Triton kernel --
     # what Inductor can schedule and fuse -- not an opaque pyembed op, and each kernel is
     # found to write only its outputs (the output gradient and the ids are never copied).
-    # The sort's inputs, the chunks (segment bounds, long segments' pieces), the table's
-    # rows and the positions' (one kernel): no input (dout, ids, the sorted keys) is written.
+    # The sort's inputs, the chunks (segment bounds and first tokens, long segments' pieces),
+    # the table's rows and the positions' (one kernel): no input (dout, ids, the sorted keys)
+    # is written.
     assert _traced_backward(4, 512) == ("traced True", [["out_ptr", "bounds_ptr"], ["begin_ptr", "end_ptr",
-                                                                                  "partials_ptr"],
+                                                                                  "first_ptr", "partials_ptr"],
                                                          ["out_ptr", "pos_out_ptr"]])
 
 
