@@ -713,6 +713,11 @@ def error_record_parts(address: int) -> tuple[int, int]:
     return address >> 31, address & 0x7FFFFFFF
 
 
+def wide_slots(num_tokens: int, block_t: int) -> bool:
+    """Whether the forward's slots (cdiv(num_tokens, BLOCK_T) * BLOCK_T of them) pass int32."""
+    return num_tokens + block_t > 2**31
+
+
 def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scale: float, offset: int,
                       dropout_key, dropout_threshold: int, dropout_scale: float, sinusoid_column_offset: int,
                       sinusoid_dim: int, out, launch=_direct, error_record: int = 0):
@@ -737,7 +742,7 @@ def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scal
         dropout_threshold, dropout_scale, *error_record_parts(error_record),
         POS_MODE=pos_mode, HAS_POSITION_IDS=position_ids is not None, HAS_DROPOUT=dropout_key is not None,
         COMPUTE_F64=weight.dtype == torch.float64, CHECK_RANGES=error_record != 0,
-        WIDE_SLOTS=num_tokens + block_t > 2**31, BLOCK_T=block_t, BLOCK_D=block_d,
+        WIDE_SLOTS=wide_slots(num_tokens, block_t), BLOCK_T=block_t, BLOCK_D=block_d,
     )
 
 

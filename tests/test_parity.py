@@ -471,10 +471,12 @@ def test_triton_forward_with_64_bit_slots_equals_32_bit_slots(backend, pos_encod
     forced on a small batch, gives the same bits, and both equal the float64 reference."""
     from pyembed.kernels import embedding as k
 
-    def wide(kernel):  # the launch with WIDE_SLOTS forced on
-        launch = k._direct(kernel)
-        return type("Wide", (), {"__getitem__": lambda self, grid: lambda *args, **constexprs: launch[grid](
-            *args, **{**constexprs, "WIDE_SLOTS": True})})()
+    class wide:  # a launch (embedding_forward's `launch`) with WIDE_SLOTS forced on
+        def __init__(self, kernel):
+            self.launch = k._direct(kernel)
+
+        def __getitem__(self, grid):
+            return lambda *args, **constexprs: self.launch[grid](*args, **{**constexprs, "WIDE_SLOTS": True})
 
     device = "cuda" if backend.endswith("@cuda") else "cpu"
     batch, seq_len, dim, offset = 3, 37, 40, 5

@@ -87,7 +87,7 @@ def forward_source(dtype, pos_mode, dim, *, position_ids=False, id_type="i64", s
             "error_record_high": record_high, "error_record_low": record_low}
     return _source(k._embedding_forward_kernel, args, {
         "POS_MODE": pos_mode, "HAS_POSITION_IDS": position_ids, "HAS_DROPOUT": dropout,
-        "COMPUTE_F64": dtype == "fp64", "CHECK_RANGES": check, "WIDE_SLOTS": tokens + block_t > 2**31,
+        "COMPUTE_F64": dtype == "fp64", "CHECK_RANGES": check, "WIDE_SLOTS": k.wide_slots(tokens, block_t),
         "BLOCK_T": block_t, "BLOCK_D": block_d})
 
 
@@ -98,8 +98,8 @@ def chunk_source(dtype, dim, *, key_type="i16", by_slot=False, partials=True):
     fewer than 2^16 rows (the 50257 used here), i32 / i64 for larger ones."""
     acc = "fp64" if dtype == "fp64" else "fp32"
     args = {"sorted_ptr": f"*{key_type}", "scan_ptr": "*i64", "keys_ptr": "*i64", "begin_ptr": "*i64",
-            "end_ptr": "*i64", "first_ptr": "*i64", "dout_ptr": f"*{dtype}", "order_ptr": "*i64", "partials_ptr": f"*{acc}", "n": TOKENS,
-            "num_rows": 50257, "dim": dim}
+            "end_ptr": "*i64", "first_ptr": "*i64", "dout_ptr": f"*{dtype}", "order_ptr": "*i64",
+            "partials_ptr": f"*{acc}", "n": TOKENS, "num_rows": 50257, "dim": dim}
     return _source(k._chunk_kernel, args, {
         "BY_SLOT": by_slot, "HAS_PARTIALS": partials, "COMPUTE_F64": acc == "fp64", "CHUNK": k.CHUNK_ROWS,
         "BLOCK_D": k._blocks(dim)[1]})
@@ -119,8 +119,8 @@ def finish_source(dtype, dim, *, divide, partials=True, positions=True):
     acc = "fp64" if dtype == "fp64" else "fp32"
     block_r, block_d = k._segment_blocks(dim, torch.float64 if dtype == "fp64" else torch.float32)
     args = {"dout_ptr": f"*{dtype}", "order_ptr": "*i64", "partials_ptr": f"*{acc}", "begin_ptr": "*i64",
-            "end_ptr": "*i64", "first_ptr": "*i64", "out_ptr": f"*{dtype}", "scale": 27.7, "num_segments": 50257, "dim": dim,
-            "table_programs": -(-50257 // block_r), **_position_args(dtype, 8, 512)}
+            "end_ptr": "*i64", "first_ptr": "*i64", "out_ptr": f"*{dtype}", "scale": 27.7, "num_segments": 50257,
+            "dim": dim, "table_programs": -(-50257 // block_r), **_position_args(dtype, 8, 512)}
     return _source(k._finish_segments_kernel, args, {
         "DIVIDE_BY_COUNT": divide, "ZERO_EMPTY": True, "HAS_PARTIALS": partials, "HAS_POSITIONS": positions,
         "COMPUTE_F64": acc == "fp64", "CHUNK": k.CHUNK_ROWS, "BLOCK_R": block_r, "BLOCK_D": block_d})
@@ -247,8 +247,18 @@ def sources():
     return out
 
 
+def _triton_tool(name: str) -> str:
+    """A binary Triton ships for NVIDIA (ptxas, nvdisasm): the versions its compiler uses."""
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _compile(name: str, arch: int):
+    factory, args, kwargs = sources()[name]
+    return triton.compile(factory(*args, **kwargs), target=GPUTarget("cuda", arch, 32))
+
+
 def ptxas_report(ptx: str) -> dict:
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptxas = _triton_tool("ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
@@ -266,8 +276,7 @@ def ptxas_report(ptx: str) -> dict:
 
 def compile_one(job):
     name, arch = job
-    factory, args, kwargs = sources()[name]
-    compiled = triton.compile(factory(*args, **kwargs), target=GPUTarget("cuda", arch, 32))
+    compiled = _compile(name, arch)
     ptx = compiled.asm["ptx"]
     params = re.search(r"\.entry \w+\((.*?)\)", ptx, re.S).group(1)
     return f"{name} sm_{arch}", {
@@ -284,14 +293,11 @@ def compile_one(job):
 def sass_instructions(name: str, arch: int = 90) -> int:
     """SASS instructions of `name`'s body, each CALL counted as its subroutine's length
     (a 64-bit division is one: ~70 instructions)."""
-    factory, args, kwargs = sources()[name]
-    compiled = triton.compile(factory(*args, **kwargs), target=GPUTarget("cuda", arch, 32))
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+            f.write(_compile(name, arch).asm["cubin"])
+        sass = subprocess.run([_triton_tool("nvdisasm"), "-c", path], capture_output=True, text=True, check=True).stdout
     lengths, current, calls = {}, None, []
     for line in sass.splitlines():
         if line.startswith(".text.") or line.startswith("$__internal"):  # the kernel, then its subroutines
