@@ -214,3 +214,26 @@ def test_gpu_graph_timings_are_triton_medians_and_skip_uncapturable_calls(monkey
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
     assert run.time_gpu_graphs({"copy": lambda: None, "pyembed": lambda: None, "syncs": syncs}) == {
         "copy": 0.2, "pyembed": 0.2}
+
+
+@pytest.mark.skipif("cpu" not in pyembed.available_backends(), reason="the cpu backend is not built")
+def test_compiled_host_breakdown_times_the_graph_dynamo_runs():
+    # python -m bench.compiled_host: the function it times as "graph" is the one Dynamo's
+    # frame calls (found by wrapping it), which gives the layer's output (against nn ops).
+    from bench import compiled_host
+
+    weight = torch.randn(20, 8, requires_grad=True)
+    pos_weight = torch.randn(16, 8, requires_grad=True)
+    ids = torch.tensor([[3, 19, 0]])
+    args = (ids, weight, pos_weight, 2.0)
+    layer = compiled_host.pyembed_layer("cpu")
+    torch._dynamo.reset()
+    compiled = torch.compile(layer)
+    graph, graph_args = compiled_host._graph_call(layer, compiled, args)
+    torch.testing.assert_close(graph(*graph_args)[0], compiled_host.nn_layer(*args))
+    parts = compiled_host.breakdown({"nn": compiled_host.nn_layer, "pyembed": layer}, args, calls=2, rounds=1)
+    for timed in parts.values():
+        assert set(timed) == {"fwd", "guards", "graph", "frame", "bwd"}
+        assert timed["fwd"] > 0 and timed["graph"] > 0 and timed["bwd"] > 0
+    assert weight.grad is None and pos_weight.grad is None  # each timing clears what it accumulated
+    torch._dynamo.reset()

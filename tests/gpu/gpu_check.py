@@ -8,7 +8,9 @@ On a machine whose python already has a CUDA torch, offline:
      with junit XML, pytest-xdist workers where installed; side by side with
   3. compute-sanitizer memcheck, racecheck and initcheck over
      tests/gpu/sanitizer_workload.py (every kernel, small);
-  4. then alone, torch.profiler and Nsight Compute over tests/gpu/profile_workload.py;
+  4. then alone, torch.profiler and Nsight Compute over tests/gpu/profile_workload.py,
+     and compiled pyembed's host time by layer of torch.compile's runtime
+     (python -m bench.compiled_host);
   5. then the GPU benchmark suite (results.csv / .md / PNG);
 and writes everything under GPU_CHECK_OUT (default gpu-check/): logs, junit.xml, the
 benchmark's CSV / markdown / PNG, and summary.md naming the device and versions with
@@ -248,6 +250,12 @@ def main() -> int:
             # which a host's time limit may cut short (its rows reach the CSV case by case).
             profiler = str(ROOT / "tests" / "gpu" / "profile_workload.py")
             check.run("profile (torch.profiler)", [args.python, profiler], "profile.log", 300, cwd=stage)
+            # Compiled pyembed against compiled nn ops, host time by layer of torch.compile's
+            # runtime (guards, graph, frame, backward), 1x1 and GPT-2 8x2048, backwards on the
+            # calling thread: at d81f5b2 compiled pyembed cost ~120 us more host per 8x2048 step.
+            check.run("compiled host time (python -m bench.compiled_host)",
+                      [args.python, "-m", "bench.compiled_host", "--no-autograd-threads"], "compiled-host.log", 300,
+                      cwd=stage)
             ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
             if os.path.exists(ncu):
                 check.run("ncu on the forward and backward kernels",
@@ -289,6 +297,9 @@ def write_summary(out: Path, info: dict, check: Check, san_counts: dict, seconds
         lines += ["", "## Profile (profile.log: host us per call, medians, GPU ops per call)", ""]
         lines += [f"- {line}" for line in profile.read_text().splitlines()
                   if re.match(r"(\d+x\d+ .*: fwd |host )", line)]
+    compiled = out / "compiled-host.log"
+    if compiled.exists():
+        lines += ["", "## Compiled host time (compiled-host.log)", "", "```", compiled.read_text().strip(), "```"]
     tables = sorted((out / "bench").glob("*.md")) if (out / "bench").exists() else []
     for table in tables:
         lines += ["", f"## Benchmark ({table.name})", "", table.read_text()]
