@@ -472,6 +472,11 @@ def lookup(ids, position_ids, table, pos_table, config: FusedConfig, table_shape
     return out.reshape(*ids.shape, dim)
 
 
+def no_transform() -> bool:
+    """No forward-mode AD and no torch.func transform: nothing needs a Function's jvp or vmap."""
+    return forward_ad._current_level < 0 and not functorch_active()
+
+
 def autograd_may_be_cpp() -> bool:
     """Nothing needs the Python autograd.Function: not compiling (Dynamo traces the
     Function), no forward-mode AD and no torch.func transform (the C++ node has neither)."""

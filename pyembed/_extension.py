@@ -94,13 +94,14 @@ if _C is not None:
     torch.library.register_fake("pyembed::embedding")(_ops.lookup_fake)
     _backend_ops = (torch.ops.pyembed.embedding_forward, torch.ops.pyembed.embedding_backward,
                     torch.ops.pyembed.embedding_sparse_backward)
-    _lookup = _C.embedding  # torch.ops.pyembed.embedding, without the boxed call's host time (csrc/pyembed.cpp)
+    _lookup = dict(autograd_op=_C.embedding,  # torch.ops.pyembed.embedding without the boxed call's host time
+                   compiled_op=torch.ops.pyembed.embedding.default)
     _optimizer_ops = dict(touched_rows=torch.ops.pyembed.embedding_touched_rows.default,
                           optimizer_update=torch.ops.pyembed.optimizer_update.default)
-    dispatch.register_backend(dispatch.Backend("cpu", *_backend_ops, _why_cpu_unavailable, _lookup, **_optimizer_ops,
+    dispatch.register_backend(dispatch.Backend("cpu", *_backend_ops, _why_cpu_unavailable, **_lookup, **_optimizer_ops,
                                                auto_rank={"cpu": 0}))
     if _C.cuda_built:
-        dispatch.register_backend(dispatch.Backend("cuda", *_backend_ops, _why_cuda_unavailable, _lookup,
+        dispatch.register_backend(dispatch.Backend("cuda", *_backend_ops, _why_cuda_unavailable, **_lookup,
                                                    checks_in_kernel=True, **_optimizer_ops, auto_rank={"cuda": 0}))
     else:
         dispatch.mark_missing("cuda", "pyembed._C was built without CUDA kernels (no CUDA toolkit at build time)")

@@ -288,8 +288,10 @@ def is_dtensor(t) -> bool:
 # The positional encodings, by name and by the code the kernels take (csrc/common.h,
 # PosEncoding, mirrors it; a test checks they agree).
 POS_CODES = {"none": 0, "learned": 1, "sinusoidal": 2}
-ID_DTYPES = (torch.int32, torch.int64)
-WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# Frozen sets: a compiled graph guards a set by its value, two guards on every call, a
+# tuple by each element (Dynamo re-checks module constants a traced function read).
+ID_DTYPES = frozenset((torch.int32, torch.int64))
+WEIGHT_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
 
 
 def check_dropout_p(p) -> None:
