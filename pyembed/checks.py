@@ -156,11 +156,6 @@ def checked_ids(ids: torch.Tensor, num_embeddings: int, position_ids: Optional[t
     return ids
 
 
-def check_ids_in_range(ids: torch.Tensor, num_embeddings: int) -> None:
-    """IndexError naming the offending min/max and V (e.g. before max_norm's renorm)."""
-    check_ranges_eager(ids, num_embeddings, None, None)
-
-
 # ----------------------------------------------------------------- checks inside the kernels
 # On a GPU the default check (validate=True) runs inside the forward kernel: waiting for the
 # device to say whether the ids were in range would cost a device->host sync per call, more

@@ -208,8 +208,8 @@ def _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, 
     checks.check_integer_tensor("ids", ids)
     if weight.dim() != 2:
         raise checks.InputValueError(f"pyembed: weight must be 2-D (V, d), got shape {tuple(weight.shape)}")
-    if validate:
-        checks.check_ids_in_range(ids, weight.shape[0])
+    if validate:  # in place eagerly; under torch.compile the check op (as embedding_renorm_)
+        ids = checks.checked_ids(ids, weight.shape[0], None, None)
     # The aten op, not F.embedding: a program that routes F.embedding to pyembed (test
     # harnesses, profilers patching it) would otherwise recurse here forever.
     padding_idx = checks.normalize_padding_idx(padding_idx, weight.shape[0])
@@ -219,8 +219,10 @@ def _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, 
 def embedding_renorm_(weight: torch.Tensor, ids: torch.Tensor, max_norm: float, norm_type: float) -> None:
     """``nn.Embedding``'s ``max_norm``: rescale, in place and without grad, the looked-up
     rows whose ``norm_type``-norm exceeds ``max_norm`` (as ``torch.embedding_renorm_``).
-    The ids are checked first, since the renorm itself would index with them."""
+    The ids are checked first, since the renorm itself would index with them: in place
+    eagerly, by the check_ranges op under torch.compile (reading the ids' values while
+    Dynamo traces failed the compile: a data-dependent guard)."""
     checks.check_integer_tensor("ids", ids)
-    checks.check_ids_in_range(ids, weight.shape[0])
+    ids = checks.checked_ids(ids, weight.shape[0], None, None)
     with torch.no_grad():  # on weight.detach(), as F.embedding: no autograd, no forward-AD tangent
         torch.embedding_renorm_(weight.detach(), ids.contiguous(), max_norm, norm_type)

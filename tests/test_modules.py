@@ -60,6 +60,31 @@ def test_max_norm_renormalises_like_nn_embedding(backend):
     assert torch.linalg.vector_norm(ours.weight[3], ord=1.5) > 1.0  # untouched rows untouched
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_max_norm_compiles_fullgraph_like_nn_embedding(backend):
+    # nn.Embedding(max_norm=...) compiles with fullgraph=True; the renorm's range check read
+    # the ids' values while Dynamo traced (a data-dependent guard) and failed the compile.
+    # Compiled: the same output, gradient and renormed table as compiled nn.Embedding, and
+    # an out-of-range id still raises, with nothing renormed.
+    torch.manual_seed(2)
+    ref = nn.Embedding(20, 6, max_norm=1.0, norm_type=1.5, padding_idx=-2)
+    ours = pyembed.FusedEmbedding(20, 6, max_norm=1.0, norm_type=1.5, padding_idx=-2, backend=backend)
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.tensor([[1, 2, 2, 7], [7, 18, 19, 1]])
+    torch._dynamo.reset()
+    got, want = torch.compile(ours, fullgraph=True)(ids), torch.compile(ref, fullgraph=True)(ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    torch.testing.assert_close(ours.weight.grad, ref.weight.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.weight, ref.weight, rtol=0, atol=0)
+    before = ours.weight.detach().clone()
+    with pytest.raises(IndexError, match="V=20"):
+        torch.compile(ours, fullgraph=True)(torch.tensor([[3, 20]]))
+    torch.testing.assert_close(ours.weight, before, rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
 def test_from_pretrained_freezes_and_shares():
     table = torch.randn(7, 4)
     frozen = pyembed.FusedEmbedding.from_pretrained(table, padding_idx=0, scale=3.0)
