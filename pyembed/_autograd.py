@@ -204,7 +204,7 @@ def _fused_forward(ids, weight, pos_weight, position_ids, dropout_key, config: F
         config.dropout_p, config.sinusoid_column_offset, config.sinusoid_dim, config.error_record)
 
 
-def _fused_save(ctx, ids, weight, pos_weight, position_ids, dropout_key, config: FusedConfig):
+def fused_save(ctx, ids, weight, pos_weight, position_ids, dropout_key, config: FusedConfig):
     """Only the ids, positions and dropout key are saved: never the table, the output or a mask."""
     ctx.save_for_backward(ids, position_ids, dropout_key)
     if forward_ad._current_level >= 0 or functorch_active():  # only a jvp reads them (0.4 us a call)
@@ -216,7 +216,7 @@ def _fused_save(ctx, ids, weight, pos_weight, position_ids, dropout_key, config:
     ctx.num_positions = pos_weight.shape[0] if pos_weight is not None else 0
 
 
-def _fused_backward(ctx, grad_out):
+def fused_backward(ctx, grad_out):
     grad_weight, pos_grad = _gradients(ctx, grad_out)
     return None, grad_weight, pos_grad, None, None, None
 
@@ -245,10 +245,10 @@ class FusedEmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ids, weight, pos_weight, position_ids, dropout_key, config: FusedConfig):
-        _fused_save(ctx, ids, weight, pos_weight, position_ids, dropout_key, config)
+        fused_save(ctx, ids, weight, pos_weight, position_ids, dropout_key, config)
         return _fused_forward(ids, weight, pos_weight, position_ids, dropout_key, config)
 
-    backward = staticmethod(_fused_backward)
+    backward = staticmethod(fused_backward)
 
 
 class FusedEmbeddingFunctionWithJvp(FusedEmbeddingFunction):
@@ -272,7 +272,7 @@ def _functorch_form(name: str, forward, save, backward, jvp=None, save_takes_row
     return type(name, (torch.autograd.Function,), body)
 
 
-FusedEmbeddingFunctorch = _functorch_form("FusedEmbeddingFunctorch", _fused_forward, _fused_save, _fused_backward,
+FusedEmbeddingFunctorch = _functorch_form("FusedEmbeddingFunctorch", _fused_forward, fused_save, fused_backward,
                                           _fused_jvp)
 
 

@@ -40,9 +40,10 @@ class Backend:
     # (the C++ backends' pyembed::embedding, with a C++ node; triton's Python function with
     # that op's contract, pyembed._autograd.python_lookup); None: the general route.
     autograd_op: Optional[Callable] = None
-    # The same lookup as an op for torch.compile to trace (the C++ backends'
-    # torch.ops.pyembed.embedding, whose C++ autograd AOTAutograd splits into the forward and
-    # backward ops); None: the general route (pyembed.functional says why it matters).
+    # The same lookup as an op for torch.compile to trace, with the schema of
+    # torch.ops.pyembed.embedding (the C++ backends' own; triton's pyembed::triton_lookup),
+    # whose autograd AOTAutograd splits into the forward and backward ops; None: the general
+    # route (pyembed.functional._compiled_lookup says why it matters).
     compiled_op: Optional[Callable] = None
     # Its forward kernel checks id / position ranges itself into an error record (the
     # ``error_record`` argument; pyembed.checks): validate=True on a GPU then never syncs.

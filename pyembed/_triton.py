@@ -29,6 +29,8 @@ from typing import Optional
 
 import torch
 
+from torch._subclasses.functional_tensor import FunctionalTensorMode  # imported by torch itself
+
 from . import _autograd, _ops, checks, dispatch, reference
 from .checks import CUDAGRAPH_UNSAFE
 
@@ -107,8 +109,6 @@ triton_forward = torch.library.custom_op("pyembed::triton_forward", mutates_args
 
 
 if not _INTERPRETED:
-    from torch._subclasses.functional_tensor import FunctionalTensorMode
-
     @triton_forward.register_torch_dispatch(FunctionalTensorMode)
     def _(mode, func, types, args, kwargs):
         # What torch.library.triton_op does, without its definition-time scan of the
@@ -169,6 +169,46 @@ if not _INTERPRETED:
             return _backward(*args, **kwargs, launch=torch.library.wrap_triton, device_guard=False)
 
 
+def compiled_lookup(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.Tensor],
+                    position_ids: Optional[torch.Tensor], pos_encoding: str, scale: float, offset: int,
+                    padding_idx: Optional[int], scale_grad_by_freq: bool, validate: bool,
+                    error_record: int) -> torch.Tensor:
+    """The plain call as torch.compile traces it (schema of pyembed::embedding; the
+    Backend's compiled_op, pyembed.functional._compiled_lookup): Dynamo records this one op,
+    not the general route, whose functions and constants it would guard on every call.
+    Functionalised, it is triton_forward (so Inductor gets the kernel); its autograd below
+    is the general route's backward, triton_backward. The caller checked the arguments and,
+    when validate asked for a check in the call, the ranges: validate is False here."""
+    return forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, None, 0.0, 0, 0, error_record)
+
+
+triton_lookup = torch.library.custom_op("pyembed::triton_lookup", mutates_args=())(compiled_lookup)
+triton_lookup.register_fake(_ops.lookup_fake)
+
+
+@triton_lookup.register_torch_dispatch(FunctionalTensorMode)
+def _(mode, func, types, args, kwargs):
+    ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, _, _, _, error_record = args
+    with mode:
+        return triton_forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, None, 0.0, 0, 0,
+                              error_record)
+
+
+def _save_lookup(ctx, inputs, output):
+    ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, by_freq, _, error_record = inputs
+    config = _autograd.FusedConfig(pos_encoding, scale, offset, padding_idx, by_freq, False, False, "triton", 0.0,
+                                   error_record)
+    _autograd.fused_save(ctx, ids, weight, pos_weight, position_ids, None, config)
+
+
+def _lookup_backward(ctx, grad_out):
+    _, grad_weight, pos_grad, *_ = _autograd.fused_backward(ctx, grad_out)
+    return None, grad_weight, pos_grad, *(None,) * 8
+
+
+triton_lookup.register_autograd(_lookup_backward, setup_context=_save_lookup)
+
+
 @torch.library.custom_op("pyembed::triton_sparse_backward", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def triton_sparse_backward(grad_out: torch.Tensor, ids: torch.Tensor, num_embeddings: int, scale: float,
                            padding_idx: Optional[int], scale_grad_by_freq: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,6 +244,6 @@ _ops.register_fakes("pyembed::triton_forward", "pyembed::triton_backward", "pyem
 dispatch.register_backend(dispatch.Backend(
     "triton", torch.ops.pyembed.triton_forward, torch.ops.pyembed.triton_backward,
     torch.ops.pyembed.triton_sparse_backward, _why_unavailable, autograd_op=_autograd.python_lookup("triton", forward),
-    checks_in_kernel=True,
+    compiled_op=torch.ops.pyembed.triton_lookup.default, checks_in_kernel=True,
     eager_forward=forward, eager_backward=backward, touched_rows=touched_rows, optimizer_update=optimizer_update,
     auto_rank={"cuda": 1}))  # after the cuda backend, where both are built

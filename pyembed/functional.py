@@ -6,7 +6,7 @@ A plain eager call goes straight to its backend's lookup op: on a C++ backend
 checks below use, and has a C++ autograd node (csrc/autograd.cpp); on ``triton`` a Python
 function with that op's contract (pyembed._autograd.python_lookup). Its bad-input errors
 are raised as pyembed's exception types (checks.from_cpp), anything else as it is. Under
-torch.compile the same call on a C++ backend is checked here and traced as that op
+torch.compile the same call is checked here and traced as one lookup op
 (``_compiled_lookup``). The general route below runs for every other call. Checks here
 read only metadata (dtype, shape, device), so they cost nothing under ``torch.compile``;
 the data-dependent ones (id range, negative or too-large position_ids) are one op shared
@@ -157,11 +157,12 @@ def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_
 def _compiled_lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
                      scale_grad_by_freq, validate, backend) -> Optional[torch.Tensor]:
     """The common call as torch.compile traces it, on a backend with a lookup op for it
-    (``compiled_op``: the C++ backends' pyembed::embedding), else None (the general route).
-    The checks of metadata run here (once, when Dynamo traces them; the op checks nothing
-    on fake tensors), the ranges in the call by the check_ranges op when validate asks for
-    that, then the op, whose C++ autograd AOTAutograd splits into the graphs' forward and
-    backward ops -- the ones the general route's autograd.Function gives. What differs is
+    (``compiled_op``: the C++ backends' pyembed::embedding, triton's pyembed::triton_lookup),
+    else None (the general route). The checks of metadata run here (once, when Dynamo
+    traces them; the op checks nothing on fake tensors), the ranges in the call by the
+    check_ranges op when validate asks for that, then the op, whose autograd (C++ for
+    pyembed::embedding) AOTAutograd splits into the graphs' forward and backward ops --
+    the ones the general route's autograd.Function gives. What differs is
     what Dynamo traces, and so guards on every call: a few functions, not that route and
     its Function's forward and backward. A compiled one-token `validate=False` forward (the
     graph a `cuda` call makes) on the development VM: 135 guards in ~9 us through that

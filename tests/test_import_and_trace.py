@@ -27,9 +27,14 @@ def test_import_pyembed_imports_neither_triton_nor_inductor():
     assert out.strip() == "[]", out
 
 
-def test_compiled_graph_holds_the_triton_kernel_not_an_opaque_call():
+@pytest.mark.parametrize("op", ["triton_forward", "triton_lookup"])
+def test_compiled_graph_holds_the_triton_kernel_not_an_opaque_call(op):
     # AOTAutograd's functionalisation (what torch.compile runs) on fake CUDA tensors: the
-    # forward graph must call the Triton kernel through triton_kernel_wrapper_functional.
+    # forward graph must call the Triton kernel through triton_kernel_wrapper_functional --
+    # from the forward op, and from the lookup op a compiled plain call is (functionalised
+    # into the forward op). (Its backward, the triton_backward op, is traced below; the joint
+    # graph needs a CUDA device for autograd's engine.)
+    args = {"triton_forward": "None, 0.0", "triton_lookup": "None, False, False, 0"}[op]
     out = _run(
         "import torch, pyembed\n"
         "from torch._subclasses.fake_tensor import FakeTensorMode\n"
@@ -38,13 +43,13 @@ def test_compiled_graph_holds_the_triton_kernel_not_an_opaque_call():
         "def keep(gm, _):\n"
         "    graphs.append(gm.code)\n"
         "    return gm\n"
-        "f = lambda ids, w: torch.ops.pyembed.triton_forward(ids, w, None, None, 'sinusoidal', 2.0, 0, None, 0.0)\n"
+        f"f = lambda ids, w: torch.ops.pyembed.{op}(ids, w, None, None, 'sinusoidal', 2.0, 0, {args})\n"
         "with FakeTensorMode():\n"
         "    ids = torch.empty(2, 8, dtype=torch.long, device='cuda')\n"
         "    w = torch.empty(100, 64, device='cuda')\n"
         "    aot_function(f, fw_compiler=keep)(ids, w)\n"
         "print(graphs[0])\n")
-    assert "triton_kernel_wrapper_functional" in out and "pyembed.triton_forward" not in out, out
+    assert "triton_kernel_wrapper_functional" in out and "pyembed." not in out, out
 
 
 # A script's start for tracing a compiled graph on fake CUDA tensors with an sm_90 target
