@@ -101,6 +101,19 @@ def test_cpp_autograd_lookup_passes_opcheck():
                           (ids, weight, None, torch.randint(0, 9, (2, 5)), "sinusoidal", 1.0, 0, None, False))
 
 
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs the Triton interpreter (no GPU here)")
+def test_triton_compiled_lookup_passes_opcheck():
+    # pyembed::triton_lookup: what a compiled plain `triton` call traces (a custom op with a
+    # registered autograd, functionalised into triton_forward), validate False as its caller
+    # passes it (the ranges were checked before, or inside the kernel).
+    ids = torch.randint(0, 7, (2, 5))
+    weight, pos_weight = torch.randn(7, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+    lookup = torch.ops.pyembed.triton_lookup
+    torch.library.opcheck(lookup, (ids, weight, pos_weight, None, "learned", 2.0, 1, 3, True, False, 0))
+    torch.library.opcheck(lookup, (ids, weight, None, torch.randint(0, 9, (2, 5)), "sinusoidal", 1.0, 0, None, False,
+                                   False, 0))
+
+
 _FLOAT_TABLE_CASES = [c for c in test_errors.CASES if c[0] != "integer weight with positions"]
 
 
