@@ -188,6 +188,7 @@ triton_lookup.register_fake(_ops.lookup_fake)
 
 @triton_lookup.register_torch_dispatch(FunctionalTensorMode)
 def _(mode, func, types, args, kwargs):
+    # Every argument arrives positionally: the schema has no defaults or keyword-only ones.
     ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, _, _, _, error_record = args
     with mode:
         return triton_forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, None, 0.0, 0, 0,
