@@ -321,17 +321,19 @@ def _chunk_kernel(
     keys_ptr,  # (slots,) int64 out: the key of each slot, when BY_SLOT
     begin_ptr, end_ptr,  # int64 out, zero-filled: segment [begin, end) of each slot (BY_SLOT) or table row
     first_ptr,  # int64 out, zero-filled: the segment's first token, order[begin]
+    solo_ptr,  # (n,) int64 out, -1-filled, when HAS_SOLO: per token, its key if it is its segment's only token
     dout_ptr,  # (n, dim) the output gradient
     order_ptr,  # (n,) int64 its row for sorted position r
     partials_ptr,  # (2 * chunks, dim) compute dtype out: the long segments' pieces, when HAS_PARTIALS
     n, num_rows, dim,
-    BY_SLOT: tl.constexpr, HAS_PARTIALS: tl.constexpr, COMPUTE_F64: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BY_SLOT: tl.constexpr, HAS_PARTIALS: tl.constexpr, HAS_SOLO: tl.constexpr, COMPUTE_F64: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Chunk c of the sorted positions (program (c, column block)): (1) the segment
     bounds of its positions, each written by the position at the segment's edge, by slot
     or by table row, and the segment's first token, which _finish_segments_kernel reads
-    beside the bounds, not after them (the first column block does this); (2) the partial
+    beside the bounds, not after them, and (HAS_SOLO) the key of each token alone in its
+    segment, by token (_position_sums) (the first column block does this); (2) the partial
     sums of the pieces of segments longer than a chunk -- a chunk holds at most two: the
     one at its first position (partial row 2c) and, if another reaches its last position,
     that one's (row 2c + 1). A segment [b, e) of more than CHUNK rows thus has its pieces
@@ -355,7 +357,10 @@ def _chunk_kernel(
         slot = key
     tl.store(begin_ptr + slot, r, mask=first)
     tl.store(end_ptr + slot, r + 1, mask=last)
-    tl.store(first_ptr + slot, tl.load(order_ptr + r, mask=first), mask=first)
+    lead = tl.load(order_ptr + r, mask=first)
+    tl.store(first_ptr + slot, lead, mask=first)
+    if HAS_SOLO:
+        tl.store(solo_ptr + lead, key, mask=first & last)
     if HAS_PARTIALS:
         c1 = tl.minimum(c0 + CHUNK, n)
         cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -387,12 +392,16 @@ def _chunk_kernel(
 
 
 @triton.jit
-def _position_sums(dout_ptr, out_ptr, program, rows, batch, seq_len, steps, offset, dim, COMPUTE_F64: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _position_sums(dout_ptr, out_ptr, program, rows, batch, seq_len, steps, offset, dim, table_ptr, solo_ptr, scale,
+                   SOLO: tl.constexpr, COMPUTE_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows program * BLOCK_R + [0, BLOCK_R) of the learned positions' gradient with
     p = offset + t: the sum over b of dout[b, t], b ascending, for the `steps` positions
     the sequence reaches, zeros in every other row. Run by extra programs of the token
-    table's last kernel (one launch less per backward), or by _batch_sum_kernel alone."""
+    table's last kernel (one launch less per backward), or by _batch_sum_kernel alone.
+    SOLO (every token's position reached): also the token table's rows used by one token
+    (solo_ptr, by token: the row, or -1), from the dout rows read here, so the table's
+    programs do not read those dout rows a second time (csrc/cuda's PositionSums says
+    why); the same expression as _finish_segments_kernel's, so the same bits."""
     acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
     p = (program.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]  # (BLOCK_R, 1), as the segments' rows
     cols = (tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
@@ -400,11 +409,16 @@ def _position_sums(dout_ptr, out_ptr, program, rows, batch, seq_len, steps, offs
     t = p - offset
     reached = (t >= 0) & (t < steps)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype)
-    row = t * dim  # (BLOCK_R, 1): dout[b, t]'s offset, + cols in each load
-    step = tl.full([], seq_len, tl.int64) * dim  # 64-bit: batch * seq_len * dim passes 2^31
+    token = t  # (BLOCK_R, 1): token b * seq_len + t, whose dout row is at token * dim (+ cols)
     for b in range(0, batch * tl.max(tl.max(reached.to(tl.int32), 1), 0)):
-        acc += tl.load(dout_ptr + row + cols, mask=reached & col_ok, other=0.0).to(acc_dtype)
-        row += step
+        if SOLO:  # its table row, if the token is that row's only one
+            solo = tl.load(solo_ptr + token, mask=reached, other=-1)
+        x = tl.load(dout_ptr + token * dim + cols, mask=reached & col_ok, other=0.0).to(acc_dtype)
+        acc += x
+        if SOLO:  # as _finish_segments_kernel writes it: a sum from +0, scaled, rounded once
+            one = (tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype) + x) * tl.full([], scale, acc_dtype)
+            tl.store(table_ptr + solo * dim + cols, _rounded(one, table_ptr), mask=(solo >= 0) & col_ok)
+        token += seq_len  # 64-bit: batch * seq_len * dim passes 2^31
     tl.store(out_ptr + p * dim + cols, _rounded(acc, out_ptr), mask=(p < rows) & col_ok)
 
 
@@ -415,23 +429,26 @@ def _finish_segments_kernel(
     partials_ptr,  # (2 * chunks, dim) compute dtype: the long segments' pieces, when HAS_PARTIALS
     begin_ptr, end_ptr,  # (num_segments,) int64: segment g sums sorted positions [begin, end)
     first_ptr,  # (num_segments,) int64: its first token, order[begin]
+    solo_ptr,  # (tokens,) int64, when HAS_SOLO: per token, its row if it is its segment's only token, else -1
     out_ptr,  # (num_segments, dim) out: row g
     scale: tl.float64, num_segments, dim,
     table_programs,  # programs (along axis 0) that write out; those after write pos_out, when HAS_POSITIONS
     pos_out_ptr, pos_rows, batch, seq_len, steps, offset,  # the learned positions' gradient (_position_sums)
     DIVIDE_BY_COUNT: tl.constexpr, ZERO_EMPTY: tl.constexpr, HAS_PARTIALS: tl.constexpr, HAS_POSITIONS: tl.constexpr,
-    COMPUTE_F64: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SOLO: tl.constexpr, COMPUTE_F64: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """out[g] = factor * (sum of the dout rows of segment g), summed in sorted (= token)
     order, rounded once; factor = scale, or scale / the segment's token count. A segment
     longer than CHUNK adds its pieces' partial sums (_chunk_kernel) instead. An empty
     segment is written as zeros with ZERO_EMPTY (a dense gradient by table row: every row
     written once, no fill before), else not at all. BLOCK_R segments per program; the
-    programs after table_programs write the learned positions' gradient (HAS_POSITIONS)."""
+    programs after table_programs write the learned positions' gradient (HAS_POSITIONS),
+    and with HAS_SOLO the one-token segments' rows too, which these programs then skip."""
     if tl.program_id(0) >= table_programs:
         if HAS_POSITIONS:
             _position_sums(dout_ptr, pos_out_ptr, tl.program_id(0) - table_programs, pos_rows, batch, seq_len, steps,
-                           offset, dim, COMPUTE_F64, BLOCK_R, BLOCK_D)
+                           offset, dim, out_ptr, solo_ptr, scale, HAS_SOLO, COMPUTE_F64, BLOCK_R, BLOCK_D)
     else:
         acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
         # Every per-segment value is a (BLOCK_R, 1) column of the tile, not a vector broadcast
@@ -444,6 +461,8 @@ def _finish_segments_kernel(
         begin = tl.load(begin_ptr + g, mask=g_ok, other=0)
         length = tl.load(end_ptr + g, mask=g_ok, other=0) - begin
         direct = tl.where(length <= CHUNK, length, 0)
+        if HAS_SOLO:  # rows of one token: written by the position programs (_position_sums)
+            direct = tl.where(length == 1, 0, direct)
         # The first token comes with the bounds (_chunk_kernel): a row of one token -- most
         # touched rows -- is two dependent loads away, not three (its order entry first).
         lead = tl.load(first_ptr + g, mask=g_ok, other=0)
@@ -466,6 +485,8 @@ def _finish_segments_kernel(
         if ZERO_EMPTY:  # +0.0, as a zero fill (0 * a negative scale is -0.0)
             acc = tl.where(length > 0, acc, 0.0)
         write = g_ok & ((length > 0) | ZERO_EMPTY)
+        if HAS_SOLO:
+            write = write & (length != 1)
         tl.store(out_ptr + g * dim + cols, _rounded(acc, out_ptr), mask=write & col_ok)
 
 
@@ -488,7 +509,7 @@ def _few_tokens_gradient_kernel(
     if tl.program_id(0) >= table_programs:
         if HAS_POSITIONS:
             _position_sums(dout_ptr, pos_out_ptr, tl.program_id(0) - table_programs, pos_rows, batch, seq_len, steps,
-                           offset, dim, COMPUTE_F64, BLOCK_R, BLOCK_D)
+                           offset, dim, out_ptr, keys_ptr, scale, False, COMPUTE_F64, BLOCK_R, BLOCK_D)
     else:
         acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
         g0 = tl.program_id(0).to(tl.int64) * BLOCK_R
@@ -570,8 +591,8 @@ def _batch_sum_kernel(
     COMPUTE_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """The learned positions' gradient alone (when the token table needs none)."""
-    _position_sums(dout_ptr, out_ptr, tl.program_id(0), rows, batch, seq_len, steps, offset, dim, COMPUTE_F64,
-                   BLOCK_R, BLOCK_D)
+    _position_sums(dout_ptr, out_ptr, tl.program_id(0), rows, batch, seq_len, steps, offset, dim, out_ptr, dout_ptr,
+                   1.0, False, COMPUTE_F64, BLOCK_R, BLOCK_D)
 
 
 @triton.jit
@@ -767,11 +788,13 @@ class Segments(NamedTuple):
     begin: torch.Tensor  # sorted positions [begin, end) of each segment
     end: torch.Tensor
     first: torch.Tensor  # its first token, order[begin] (0 where empty)
+    solo: Optional[torch.Tensor]  # with_solo: per token, its key if it is its segment's only token, else -1
     count: Optional[torch.Tensor]  # by slot: () int64 on the device
     partials: Optional[torch.Tensor]  # (2 * chunks, d) in the compute dtype
 
 
-def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch=_direct) -> Segments:
+def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch=_direct,
+                    with_solo: bool = False) -> Segments:
     """Segments of the keys in [0, num_rows) other than ``skip`` (out-of-range ids and the
     padding row are left out), without a device->host sync. Launches: the sort's inputs,
     the sort, [by slot: the segment starts and their scan], one pass over the chunks."""
@@ -779,15 +802,19 @@ def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch
     n, dim, device = keys.numel(), dout2d.shape[1], keys.device
     num_rows = max(num_rows, 0)
     entries = num_rows if by_row else min(n, num_rows)
-    bounds = torch.empty(3 if by_row else 4, entries, dtype=torch.long,
-                         device=device)  # begin, end, first token (, keys): set by _sort_inputs_kernel
+    # begin, end, first token (zeros), [by slot: keys (-1)], [with_solo: solo (-1), by token]:
+    # set by _sort_inputs_kernel
+    rows_of_bounds = 3 if by_row else 4
+    bounds = torch.empty(rows_of_bounds * entries + (n if with_solo else 0), dtype=torch.long, device=device)
     compact = torch.empty(n, dtype=sort_key_dtype(num_rows), device=device)
     if n + bounds.numel():
         launch(_sort_inputs_kernel)[(_cdiv(max(n, bounds.numel()), BOUNDS_BLOCK),)](
             keys, compact, bounds, n, 3 * entries, bounds.numel(), num_rows, skip, BLOCK=BOUNDS_BLOCK)
-    begin, end, first, seg_keys = bounds[0], bounds[1], bounds[2], None if by_row else bounds[3]
+    begin, end, first = bounds[:entries], bounds[entries:2 * entries], bounds[2 * entries:3 * entries]
+    seg_keys = None if by_row else bounds[3 * entries:4 * entries]
+    solo = bounds[rows_of_bounds * entries:] if with_solo else None
     if n == 0:
-        return Segments(torch.empty(0, dtype=torch.long, device=device), seg_keys, begin, end, first,
+        return Segments(torch.empty(0, dtype=torch.long, device=device), seg_keys, begin, end, first, solo,
                         torch.zeros((), dtype=torch.long, device=device), None)
     sorted_keys, order = compact.sort(stable=True)  # unused keys (num_rows) sort last
     scan = count = None
@@ -802,11 +829,11 @@ def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch
     _, block_d = _blocks(dim)
     launch(_chunk_kernel)[(chunks, _cdiv(dim, block_d) if partials is not None else 1)](
         sorted_keys, scan if scan is not None else order, seg_keys if seg_keys is not None else begin, begin, end,
-        first, dout2d, order, partials if partials is not None else dout2d, n, num_rows, dim,
-        BY_SLOT=not by_row, HAS_PARTIALS=partials is not None, COMPUTE_F64=acc == torch.float64, CHUNK=CHUNK_ROWS,
-        BLOCK_D=block_d,
+        first, solo if solo is not None else first, dout2d, order, partials if partials is not None else dout2d, n,
+        num_rows, dim, BY_SLOT=not by_row, HAS_PARTIALS=partials is not None, HAS_SOLO=solo is not None,
+        COMPUTE_F64=acc == torch.float64, CHUNK=CHUNK_ROWS, BLOCK_D=block_d,
     )
-    return Segments(order, seg_keys, begin, end, first, count, partials)
+    return Segments(order, seg_keys, begin, end, first, solo, count, partials)
 
 
 class PositionSums(NamedTuple):
@@ -850,20 +877,22 @@ def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: b
     """out[g] = factor(g) * (sum of the dout rows of segment g) for the first out.shape[0]
     segments, in one launch: factor = scale, or scale / its token count; zero_empty: empty
     segments written as zeros (a dense gradient by row: each row written once). The same
-    launch writes ``positions``, if given."""
+    launch writes ``positions``, if given, and then the one-token segments' rows too when
+    ``segments`` has their tokens (``solo``)."""
     rows, dim = out.shape
     block_r, block_d = _segment_blocks(dim, dout2d.dtype)
     table_programs, programs = _programs_with_positions(rows, block_r, positions)
     if programs == 0 or dim == 0:
         return
     partials = segments.partials
+    solo = segments.solo if positions is not None else None
     launch(_finish_segments_kernel)[(programs, _cdiv(dim, block_d))](
         dout2d, segments.order, partials if partials is not None else dout2d, segments.begin, segments.end,
-        segments.first, out,
+        segments.first, solo if solo is not None else segments.first, out,
         scale, rows, dim, table_programs, *_position_args(positions, dout2d),
         DIVIDE_BY_COUNT=divide_by_count, ZERO_EMPTY=zero_empty, HAS_PARTIALS=partials is not None,
-        HAS_POSITIONS=positions is not None, COMPUTE_F64=dout2d.dtype == torch.float64, CHUNK=CHUNK_ROWS,
-        BLOCK_R=block_r, BLOCK_D=block_d,
+        HAS_POSITIONS=positions is not None, HAS_SOLO=solo is not None, COMPUTE_F64=dout2d.dtype == torch.float64,
+        CHUNK=CHUNK_ROWS, BLOCK_R=block_r, BLOCK_D=block_d,
     )
 
 
@@ -885,7 +914,9 @@ def dense_gradient(dout2d, keys, num_rows: int, skip: int, scale: float, divide_
                 BLOCK_R=block_r, BLOCK_D=block_d,
             )
         return grad
-    segments = sorted_segments(dout2d, keys, num_rows, skip, by_row=True, launch=launch)
+    # The position programs write the one-token rows when they read every token (_position_sums).
+    with_solo = positions is not None and positions.steps == positions.seq_len
+    segments = sorted_segments(dout2d, keys, num_rows, skip, by_row=True, launch=launch, with_solo=with_solo)
     finish_segments(dout2d, segments, scale, divide_by_count, grad, zero_empty=True, launch=launch,
                     positions=positions)
     return grad

@@ -175,6 +175,24 @@ def boundary_ids_and_grad(dtype, dim=8, seed=0):
     return ids, torch.randint(-8, 9, (*ids.shape, dim), generator=gen).to(dtype)
 
 
+# The learned positions' blocks write the rows used by one token (PositionSums in
+# csrc/cuda, _position_sums in kernels/): ids over a table of SOLO_VOCAB rows.
+SOLO_VOCAB = 600
+
+
+def solo_rows_ids_and_grad(dtype, dim):
+    """(ids (4, 100), dout with small integer values: every sum exact in any order) and the
+    mask of the ids that name a used row: most rows used once, some twice or more, row 2
+    160 times (past a chunk of 128: summed in pieces), the padding row 5, and one id below
+    and one past the table (validate=False: no gradient)."""
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, SOLO_VOCAB, (4, 100), generator=gen)
+    ids[:, :40] = 2
+    ids[0, 50], ids[1, 60], ids[2, 70] = -1, SOLO_VOCAB, 5
+    dout = torch.randint(-3, 4, (4, 100, dim), generator=gen).to(dtype)
+    return ids, dout, (ids >= 0) & (ids < SOLO_VOCAB) & (ids != 5)
+
+
 # Tables at the edges of the sort keys' widths (kernels/embedding.py sort_key_dtype, the
 # bits CUB sorts on cuda): the last int16 table (2^16 - 1 rows: the unused mark 2^16 - 1
 # still fits), the first int32 one, and one where 2^15 splits the biased int16 keys' sign.

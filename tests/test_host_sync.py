@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import accumulation_bound, assert_within, exact_row_sums, make_inputs
+from helpers import SOLO_VOCAB, accumulation_bound, assert_within, exact_row_sums, make_inputs, solo_rows_ids_and_grad
 
 _SYNCING = {"aten::_local_scalar_dense", "aten::item", "aten::unique_consecutive", "aten::_unique", "aten::_unique2",
             "aten::unique_dim", "aten::nonzero", "aten::masked_select", "aten::repeat_interleave"}
@@ -599,6 +599,61 @@ def _assert_written_once(rec, ids, dout, positions, dw, dp, key_dtype):
     if positions is not None:
         exact, bound = accumulation_bound(positions, dout, 40, 1.0, torch.float32)
         assert_within(dp, exact, bound, what="dP")
+
+
+# (backend, dtype, d): 16-byte accesses or one element, and GPT-2's row (three column
+# tiles on triton: fp32 only there, each case takes the interpreter ~15 s).
+SOLO_CASES = [(backend, dtype, dim) for backend in ("cuda", "triton")
+              for dtype in (torch.float32, torch.bfloat16, torch.float64) for dim in (8, 60, 768)
+              if backend == "cuda" or dim < 768 or dtype == torch.float32]
+
+
+@pytest.mark.parametrize("backend, dtype, dim", SOLO_CASES, ids=str)
+def test_learned_positions_write_the_one_token_rows_bit_for_bit(request, backend, dtype, dim):
+    """With p = offset + t the token table's last kernel also sums the positions, reading
+    every token's dout row; when every token's position is in the table (offset 0), those
+    blocks also write the table rows used by one token, and the table's blocks leave them
+    (their dout rows were read twice). The table's gradient must not change by a bit,
+    whether they do or not (offset 30: the last tokens' positions are past the table), and
+    must be the exact sums (integer-valued dout); three kernels around the sort either way."""
+    ids, dout, used = solo_rows_ids_and_grad(dtype, dim)
+    if backend == "cuda":
+        emulated = request.getfixturevalue("emulated")
+
+        def backward(offset, need_pos_grad, by_freq):
+            emulated.take_launch_counts()
+            grads = emulated.embedding_backward(dout, ids, None, offset, SOLO_VOCAB, 120, -0.5, 5, by_freq, True,
+                                                need_pos_grad)
+            assert emulated.take_launch_counts() == (3, 1)
+            return grads
+    else:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs the Triton interpreter (no GPU here)")
+        from pyembed import _triton
+        from pyembed.kernels import embedding as k
+
+        launched = request.getfixturevalue("interpreted_launches")
+        segments = k.sorted_segments(dout.reshape(-1, dim), ids, SOLO_VOCAB, 5, by_row=True, with_solo=True)
+        flat = ids.reshape(-1)
+        counts = torch.bincount(flat[used.reshape(-1)], minlength=SOLO_VOCAB)
+        alone = used.reshape(-1) & (counts[flat.clamp(0, SOLO_VOCAB - 1)] == 1)
+        assert torch.equal(segments.solo, torch.where(alone, flat, -1))  # the tokens the position blocks write
+
+        def backward(offset, need_pos_grad, by_freq):
+            launched.clear()
+            grads = _triton.backward(dout, ids, None, offset, SOLO_VOCAB, 120, -0.5, 5, by_freq, True, need_pos_grad)
+            assert launched == ["_sort_inputs_kernel", "_chunk_kernel", "_finish_segments_kernel"]
+            return grads
+    for by_freq in (False, True):
+        alone_dw, _ = backward(0, False, by_freq)
+        if not by_freq:
+            assert torch.equal(alone_dw, (exact_row_sums(ids[used], dout[used], SOLO_VOCAB) * -0.5).to(dtype))
+        for offset in (0, 30):
+            dw, dp = backward(offset, True, by_freq)
+            assert torch.equal(dw, alone_dw), (by_freq, offset)
+            positions = (offset + torch.arange(100)).expand(4, 100)
+            reached = positions < 120
+            assert torch.equal(dp, exact_row_sums(positions[reached], dout[reached], 120).to(dtype))
 
 
 def test_emulated_cuda_dense_gradient_of_no_tokens_is_zeros(emulated):

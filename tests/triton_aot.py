@@ -91,18 +91,19 @@ def forward_source(dtype, pos_mode, dim, *, position_ids=False, id_type="i64", s
         "BLOCK_T": block_t, "BLOCK_D": block_d})
 
 
-def chunk_source(dtype, dim, *, key_type="i16", by_slot=False, partials=True):
+def chunk_source(dtype, dim, *, key_type="i16", by_slot=False, partials=True, solo=False):
     """One pass over the sorted positions: segment bounds (by table row, or by slot for a
     sparse gradient) and the long segments' partial sums (partials=False: a backward of
-    at most one chunk of tokens, where no segment can be long). Keys: i16 for tables of
-    fewer than 2^16 rows (the 50257 used here), i32 / i64 for larger ones."""
+    at most one chunk of tokens, where no segment can be long); solo: the one-token
+    segments' tokens too (a dense gradient with learned positions, which write those rows).
+    Keys: i16 for tables of fewer than 2^16 rows (the 50257 used here), i32 / i64 for larger ones."""
     acc = "fp64" if dtype == "fp64" else "fp32"
     args = {"sorted_ptr": f"*{key_type}", "scan_ptr": "*i64", "keys_ptr": "*i64", "begin_ptr": "*i64",
-            "end_ptr": "*i64", "first_ptr": "*i64", "dout_ptr": f"*{dtype}", "order_ptr": "*i64",
+            "end_ptr": "*i64", "first_ptr": "*i64", "solo_ptr": "*i64", "dout_ptr": f"*{dtype}", "order_ptr": "*i64",
             "partials_ptr": f"*{acc}", "n": TOKENS, "num_rows": 50257, "dim": dim}
     return _source(k._chunk_kernel, args, {
-        "BY_SLOT": by_slot, "HAS_PARTIALS": partials, "COMPUTE_F64": acc == "fp64", "CHUNK": k.CHUNK_ROWS,
-        "BLOCK_D": k._blocks(dim)[1]})
+        "BY_SLOT": by_slot, "HAS_PARTIALS": partials, "HAS_SOLO": solo, "COMPUTE_F64": acc == "fp64",
+        "CHUNK": k.CHUNK_ROWS, "BLOCK_D": k._blocks(dim)[1]})
 
 
 def _position_args(dtype, batch, seq_len):
@@ -112,18 +113,21 @@ def _position_args(dtype, batch, seq_len):
             "steps": min(seq_len, 2045), "offset": 3}
 
 
-def finish_source(dtype, dim, *, divide, partials=True, positions=True):
+def finish_source(dtype, dim, *, divide, partials=True, positions=True, solo=None):
     """One pass over a dense gradient's rows (with scale_grad_by_freq's division or not;
     partials=False: a backward of at most one chunk of tokens), and the learned positions'
-    (positions=False: none, or by position_ids)."""
+    (positions=False: none, or by position_ids), which write the one-token rows too unless
+    solo=False (a position past the table: validate=False)."""
     acc = "fp64" if dtype == "fp64" else "fp32"
     block_r, block_d = k._segment_blocks(dim, torch.float64 if dtype == "fp64" else torch.float32)
     args = {"dout_ptr": f"*{dtype}", "order_ptr": "*i64", "partials_ptr": f"*{acc}", "begin_ptr": "*i64",
-            "end_ptr": "*i64", "first_ptr": "*i64", "out_ptr": f"*{dtype}", "scale": 27.7, "num_segments": 50257,
-            "dim": dim, "table_programs": -(-50257 // block_r), **_position_args(dtype, 8, 512)}
+            "end_ptr": "*i64", "first_ptr": "*i64", "solo_ptr": "*i64", "out_ptr": f"*{dtype}", "scale": 27.7,
+            "num_segments": 50257, "dim": dim, "table_programs": -(-50257 // block_r),
+            **_position_args(dtype, 8, 512)}
     return _source(k._finish_segments_kernel, args, {
         "DIVIDE_BY_COUNT": divide, "ZERO_EMPTY": True, "HAS_PARTIALS": partials, "HAS_POSITIONS": positions,
-        "COMPUTE_F64": acc == "fp64", "CHUNK": k.CHUNK_ROWS, "BLOCK_R": block_r, "BLOCK_D": block_d})
+        "HAS_SOLO": positions if solo is None else solo, "COMPUTE_F64": acc == "fp64", "CHUNK": k.CHUNK_ROWS,
+        "BLOCK_R": block_r, "BLOCK_D": block_d})
 
 
 def few_tokens_source(dtype, dim, *, divide, id_type="i64", positions=True):
@@ -212,7 +216,7 @@ def sources():
     # The backward's tiles also at d = 64: BLOCK_D 16-64 is where Triton 3.6 once failed to
     # compile finish_segments (a layout-pass error), which d = 8 and 100 did not show.
     for dtype, dim in itertools.product(("fp32", "fp16", "bf16", "fp64"), DIMS + (64,)):
-        out[f"chunk {dtype} d={dim}"] = (chunk_source, (dtype, dim), {})
+        out[f"chunk {dtype} d={dim}"] = (chunk_source, (dtype, dim), {"solo": True})
         out[f"finish_segments {dtype} d={dim}"] = (finish_source, (dtype, dim), {"divide": False})
         out[f"finish_segments {dtype} by_freq d={dim}"] = (finish_source, (dtype, dim), {"divide": True})
         out[f"batch_sum {dtype} d={dim}"] = (batch_source, (dtype, dim), {})
@@ -221,6 +225,8 @@ def sources():
         # Without the positions' programs: a table without learned positions, or by position_ids.
         out[f"finish_segments no-positions {dtype} d={dim}"] = (finish_source, (dtype, dim), {
             "divide": False, "positions": False})
+        out[f"finish_segments positions-past-the-table {dtype} d={dim}"] = (finish_source, (dtype, dim), {
+            "divide": False, "solo": False})
         out[f"few_tokens no-positions {dtype} by_freq d={dim}"] = (few_tokens_source, (dtype, dim), {
             "divide": True, "positions": False})
         out[f"few_slots {dtype} d={dim}"] = (few_slots_source, (dtype, dim), {"divide": False})

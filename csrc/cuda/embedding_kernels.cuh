@@ -299,14 +299,15 @@ __device__ __forceinline__ int64_t first_piece_slot(int64_t b) {
 // (numbered segments, with their key) or at the key itself (`scan` nullptr: a dense
 // gradient, one entry per table row), and its first token (order[begin]: what a one-token
 // segment's row is, so finish_segments reads it beside the bounds instead of after them);
-// (2) the partial sums of its long-segment pieces (`partials` nullptr when no segment can
-// be longer than a chunk).
+// with `solo` (by token, -1 from sort_inputs), the key of each token that is its segment's
+// only one (PositionSums); (2) the partial sums of its long-segment pieces (`partials`
+// nullptr when no segment can be longer than a chunk).
 template <typename K, typename T, typename A, int VEC>
 __global__ void chunk_kernel(const K* __restrict__ sorted, const int64_t* __restrict__ scan, int64_t n,
                              int64_t num_rows, int64_t* __restrict__ keys, int64_t* __restrict__ begin,
-                             int64_t* __restrict__ end, int64_t* __restrict__ first, const T* __restrict__ dout,
-                             const int64_t* __restrict__ order, A* __restrict__ partials, int64_t num_chunks,
-                             int64_t dim) {
+                             int64_t* __restrict__ end, int64_t* __restrict__ first, int64_t* __restrict__ solo,
+                             const T* __restrict__ dout, const int64_t* __restrict__ order, A* __restrict__ partials,
+                             int64_t num_chunks, int64_t dim) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (c >= num_chunks) return;
   const int64_t c0 = c * kChunkRows, c1 = c0 + kChunkRows < n ? c0 + kChunkRows : n;
@@ -314,12 +315,14 @@ __global__ void chunk_kernel(const K* __restrict__ sorted, const int64_t* __rest
     const int64_t key = sorted[r];
     if (key >= num_rows) continue;  // an unused key (sort_inputs)
     const int64_t s = scan != nullptr ? scan[r] - 1 : key;
-    if (r == 0 || sorted[r - 1] != sorted[r]) {
+    const bool starts = r == 0 || sorted[r - 1] != sorted[r], ends = r == n - 1 || sorted[r + 1] != sorted[r];
+    if (starts) {
       begin[s] = r;
       first[s] = order[r];
       if (keys != nullptr) keys[s] = key;
     }
-    if (r == n - 1 || sorted[r + 1] != sorted[r]) end[s] = r + 1;
+    if (ends) end[s] = r + 1;
+    if (starts && ends && solo != nullptr) solo[order[r]] = key;
   }
   if (partials == nullptr) return;
   // Where the chunk's first run stops and its last run starts (searches within the chunk);
@@ -345,15 +348,31 @@ __global__ void chunk_kernel(const K* __restrict__ sorted, const int64_t* __rest
 // reaches, and zeros in every other row. The token table's last kernel writes them too,
 // in blocks after its own (first_block on): one launch less per backward; batch_sum_kernel
 // alone when the table needs no gradient.
+//
+// Those blocks read every token's dout row, and so did the table's blocks: dout twice. At
+// the H100 run of d81f5b2 that second read was ~50 of the ~260 MB finish_segments moved
+// at GPT-2 8x2048 fp32 (~99 us, about copy bandwidth: the kernel was not slow, it moved
+// too much). So when they reach every token (steps == seq_len), the position blocks also
+// write the table row of each token that is its row's only one (`solo`, from chunk_kernel),
+// from the dout row they hold, and the table's blocks skip those rows: at 8x2048 over
+// GPT-2's rows 72% of the tokens (88% at Llama-3's) are read once, not twice. The row is
+// the same expression as the table's blocks write, so the same bits.
 template <typename T>
 struct PositionSums {
   T* out = nullptr;  // (rows, dim); nullptr: no positional gradient in this launch
   int64_t rows = 0, batch = 0, seq_len = 0, steps = 0, offset = 0;
   int64_t first_block = std::numeric_limits<int64_t>::max();  // the launch's blocks from here on write `out`
+  // Per token: its table row when the token is that row's only one, else -1; nullptr: the
+  // table's blocks write every row. `table` and `scale` as the table's blocks have them.
+  const int64_t* solo = nullptr;
+  T* table = nullptr;
+  acc_t<T> scale = 1;
 };
 
-// Row p of pos.out, this thread's columns.
-template <int VEC, typename T>
+// Row p of pos.out, this thread's columns. kSolo: the launch may write one-token rows
+// (pos.solo, checked at run time); the kernels that never do are compiled without that
+// path (it took the bf16 few_tokens_gradient_kernel from 64 registers to 72).
+template <int VEC, bool kSolo, typename T>
 __device__ __forceinline__ void position_sum_row(const T* __restrict__ dout, const PositionSums<T>& pos, int64_t p,
                                                  int64_t dim) {
   using A = acc_t<T>;
@@ -365,20 +384,28 @@ __device__ __forceinline__ void position_sum_row(const T* __restrict__ dout, con
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] = A(0);
     for (int64_t b = 0; b < count; ++b) {
+      const int64_t token = b * pos.seq_len + t;
+      const int64_t solo_row = kSolo && pos.solo != nullptr ? pos.solo[token] : -1;
       A x[VEC];
-      load_pack<VEC>(dout + (b * pos.seq_len + t) * dim + j, x);
+      load_pack<VEC>(dout + token * dim + j, x);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[i] += x[i];
+      if (solo_row >= 0) {  // as finish_segments_kernel writes a one-token row
+        A row[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) row[i] = (A(0) + x[i]) * pos.scale;
+        store_pack<VEC>(pos.table + solo_row * dim + j, row);
+      }
     }
     store_pack<VEC>(pos.out + p * dim + j, acc);
   }
 }
 
 // This block's rows of pos.out, if it is one of the blocks that write them (blockDim.y rows each).
-template <int VEC, typename T>
+template <int VEC, bool kSolo = false, typename T>
 __device__ __forceinline__ bool position_block(const T* __restrict__ dout, const PositionSums<T>& pos, int64_t dim) {
   if (static_cast<int64_t>(blockIdx.x) < pos.first_block) return false;
-  position_sum_row<VEC>(dout, pos, (static_cast<int64_t>(blockIdx.x) - pos.first_block) * blockDim.y + threadIdx.y,
+  position_sum_row<VEC, kSolo>(dout, pos, (static_cast<int64_t>(blockIdx.x) - pos.first_block) * blockDim.y + threadIdx.y,
                         dim);
   return true;
 }
@@ -413,8 +440,9 @@ __device__ __forceinline__ void sum_pieces(const A* __restrict__ partials, int64
 // of the chain is now issued for the group's segments together: kSegmentsPerGroup loads in
 // flight where there was one. And the first token comes with the bounds (chunk_kernel
 // writes it per segment), so a one-token segment's row is two dependent loads away, not
-// three: a group's rows are stored only once its last load is back (at d81f5b2 this kernel
-// still took ~99 us of GPT-2 fp32's ~129 us backward, both GPU backends alike).
+// three: a group's rows are stored only once its last load is back. (At d81f5b2 this
+// launch still took ~99 us of GPT-2 fp32's ~129 us backward, both GPU backends alike: with
+// the learned positions' blocks, which read dout a second time; PositionSums says more.)
 constexpr int kSegmentsPerGroup = 4;
 
 // out[g] = factor * (sum of the dout rows of segment g) for every segment g < num_segments,
@@ -423,7 +451,8 @@ constexpr int kSegmentsPerGroup = 4;
 // pieces' partial sums instead (chunk_kernel). An empty segment (an untouched row) is
 // written as zeros with zero_empty (a dense gradient: every row written once, no fill
 // before), else not at all. Blocks from positions.first_block on write the learned
-// positions' gradient instead (PositionSums).
+// positions' gradient instead (PositionSums), and with positions.solo the one-token rows
+// too, which the table's blocks then leave alone.
 //
 // Each thread group takes kSegmentsPerGroup consecutive segments. Those of at most one
 // token -- the common case: 8x2048 uniform ids over GPT-2's 50257 rows leave 72% of the
@@ -438,9 +467,12 @@ __global__ void finish_segments_kernel(const T* __restrict__ dout, const int64_t
                                        T* __restrict__ out, A scale,
                                        bool divide_by_count, bool zero_empty, int64_t num_segments, int64_t dim,
                                        PositionSums<T> positions) {
-  if (position_block<VEC>(dout, positions, dim)) return;
+  if (position_block<VEC, /*kSolo=*/true>(dout, positions, dim)) return;
   constexpr int kRows = kSegmentsPerGroup;
-  constexpr int64_t kEmpty = -1, kLonger = -2;  // token[k] of an empty segment, of one of two or more tokens
+  // token[k] of an empty segment, of one of two or more tokens, of one token whose row the
+  // position blocks write (PositionSums::solo)
+  constexpr int64_t kEmpty = -1, kLonger = -2, kByPositions = -3;
+  const bool solo_by_positions = positions.solo != nullptr;
   const int64_t g0 = (static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y) * kRows;
   if (g0 >= num_segments) return;
   // Every segment's bounds and first token, all loads together, not a chain per segment
@@ -453,7 +485,9 @@ __global__ void finish_segments_kernel(const T* __restrict__ dout, const int64_t
     length[k] = g0 + k < num_segments ? end[g] - begin[g] : 0;
   }
 #pragma unroll
-  for (int k = 0; k < kRows; ++k) token[k] = length[k] == 1 ? token[k] : length[k] == 0 ? kEmpty : kLonger;
+  for (int k = 0; k < kRows; ++k) {
+    token[k] = length[k] == 1 ? (solo_by_positions ? kByPositions : token[k]) : length[k] == 0 ? kEmpty : kLonger;
+  }
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
     Pack<T, VEC> row[kRows];  // as stored: half the registers of fp32 sums for bf16 / fp16
 #pragma unroll
@@ -462,7 +496,10 @@ __global__ void finish_segments_kernel(const T* __restrict__ dout, const int64_t
     }
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
-      if (g0 + k >= num_segments || token[k] == kLonger || (token[k] == kEmpty && !zero_empty)) continue;
+      if (g0 + k >= num_segments || token[k] == kLonger || token[k] == kByPositions ||
+          (token[k] == kEmpty && !zero_empty)) {
+        continue;
+      }
       A sum[VEC];
 #pragma unroll  // 0 + x: a sum from zero (+0, never -0); an untouched row: +0, as a fill; scale / 1 = scale
       for (int i = 0; i < VEC; ++i) sum[i] = token[k] >= 0 ? (A(0) + static_cast<A>(row[k].val[i])) * scale : A(0);
@@ -721,6 +758,7 @@ struct SortedSegments {
   at::Tensor keys;        // by slot: the key of segment s (-1 for an empty slot)
   at::Tensor begin, end;  // the segment's sorted positions [begin, end)
   at::Tensor first;       // the segment's first token, order[begin] (0 for an empty one)
+  at::Tensor solo;        // with_solo: per token, its key when it is its segment's only token, else -1
   at::Tensor count;       // by slot: () int64 on the device, the number of segments
   at::Tensor partials;    // (2 * chunks, d) in the compute dtype, or undefined: no segment is longer than a chunk
 };
@@ -731,7 +769,7 @@ struct SortedSegments {
 // chunk_kernel.
 template <class Launch, typename T>
 SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in, int64_t num_rows, int64_t skip,
-                               bool by_row) {
+                               bool by_row, bool with_solo = false) {
   using A = acc_t<T>;
   SortedSegments seg;
   const at::Tensor keys = keys_in.reshape(-1);
@@ -739,9 +777,13 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
   num_rows = std::max<int64_t>(num_rows, 0);
   const auto long_options = keys.options().dtype(at::kLong);
   const int64_t entries = by_row ? num_rows : std::min(n, num_rows);
-  const at::Tensor bounds = at::empty({by_row ? 3 : 4, entries}, long_options);  // set by sort_inputs
-  seg.begin = bounds[0], seg.end = bounds[1], seg.first = bounds[2];
-  if (!by_row) seg.keys = bounds[3];
+  // begin, end, first token (zeros), [by slot: keys (-1)], [solo (-1), by token]: set by sort_inputs
+  const int64_t rows_of_bounds = by_row ? 3 : 4;
+  const at::Tensor bounds = at::empty({rows_of_bounds * entries + (with_solo ? n : 0)}, long_options);
+  seg.begin = bounds.narrow(0, 0, entries), seg.end = bounds.narrow(0, entries, entries);
+  seg.first = bounds.narrow(0, 2 * entries, entries);
+  if (!by_row) seg.keys = bounds.narrow(0, 3 * entries, entries);
+  if (with_solo) seg.solo = bounds.narrow(0, rows_of_bounds * entries, n);
   seg.order = at::empty({n}, long_options);
   // 32-bit sort keys when V (the unused keys' stand-in) fits: half the bytes and passes.
   const bool narrow = num_rows < std::numeric_limits<int32_t>::max();
@@ -784,7 +826,8 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
       Launch::run(g.grid, g.block, chunk_kernel<K, T, A, decltype(v)::value>, sorted.template data_ptr<K>(),
                   by_row ? nullptr : scan.data_ptr<int64_t>(), n, num_rows,
                   by_row ? nullptr : seg.keys.data_ptr<int64_t>(), seg.begin.data_ptr<int64_t>(),
-                  seg.end.data_ptr<int64_t>(), seg.first.data_ptr<int64_t>(), dout.data_ptr<T>(),
+                  seg.end.data_ptr<int64_t>(), seg.first.data_ptr<int64_t>(),
+                  with_solo ? seg.solo.data_ptr<int64_t>() : nullptr, dout.data_ptr<T>(),
                   seg.order.data_ptr<int64_t>(),
                   seg.partials.defined() ? seg.partials.data_ptr<A>() : nullptr, num_chunks, dim);
     };
@@ -848,7 +891,15 @@ at::Tensor dense_gradient(const at::Tensor& dout, const at::Tensor& keys, int64_
     few_tokens_gradient<Launch, T>(dout, keys.contiguous(), skip, scale, divide_by_count, grad, positions);
     return grad;
   }
-  const SortedSegments seg = sorted_segments<Launch, T>(dout, keys, num_rows, skip, /*by_row=*/true);
+  // The position blocks write the one-token rows when they read every token (PositionSums).
+  const bool solo_by_positions = positions.out != nullptr && positions.steps == positions.seq_len;
+  const SortedSegments seg =
+      sorted_segments<Launch, T>(dout, keys, num_rows, skip, /*by_row=*/true, solo_by_positions);
+  if (solo_by_positions) {
+    positions.solo = seg.solo.data_ptr<int64_t>();
+    positions.table = grad.data_ptr<T>();
+    positions.scale = static_cast<acc_t<T>>(scale);
+  }
   finish_segments<Launch, T>(dout, seg, scale, divide_by_count, /*zero_empty=*/true, grad, positions);
   return grad;
 }
