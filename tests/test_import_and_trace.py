@@ -70,12 +70,14 @@ SM90_TRACE = (
 )
 
 
-def _traced_backward(batch: int, seq_len: int) -> tuple[str, list]:
-    """The triton dense backward of (batch, seq_len) tokens under AOTAutograd's
-    functionalisation on fake CUDA tensors (sm_90 target for Inductor's mutation analysis):
-    ("traced" or "opaque" and whether the graph sorts, the pointers each kernel launch writes)."""
+def _traced_backward(batch: int, seq_len: int, num_positions: int) -> tuple[str, list]:
+    """The triton dense backward of (batch, seq_len) tokens with num_positions learned
+    positions, under AOTAutograd's functionalisation on fake CUDA tensors (sm_90 target for
+    Inductor's mutation analysis): ("traced" or "opaque" and whether the graph sorts, the
+    pointers each kernel launch writes)."""
     out = _run(SM90_TRACE +
-        "f = lambda dout, ids: torch.ops.pyembed.triton_backward(dout, ids, None, 0, 1000, 64, 2.0, None, False,\n"
+        f"f = lambda dout, ids: torch.ops.pyembed.triton_backward(dout, ids, None, 0, 1000, {num_positions}, 2.0,\n"
+        "                                                        None, False,\n"
         "                                                        True, True)\n"
         "with FakeTensorMode():\n"
         f"    ids = torch.empty({batch}, {seq_len}, dtype=torch.long, device='cuda')\n"
@@ -93,16 +95,18 @@ def test_compiled_backward_holds_the_triton_kernels_and_copies_no_input():
     # found to write only its outputs (the output gradient and the ids are never copied).
     # The sort's inputs, the chunks (segment bounds and first tokens, long segments' pieces),
     # the table's rows and the positions' (one kernel): no input (dout, ids, the sorted keys)
-    # is written.
-    assert _traced_backward(4, 512) == ("traced True", [["out_ptr", "bounds_ptr"], ["begin_ptr", "end_ptr",
-                                                                                  "first_ptr", "partials_ptr"],
-                                                         ["out_ptr", "pos_out_ptr"]])
+    # is written. Every position is in the table (600 of them for 512 tokens a row), so the
+    # chunks also mark the tokens used once, whose rows the positions' programs write: the
+    # finish kernel only reads those marks.
+    assert _traced_backward(4, 512, 600) == ("traced True", [
+        ["out_ptr", "bounds_ptr"], ["begin_ptr", "end_ptr", "first_ptr", "solo_ptr", "partials_ptr"],
+        ["out_ptr", "pos_out_ptr"]])
 
 
 def test_compiled_short_batch_backward_is_one_kernel_writing_only_the_gradients():
     # At most 32 tokens: no sort in the graph, one kernel -- the few-token one, writing the
     # table's rows and the positions' -- found to write only its outputs.
-    assert _traced_backward(1, 8) == ("traced False", [["out_ptr", "pos_out_ptr"]])
+    assert _traced_backward(1, 8, 64) == ("traced False", [["out_ptr", "pos_out_ptr"]])
 
 
 def test_compiled_kernel_with_the_range_check_writes_no_input_tensor():
