@@ -118,6 +118,51 @@ def interpreted_launches(monkeypatch):
     return launched
 
 
+@pytest.fixture
+def interpreted_accesses(monkeypatch):
+    """The element addresses the Triton interpreter loads and stores (the lanes a mask
+    keeps), to count per tensor afterwards: ``loads(t)``, ``stores(t)``, ``unique_stores(t)``.
+    CPU tensors keep their storage under the interpreter, so the addresses are theirs."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    import numpy as np
+    import triton.runtime.interpreter as interpreter
+
+    loads, stores = [], []
+    builder = interpreter.InterpreterBuilder
+    masked_load, masked_store = builder.create_masked_load, builder.create_masked_store
+
+    def counted_load(self, ptrs, mask, *args):
+        loads.append(np.broadcast_to(ptrs.data, mask.data.shape)[mask.data].astype(np.uint64))
+        return masked_load(self, ptrs, mask, *args)
+
+    def counted_store(self, ptrs, value, mask, *args):
+        stores.append(np.broadcast_to(ptrs.data, mask.data.shape)[mask.data].astype(np.uint64))
+        return masked_store(self, ptrs, value, mask, *args)
+
+    monkeypatch.setattr(builder, "create_masked_load", counted_load)
+    monkeypatch.setattr(builder, "create_masked_store", counted_store)
+
+    def inside(found, t):
+        addresses = np.concatenate(found) if found else np.empty(0, np.uint64)
+        start = t.data_ptr()
+        return addresses[(addresses >= start) & (addresses < start + t.numel() * t.element_size())]
+
+    class Accesses:
+        def clear(self):
+            loads.clear(), stores.clear()
+
+        def loads(self, t):
+            return inside(loads, t).size
+
+        def stores(self, t):
+            return inside(stores, t).size
+
+        def unique_stores(self, t):
+            return np.unique(inside(stores, t)).size
+
+    return Accesses()
+
+
 # A GPU backward is a few microseconds of arithmetic behind one host-side launch per op:
 # the ATen ops it issues are its fixed cost (on an H100, ~95 of them made a GPT-2 8x2048
 # backward 1.6 ms against eager's 0.5). The segment bookkeeping is in kernels, so a
@@ -654,6 +699,29 @@ def test_learned_positions_write_the_one_token_rows_bit_for_bit(request, backend
             positions = (offset + torch.arange(100)).expand(4, 100)
             reached = positions < 120
             assert torch.equal(dp, exact_row_sums(positions[reached], dout[reached], 120).to(dtype))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
+def test_triton_dense_backward_reads_dout_once_for_rows_used_once(interpreted_accesses):
+    """Issue #30's bytes, counted from the kernels' own accesses: the learned positions'
+    programs read every token's dout row they reach, and with every position in the table
+    (offset 0) they also write the rows used by one token, so the table's programs read dout
+    only for rows used more than once (the 160-use row's in the chunk pass, as pieces);
+    otherwise (offset 30) the table's programs read every used token's row. The gradients
+    are written once each, every element."""
+    from pyembed import _triton
+
+    dim = 60
+    ids, dout, used = solo_rows_ids_and_grad(torch.float32, dim)
+    counts = torch.bincount(ids[used], minlength=SOLO_VOCAB)
+    shared = int((used & (counts[ids.clamp(0, SOLO_VOCAB - 1)] > 1)).sum())  # tokens of rows used twice or more
+    for offset, reached, table_reads in ((0, 400, shared), (30, 360, int(used.sum()))):
+        interpreted_accesses.clear()
+        dw, dp = _triton.backward(dout, ids, None, offset, SOLO_VOCAB, 120, 1.0, 5, False, True, True)
+        assert interpreted_accesses.loads(dout) == (reached + table_reads) * dim, offset
+        for grad in (dw, dp):
+            assert interpreted_accesses.stores(grad) == interpreted_accesses.unique_stores(grad) == grad.numel()
+    assert int(used.sum()) - shared > 150  # the tokens whose row is theirs alone: read once, not twice
 
 
 def test_emulated_cuda_dense_gradient_of_no_tokens_is_zeros(emulated):
