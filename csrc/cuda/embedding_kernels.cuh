@@ -346,8 +346,15 @@ __global__ void chunk_kernel(const K* __restrict__ sorted, const int64_t* __rest
 // Learned positions with p = offset + t (no position_ids): row p of their gradient is
 // the sum over b of dout[b, t], b ascending, for the `steps` positions the sequence
 // reaches, and zeros in every other row. The token table's last kernel writes them too,
-// in blocks after its own (first_block on): one launch less per backward; batch_sum_kernel
-// alone when the table needs no gradient.
+// in blocks of its own launch: one launch less per backward; batch_sum_kernel alone when
+// the table needs no gradient. In finish_segments_kernel they come first: a position block
+// reads `batch` rows of dout (and writes the one-token rows below), a table block's rows
+// are mostly one load or none, so the long blocks start first and the short ones fill in
+// around them, instead of running last, as a tail, with the GPU otherwise idle (not yet
+// measured on a GPU). In few_tokens_gradient_kernel, whose position blocks read a row or
+// two, last: a test of both bounds took its fp32 form from 64 registers to 70. (The triton
+// backend keeps its position programs last: the same reordering made Triton spill 8-24 B
+// in some of _finish_segments_kernel's specialisations.)
 //
 // Those blocks read every token's dout row, and so did the table's blocks: dout twice. At
 // the H100 run of d81f5b2 that second read was ~50 of the ~260 MB finish_segments moved
@@ -361,7 +368,9 @@ template <typename T>
 struct PositionSums {
   T* out = nullptr;  // (rows, dim); nullptr: no positional gradient in this launch
   int64_t rows = 0, batch = 0, seq_len = 0, steps = 0, offset = 0;
-  int64_t first_block = std::numeric_limits<int64_t>::max();  // the launch's blocks from here on write `out`
+  // Blocks [first_block, first_block + blocks) write `out`: the first ones (first_block 0) or
+  // the last ones (blocks: up to the launch's end) -- add_position_blocks.
+  int64_t first_block = 0, blocks = 0;
   // Per token: its table row when the token is that row's only one, else -1; nullptr: the
   // table's blocks write every row. `table` and `scale` as the table's blocks have them.
   const int64_t* solo = nullptr;
@@ -401,12 +410,13 @@ __device__ __forceinline__ void position_sum_row(const T* __restrict__ dout, con
   }
 }
 
-// This block's rows of pos.out, if it is one of the blocks that write them (blockDim.y rows each).
-template <int VEC, bool kSolo = false, typename T>
+// This block's rows of pos.out, if it is one of the blocks that write them (blockDim.y rows
+// each): the launch's first blocks (kFirst) or its last ones, one bound to test either way.
+template <int VEC, bool kSolo, bool kFirst, typename T>
 __device__ __forceinline__ bool position_block(const T* __restrict__ dout, const PositionSums<T>& pos, int64_t dim) {
-  if (static_cast<int64_t>(blockIdx.x) < pos.first_block) return false;
-  position_sum_row<VEC, kSolo>(dout, pos, (static_cast<int64_t>(blockIdx.x) - pos.first_block) * blockDim.y + threadIdx.y,
-                        dim);
+  const int64_t block = static_cast<int64_t>(blockIdx.x) - pos.first_block;
+  if (kFirst ? block >= pos.blocks : block < 0) return false;
+  position_sum_row<VEC, kSolo>(dout, pos, block * blockDim.y + threadIdx.y, dim);
   return true;
 }
 
@@ -450,9 +460,9 @@ constexpr int kSegmentsPerGroup = 4;
 // segment's token count) with divide_by_count. A segment longer than a chunk adds its
 // pieces' partial sums instead (chunk_kernel). An empty segment (an untouched row) is
 // written as zeros with zero_empty (a dense gradient: every row written once, no fill
-// before), else not at all. Blocks from positions.first_block on write the learned
-// positions' gradient instead (PositionSums), and with positions.solo the one-token rows
-// too, which the table's blocks then leave alone.
+// before), else not at all. The first positions.blocks blocks write the learned
+// positions' gradient instead (PositionSums; add_position_blocks with positions_first),
+// and with positions.solo the one-token rows too, which the table's blocks leave alone.
 //
 // Each thread group takes kSegmentsPerGroup consecutive segments. Those of at most one
 // token -- the common case: 8x2048 uniform ids over GPT-2's 50257 rows leave 72% of the
@@ -467,13 +477,13 @@ __global__ void finish_segments_kernel(const T* __restrict__ dout, const int64_t
                                        T* __restrict__ out, A scale,
                                        bool divide_by_count, bool zero_empty, int64_t num_segments, int64_t dim,
                                        PositionSums<T> positions) {
-  if (position_block<VEC, /*kSolo=*/true>(dout, positions, dim)) return;
+  if (position_block<VEC, /*kSolo=*/true, /*kFirst=*/true>(dout, positions, dim)) return;
   constexpr int kRows = kSegmentsPerGroup;
   // token[k] of an empty segment, of one of two or more tokens, of one token whose row the
   // position blocks write (PositionSums::solo)
   constexpr int64_t kEmpty = -1, kLonger = -2, kByPositions = -3;
   const bool solo_by_positions = positions.solo != nullptr;
-  const int64_t g0 = (static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y) * kRows;
+  const int64_t g0 = ((static_cast<int64_t>(blockIdx.x) - positions.blocks) * blockDim.y + threadIdx.y) * kRows;
   if (g0 >= num_segments) return;
   // Every segment's bounds and first token, all loads together, not a chain per segment
   // (the rows past num_segments read the last row's).
@@ -545,7 +555,7 @@ template <typename index_t, typename T, typename A, int VEC>
 __global__ void few_tokens_gradient_kernel(const index_t* __restrict__ keys, int64_t n, const T* __restrict__ dout,
                                            T* __restrict__ out, A scale, bool divide_by_count, int64_t num_rows,
                                            int64_t skip, int64_t dim, PositionSums<T> positions) {
-  if (position_block<VEC>(dout, positions, dim)) return;
+  if (position_block<VEC, /*kSolo=*/false, /*kFirst=*/false>(dout, positions, dim)) return;
   constexpr int kFewRows = few_rows<VEC>();
   const int64_t g0 = (static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y) * kFewRows;
   if (g0 >= num_rows) return;
@@ -619,10 +629,10 @@ __global__ void few_tokens_slots_kernel(const index_t* __restrict__ keys, int64_
   }
 }
 
-// The learned positions' gradient alone (the token table needs none): PositionSums with first_block 0.
+// The learned positions' gradient alone (the token table needs none): every block a position block.
 template <typename T, int VEC>
 __global__ void batch_sum_kernel(const T* __restrict__ dout, PositionSums<T> positions, int64_t dim) {
-  position_block<VEC>(dout, positions, dim);
+  position_block<VEC, /*kSolo=*/false, /*kFirst=*/true>(dout, positions, dim);
 }
 
 // ------------------------------------------------------------------------- host side
@@ -652,16 +662,16 @@ inline RowGrid row_grid(int64_t rows, int64_t dim, int vec) {
 }
 
 // g (over `units` rows or groups of rows of a table) extended by the blocks that write the
-// learned positions' rows, when the launch writes them too (PositionSums): they follow
-// the table's blocks, blockDim.y rows each.
+// learned positions' rows, when the launch writes them too (PositionSums): blockDim.y rows
+// each, before the table's blocks (positions_first) or after them.
 template <typename T>
-RowGrid add_position_blocks(RowGrid g, int64_t units, PositionSums<T>& positions) {
-  int64_t blocks = units > 0 ? g.grid.x : 0;
-  if (positions.out != nullptr) {
-    positions.first_block = blocks;
-    blocks += (positions.rows + g.block.y - 1) / g.block.y;
-  }
+RowGrid add_position_blocks(RowGrid g, int64_t units, PositionSums<T>& positions, bool positions_first) {
+  const int64_t table_blocks = units > 0 ? g.grid.x : 0;
+  const int64_t position_blocks = positions.out != nullptr ? (positions.rows + g.block.y - 1) / g.block.y : 0;
+  const int64_t blocks = table_blocks + position_blocks;
   TORCH_CHECK(blocks < (int64_t(1) << 31), "pyembed: too many blocks for one launch: ", blocks);
+  positions.first_block = positions_first ? 0 : table_blocks;
+  positions.blocks = position_blocks;
   g.grid.x = static_cast<unsigned>(std::max<int64_t>(blocks, 1));
   return g;
 }
@@ -850,7 +860,7 @@ void finish_segments(const at::Tensor& dout, const SortedSegments& seg, double s
   const A* partials = seg.partials.defined() ? seg.partials.data_ptr<A>() : nullptr;
   const int vec = vector_width<T>(dim, {dout.data_ptr(), out.data_ptr(), positions.out});
   const int64_t groups = (rows + kSegmentsPerGroup - 1) / kSegmentsPerGroup;
-  const RowGrid g = add_position_blocks(row_grid(groups, dim, vec), groups, positions);
+  const RowGrid g = add_position_blocks(row_grid(groups, dim, vec), groups, positions, /*positions_first=*/true);
   auto run = [&](auto v) {
     Launch::run(g.grid, g.block, finish_segments_kernel<T, A, decltype(v)::value>, dout.data_ptr<T>(),
                 seg.order.data_ptr<int64_t>(), partials, seg.begin.data_ptr<int64_t>(), seg.end.data_ptr<int64_t>(),
@@ -871,7 +881,7 @@ void few_tokens_gradient(const at::Tensor& dout, const at::Tensor& keys, int64_t
   AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_few_tokens_gradient", [&] {
     auto run = [&](auto v) {
       const int64_t groups = (num_rows + few_rows<decltype(v)::value>() - 1) / few_rows<decltype(v)::value>();
-      const RowGrid g = add_position_blocks(row_grid(groups, dim, vec), groups, positions);
+      const RowGrid g = add_position_blocks(row_grid(groups, dim, vec), groups, positions, /*positions_first=*/false);
       Launch::run(g.grid, g.block, few_tokens_gradient_kernel<index_t, T, A, decltype(v)::value>,
                   keys.data_ptr<index_t>(), keys.numel(), dout.data_ptr<T>(), grad.data_ptr<T>(),
                   static_cast<A>(scale), divide_by_count, num_rows, skip, dim, positions);
@@ -942,7 +952,7 @@ std::tuple<at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out_in, co
                                               scale_grad_by_freq, positions);
     } else if (positions.out != nullptr) {
       const int vec = vector_width<T>(dim, {dout.data_ptr(), positions.out});
-      const RowGrid g = add_position_blocks(row_grid(0, dim, vec), 0, positions);
+      const RowGrid g = add_position_blocks(row_grid(0, dim, vec), 0, positions, /*positions_first=*/true);
       if (vec > 1) {
         Launch::run(g.grid, g.block, batch_sum_kernel<T, 16 / sizeof(T)>, dout.data_ptr<T>(), positions, dim);
       } else {
