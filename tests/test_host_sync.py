@@ -656,11 +656,12 @@ SOLO_CASES = [(backend, dtype, dim) for backend in ("cuda", "triton")
 @pytest.mark.parametrize("backend, dtype, dim", SOLO_CASES, ids=str)
 def test_learned_positions_write_the_one_token_rows_bit_for_bit(request, backend, dtype, dim):
     """With p = offset + t the token table's last kernel also sums the positions, reading
-    every token's dout row; when every token's position is in the table (offset 0), those
+    every token's dout row; when every token's position is in the table, those
     blocks also write the table rows used by one token, and the table's blocks leave them
     (their dout rows were read twice). The table's gradient must not change by a bit,
-    whether they do or not (offset 30: the last tokens' positions are past the table), and
-    must be the exact sums (integer-valued dout); three kernels around the sort either way."""
+    whether they do (offset 0, and 20: the last position is the table's last row) or not
+    (offset 30: the last tokens' positions are past the table), and must be the exact sums
+    (integer-valued dout); three kernels around the sort either way."""
     ids, dout, used = solo_rows_ids_and_grad(dtype, dim)
     if backend == "cuda":
         emulated = request.getfixturevalue("emulated")
@@ -693,7 +694,7 @@ def test_learned_positions_write_the_one_token_rows_bit_for_bit(request, backend
         alone_dw, _ = backward(0, False, by_freq)
         if not by_freq:
             assert torch.equal(alone_dw, (exact_row_sums(ids[used], dout[used], SOLO_VOCAB) * -0.5).to(dtype))
-        for offset in (0, 30):
+        for offset in (0, 20, 30):
             dw, dp = backward(offset, True, by_freq)
             assert torch.equal(dw, alone_dw), (by_freq, offset)
             positions = (offset + torch.arange(100)).expand(4, 100)
