@@ -18,7 +18,8 @@ dense gradient is three kernels around the sort: the sort's inputs, one pass ove
 sorted positions (segment bounds, the long segments' pieces), one over the table's rows
 (each written once, untouched ones as zeros) -- as csrc/cuda/embedding_kernels.cuh,
 which has the same structure. The learned-PE gradient with p = offset + t is a batch
-reduction, run by extra programs of the table's last kernel (no launch of its own).
+reduction, run by extra programs of the table's last kernel (no launch of its own), which
+also write the table rows used by one token (dout read once for those, not twice).
 
 Scalars: Triton types a Python float argument as fp32, so ``scale`` and the sinusoid's
 frequency step are annotated fp64 (exact for fp64 tables) and rounded to the compute

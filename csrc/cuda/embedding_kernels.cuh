@@ -25,7 +25,8 @@
 // zeros: no zero fill before). A batch of at most kFewTokens tokens skips the sort: one
 // kernel reads every key per group of rows (few_tokens_gradient_kernel), same sums.
 // Learned positions (p = offset + t) are summed over the batch by extra blocks of the
-// table's last kernel (PositionSums): no launch of their own.
+// table's last kernel (PositionSums): no launch of their own; they also write the table
+// rows used by one token, so dout is read once for those, not twice.
 #pragma once
 
 #include <ATen/ATen.h>
