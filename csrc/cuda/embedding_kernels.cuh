@@ -373,18 +373,17 @@ struct PositionSums {
   // the last ones (blocks: up to the launch's end) -- add_position_blocks.
   int64_t first_block = 0, blocks = 0;
   // Per token: its table row when the token is that row's only one, else -1; nullptr: the
-  // table's blocks write every row. `table` and `scale` as the table's blocks have them.
+  // table's blocks write every row (finish_segments sets it from SortedSegments::solo).
   const int64_t* solo = nullptr;
-  T* table = nullptr;
-  acc_t<T> scale = 1;
 };
 
 // Row p of pos.out, this thread's columns. kSolo: the launch may write one-token rows
-// (pos.solo, checked at run time); the kernels that never do are compiled without that
-// path (it took the bf16 few_tokens_gradient_kernel from 64 registers to 72).
+// (pos.solo, checked at run time) into `table`, scaled by `scale`, as the table's blocks
+// would; the kernels that never do are compiled without that path (it took the bf16
+// few_tokens_gradient_kernel from 64 registers to 72).
 template <int VEC, bool kSolo, typename T>
 __device__ __forceinline__ void position_sum_row(const T* __restrict__ dout, const PositionSums<T>& pos, int64_t p,
-                                                 int64_t dim) {
+                                                 int64_t dim, T* table, acc_t<T> scale) {
   using A = acc_t<T>;
   if (p >= pos.rows) return;
   const int64_t t = p - pos.offset;
@@ -403,8 +402,8 @@ __device__ __forceinline__ void position_sum_row(const T* __restrict__ dout, con
       if (solo_row >= 0) {  // as finish_segments_kernel writes a one-token row
         A row[VEC];
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) row[i] = (A(0) + x[i]) * pos.scale;
-        store_pack<VEC>(pos.table + solo_row * dim + j, row);
+        for (int i = 0; i < VEC; ++i) row[i] = (A(0) + x[i]) * scale;
+        store_pack<VEC>(table + solo_row * dim + j, row);
       }
     }
     store_pack<VEC>(pos.out + p * dim + j, acc);
@@ -414,10 +413,11 @@ __device__ __forceinline__ void position_sum_row(const T* __restrict__ dout, con
 // This block's rows of pos.out, if it is one of the blocks that write them (blockDim.y rows
 // each): the launch's first blocks (kFirst) or its last ones, one bound to test either way.
 template <int VEC, bool kSolo, bool kFirst, typename T>
-__device__ __forceinline__ bool position_block(const T* __restrict__ dout, const PositionSums<T>& pos, int64_t dim) {
+__device__ __forceinline__ bool position_block(const T* __restrict__ dout, const PositionSums<T>& pos, int64_t dim,
+                                               T* table = nullptr, acc_t<T> scale = 1) {
   const int64_t block = static_cast<int64_t>(blockIdx.x) - pos.first_block;
   if (kFirst ? block >= pos.blocks : block < 0) return false;
-  position_sum_row<VEC, kSolo>(dout, pos, block * blockDim.y + threadIdx.y, dim);
+  position_sum_row<VEC, kSolo>(dout, pos, block * blockDim.y + threadIdx.y, dim, table, scale);
   return true;
 }
 
@@ -478,7 +478,7 @@ __global__ void finish_segments_kernel(const T* __restrict__ dout, const int64_t
                                        T* __restrict__ out, A scale,
                                        bool divide_by_count, bool zero_empty, int64_t num_segments, int64_t dim,
                                        PositionSums<T> positions) {
-  if (position_block<VEC, /*kSolo=*/true, /*kFirst=*/true>(dout, positions, dim)) return;
+  if (position_block<VEC, /*kSolo=*/true, /*kFirst=*/true>(dout, positions, dim, out, scale)) return;
   constexpr int kRows = kSegmentsPerGroup;
   // token[k] of an empty segment, of one of two or more tokens, of one token whose row the
   // position blocks write (PositionSums::solo)
@@ -859,6 +859,8 @@ void finish_segments(const at::Tensor& dout, const SortedSegments& seg, double s
   const int64_t dim = dout.size(1), rows = out.size(0);
   if (dim == 0 || rows + positions.rows == 0) return;
   const A* partials = seg.partials.defined() ? seg.partials.data_ptr<A>() : nullptr;
+  // The position blocks write the one-token rows when the segments mark them (with_solo).
+  if (positions.out != nullptr && seg.solo.defined()) positions.solo = seg.solo.data_ptr<int64_t>();
   const int vec = vector_width<T>(dim, {dout.data_ptr(), out.data_ptr(), positions.out});
   const int64_t groups = (rows + kSegmentsPerGroup - 1) / kSegmentsPerGroup;
   const RowGrid g = add_position_blocks(row_grid(groups, dim, vec), groups, positions, /*positions_first=*/true);
@@ -906,11 +908,6 @@ at::Tensor dense_gradient(const at::Tensor& dout, const at::Tensor& keys, int64_
   const bool solo_by_positions = positions.out != nullptr && positions.steps == positions.seq_len;
   const SortedSegments seg =
       sorted_segments<Launch, T>(dout, keys, num_rows, skip, /*by_row=*/true, solo_by_positions);
-  if (solo_by_positions) {
-    positions.solo = seg.solo.data_ptr<int64_t>();
-    positions.table = grad.data_ptr<T>();
-    positions.scale = static_cast<acc_t<T>>(scale);
-  }
   finish_segments<Launch, T>(dout, seg, scale, divide_by_count, /*zero_empty=*/true, grad, positions);
   return grad;
 }
