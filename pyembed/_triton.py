@@ -92,12 +92,58 @@ def forward(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.
             sinusoid_dim: int = 0, error_record: int = 0) -> torch.Tensor:
     """The forward (schema of reference.embedding_forward); eagerly, a direct launch. With
     an error_record the kernel checks the ranges into it, and an earlier call's finding is
-    raised first (pyembed.checks; csrc/checks.h does the same for the cuda backend)."""
-    reference.check_sinusoid_columns(pos_encoding, sinusoid_column_offset, sinusoid_dim, weight.shape[1])
+    raised first (pyembed.checks; csrc/checks.h does the same for the cuda backend).
+
+    A lookup without position_ids or dropout is launched from a plan kept per metadata
+    (``_plans``, from the second call of that metadata on): the kernel Triton compiled for
+    those shapes, dtypes and arguments, launched again with the new tensors and offset
+    (kernels.launch.bind). What lies between this call and the launch -- the launch key over
+    25 arguments, their list, the block sizes -- is then done once: a one-token forward's
+    host time 11 -> 5 us on the development VM (stand-in driver, ``python -m bench.triton_host``)."""
     if error_record:
         checks.raise_pending_error(weight.device)
-    return _forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
-                    sinusoid_column_offset, sinusoid_dim, error_record, launch=_direct)
+    plan = None
+    plain = (position_ids is None and dropout_key is None and type(scale) is float and type(offset) is int
+             and (pos_weight is None or pos_encoding == "learned"))
+    if plain:
+        # Everything the launch's fixed arguments, grid and binary depend on: of the offset (a
+        # decoder's position, new each step) only what Triton specialises it on; the
+        # tensors' alignment is checked by the replay.
+        key = (ids.shape, ids.dtype, weight.shape, weight.dtype, weight.device,
+               None if pos_weight is None else (pos_weight.shape, pos_weight.dtype), pos_encoding, scale,
+               _kernels().int_class(offset), sinusoid_column_offset, sinusoid_dim, error_record)
+        plan = _plans.get(key)
+        if (type(plan) is tuple and ids.is_contiguous() and weight.is_contiguous()
+                and (pos_weight is None or pos_weight.is_contiguous())):
+            out_shape, replay = plan
+            out = weight.new_empty(*out_shape)  # ints: a torch.Size costs the host ~1.5 us more
+            with _on_device(weight):
+                if replay(ids, weight, weight if pos_weight is None else pos_weight, out, offset):
+                    return out
+        elif plan is None:  # this metadata's first call: planned at its second (a plan costs ~20 us)
+            if len(_plans) >= _MAX_PLANS:  # a server's many shapes: start afresh rather than grow
+                _plans.clear()
+            _plans[key] = _SEEN
+    reference.check_sinusoid_columns(pos_encoding, sinusoid_column_offset, sinusoid_dim, weight.shape[1])
+    if plan is not _SEEN:
+        return _forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
+                        sinusoid_column_offset, sinusoid_dim, error_record, launch=_direct)
+    out = weight.new_empty(*ids.shape, weight.shape[1])
+    ids, weight = ids.contiguous(), weight.contiguous()
+    pos_weight = None if pos_weight is None else pos_weight.contiguous()
+    with _on_device(weight):
+        replay = _kernels().planned_forward(ids, weight, pos_weight, checks.POS_CODES[pos_encoding], scale, offset,
+                                            sinusoid_column_offset, sinusoid_dim or weight.shape[1], out, error_record)
+    _plans[key] = (tuple(out.shape), replay) if replay is not None else _UNPLANNED
+    return out
+
+
+# forward's plans by metadata key: _SEEN after one call, then (output shape, replay), or
+# _UNPLANNED where the launch cannot be replayed. Bounded: a stream of new shapes would
+# otherwise hold them all.
+_plans: dict = {}
+_MAX_PLANS = 256
+_SEEN, _UNPLANNED = "seen", "unplanned"
 
 
 def _direct(kernel):

@@ -61,3 +61,15 @@ def test_a_profilers_launch_hook_sees_cached_launches_as_it_sees_tritons():
     result = _worker("hooks")
     assert len(result["by_triton"]) == 4 and result["cached"] == result["by_triton"]
     assert result["same_launches"]
+
+
+def test_the_eager_forward_replays_its_plan_and_launches_what_triton_would():
+    result = _worker("planned")
+    assert result["mismatches"] == []  # every call, replayed or not, launched Triton's binary and arguments
+    # A metadata's third call on replays (its first is remembered, its second bound), with
+    # the call's own tensors; an offset of the bound specialisation (% 16, not 1) replays
+    # the same plan; a misaligned table, non-contiguous ids, a profiler hook and offsets of
+    # another specialisation (1; 5, whose key is new until its second call) do not.
+    assert result["replayed"] == ["third", "new tensors", "offset 16", "offset 7", "error record, third",
+                                  "int32 ids, third", "sinusoid, third", "no positions, third"]
+    assert all(result["own_tensors"])

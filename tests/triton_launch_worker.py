@@ -7,8 +7,9 @@ cuLaunchKernel. Each check prints one JSON line; the test asserts on them.
 What is checked: ``kernels.launch.cached`` launches exactly what Triton's own
 ``kernel[grid](...)`` launches -- the same binary with the same arguments, grid and
 stream -- for arguments that differ in each property Triton specialises on, in every
-order; a profiler's launch hook sees its launches as it sees Triton's; and pyembed's
-eager forward + backward reach the kernels through it.
+order; a profiler's launch hook sees its launches as it sees Triton's; pyembed's
+eager forward + backward reach the kernels through it; and the eager forward's plans
+(``kernels.launch.bind``) launch what Triton would, replayed or not.
 """
 
 import itertools
@@ -143,6 +144,87 @@ def check_eager_calls():
                       "jit_runs": jit_runs}))
 
 
+def _same_kind(a, b) -> bool:
+    """Two recorded launches agree up to which tensor objects they got: grid, stream,
+    binary, each tensor's dtype, size and alignment, every other argument's type and value."""
+    def kind(x):
+        if isinstance(x, torch.Tensor):
+            return x.dtype, x.numel(), x.data_ptr() & 15 == 0
+        return type(x), x
+    return a[:3] == b[:3] and list(map(kind, a[3])) == list(map(kind, b[3]))
+
+
+def check_planned_forward():
+    """pyembed/_triton.py's forward plans (kernels.launch.bind): a call after a call of the
+    same metadata replays the bound kernel, and every call -- replayed or declined to
+    ``cached`` (an offset of another specialisation, a misaligned or non-contiguous tensor,
+    a profiler hook) -- launches what Triton's own run launches for it, with the call's own
+    tensors."""
+    from triton import knobs
+
+    from pyembed import _triton, checks
+
+    _triton._INTERPRETED = True
+    _triton._plans.clear()
+    kernel = k._embedding_forward_kernel
+    through_cached = []
+    launch_method = launch.CachedLauncher.launch
+
+    def counted(self, *args):
+        through_cached[-1] += 1
+        return launch_method(self, *args)
+
+    launch.CachedLauncher.launch = counted
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (2, 16), generator=gen)
+    weight, pos = torch.randn(100, 64, generator=gen), torch.randn(40, 64, generator=gen)
+    base = dict(ids=ids, weight=weight, pos=pos, encoding="learned", offset=0, record=0)
+    hook = lambda metadata: None  # noqa: E731
+    calls = [("first", {}), ("second", {}), ("third", {}), ("new tensors", dict(ids=ids.clone(), weight=weight.clone(),
+                                                                                 pos=pos.clone())),
+             ("offset 16", dict(offset=16)), ("offset 5", dict(offset=5)), ("offset 5 again", dict(offset=5)),
+             ("offset 7", dict(offset=7)), ("offset 1", dict(offset=1)),
+             ("misaligned table", dict(weight=torch.randn(100 * 64 + 1)[1:].view(100, 64))),
+             ("non-contiguous ids", dict(ids=ids.t().contiguous().t())),
+             ("profiler hook", dict(hook=True)),
+             ("error record", dict(record=2**40)), ("error record again", dict(record=2**40)),
+             ("error record, third", dict(record=2**40)),
+             ("int32 ids", dict(ids=ids.int())), ("int32 ids again", dict(ids=ids.int())),
+             ("int32 ids, third", dict(ids=ids.int())),
+             ("sinusoid", dict(pos=None, encoding="sinusoidal")), ("sinusoid again", dict(pos=None, encoding="sinusoidal")),
+             ("sinusoid, third", dict(pos=None, encoding="sinusoidal")),
+             ("no positions", dict(pos=None, encoding="none")), ("no positions again", dict(pos=None, encoding="none")),
+             ("no positions, third", dict(pos=None, encoding="none"))]
+    mismatches, replayed, own_tensors = [], [], []
+    for name, change in calls:
+        call = {**base, **change}
+        if call.get("hook"):
+            knobs.runtime.launch_enter_hook.add(hook)
+        launches.clear()
+        through_cached.append(0)
+        try:
+            out = _triton.forward(call["ids"], call["weight"], call["pos"], None, call["encoding"], 2.0,
+                                  call["offset"], None, 0.0, 0, 0, call["record"])
+        finally:
+            if call.get("hook"):
+                knobs.runtime.launch_enter_hook.remove(hook)
+        got = launches.pop()
+        if not through_cached[-1]:
+            replayed.append(name)
+            # A replay launches the call's own tensors (the ids in the unused pointers' places).
+            pos_or_weight = call["weight"] if call["pos"] is None else call["pos"]
+            own_tensors.append(all(a is b for a, b in zip(got[3][:6], (call["ids"], call["weight"], pos_or_weight,
+                                                                         call["ids"], call["ids"], out))))
+        mode = checks.POS_CODES[call["encoding"]]
+        grid, args, constexprs = k._forward_launch(call["ids"].contiguous(), call["weight"].contiguous(), call["pos"],
+                                                   None, mode, 2.0, call["offset"], None, 0, 1.0, 0, 64, out,
+                                                   call["record"])
+        if not _same_kind(got, _what_triton_launches(kernel, grid, args, constexprs)):
+            mismatches.append(name)
+    print(json.dumps({"check": "planned forward", "mismatches": mismatches, "replayed": replayed,
+                      "own_tensors": own_tensors}))
+
+
 def check_profiler_hooks():
     """A profiler's launch hook (as Proton sets one) sees every launch, with its metadata,
     cached or not -- as many calls and the same kernel names as under Triton's own run."""
@@ -167,4 +249,5 @@ def check_profiler_hooks():
 
 
 if __name__ == "__main__":
-    {"forward": check_forward_variants, "eager": check_eager_calls, "hooks": check_profiler_hooks}[sys.argv[1]]()
+    {"forward": check_forward_variants, "eager": check_eager_calls, "hooks": check_profiler_hooks,
+     "planned": check_planned_forward}[sys.argv[1]]()
