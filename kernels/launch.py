@@ -228,7 +228,9 @@ def bind(kernel, grid: tuple, args: tuple, constexprs: dict, tensors: tuple = ()
     # the arguments (compiling it is ~150 us), a function of it per bound launch (~us).
     fixed = (*args, *constexprs.values())
     code = _replay_code(tuple(map(tuple, tensor_positions)), tuple(int_positions), len(fixed))
-    namespace = {f"A{p}": value for p, value in enumerate(fixed)}
+    # Not the bound call's tensors: a plan must not keep a table (or its output) alive.
+    replaced = {p for group in tensor_positions for p in group} | set(int_positions)
+    namespace = {f"A{p}": value for p, value in enumerate(fixed) if p not in replaced}
     namespace.update(knobs=knobs, triton=triton, launch_hooks=_launch_hooks, int_class=int_class, CONTEXT=context,
                      CLASSES=tuple(int_class(args[p]) for p in int_positions), COMPILED=compiled,
                      GRID=tuple(grid) + (1,) * (3 - len(grid)))

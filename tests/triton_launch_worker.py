@@ -12,10 +12,12 @@ eager forward + backward reach the kernels through it; and the eager forward's p
 (``kernels.launch.bind``) launch what Triton would, replayed or not.
 """
 
+import gc
 import itertools
 import json
 import pathlib
 import sys
+import weakref
 
 import torch
 import triton
@@ -221,8 +223,17 @@ def check_planned_forward():
                                                    call["record"])
         if not _same_kind(got, _what_triton_launches(kernel, grid, args, constexprs)):
             mismatches.append(name)
+    # A plan holds none of the tensors it was bound with: the table, ids and output go when
+    # the caller lets them go.
+    table, table_ids = torch.randn(300, 64), torch.randint(0, 300, (3, 5))
+    held = [weakref.ref(table), weakref.ref(table_ids)]
+    for _ in range(3):
+        held.append(weakref.ref(_triton.forward(table_ids, table, None, None, "none", 1.0, 0, None, 0.0)))
+    del table, table_ids
+    launches.clear()  # the stand-in driver's record of them
+    gc.collect()
     print(json.dumps({"check": "planned forward", "mismatches": mismatches, "replayed": replayed,
-                      "own_tensors": own_tensors}))
+                      "own_tensors": own_tensors, "held_after_release": sum(ref() is not None for ref in held)}))
 
 
 def check_profiler_hooks():
