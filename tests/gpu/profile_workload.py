@@ -199,6 +199,45 @@ def host_only_costs(backends, calls=40, rounds=3):
     print(f"host 8x2048 GPU busy: torch.sort of the int32 keys (triton's backward): {us:.1f} us/call", flush=True)
 
 
+def python_profile(backends, top=22):
+    """cProfile's view of the `triton` backend's host time, the GPU held by a sleep kernel so
+    nothing waits for it: a one-token forward with a gradient (at d81f5b2 75 us on the
+    H100's host against 44 us under no_grad, where the development VM shows ~6 us between
+    them) and a GPT-2 8x2048 forward + backward run on the calling thread (526 us of host
+    against `cuda`'s 183 us). Which Python functions hold the difference -- the VM cannot
+    say: its tensors are on the CPU."""
+    import cProfile
+    import pstats
+
+    if "triton" not in backends:
+        return
+    one_weight, one_pos, one_ids, _ = tensors(*GPT2, 1, 1, torch.float32)
+    weight, pos_weight, ids, dout = tensors(*GPT2, 8, 2048, torch.float32)
+
+    def forward_with_grad():
+        pyembed.fused_embedding(one_ids, one_weight, one_pos, scale=2.0, backend="triton")
+
+    def fwd_bwd():
+        weight.grad = pos_weight.grad = None
+        pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="triton").backward(dout)
+
+    for name, fn, calls in (("1x1 forward with a gradient", forward_with_grad, 300),
+                            ("8x2048 forward + backward, autograd threads off", fwd_bwd, 30)):
+        with torch.autograd.set_multithreading_enabled(False):
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the host never waits for the GPU
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(calls):
+                fn()
+            profiler.disable()
+        torch.cuda.synchronize()
+        print(f"== cProfile, triton {name}, {calls} calls, by own time", flush=True)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
 def host_cost_targets(backends, weight, ids, per_call, rounds=5):
     """Issue #29's host-cost targets, side by side in one process: a one-token lookup
     (default arguments, a table that wants a gradient, and under no_grad) against
@@ -303,6 +342,7 @@ def main():
     else:
         host_costs(backends)
         host_only_costs(backends)
+        python_profile(backends)
         profile(backends, [(8, 2048), (1, 1)])
         step_profile(backends)
 
