@@ -40,7 +40,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from ..checks import POS_CODES  # installed as pyembed.kernels
-from .launch import bind, cached, int_class  # noqa: F401  (int_class: pyembed/_triton.py)
+from .launch import Binding, cached, int_class  # noqa: F401  (Binding, int_class: pyembed/_triton.py)
 
 POS_NONE, POS_LEARNED, POS_SINUSOIDAL = (POS_CODES[name] for name in ("none", "learned", "sinusoidal"))
 MAX_BLOCK_D = 512
@@ -749,49 +749,31 @@ def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scal
     takes as its high bits and low 31 bits: Inductor of torch 2.11 fails to compile a user
     kernel given an int beyond int32 ('int' object has no attribute 'xreplace', seen on the
     H100). ``launch`` wraps the kernel (torch.library's wrap_triton when torch.compile traces
-    the op: pyembed/_triton.py)."""
-    if ids.numel() and weight.shape[1]:
-        grid, args, constexprs = _forward_launch(ids, weight, pos_weight, position_ids, pos_mode, scale, offset,
-                                                 dropout_key, dropout_threshold, dropout_scale,
-                                                 sinusoid_column_offset, sinusoid_dim, out, error_record)
-        launch(_embedding_forward_kernel)[grid](*args, **constexprs)
-
-
-def _forward_launch(ids, weight, pos_weight, position_ids, pos_mode, scale, offset, dropout_key, dropout_threshold,
-                    dropout_scale, sinusoid_column_offset, sinusoid_dim, out, error_record):
-    """(grid, arguments, constexprs) of embedding_forward's launch (at least one token and column)."""
+    the op: pyembed/_triton.py; a launch.Binding with FORWARD_REPLAYED, which keeps it)."""
     num_tokens, dim = ids.numel(), weight.shape[1]
+    if num_tokens == 0 or dim == 0:
+        return
     block_t, block_d = _blocks(dim, pos_mode, dropout_key is not None)
     grid = (_cdiv(num_tokens, block_t), _cdiv(dim, block_d))
-    args = (ids, weight, pos_weight if pos_weight is not None else weight,
-            position_ids if position_ids is not None else ids, dropout_key if dropout_key is not None else ids, out,
-            num_tokens, ids.shape[-1] if ids.dim() else 1, weight.shape[0],
-            pos_weight.shape[0] if pos_weight is not None else 0, dim, offset, scale, -math.log(10000.0) / sinusoid_dim,
-            sinusoid_column_offset // 2, dropout_threshold, dropout_scale, *error_record_parts(error_record))
-    constexprs = dict(POS_MODE=pos_mode, HAS_POSITION_IDS=position_ids is not None, HAS_DROPOUT=dropout_key is not None,
-                      COMPUTE_F64=weight.dtype == torch.float64, CHECK_RANGES=error_record != 0,
-                      WIDE_SLOTS=wide_slots(num_tokens, block_t), BLOCK_T=block_t, BLOCK_D=block_d)
-    return grid, args, constexprs
+    launch(_embedding_forward_kernel)[grid](
+        ids, weight, pos_weight if pos_weight is not None else weight,
+        position_ids if position_ids is not None else ids, dropout_key if dropout_key is not None else ids, out,
+        num_tokens, ids.shape[-1] if ids.dim() else 1, weight.shape[0],
+        pos_weight.shape[0] if pos_weight is not None else 0, dim, offset, scale, -math.log(10000.0) / sinusoid_dim,
+        sinusoid_column_offset // 2,
+        dropout_threshold, dropout_scale, *error_record_parts(error_record),
+        POS_MODE=pos_mode, HAS_POSITION_IDS=position_ids is not None, HAS_DROPOUT=dropout_key is not None,
+        COMPUTE_F64=weight.dtype == torch.float64, CHECK_RANGES=error_record != 0,
+        WIDE_SLOTS=wide_slots(num_tokens, block_t), BLOCK_T=block_t, BLOCK_D=block_d,
+    )
 
 
-# What changes between lookups of the same metadata (shapes, dtypes, positional encoding,
-# scale, error record): the tensors' data and the offset (a decoder's position).
-# The unused pointers take the ids, as _forward_launch passes them; no positional table, the table.
-_PLANNED_TENSORS = (("ids_ptr", "position_ids_ptr", "dropout_key_ptr"), "weight_ptr", "pos_weight_ptr", "out_ptr")
-
-
-def planned_forward(ids, weight, pos_weight, pos_mode: int, scale: float, offset: int, sinusoid_column_offset: int,
-                    sinusoid_dim: int, out, error_record: int = 0):
-    """embedding_forward of a lookup without position_ids or dropout, launched eagerly
-    (through ``cached``); returns ``replay(ids, weight, pos_weight or weight, out, offset) -> bool``,
-    which launches the same kernel for other tensors of this call's shapes and dtypes
-    (contiguous) and another offset (kernels.launch.bind; False: nothing launched, launch
-    the usual way), or None where the launch cannot be replayed."""
-    if not (ids.numel() and weight.shape[1]):
-        return None
-    grid, args, constexprs = _forward_launch(ids, weight, pos_weight, None, pos_mode, scale, offset, None, 0, 1.0,
-                                             sinusoid_column_offset, sinusoid_dim, out, error_record)
-    return bind(_embedding_forward_kernel, grid, args, constexprs, tensors=_PLANNED_TENSORS, ints=("offset",))
+# The forward's parameters that change between lookups of the same metadata (shapes,
+# dtypes, positional encoding, scale, error record; no position_ids or dropout): the tensors
+# -- the unused pointers take the ids, and the positional table's the table when there is
+# none, as embedding_forward passes them -- and the offset (a decoder's position).
+FORWARD_REPLAYED = dict(tensors=(("ids_ptr", "position_ids_ptr", "dropout_key_ptr"), "weight_ptr", "pos_weight_ptr",
+                                 "out_ptr"), ints=("offset",))
 
 
 BOUNDS_BLOCK = 1024  # sorted positions per program of the sort-input and segment-start kernels

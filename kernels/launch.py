@@ -71,6 +71,12 @@ def int_class(value: int):
     return (value & 15 == 0, "i64" if -(2**63) <= value < 2**63 else "u64")
 
 
+def _jit_context(device) -> tuple:
+    """What of the JIT's state a compiled kernel was chosen under: the device and the
+    global options that are part of Triton's key."""
+    return device, knobs.runtime.debug, knobs.compilation.instrumentation_mode
+
+
 def _launch_key(context: tuple, args: tuple, constexprs: dict):
     """One flat tuple of what Triton specialises a launch on (None: an argument of a type
     whose specialisation is not known here): ``context`` (the device and the JIT's global
@@ -152,7 +158,7 @@ class CachedLauncher:
         # A grid given as a tuple, and no hook that Triton's run calls before compiling or
         # launching; else Triton's own path (a callable grid is evaluated there).
         plain = self._plain(grid)
-        context = (device, runtime.debug, knobs.compilation.instrumentation_mode)
+        context = _jit_context(device)
         if self.key_of is None:
             self.key_of = _key_function(args) or _launch_key
         key = self.key_of(context, args, constexprs)
@@ -211,14 +217,13 @@ def bind(kernel, grid: tuple, args: tuple, constexprs: dict, tensors: tuple = ()
     if not isinstance(launcher, CachedLauncher):
         launcher[grid](*args, **constexprs)
         return None
-    driver, runtime = triton.runtime.driver.active, knobs.runtime
-    context = (driver.get_current_device(), runtime.debug, knobs.compilation.instrumentation_mode)
+    context = _jit_context(triton.runtime.driver.active.get_current_device())
     compiled = launcher.launch(grid, args, constexprs)
     names = launcher.names
     tensor_positions = [[names.index(name)] if isinstance(name, str) else [names.index(n) for n in name]
                         for name in tensors]
     int_positions = [names.index(name) for name in ints]
-    if (compiled is None or not launcher._plain(grid) or _launch_hooks(runtime)
+    if (compiled is None or not launcher._plain(grid) or _launch_hooks(knobs.runtime)
             or not launcher._in_signature_order(args, constexprs)
             or any(args[p].data_ptr() & 15 for group in tensor_positions for p in group)
             or any(not (type(args[p]) is int and _INT32_MIN <= args[p] < _INT32_END) for p in int_positions)):
@@ -231,10 +236,29 @@ def bind(kernel, grid: tuple, args: tuple, constexprs: dict, tensors: tuple = ()
     # Not the bound call's tensors: a plan must not keep a table (or its output) alive.
     replaced = {p for group in tensor_positions for p in group} | set(int_positions)
     namespace = {f"A{p}": value for p, value in enumerate(fixed) if p not in replaced}
-    namespace.update(knobs=knobs, triton=triton, launch_hooks=_launch_hooks, int_class=int_class, CONTEXT=context,
+    namespace.update(knobs=knobs, triton=triton, launch_hooks=_launch_hooks, jit_context=_jit_context,
+                     int_class=int_class, CONTEXT=context,
                      CLASSES=tuple(int_class(args[p]) for p in int_positions), COMPILED=compiled,
                      GRID=tuple(grid) + (1,) * (3 - len(grid)))
     return types.FunctionType(code, namespace, "replay")
+
+
+class Binding:
+    """A ``launch=`` for a helper that launches one kernel (kernels/embedding.py's take one):
+    launches it through ``bind`` with these ``tensors`` and ``ints`` and keeps the replay in
+    ``replay`` (None: nothing launched, or nothing could be bound)."""
+
+    def __init__(self, tensors: tuple = (), ints: tuple = ()):
+        self.tensors, self.ints, self.kernel, self.replay = tensors, ints, None, None
+
+    def __call__(self, kernel):
+        self.kernel = kernel
+        return self
+
+    def __getitem__(self, grid):
+        def launch(*args, **constexprs):
+            self.replay = bind(self.kernel, grid, args, constexprs, self.tensors, self.ints)
+        return launch
 
 
 @functools.lru_cache(maxsize=None)
@@ -253,8 +277,8 @@ def _replay_code(tensor_positions: tuple, int_positions: tuple, count: int):
         f"        return False\n"
         f"    driver, runtime = triton.runtime.driver.active, knobs.runtime\n"
         f"    device = driver.get_current_device()\n"
-        f"    if ((device, runtime.debug, knobs.compilation.instrumentation_mode) != CONTEXT\n"
-        f"            or runtime.add_stages_inspection_hook is not None or launch_hooks(runtime)):\n"
+        f"    if (jit_context(device) != CONTEXT or runtime.add_stages_inspection_hook is not None\n"
+        f"            or launch_hooks(runtime)):\n"
         f"        return False\n"
         f"    COMPILED.run(GRID[0], GRID[1], GRID[2], driver.get_current_stream(device), COMPILED.function,\n"
         f"                 COMPILED.packed_metadata, None, None, None,\n"

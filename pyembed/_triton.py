@@ -125,16 +125,12 @@ def forward(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.
                 _plans.clear()
             _plans[key] = _SEEN
     reference.check_sinusoid_columns(pos_encoding, sinusoid_column_offset, sinusoid_dim, weight.shape[1])
-    if plan is not _SEEN:
-        return _forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
-                        sinusoid_column_offset, sinusoid_dim, error_record, launch=_direct)
-    out = weight.new_empty(*ids.shape, weight.shape[1])
-    ids, weight = ids.contiguous(), weight.contiguous()
-    pos_weight = None if pos_weight is None else pos_weight.contiguous()
-    with _on_device(weight):
-        replay = _kernels().planned_forward(ids, weight, pos_weight, checks.POS_CODES[pos_encoding], scale, offset,
-                                            sinusoid_column_offset, sinusoid_dim or weight.shape[1], out, error_record)
-    _plans[key] = (tuple(out.shape), replay) if replay is not None else _UNPLANNED
+    # A metadata's second call: launched through a Binding, which keeps the replay.
+    binding = _kernels().Binding(**_kernels().FORWARD_REPLAYED) if plan is _SEEN else None
+    out = _forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
+                   sinusoid_column_offset, sinusoid_dim, error_record, launch=binding or _direct)
+    if binding is not None:
+        _plans[key] = (tuple(out.shape), binding.replay) if binding.replay is not None else _UNPLANNED
     return out
 
 
