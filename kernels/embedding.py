@@ -319,14 +319,11 @@ def _lower_bound(sorted_ptr, lo, hi, key, CHUNK: tl.constexpr):
 def _chunk_kernel(
     sorted_ptr,  # (n,) sorted compacted keys (num_rows: unused)
     scan_ptr,  # (n,) int64 inclusive scan of the segment starts: scan - 1 is r's slot, when BY_SLOT
-    keys_ptr,  # (slots,) int64 out: the key of each slot, when BY_SLOT
-    begin_ptr, end_ptr,  # int64 out, zero-filled: segment [begin, end) of each slot (BY_SLOT) or table row
-    first_ptr,  # int64 out, zero-filled: the segment's first token, order[begin]
-    solo_ptr,  # (n,) int64 out, -1-filled, when HAS_SOLO: per token, its key if it is its segment's only token
+    bounds_ptr,  # int64 out, as _sort_inputs_kernel filled it: Segments.bounds, `entries` a part
     dout_ptr,  # (n, dim) the output gradient
     order_ptr,  # (n,) int64 its row for sorted position r
     partials_ptr,  # (2 * chunks, dim) compute dtype out: the long segments' pieces, when HAS_PARTIALS
-    n, num_rows, dim,
+    n, num_rows, entries, dim,
     BY_SLOT: tl.constexpr, HAS_PARTIALS: tl.constexpr, HAS_SOLO: tl.constexpr, COMPUTE_F64: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -351,17 +348,20 @@ def _chunk_kernel(
     nxt = _sorted_key(tl.load(sorted_ptr + r + 1, mask=used & (r + 1 < n)))
     first = used & ((r == 0) | (prev != key))
     last = used & ((r == n - 1) | (nxt != key))
+    # Segments.bounds: begin, end, first token, then by slot the keys, by row (HAS_SOLO) the solo marks
+    end_ptr = bounds_ptr + entries
+    first_ptr = end_ptr + entries
     if BY_SLOT:
         slot = tl.load(scan_ptr + r, mask=used, other=1) - 1
-        tl.store(keys_ptr + slot, key, mask=first)
+        tl.store(first_ptr + entries + slot, key, mask=first)
     else:
         slot = key
-    tl.store(begin_ptr + slot, r, mask=first)
+    tl.store(bounds_ptr + slot, r, mask=first)
     tl.store(end_ptr + slot, r + 1, mask=last)
     lead = tl.load(order_ptr + r, mask=first)
     tl.store(first_ptr + slot, lead, mask=first)
     if HAS_SOLO:
-        tl.store(solo_ptr + lead, key, mask=first & last)
+        tl.store(first_ptr + entries + lead, key, mask=first & last)
     if HAS_PARTIALS:
         c1 = tl.minimum(c0 + CHUNK, n)
         cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -428,11 +428,10 @@ def _finish_segments_kernel(
     dout_ptr,  # (n, dim) the output gradient
     order_ptr,  # (n,) int64 its row for sorted position r
     partials_ptr,  # (2 * chunks, dim) compute dtype: the long segments' pieces, when HAS_PARTIALS
-    begin_ptr, end_ptr,  # (num_segments,) int64: segment g sums sorted positions [begin, end)
-    first_ptr,  # (num_segments,) int64: its first token, order[begin]
-    solo_ptr,  # (tokens,) int64, when HAS_SOLO: per token, its row if it is its segment's only token, else -1
+    bounds_ptr,  # int64 Segments.bounds, `entries` a part: segment g sums sorted positions [begin, end), its
+                 # first token is order[begin]; HAS_SOLO: by token, its row if its segment's only token, else -1
     out_ptr,  # (num_segments, dim) out: row g
-    scale: tl.float64, num_segments, dim,
+    scale: tl.float64, num_segments, entries, dim,
     table_programs,  # programs (along axis 0) that write out; those after write pos_out, when HAS_POSITIONS
     pos_out_ptr, pos_rows, batch, seq_len, steps, offset,  # the learned positions' gradient (_position_sums)
     DIVIDE_BY_COUNT: tl.constexpr, ZERO_EMPTY: tl.constexpr, HAS_PARTIALS: tl.constexpr, HAS_POSITIONS: tl.constexpr,
@@ -447,9 +446,10 @@ def _finish_segments_kernel(
     programs after table_programs write the learned positions' gradient (HAS_POSITIONS),
     and with HAS_SOLO the one-token segments' rows too, which these programs then skip."""
     if tl.program_id(0) >= table_programs:
-        if HAS_POSITIONS:
+        if HAS_POSITIONS:  # solo: a dense gradient's bounds, by table row (three parts), then by token
             _position_sums(dout_ptr, pos_out_ptr, tl.program_id(0) - table_programs, pos_rows, batch, seq_len, steps,
-                           offset, dim, out_ptr, solo_ptr, scale, HAS_SOLO, COMPUTE_F64, BLOCK_R, BLOCK_D)
+                           offset, dim, out_ptr, bounds_ptr + entries + entries + entries, scale, HAS_SOLO,
+                           COMPUTE_F64, BLOCK_R, BLOCK_D)
     else:
         acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
         # Every per-segment value is a (BLOCK_R, 1) column of the tile, not a vector broadcast
@@ -459,14 +459,14 @@ def _finish_segments_kernel(
         cols = (tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
         g_ok = g < num_segments
         col_ok = cols < dim
-        begin = tl.load(begin_ptr + g, mask=g_ok, other=0)
-        length = tl.load(end_ptr + g, mask=g_ok, other=0) - begin
+        begin = tl.load(bounds_ptr + g, mask=g_ok, other=0)
+        length = tl.load(bounds_ptr + entries + g, mask=g_ok, other=0) - begin
         direct = tl.where(length <= CHUNK, length, 0)
         if HAS_SOLO:  # rows of one token: written by the position programs (_position_sums)
             direct = tl.where(length == 1, 0, direct)
         # The first token comes with the bounds (_chunk_kernel): a row of one token -- most
         # touched rows -- is two dependent loads away, not three (its order entry first).
-        lead = tl.load(first_ptr + g, mask=g_ok, other=0)
+        lead = tl.load(bounds_ptr + entries + entries + g, mask=g_ok, other=0)
         acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype)  # + x: a sum from +0, as every backend's
         acc += tl.load(dout_ptr + lead * dim + cols, mask=(direct > 0) & col_ok, other=0.0).to(acc_dtype)
         for k in range(1, tl.max(tl.max(direct, 1), 0)):
@@ -790,40 +790,53 @@ class Segments(NamedTuple):
     gradients: slot s is the s-th segment in key order, with its key; min(tokens,
     num_rows) entries, a size the host knows without asking the device; ``count`` on the
     device says how many are real), and the partial sums of the pieces of segments longer
-    than a chunk (``_chunk_kernel``; None when no segment can be)."""
+    than a chunk (``_chunk_kernel``; None when no segment can be).
+
+    The bounds are one tensor the kernels index in parts, not a view per part: each view
+    costs the host about a microsecond, which a GPU backward pays on every call."""
 
     order: torch.Tensor  # (tokens,) token index of each sorted position
-    keys: Optional[torch.Tensor]  # by slot: the key of slot s (-1 when empty)
-    begin: torch.Tensor  # sorted positions [begin, end) of each segment
-    end: torch.Tensor
-    first: torch.Tensor  # its first token, order[begin] (0 where empty)
-    solo: Optional[torch.Tensor]  # with_solo: per token, its key if it is its segment's only token, else -1
+    # int64, in parts of `entries`: sorted positions [begin, end) of each segment, its first
+    # token order[begin] (0 where empty); then by slot the key of slot s (-1 when empty), or
+    # by row with_solo, per token (tokens entries), its key if it is its segment's only token, else -1
+    bounds: torch.Tensor
+    entries: int
+    by_row: bool
+    with_solo: bool
     count: Optional[torch.Tensor]  # by slot: () int64 on the device
     partials: Optional[torch.Tensor]  # (2 * chunks, d) in the compute dtype
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """By slot: the key of each slot (-1 when empty)."""
+        return self.bounds[3 * self.entries:4 * self.entries]
+
+    @property
+    def solo(self) -> torch.Tensor:
+        """By row, with_solo: per token, its key if it is its segment's only token, else -1."""
+        return self.bounds[3 * self.entries:]
 
 
 def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch=_direct,
                     with_solo: bool = False) -> Segments:
     """Segments of the keys in [0, num_rows) other than ``skip`` (out-of-range ids and the
     padding row are left out), without a device->host sync. Launches: the sort's inputs,
-    the sort, [by slot: the segment starts and their scan], one pass over the chunks."""
+    the sort, [by slot: the segment starts and their scan], one pass over the chunks.
+    with_solo (by row only): mark the tokens alone in their segments (Segments.solo)."""
     keys = keys.reshape(-1)
     n, dim, device = keys.numel(), dout2d.shape[1], keys.device
     num_rows = max(num_rows, 0)
     entries = num_rows if by_row else min(n, num_rows)
     # begin, end, first token (zeros), [by slot: keys (-1)], [with_solo: solo (-1), by token]:
     # set by _sort_inputs_kernel
-    rows_of_bounds = 3 if by_row else 4
-    bounds = torch.empty(rows_of_bounds * entries + (n if with_solo else 0), dtype=torch.long, device=device)
+    bounds = torch.empty(3 * entries + (0 if by_row else entries) + (n if with_solo else 0), dtype=torch.long,
+                         device=device)
     compact = torch.empty(n, dtype=sort_key_dtype(num_rows), device=device)
     if n + bounds.numel():
         launch(_sort_inputs_kernel)[(_cdiv(max(n, bounds.numel()), BOUNDS_BLOCK),)](
             keys, compact, bounds, n, 3 * entries, bounds.numel(), num_rows, skip, BLOCK=BOUNDS_BLOCK)
-    begin, end, first = bounds[:entries], bounds[entries:2 * entries], bounds[2 * entries:3 * entries]
-    seg_keys = None if by_row else bounds[3 * entries:4 * entries]
-    solo = bounds[rows_of_bounds * entries:] if with_solo else None
     if n == 0:
-        return Segments(torch.empty(0, dtype=torch.long, device=device), seg_keys, begin, end, first, solo,
+        return Segments(torch.empty(0, dtype=torch.long, device=device), bounds, entries, by_row, with_solo,
                         torch.zeros((), dtype=torch.long, device=device), None)
     sorted_keys, order = compact.sort(stable=True)  # unused keys (num_rows) sort last
     scan = count = None
@@ -837,12 +850,12 @@ def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch
     partials = torch.empty(2 * chunks, dim, dtype=acc, device=device) if n > CHUNK_ROWS and dim else None
     _, block_d = _blocks(dim)
     launch(_chunk_kernel)[(chunks, _cdiv(dim, block_d) if partials is not None else 1)](
-        sorted_keys, scan if scan is not None else order, seg_keys if seg_keys is not None else begin, begin, end,
-        first, solo if solo is not None else first, dout2d, order, partials if partials is not None else dout2d, n,
-        num_rows, dim, BY_SLOT=not by_row, HAS_PARTIALS=partials is not None, HAS_SOLO=solo is not None,
-        COMPUTE_F64=acc == torch.float64, CHUNK=CHUNK_ROWS, BLOCK_D=block_d,
+        sorted_keys, scan if scan is not None else order, bounds, dout2d, order,
+        partials if partials is not None else dout2d, n, num_rows, entries, dim, BY_SLOT=not by_row,
+        HAS_PARTIALS=partials is not None, HAS_SOLO=with_solo, COMPUTE_F64=acc == torch.float64, CHUNK=CHUNK_ROWS,
+        BLOCK_D=block_d,
     )
-    return Segments(order, seg_keys, begin, end, first, solo, count, partials)
+    return Segments(order, bounds, entries, by_row, with_solo, count, partials)
 
 
 class PositionSums(NamedTuple):
@@ -894,14 +907,12 @@ def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: b
     if programs == 0 or dim == 0:
         return
     partials = segments.partials
-    solo = segments.solo if positions is not None else None
     launch(_finish_segments_kernel)[(programs, _cdiv(dim, block_d))](
-        dout2d, segments.order, partials if partials is not None else dout2d, segments.begin, segments.end,
-        segments.first, solo if solo is not None else segments.first, out,
-        scale, rows, dim, table_programs, *_position_args(positions, dout2d),
+        dout2d, segments.order, partials if partials is not None else dout2d, segments.bounds, out,
+        scale, rows, segments.entries, dim, table_programs, *_position_args(positions, dout2d),
         DIVIDE_BY_COUNT=divide_by_count, ZERO_EMPTY=zero_empty, HAS_PARTIALS=partials is not None,
-        HAS_POSITIONS=positions is not None, HAS_SOLO=solo is not None, COMPUTE_F64=dout2d.dtype == torch.float64,
-        CHUNK=CHUNK_ROWS, BLOCK_R=block_r, BLOCK_D=block_d,
+        HAS_POSITIONS=positions is not None, HAS_SOLO=positions is not None and segments.with_solo,
+        COMPUTE_F64=dout2d.dtype == torch.float64, CHUNK=CHUNK_ROWS, BLOCK_R=block_r, BLOCK_D=block_d,
     )
 
 
@@ -953,7 +964,7 @@ def used_row_sums(dout2d, keys, num_rows: int, skip: int, scale: float, divide_b
             return rows[:used], values[:used]
         return rows, values
     segments = sorted_segments(dout2d, keys, num_rows, skip, by_row=False)
-    values = dout2d.new_empty(int(segments.count) if exact else segments.keys.numel(), dim)
+    values = dout2d.new_empty(int(segments.count) if exact else segments.entries, dim)
     finish_segments(dout2d, segments, scale, divide_by_count, values, zero_empty=False)
     if exact:
         return segments.keys[:values.shape[0]].clone(), values

@@ -99,7 +99,7 @@ def test_compiled_backward_holds_the_triton_kernels_and_copies_no_input():
     # chunks also mark the tokens used once, whose rows the positions' programs write: the
     # finish kernel only reads those marks.
     assert _traced_backward(4, 512, 600) == ("traced True", [
-        ["out_ptr", "bounds_ptr"], ["begin_ptr", "end_ptr", "first_ptr", "solo_ptr", "partials_ptr"],
+        ["out_ptr", "bounds_ptr"], ["bounds_ptr", "partials_ptr"],
         ["out_ptr", "pos_out_ptr"]])
 
 

@@ -98,9 +98,9 @@ def chunk_source(dtype, dim, *, key_type="i16", by_slot=False, partials=True, so
     segments' tokens too (a dense gradient with learned positions, which write those rows).
     Keys: i16 for tables of fewer than 2^16 rows (the 50257 used here), i32 / i64 for larger ones."""
     acc = "fp64" if dtype == "fp64" else "fp32"
-    args = {"sorted_ptr": f"*{key_type}", "scan_ptr": "*i64", "keys_ptr": "*i64", "begin_ptr": "*i64",
-            "end_ptr": "*i64", "first_ptr": "*i64", "solo_ptr": "*i64", "dout_ptr": f"*{dtype}", "order_ptr": "*i64",
-            "partials_ptr": f"*{acc}", "n": TOKENS, "num_rows": 50257, "dim": dim}
+    args = {"sorted_ptr": f"*{key_type}", "scan_ptr": "*i64", "bounds_ptr": "*i64", "dout_ptr": f"*{dtype}",
+            "order_ptr": "*i64", "partials_ptr": f"*{acc}", "n": TOKENS, "num_rows": 50257,
+            "entries": min(TOKENS, 50257) if by_slot else 50257, "dim": dim}
     return _source(k._chunk_kernel, args, {
         "BY_SLOT": by_slot, "HAS_PARTIALS": partials, "HAS_SOLO": solo, "COMPUTE_F64": acc == "fp64",
         "CHUNK": k.CHUNK_ROWS, "BLOCK_D": k._blocks(dim)[1]})
@@ -120,9 +120,9 @@ def finish_source(dtype, dim, *, divide, partials=True, positions=True, solo=Non
     solo=False (a position past the table: validate=False)."""
     acc = "fp64" if dtype == "fp64" else "fp32"
     block_r, block_d = k._segment_blocks(dim, torch.float64 if dtype == "fp64" else torch.float32)
-    args = {"dout_ptr": f"*{dtype}", "order_ptr": "*i64", "partials_ptr": f"*{acc}", "begin_ptr": "*i64",
-            "end_ptr": "*i64", "first_ptr": "*i64", "solo_ptr": "*i64", "out_ptr": f"*{dtype}", "scale": 27.7,
-            "num_segments": 50257, "dim": dim, "table_programs": -(-50257 // block_r),
+    args = {"dout_ptr": f"*{dtype}", "order_ptr": "*i64", "partials_ptr": f"*{acc}", "bounds_ptr": "*i64",
+            "out_ptr": f"*{dtype}", "scale": 27.7, "num_segments": 50257, "entries": 50257, "dim": dim,
+            "table_programs": -(-50257 // block_r),
             **_position_args(dtype, 8, 512)}
     return _source(k._finish_segments_kernel, args, {
         "DIVIDE_BY_COUNT": divide, "ZERO_EMPTY": True, "HAS_PARTIALS": partials, "HAS_POSITIONS": positions,
