@@ -40,7 +40,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from ..checks import POS_CODES  # installed as pyembed.kernels
-from .launch import Binding, cached, int_class  # noqa: F401  (Binding, int_class: pyembed/_triton.py)
+from .launch import Binding, LaunchPlan, cached, int_class  # noqa: F401  (pyembed/_triton.py uses all)
 
 POS_NONE, POS_LEARNED, POS_SINUSOIDAL = (POS_CODES[name] for name in ("none", "learned", "sinusoidal"))
 MAX_BLOCK_D = 512

@@ -23,7 +23,8 @@ and returns a function that launches the same compiled kernel again with new val
 the named tensors and ints, checking only what could make Triton choose another binary
 (their alignment and specialisation, the device and options, the hooks). The eager
 `triton` forward keeps one per metadata (pyembed/_triton.py): 0.4 us per launch instead of
-4.2 us through ``cached``.
+4.2 us through ``cached``. ``LaunchPlan`` binds a helper's launches in order and replays
+them, every tensor argument new: the dense backward's three.
 
 Under the interpreter (TRITON_INTERPRET=1) and on Triton releases before 3.3 (whose
 launcher took other arguments), ``cached`` returns the kernel itself and ``bind`` binds
@@ -217,12 +218,17 @@ def bind(kernel, grid: tuple, args: tuple, constexprs: dict, tensors: tuple = ()
     if not isinstance(launcher, CachedLauncher):
         launcher[grid](*args, **constexprs)
         return None
+    names = launcher.names
+    tensor_positions = [(names.index(name),) if isinstance(name, str) else tuple(map(names.index, name))
+                        for name in tensors]
+    return _bind(launcher, grid, args, constexprs, tensor_positions, [names.index(name) for name in ints])
+
+
+def _bind(launcher: CachedLauncher, grid: tuple, args: tuple, constexprs: dict, tensor_positions: list,
+          int_positions: list):
+    """``bind`` by argument positions: a tuple of positions per tensor, a position per int."""
     context = _jit_context(triton.runtime.driver.active.get_current_device())
     compiled = launcher.launch(grid, args, constexprs)
-    names = launcher.names
-    tensor_positions = [[names.index(name)] if isinstance(name, str) else [names.index(n) for n in name]
-                        for name in tensors]
-    int_positions = [names.index(name) for name in ints]
     if (compiled is None or not launcher._plain(grid) or _launch_hooks(knobs.runtime)
             or not launcher._in_signature_order(args, constexprs)
             or any(args[p].data_ptr() & 15 for group in tensor_positions for p in group)
@@ -232,7 +238,7 @@ def bind(kernel, grid: tuple, args: tuple, constexprs: dict, tensors: tuple = ()
     # values are its globals, the new ones its parameters. One code object per layout of
     # the arguments (compiling it is ~150 us), a function of it per bound launch (~us).
     fixed = (*args, *constexprs.values())
-    code = _replay_code(tuple(map(tuple, tensor_positions)), tuple(int_positions), len(fixed))
+    code = _replay_code(tuple(tensor_positions), tuple(int_positions), len(fixed))
     # Not the bound call's tensors: a plan must not keep a table (or its output) alive.
     replaced = {p for group in tensor_positions for p in group} | set(int_positions)
     namespace = {f"A{p}": value for p, value in enumerate(fixed) if p not in replaced}
@@ -258,6 +264,76 @@ class Binding:
     def __getitem__(self, grid):
         def launch(*args, **constexprs):
             self.replay = bind(self.kernel, grid, args, constexprs, self.tensors, self.ints)
+        return launch
+
+
+class LaunchPlan:
+    """The launches a helper makes for one metadata, in order, bound once and replayed after:
+    for a helper that launches several kernels call after call (the `triton` dense backward:
+    three around torch's sort), whose launch arguments other than tensors -- sizes, grids,
+    constexprs -- the metadata fixes.
+
+    ``binding()`` is a ``launch=`` that launches each kernel through ``bind`` with every
+    tensor argument replaced and keeps the replays; ``complete`` says whether every launch
+    could be bound. ``replaying()`` is a ``launch=`` whose k-th launch is the k-th replay
+    with that launch's tensors: the launch key and Triton's argument handling skipped
+    (~4 -> ~1 us a launch on the development VM, stand-in driver). A launch the plan cannot
+    replay -- another kernel than bound, a replay that refuses (a tensor not 16-byte
+    aligned, another device, a hook) -- goes through ``cached``. The caller keys its plans
+    by everything that fixes those other arguments; the plan holds none of the tensors."""
+
+    def __init__(self):
+        self.launches = []  # (kernel, tensor positions, replay or None), in launch order
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.launches) and all(replay is not None for _, _, replay in self.launches)
+
+    def binding(self):
+        return _PlanBinder(self.launches)
+
+    def replaying(self):
+        return _PlanReplayer(self.launches)
+
+
+class _PlanBinder:
+    def __init__(self, launches: list):
+        self.launches, self.kernel = launches, None
+
+    def __call__(self, kernel):
+        self.kernel = kernel
+        return self
+
+    def __getitem__(self, grid):
+        def launch(*args, **constexprs):
+            launcher = cached(self.kernel)
+            if not isinstance(launcher, CachedLauncher):
+                launcher[grid](*args, **constexprs)
+                self.launches.append((self.kernel, (), None))
+                return
+            positions = tuple(p for p, arg in enumerate(args) if isinstance(arg, torch.Tensor))
+            replay = _bind(launcher, grid, args, constexprs, [(p,) for p in positions], [])
+            self.launches.append((self.kernel, positions, replay))
+        return launch
+
+
+class _PlanReplayer:
+    def __init__(self, launches: list):
+        self.launches, self.next, self.kernel = launches, 0, None
+
+    def __call__(self, kernel):
+        self.kernel = kernel
+        return self
+
+    def __getitem__(self, grid):
+        def launch(*args, **constexprs):
+            k = self.next
+            self.next = k + 1
+            if k < len(self.launches):
+                kernel, positions, replay = self.launches[k]
+                if kernel is self.kernel and replay(*[args[p] for p in positions]):
+                    return
+            cached(self.kernel)[grid](*args, **constexprs)
         return launch
 
 

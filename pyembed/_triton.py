@@ -120,10 +120,8 @@ def forward(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.
             with _on_device(weight):
                 if replay(ids, weight, weight if pos_weight is None else pos_weight, out, offset):
                     return out
-        elif plan is None:  # this metadata's first call: planned at its second (a plan costs ~20 us)
-            if len(_plans) >= _MAX_PLANS:  # a server's many shapes: start afresh rather than grow
-                _plans.clear()
-            _plans[key] = _SEEN
+        elif plan is None:
+            _note_first_call(_plans, key)
     reference.check_sinusoid_columns(pos_encoding, sinusoid_column_offset, sinusoid_dim, weight.shape[1])
     # A metadata's second call: launched through a Binding, which keeps the replay.
     binding = _kernels().Binding(**_kernels().FORWARD_REPLAYED) if plan is _SEEN else None
@@ -134,12 +132,21 @@ def forward(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.
     return out
 
 
-# forward's plans by metadata key: _SEEN after one call, then (output shape, replay), or
-# _UNPLANNED where the launch cannot be replayed. Bounded: a stream of new shapes would
-# otherwise hold them all.
+# Launch plans by metadata key, forward's (output shape, replay) and backward's LaunchPlan:
+# _SEEN after one call, then the plan, or _UNPLANNED where the launches cannot be replayed.
 _plans: dict = {}
+_backward_plans: dict = {}
 _MAX_PLANS = 256
 _SEEN, _UNPLANNED = "seen", "unplanned"
+
+
+def _note_first_call(plans: dict, key) -> None:
+    """A metadata's first call: planned at its second, if there is one (a plan costs ~20 us
+    per launch). Bounded: a server's stream of new shapes starts the plans afresh rather than
+    holding them all."""
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    plans[key] = _SEEN
 
 
 def _direct(kernel):
@@ -195,9 +202,30 @@ def backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[t
              num_embeddings: int, num_positions: int, scale: float, padding_idx: Optional[int],
              scale_grad_by_freq: bool, need_weight_grad: bool,
              need_pos_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense gradients (schema of reference.embedding_backward), without a host sync."""
-    return _backward(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
-                     scale_grad_by_freq, need_weight_grad, need_pos_grad)
+    """Dense gradients (schema of reference.embedding_backward), without a host sync.
+
+    Eagerly, from a metadata's third call on, the launches replay a plan bound at its
+    second (kernels.launch.LaunchPlan): the kernels Triton compiled for this metadata,
+    launched with the call's tensors without the launch key over their ~20 arguments each.
+    The key holds everything the launches' other arguments, grids and constexprs follow from."""
+    launch, binding = _direct, None
+    if type(scale) is float and type(offset) is int:
+        key = (grad_out.shape, grad_out.dtype, grad_out.device, ids.shape, ids.dtype,
+               None if position_ids is None else (position_ids.shape, position_ids.dtype), offset, num_embeddings,
+               num_positions, scale, padding_idx, scale_grad_by_freq, need_weight_grad, need_pos_grad)
+        plan = _backward_plans.get(key)
+        if plan is None:
+            _note_first_call(_backward_plans, key)
+        elif plan is _SEEN:  # this metadata's second call: bound as it launches
+            binding = _kernels().LaunchPlan()
+            launch = binding.binding()
+        elif plan is not _UNPLANNED:
+            launch = plan.replaying()
+    grads = _backward(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
+                      scale_grad_by_freq, need_weight_grad, need_pos_grad, launch=launch)
+    if binding is not None:
+        _backward_plans[key] = binding if binding.complete else _UNPLANNED
+    return grads
 
 
 triton_backward = torch.library.custom_op("pyembed::triton_backward", mutates_args=())(backward)

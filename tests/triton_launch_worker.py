@@ -8,8 +8,9 @@ What is checked: ``kernels.launch.cached`` launches exactly what Triton's own
 ``kernel[grid](...)`` launches -- the same binary with the same arguments, grid and
 stream -- for arguments that differ in each property Triton specialises on, in every
 order; a profiler's launch hook sees its launches as it sees Triton's; pyembed's
-eager forward + backward reach the kernels through it; and the eager forward's plans
-(``kernels.launch.bind``) launch what Triton would, replayed or not.
+eager forward + backward reach the kernels through it; and the eager forward's and
+backward's plans (``kernels.launch.bind``, ``LaunchPlan``) launch what Triton would,
+replayed or not.
 """
 
 import gc
@@ -235,6 +236,83 @@ def check_planned_forward():
                       "own_tensors": own_tensors, "held_after_release": sum(ref() is not None for ref in held)}))
 
 
+def check_planned_backward():
+    """pyembed/_triton.py's backward plans (kernels.launch.LaunchPlan): from a metadata's
+    third call on, every launch of the dense backward replays the bound one; every call --
+    replayed or declined to ``cached`` (a misaligned output gradient, a profiler hook) --
+    launches what Triton's own run launches for it, in the same order, with the call's own
+    output gradient and ids and into the gradients it returns."""
+    from triton import knobs
+
+    from pyembed import _triton
+
+    _triton._INTERPRETED = True
+    _triton._backward_plans.clear()
+    through_cached = []
+    launch_method = launch.CachedLauncher.launch
+
+    def counted(self, *args):
+        through_cached[-1] += 1
+        return launch_method(self, *args)
+
+    launch.CachedLauncher.launch = counted
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 300, (4, 64), generator=gen)
+    dout = torch.randn(4, 64, 32, generator=gen)
+    base = dict(dout=dout, ids=ids, position_ids=None, offset=0, rows=300, positions=80, scale=2.0, padding=None,
+                by_freq=False, table=True, pos=True)
+    hook = lambda metadata: None  # noqa: E731
+    position_ids = torch.randint(0, 80, (4, 64), generator=gen)
+    calls = [("first", {}), ("second", {}), ("third", {}),
+             ("new tensors", dict(dout=dout.clone(), ids=ids.clone())),
+             ("misaligned dout", dict(dout=torch.randn(dout.numel() + 1)[1:].view(dout.shape))),
+             ("profiler hook", dict(hook=True)),
+             ("offset 3", dict(offset=3)), ("offset 3 again", dict(offset=3)), ("offset 3, third", dict(offset=3)),
+             ("by freq, padding", dict(by_freq=True, padding=7)), ("by freq, padding again", dict(by_freq=True, padding=7)),
+             ("by freq, padding, third", dict(by_freq=True, padding=7)),
+             ("position ids", dict(position_ids=position_ids)), ("position ids again", dict(position_ids=position_ids)),
+             ("position ids, third", dict(position_ids=position_ids)),
+             ("positions alone", dict(table=False)), ("positions alone again", dict(table=False)),
+             ("positions alone, third", dict(table=False)),
+             ("few tokens", dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous())),
+             ("few tokens again", dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous())),
+             ("few tokens, third", dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous()))]
+    mismatches, replayed, own_tensors = [], [], []
+    for name, change in calls:
+        call = {**base, **change}
+        args = (call["dout"], call["ids"], call["position_ids"], call["offset"], call["rows"], call["positions"],
+                call["scale"], call["padding"], call["by_freq"], call["table"], call["pos"])
+        if call.get("hook"):
+            knobs.runtime.launch_enter_hook.add(hook)
+        launches.clear()
+        through_cached.append(0)
+        try:
+            grads = _triton.backward(*args)
+        finally:
+            if call.get("hook"):
+                knobs.runtime.launch_enter_hook.remove(hook)
+        got = list(launches)
+        if not through_cached[-1]:
+            replayed.append(name)
+            pointers = {a.data_ptr() for *_, arguments in got for a in arguments if isinstance(a, torch.Tensor)}
+            own = [call["dout"], grads[1]] + ([call["ids"], grads[0]] if call["table"] else [])
+            own_tensors.append({t.data_ptr() for t in own} <= pointers)
+        launches.clear()  # what Triton's own run launches for the same call
+        _triton._backward(*args, launch=lambda kernel: kernel)
+        if len(got) != len(launches) or not all(map(_same_kind, got, launches)):
+            mismatches.append(name)
+    # A plan holds none of the tensors it was bound with.
+    held_dout, held_ids = torch.randn(2, 40, 16), torch.randint(0, 50, (2, 40))
+    held = [weakref.ref(held_dout), weakref.ref(held_ids)]
+    for _ in range(3):
+        held += map(weakref.ref, _triton.backward(held_dout, held_ids, None, 0, 50, 40, 1.0, None, False, True, True))
+    del held_dout, held_ids
+    launches.clear()
+    gc.collect()
+    print(json.dumps({"check": "planned backward", "mismatches": mismatches, "replayed": replayed,
+                      "own_tensors": own_tensors, "held_after_release": sum(ref() is not None for ref in held)}))
+
+
 def check_profiler_hooks():
     """A profiler's launch hook (as Proton sets one) sees every launch, with its metadata,
     cached or not -- as many calls and the same kernel names as under Triton's own run."""
@@ -260,4 +338,4 @@ def check_profiler_hooks():
 
 if __name__ == "__main__":
     {"forward": check_forward_variants, "eager": check_eager_calls, "hooks": check_profiler_hooks,
-     "planned": check_planned_forward}[sys.argv[1]]()
+     "planned": check_planned_forward, "planned backward": check_planned_backward}[sys.argv[1]]()
