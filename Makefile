@@ -75,9 +75,9 @@ test-compat: $(INSTALL_STAMP)
 	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_aot.py --quick \
 		| bin/python -c "$$NO_SPILLS"
 	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_launch_worker.py eager
-	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_launch_worker.py \
-		planned | bin/python -c "import json, sys; r = json.loads(sys.stdin.read().splitlines()[-1]); \
-		print(r); sys.exit(bool(r['mismatches']))"
+	for check in planned planned-backward; do (cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton \
+		bin/python $(CURDIR)/tests/triton_launch_worker.py $$check | bin/python -c "import json, sys; \
+		r = json.loads(sys.stdin.read().splitlines()[-1]); print(r); sys.exit(bool(r['mismatches']))") || exit 1; done
 	$(PY) tests/triton_specs.py record $(CURDIR)/build/triton_specs.json
 	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_specs.py \
 		compile $(CURDIR)/build/triton_specs.json

@@ -77,7 +77,7 @@ def test_the_eager_forward_replays_its_plan_and_launches_what_triton_would():
 
 
 def test_the_eager_backward_replays_its_plan_and_launches_what_triton_would():
-    result = _worker("planned backward")
+    result = _worker("planned-backward")
     assert result["mismatches"] == []  # every call's launches, in order, are Triton's binaries and arguments
     # From a metadata's third call on, every launch replays (offsets, scale_grad_by_freq with
     # a padding row, position_ids, the positions' gradient alone, a short batch's one kernel),

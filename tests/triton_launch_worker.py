@@ -338,4 +338,4 @@ def check_profiler_hooks():
 
 if __name__ == "__main__":
     {"forward": check_forward_variants, "eager": check_eager_calls, "hooks": check_profiler_hooks,
-     "planned": check_planned_forward, "planned backward": check_planned_backward}[sys.argv[1]]()
+     "planned": check_planned_forward, "planned-backward": check_planned_backward}[sys.argv[1]]()
