@@ -157,6 +157,20 @@ def _same_kind(a, b) -> bool:
     return a[:3] == b[:3] and list(map(kind, a[3])) == list(map(kind, b[3]))
 
 
+def _count_cached_launches() -> list:
+    """From now on, each launch through the cached launcher adds one to the list's last entry
+    (a call that adds none launched only replays)."""
+    counts = []
+    launch_method = launch.CachedLauncher.launch
+
+    def counted(self, *args):
+        counts[-1] += 1
+        return launch_method(self, *args)
+
+    launch.CachedLauncher.launch = counted
+    return counts
+
+
 def check_planned_forward():
     """pyembed/_triton.py's forward plans (kernels.launch.bind): a call after a call of the
     same metadata replays the bound kernel, and every call -- replayed or declined to
@@ -169,14 +183,7 @@ def check_planned_forward():
 
     _triton._INTERPRETED = True
     _triton._plans.clear()
-    through_cached = []
-    launch_method = launch.CachedLauncher.launch
-
-    def counted(self, *args):
-        through_cached[-1] += 1
-        return launch_method(self, *args)
-
-    launch.CachedLauncher.launch = counted
+    through_cached = _count_cached_launches()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 100, (2, 16), generator=gen)
     weight, pos = torch.randn(100, 64, generator=gen), torch.randn(40, 64, generator=gen)
@@ -248,14 +255,7 @@ def check_planned_backward():
 
     _triton._INTERPRETED = True
     _triton._backward_plans.clear()
-    through_cached = []
-    launch_method = launch.CachedLauncher.launch
-
-    def counted(self, *args):
-        through_cached[-1] += 1
-        return launch_method(self, *args)
-
-    launch.CachedLauncher.launch = counted
+    through_cached = _count_cached_launches()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 300, (4, 64), generator=gen)
     dout = torch.randn(4, 64, 32, generator=gen)
