@@ -190,13 +190,22 @@ def host_only_costs(backends, calls=40, rounds=3):
                 print(f"host 8x2048 fwd+bwd, GPU busy, autograd threads {'on' if threads else 'off'}: {name}: "
                       f"{us:.1f} us/call", flush=True)
     for backend in backends:
-        op = dispatch.get(backend).backward
-        us = min(host_only(lambda op=op: op(dout, ids, None, 0, GPT2[0], 2048, scale, None, False, True, True))
-                 for _ in range(rounds))
-        print(f"host 8x2048 GPU busy: {backend} dense backward op: {us:.1f} us/call", flush=True)
-    keys = ids.reshape(-1).int()
-    us = min(host_only(lambda: keys.sort(stable=True)) for _ in range(rounds))
-    print(f"host 8x2048 GPU busy: torch.sort of the int32 keys (triton's backward): {us:.1f} us/call", flush=True)
+        # The op (through the dispatcher) and, where the backend has one, the eager body
+        # the autograd path calls (triton: its launches replayed from a plan after two calls).
+        bodies = {"dense backward op": dispatch.get(backend).backward,
+                  "dense backward, eager body": dispatch.get(backend).eager_backward}
+        for name, op in bodies.items():
+            if op is not None:
+                us = min(host_only(lambda op=op: op(dout, ids, None, 0, GPT2[0], 2048, scale, None, False, True, True))
+                         for _ in range(rounds))
+                print(f"host 8x2048 GPU busy: {backend} {name}: {us:.1f} us/call", flush=True)
+    if "triton" in backends:
+        from pyembed.kernels import embedding as kernels
+
+        keys = ids.reshape(-1).to(kernels.sort_key_dtype(GPT2[0]))
+        us = min(host_only(lambda: keys.sort(stable=True)) for _ in range(rounds))
+        print(f"host 8x2048 GPU busy: torch.sort of the {keys.dtype} keys (triton's backward): {us:.1f} us/call",
+              flush=True)
 
 
 def python_profile(backends, top=22):
