@@ -330,8 +330,8 @@ def _chunk_kernel(
     """Chunk c of the sorted positions (program (c, column block)): (1) the segment
     bounds of its positions, each written by the position at the segment's edge, by slot
     or by table row, and the segment's first token, which _finish_segments_kernel reads
-    beside the bounds, not after them, and (HAS_SOLO) the key of each token alone in its
-    segment, by token (_position_sums) (the first column block does this); (2) the partial
+    beside the bounds, not after them, and (HAS_SOLO, by row only) the key of each token alone
+    in its segment, by token (_position_sums) (the first column block does this); (2) the partial
     sums of the pieces of segments longer than a chunk -- a chunk holds at most two: the
     one at its first position (partial row 2c) and, if another reaches its last position,
     that one's (row 2c + 1). A segment [b, e) of more than CHUNK rows thus has its pieces
