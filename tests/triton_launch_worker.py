@@ -274,6 +274,11 @@ def check_planned_backward():
              ("position ids, third", dict(position_ids=position_ids)),
              ("positions alone", dict(table=False)), ("positions alone again", dict(table=False)),
              ("positions alone, third", dict(table=False)),
+             ("table alone", dict(pos=False)), ("table alone again", dict(pos=False)),
+             ("table alone, third", dict(pos=False)),
+             ("one chunk", dict(dout=dout[:1, :40].contiguous(), ids=ids[:1, :40].contiguous())),
+             ("one chunk again", dict(dout=dout[:1, :40].contiguous(), ids=ids[:1, :40].contiguous())),
+             ("one chunk, third", dict(dout=dout[:1, :40].contiguous(), ids=ids[:1, :40].contiguous())),
              ("few tokens", dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous())),
              ("few tokens again", dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous())),
              ("few tokens, third", dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous()))]
@@ -295,7 +300,8 @@ def check_planned_backward():
         if not through_cached[-1]:
             replayed.append(name)
             pointers = {a.data_ptr() for *_, arguments in got for a in arguments if isinstance(a, torch.Tensor)}
-            own = [call["dout"], grads[1]] + ([call["ids"], grads[0]] if call["table"] else [])
+            own = ([call["dout"]] + ([call["ids"], grads[0]] if call["table"] else [])
+                   + ([grads[1]] if call["pos"] else []))
             own_tensors.append({t.data_ptr() for t in own} <= pointers)
         launches.clear()  # what Triton's own run launches for the same call
         _triton._backward(*args, launch=lambda kernel: kernel)
