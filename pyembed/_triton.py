@@ -5,15 +5,16 @@ registered as ops so ``torch.compile`` sees them:
   graph, launches through ``wrap_triton`` so Inductor traces the kernel itself (what
   ``torch.library.triton_op`` does, registered without importing Triton or Inductor);
   under the CPU interpreter an opaque custom op (interpreted kernels cannot be traced);
-- ``pyembed::triton_backward``: the dense backward, an opaque custom op (torch sorts
-  and bounds sizes around the kernels; no host sync);
+- ``pyembed::triton_backward``: the dense backward, a custom op that torch.compile
+  decomposes the same way (its kernels and torch's sort between them; no host sync);
 - ``pyembed::triton_sparse_backward``: the sparse backward, tagged cudagraph_unsafe (the
   number of touched rows is read back from the device).
 
 Eager calls on real tensors run the forward and dense backward bodies (``forward``,
 ``backward``) directly: a Python custom op's dispatch costs more host time than the
-launch itself (pyembed.dispatch.Backend.eager_forward). The ops serve torch.compile,
-torch.func and fake-tensor tracing.
+launch itself (pyembed.dispatch.Backend.eager_forward); from a metadata's second or third
+call on, their launches replay plans kept per metadata (kernels/launch.py). The ops serve
+torch.compile, torch.func and fake-tensor tracing.
 
 Imported by pyembed/__init__.py only when the triton package exists; triton itself is
 imported on first use, so ``import pyembed`` stays cheap. On CPU tensors
