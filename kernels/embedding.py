@@ -801,7 +801,6 @@ class Segments(NamedTuple):
     # by row with_solo, per token (tokens entries), its key if it is its segment's only token, else -1
     bounds: torch.Tensor
     entries: int
-    by_row: bool
     with_solo: bool
     count: Optional[torch.Tensor]  # by slot: () int64 on the device
     partials: Optional[torch.Tensor]  # (2 * chunks, d) in the compute dtype
@@ -836,7 +835,7 @@ def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch
         launch(_sort_inputs_kernel)[(_cdiv(max(n, bounds.numel()), BOUNDS_BLOCK),)](
             keys, compact, bounds, n, 3 * entries, bounds.numel(), num_rows, skip, BLOCK=BOUNDS_BLOCK)
     if n == 0:
-        return Segments(torch.empty(0, dtype=torch.long, device=device), bounds, entries, by_row, with_solo,
+        return Segments(torch.empty(0, dtype=torch.long, device=device), bounds, entries, with_solo,
                         torch.zeros((), dtype=torch.long, device=device), None)
     sorted_keys, order = compact.sort(stable=True)  # unused keys (num_rows) sort last
     scan = count = None
@@ -855,7 +854,7 @@ def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch
         HAS_PARTIALS=partials is not None, HAS_SOLO=with_solo, COMPUTE_F64=acc == torch.float64, CHUNK=CHUNK_ROWS,
         BLOCK_D=block_d,
     )
-    return Segments(order, bounds, entries, by_row, with_solo, count, partials)
+    return Segments(order, bounds, entries, with_solo, count, partials)
 
 
 class PositionSums(NamedTuple):
