@@ -249,17 +249,24 @@ def _bind(launcher: CachedLauncher, grid: tuple, args: tuple, constexprs: dict, 
     return types.FunctionType(code, namespace, "replay")
 
 
-class Binding:
+class _LaunchSeam:
+    """A ``launch=`` of kernels/embedding.py's helpers (``launch(kernel)[grid](*args,
+    **constexprs)``): calling it with the kernel keeps the kernel, for ``[grid]``'s launch."""
+
+    kernel = None
+
+    def __call__(self, kernel):
+        self.kernel = kernel
+        return self
+
+
+class Binding(_LaunchSeam):
     """A ``launch=`` for a helper that launches one kernel (kernels/embedding.py's take one):
     launches it through ``bind`` with these ``tensors`` and ``ints`` and keeps the replay in
     ``replay`` (None: nothing launched, or nothing could be bound)."""
 
     def __init__(self, tensors: tuple = (), ints: tuple = ()):
-        self.tensors, self.ints, self.kernel, self.replay = tensors, ints, None, None
-
-    def __call__(self, kernel):
-        self.kernel = kernel
-        return self
+        self.tensors, self.ints, self.replay = tensors, ints, None
 
     def __getitem__(self, grid):
         def launch(*args, **constexprs):
@@ -296,13 +303,9 @@ class LaunchPlan:
         return _PlanReplayer(self.launches)
 
 
-class _PlanBinder:
+class _PlanBinder(_LaunchSeam):
     def __init__(self, launches: list):
-        self.launches, self.kernel = launches, None
-
-    def __call__(self, kernel):
-        self.kernel = kernel
-        return self
+        self.launches = launches
 
     def __getitem__(self, grid):
         def launch(*args, **constexprs):
@@ -317,13 +320,9 @@ class _PlanBinder:
         return launch
 
 
-class _PlanReplayer:
+class _PlanReplayer(_LaunchSeam):
     def __init__(self, launches: list):
-        self.launches, self.next, self.kernel = launches, 0, None
-
-    def __call__(self, kernel):
-        self.kernel = kernel
-        return self
+        self.launches, self.next = launches, 0
 
     def __getitem__(self, grid):
         def launch(*args, **constexprs):
