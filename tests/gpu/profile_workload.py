@@ -150,13 +150,17 @@ def host_costs(backends, calls=300):
 
 
 def host_only_costs(backends, calls=40, rounds=3):
-    """The host time of a GPT-2 8x2048 forward + backward alone: the GPU is held by a ~1 s
+    """The host time of a GPT-2 8x2048 forward + backward alone: the GPU is held by a ~0.25 s
     sleep kernel first, so the host never waits for it (a call that does wait, a sync,
-    shows as ~1 s / calls). With autograd's device thread as torch sets it up (the CUDA
+    shows as ~0.25 s / calls). With autograd's device thread as torch sets it up (the CUDA
     part of a backward handed to a worker thread) and without it
     (``set_multithreading_enabled(False)``: the calling thread runs it): at d81f5b2 the
-    handoff cost every backward ~100-300 us on the H100's host, torch's own included.
-    Then the parts of pyembed's backward: the dense backward op and `triton`'s torch.sort."""
+    handoff cost every backward ~100-300 us on the H100's host, torch's own included, and
+    more where the node is Python (`triton`: 548 against 273 us; `cuda`, a C++ node: 210
+    against 97). So the same for ``x * 2`` as a C++ node and inside a trivial Python
+    autograd.Function (what a Python node costs there, whatever it runs), and for each C++
+    backend with AdamW inside its backward (a Python node on every backend). Then the parts
+    of pyembed's backward: the dense backward op and `triton`'s torch.sort."""
     import time
 
     weight, pos_weight, ids, dout = tensors(*GPT2, 8, 2048, torch.float32)
@@ -165,7 +169,7 @@ def host_only_costs(backends, calls=40, rounds=3):
     def host_only(fn):
         fn()
         torch.cuda.synchronize()
-        torch.cuda._sleep(2_000_000_000)  # cycles: ~1 s at the H100's 1.98 GHz
+        torch.cuda._sleep(500_000_000)  # cycles: ~0.25 s at the H100's 1.98 GHz, past any 40 calls' host time
         start = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -179,10 +183,27 @@ def host_only_costs(backends, calls=40, rounds=3):
             layer().backward(dout)
         return run
 
+    class Double(torch.autograd.Function):  # the least a Python node can do
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
     layers = {"eager F.embedding * scale + pos": fwd_bwd(
-        lambda: torch.nn.functional.embedding(ids, weight) * scale + pos_weight[:2048])}
+        lambda: torch.nn.functional.embedding(ids, weight) * scale + pos_weight[:2048]),
+        "x * 2 (a C++ node)": fwd_bwd(lambda: dout.detach().requires_grad_() * 2),
+        "x * 2 in a Python autograd.Function": fwd_bwd(lambda: Double.apply(dout.detach().requires_grad_()))}
     layers.update({f"pyembed {b}": fwd_bwd(lambda b=b: pyembed.fused_embedding(ids, weight, pos_weight, scale=scale,
                                                                                   backend=b)) for b in backends})
+    for b in backends:
+        if b != "triton":  # the C++ backends: a C++ node, but a Python one with AdamW in the backward
+            tables = [torch.nn.Parameter(weight.detach().clone()), torch.nn.Parameter(pos_weight.detach().clone())]
+            pyembed.apply_optimizer_in_backward(torch.optim.AdamW, tables, {"lr": 1e-4})
+            layers[f"pyembed {b}, AdamW inside the backward"] = (
+                lambda b=b, tables=tables: pyembed.fused_embedding(ids, *tables, scale=scale, backend=b).backward(dout))
     for threads in (True, False):
         with torch.autograd.set_multithreading_enabled(threads):
             for name, fn in layers.items():
