@@ -205,15 +205,14 @@ def _update(backend, table: torch.Tensor, rows: torch.Tensor, values: torch.Tens
     (the learned positions' dense gradient), so the kernels update them as given, without
     the map from table row to gradient row that an update of untouched rows needs (one
     fill and one launch less per step)."""
-    _, state, update = prepare(table)
-    with torch.no_grad():
-        if backend.optimizer_update is None:
-            reference_update(table, state, update, rows, values, sparse_grad)
-        else:
-            state1, state2 = state_tensors(update.rule, state, table)
-            values = values if values.dtype == table.dtype else values.to(table.dtype)
-            backend.optimizer_update(table.detach(), state1, state2, rows, values, update.rule, list(update.hyper),
-                                     update.all_rows and not every_row)
+    _, state, update = prepare(table)  # refuses grad mode: the update needs no torch.no_grad() (~1.6 us each)
+    if backend.optimizer_update is None:
+        reference_update(table, state, update, rows, values, sparse_grad)
+    else:
+        state1, state2 = state_tensors(update.rule, state, table)
+        values = values if values.dtype == table.dtype else values.to(table.dtype)
+        backend.optimizer_update(table.detach(), state1, state2, rows, values, update.rule, list(update.hyper),
+                                 update.all_rows and not every_row)
 
 
 # --------------------------------------------------------------------------- one update
