@@ -236,6 +236,12 @@ struct LookupArgs {
   std::optional<int64_t> padding_idx;      // in [0, V)
 };
 
+// pyembed::embedding's dropout_p, in pyembed/checks.py's words (check_dropout_p).
+inline void check_dropout_p(double dropout_p) {
+  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p <= 1.0,
+                    "pyembed: dropout probability has to be between 0 and 1, but got ", dropout_p);
+}
+
 // pyembed::embedding is the op plain eager calls reach straight from Python (the fast
 // path of pyembed/functional.py), so it checks everything the Python wrapper does --
 // metadata, and with validate the data -- before anything runs, with the same messages.

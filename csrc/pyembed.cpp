@@ -45,10 +45,11 @@ TORCH_LIBRARY(pyembed, m) {
   // C++ backends; its forward and backward are the two ops above. It checks every argument
   // itself (csrc/checks.h: check_lookup), the id / position ranges when validate (before the
   // kernel) or, with an error_record, inside the CUDA kernel (no host sync; pyembed/checks.py).
+  // With dropout_p it draws the dropout key from generator (else the device's default).
   m.def(
       "embedding(Tensor ids, Tensor weight, Tensor? pos_weight, Tensor? position_ids, str pos_encoding, "
-      "float scale, int offset, int? padding_idx, bool scale_grad_by_freq, bool validate=True, int error_record=0) "
-      "-> Tensor");
+      "float scale, int offset, int? padding_idx, bool scale_grad_by_freq, bool validate=True, int error_record=0, "
+      "float dropout_p=0.0, Generator? generator=None) -> Tensor");
   const std::vector<at::Tag> sparse_tags = cudagraph_unsafe();  // an lvalue: the overload taking tags
   m.def(
       "embedding_sparse_backward(Tensor grad_out, Tensor ids, int num_embeddings, float scale, int? padding_idx, "
@@ -96,13 +97,14 @@ static at::Tensor embedding_call(const at::Tensor& ids, const at::Tensor& weight
                                  const std::optional<at::Tensor>& pos_weight,
                                  const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
                                  double scale, int64_t offset, std::optional<int64_t> padding_idx,
-                                 bool scale_grad_by_freq, bool validate, int64_t error_record) {
+                                 bool scale_grad_by_freq, bool validate, int64_t error_record, double dropout_p,
+                                 const std::optional<at::Generator>& generator) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("pyembed::embedding", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                         const std::optional<at::Tensor>&, std::string_view, double, int64_t,
-                        std::optional<int64_t>, bool, bool, int64_t)>();
+                        std::optional<int64_t>, bool, bool, int64_t, double, const std::optional<at::Generator>&)>();
   return op.call(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, scale_grad_by_freq,
-                 validate, error_record);
+                 validate, error_record, dropout_p, generator);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -118,5 +120,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_isa", [] { return pyembed::cpu::row_kernels().isa; },
         "the instruction set of the CPU row kernels in use: 'avx512', 'avx2' or 'base'");
   m.def("embedding", &embedding_call, "torch.ops.pyembed.embedding's call, for eager calls on plain tensors",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("ids"), py::arg("weight"), py::arg("pos_weight"), py::arg("position_ids"), py::arg("pos_encoding"),
+        py::arg("scale"), py::arg("offset"), py::arg("padding_idx"), py::arg("scale_grad_by_freq"),
+        py::arg("validate"), py::arg("error_record"), py::arg("dropout_p") = 0.0,
+        py::arg("generator") = py::none(), py::call_guard<py::gil_scoped_release>());
 }

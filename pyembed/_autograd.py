@@ -100,22 +100,23 @@ def python_lookup(backend: str, eager_forward):
     ``error_record`` inside the kernel, then the forward's eager body (``eager_forward``)
     alone when nothing will ask for a gradient, else the autograd.Function. fused_embedding
     sends plain eager calls here as it sends them to that op: the general route's layers
-    (argument forms no plain call has, dtensor, dropout, sparse) cost a one-token `triton`
-    lookup ~2 us of its ~16."""
+    (argument forms no plain call has, dtensor, sparse) cost a one-token `triton` lookup
+    ~2 us of its ~16. As that op, it draws the dropout key itself, after every check."""
     def lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-               scale_grad_by_freq, validate, error_record):
+               scale_grad_by_freq, validate, error_record, dropout_p=0.0, generator=None):
         pos_encoding, position_ids = checks.check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
         if padding_idx is not None:
             padding_idx = checks.normalize_padding_idx(padding_idx, weight.shape[0])
         ids, weight, pos_weight, position_ids = _contiguous(ids, weight, pos_weight, position_ids)
-        if _wants_gradient(weight, pos_weight):
-            config = FusedConfig(pos_encoding, float(scale), offset, padding_idx, bool(scale_grad_by_freq), False,
-                                 validate, backend, 0.0, error_record)
-            return FusedEmbeddingFunctionWithJvp.apply(ids, weight, pos_weight, position_ids, None, config)
         if validate:
             ids = checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
-        return eager_forward(ids, weight, pos_weight, position_ids, pos_encoding, float(scale), offset, None, 0.0, 0, 0,
-                             error_record)
+        dropout_key = reference.draw_dropout_key(weight.device, generator) if dropout_p else None
+        if _wants_gradient(weight, pos_weight):
+            config = FusedConfig(pos_encoding, float(scale), offset, padding_idx, bool(scale_grad_by_freq), False,
+                                 False, backend, float(dropout_p), error_record)
+            return FusedEmbeddingFunctionWithJvp.apply(ids, weight, pos_weight, position_ids, dropout_key, config)
+        return eager_forward(ids, weight, pos_weight, position_ids, pos_encoding, float(scale), offset, dropout_key,
+                             float(dropout_p), 0, 0, error_record)
     return lookup
 
 

@@ -83,9 +83,10 @@ def fused_embedding(
         forward mode too, and under ``torch.func`` transforms (``vmap``, ``grad``).
     """
     fused_table = optim.tables_are_fused and (optim.fused_optimizer(weight) or optim.fused_optimizer(pos_weight))
-    if (not sparse and type(dropout_p) in (float, int) and dropout_p == 0 and type(offset) is int and not fused_table
+    if (not sparse and type(dropout_p) in (float, int) and type(offset) is int and not fused_table
             and type(weight) in _PLAIN_TENSORS and type(ids) is torch.Tensor and weight.is_floating_point()):
-        # The common call -- plain tensors, a float table, no dropout, a dense gradient.
+        # The common call -- plain tensors, a float table, a dense gradient, with or without
+        # dropout (GPT-2's embedding dropout).
         if _autograd.autograd_may_be_cpp():
             # Eager, no forward-mode AD, no torch.func transform: its backend's lookup op,
             # which checks its arguments and holds its autograd node (the C++ backends'
@@ -101,12 +102,15 @@ def fused_embedding(
                 if pos_encoding is None or pos_encoding == "none":
                     pos_encoding = "learned" if pos_weight is not None else "none"
                 sync_check, error_record = range_checks(validate, fast, device)
+                if dropout_p:  # the op draws the key from generator, after its checks
+                    checks.check_dropout_p(dropout_p)
                 try:
                     return fast.autograd_op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
-                                            padding_idx, scale_grad_by_freq, sync_check, error_record)
+                                            padding_idx, scale_grad_by_freq, sync_check, error_record,
+                                            float(dropout_p), generator)
                 except (RuntimeError, TypeError, ValueError) as error:
                     raise checks.from_cpp(error) from None
-        elif torch.compiler.is_compiling() and _autograd.no_transform():
+        elif dropout_p == 0 and torch.compiler.is_compiling() and _autograd.no_transform():
             looked_up = _compiled_lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
                                          padding_idx, scale_grad_by_freq, validate, backend)
             if looked_up is not None:
@@ -145,10 +149,15 @@ def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_
                                        bool(sparse), range_checks(validate, chosen, torch.device("cpu"))[0],
                                        chosen.name, float(dropout_p))
         return _dtensor.fused_embedding(ids, weight, pos_weight, position_ids, config, generator)
-    dropout_key = reference.draw_dropout_key(weight.device, generator) if dropout_p > 0 else None
     if sparse:
         _coalesced.keep_flag(weight)  # .grad stays flagged coalesced (optimizers skip a re-sort)
     sync_check, error_record = range_checks(validate, chosen, weight.device)
+    dropout_key = None
+    if dropout_p > 0:
+        if sync_check:  # checked before the key is drawn: a refused call leaves the generator as it was
+            ids = _autograd.checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
+            sync_check = False
+        dropout_key = reference.draw_dropout_key(weight.device, generator)
     config = _autograd.FusedConfig(pos_encoding, float(scale), offset, padding_idx, bool(scale_grad_by_freq),
                                    bool(sparse), sync_check, chosen.name, float(dropout_p), error_record)
     return _autograd.apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config, cpp_autograd=cpp_autograd)

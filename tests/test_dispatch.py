@@ -140,7 +140,9 @@ def test_plain_eager_calls_take_the_cpp_node_and_the_rest_the_python_function():
     weight, pos_weight = torch.randn(7, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
     plain = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="cpu")
     assert "EmbeddingFunction" in plain.grad_fn.name() and "Fused" not in plain.grad_fn.name()
-    for python_path in ({"sparse": True}, {"dropout_p": 0.5}):
+    dropped = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="cpu", dropout_p=0.5)
+    assert "EmbeddingFunction" in dropped.grad_fn.name() and "Fused" not in dropped.grad_fn.name()
+    for python_path in ({"sparse": True}, {"sparse": True, "dropout_p": 0.5}):
         out = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="cpu", **python_path)
         assert "FusedEmbeddingFunction" in out.grad_fn.name()
     assert "FusedEmbeddingFunction" in pyembed.fused_embedding(ids, weight, backend="reference").grad_fn.name()

@@ -156,6 +156,34 @@ def test_dropout_p_outside_0_1_raises_value_error(p):
         pyembed.EmbeddingLayer(4, 8, dropout=p)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_refused_call_leaves_the_generator_as_it_was(backend):
+    # The key is drawn after every check (in the C++ lookup op, in triton's lookup and on the
+    # general route alike): bad input raises and the next call draws what it would have.
+    name, device = backend.partition("@")[0], _device(backend)
+    ids, weight = torch.randint(0, 10, (2, 4), device=device), torch.randn(10, 8, device=device, requires_grad=True)
+    pos_weight = torch.randn(4, 8, device=device, requires_grad=True)
+    refused = [(IndexError, dict(ids=ids.masked_fill(ids == ids[0, 0], 10), validate="sync")),
+               (ValueError, dict(position_ids=torch.full_like(ids, 4), validate="sync")),
+               (TypeError, dict(ids=ids.float())),
+               (ValueError, dict(pos_weight=pos_weight[:, :4])),
+               (ValueError, dict(offset=-1)),
+               (ValueError, dict(dropout_p=1.5))]
+    default = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else torch.default_generator
+    for generator in (None, torch.Generator(device).manual_seed(3)):
+        source = default if generator is None else generator
+        for exc, change in refused:
+            state = source.get_state()
+            call = {**dict(ids=ids, pos_weight=pos_weight, dropout_p=0.5), **change}
+            with pytest.raises(exc):
+                pyembed.fused_embedding(call.pop("ids"), weight, call.pop("pos_weight"), generator=generator,
+                                        backend=name, **call)
+            assert torch.equal(source.get_state(), state), (backend, exc, change)
+        state = source.get_state()  # and a call that goes through draws
+        pyembed.fused_embedding(ids, weight, pos_weight, dropout_p=0.5, generator=generator, backend=name)
+        assert not torch.equal(source.get_state(), state)
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_manual_seed_reproduces_a_call_and_successive_calls_differ(backend):
     ids, weight = torch.randint(0, 10, (4, 8)), torch.randn(10, 16)
