@@ -158,9 +158,10 @@ def host_only_costs(backends, calls=40, rounds=3):
     handoff cost every backward ~100-300 us on the H100's host, torch's own included, and
     more where the node is Python (`triton`: 548 against 273 us; `cuda`, a C++ node: 210
     against 97). So the same for ``x * 2`` as a C++ node and inside a trivial Python
-    autograd.Function (what a Python node costs there, whatever it runs), and for each C++
-    backend with AdamW inside its backward (a Python node on every backend). Then the parts
-    of pyembed's backward: the dense backward op and `triton`'s torch.sort."""
+    autograd.Function (what a Python node costs there, whatever it runs), for each backend
+    with dropout, and for each C++ backend with AdamW inside its backward (a Python node on
+    every backend). Then the parts of pyembed's backward: the dense backward op and
+    `triton`'s torch.sort."""
     import time
 
     weight, pos_weight, ids, dout = tensors(*GPT2, 8, 2048, torch.float32)
@@ -198,6 +199,11 @@ def host_only_costs(backends, calls=40, rounds=3):
         "x * 2 in a Python autograd.Function": fwd_bwd(lambda: Double.apply(dout.detach().requires_grad_()))}
     layers.update({f"pyembed {b}": fwd_bwd(lambda b=b: pyembed.fused_embedding(ids, weight, pos_weight, scale=scale,
                                                                                   backend=b)) for b in backends})
+    # With dropout: at d81f5b2 a Python Function (787 us a `cuda` fwd+bwd in the benchmark
+    # against 232 without), now the C++ node on `cuda`.
+    layers.update({f"pyembed {b}, dropout 0.1": fwd_bwd(
+        lambda b=b: pyembed.fused_embedding(ids, weight, pos_weight, scale=scale, dropout_p=0.1, backend=b))
+        for b in backends})
     for b in backends:
         if b != "triton":  # the C++ backends: a C++ node, but a Python one with AdamW in the backward
             tables = [torch.nn.Parameter(weight.detach().clone()), torch.nn.Parameter(pos_weight.detach().clone())]
