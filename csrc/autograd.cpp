@@ -12,20 +12,25 @@
 // exception types (pyembed.checks.from_cpp), never retried.
 //
 // The node saves only the ids, positions and dropout key; its backward is the backend's
-// dense backward op -- or, when autograd records the backward itself (create_graph=True,
-// for double backward), the same sums written with differentiable ATen ops.
+// dense (or sparse) backward op -- or, when autograd records the backward itself
+// (create_graph=True, for double backward), the same sums written with differentiable ATen ops.
 //
-// Dropout (GPT-2's embedding dropout) takes this node too: a Python Function's backward
-// runs on autograd's device thread, where at d81f5b2 a GPT-2 8x2048 forward + backward with
-// dropout cost 787 us on an H100 against 232 us without it through this node. The key is
-// drawn here, after the checks (a refused call leaves the generator as it was), as
-// pyembed/reference.py's draw_dropout_key draws it: the same mask as every other route.
+// Dropout (GPT-2's embedding dropout) and sparse=True take this node too: a Python
+// Function's backward runs on autograd's device thread, where at d81f5b2 a GPT-2 8x2048
+// forward + backward with dropout cost 787 us on an H100 against 232 us without it through
+// this node. The dropout key is drawn here, after the checks (a refused call leaves the
+// generator as it was), as pyembed/reference.py's draw_dropout_key draws it: the same mask
+// as every other route.
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <mutex>
 #include <string_view>
+#include <vector>
 
+#include "autograd.h"
 #include "checks.h"
 
 namespace pyembed {
@@ -100,6 +105,47 @@ std::tuple<at::Tensor, at::Tensor> call_backward(const at::Tensor& grad_out, con
                  scale_grad_by_freq, need_weight_grad, need_pos_grad);
 }
 
+// The table's touched rows (sorted, unique) and their sums, from the backend's sparse op.
+std::tuple<at::Tensor, at::Tensor> call_sparse_backward(const at::Tensor& grad_out, const at::Tensor& ids,
+                                                        int64_t num_embeddings, double scale,
+                                                        std::optional<int64_t> padding_idx, bool scale_grad_by_freq) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pyembed::embedding_sparse_backward", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t,
+                                                                 double, std::optional<int64_t>, bool)>();
+  return op.call(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq);
+}
+
+// The sparse gradients this node built, while they live: AccumulateGrad rebuilds a sparse
+// gradient from its indices and values without the coalesced flag when it stores it in
+// .grad (pytorch/pytorch#105916), and pyembed/_coalesced.py's hook sets the flag back when
+// .grad still holds exactly these storages (built_coalesced below). Weak references: an
+// entry never keeps memory alive, and a freed storage whose address is reused never matches.
+struct BuiltSparse {
+  c10::weak_intrusive_ptr<c10::StorageImpl> values, indices;
+  int64_t nnz;
+};
+std::mutex built_mutex;
+std::vector<BuiltSparse> built;
+
+c10::weak_intrusive_ptr<c10::StorageImpl> weak_storage(const at::Tensor& t) {
+  return c10::weak_intrusive_ptr<c10::StorageImpl>(
+      c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(t.storage().unsafeGetStorageImpl()));
+}
+
+// The coalesced COO gradient of a (num_embeddings, d) table from its rows and their sums.
+at::Tensor sparse_gradient(const at::Tensor& rows, const at::Tensor& values, int64_t num_embeddings) {
+  at::Tensor grad = at::_sparse_coo_tensor_with_dims_and_tensors(
+      1, 1, {num_embeddings, values.size(1)}, rows.unsqueeze(0), values, values.options().layout(at::kSparse),
+      /*is_coalesced=*/true);
+  const std::lock_guard<std::mutex> lock(built_mutex);
+  built.erase(std::remove_if(built.begin(), built.end(),
+                             [](const BuiltSparse& b) { return b.values.expired() || b.indices.expired(); }),
+              built.end());
+  built.push_back({weak_storage(grad._values()), weak_storage(grad._indices()), grad._nnz()});
+  return grad;
+}
+
 // The same gradients as differentiable ATen ops (fp32 sums for half/bf16, one rounding),
 // for create_graph=True: autograd then differentiates them again (their derivative is a
 // lookup). Semantics as the kernels: out-of-range ids and the padding row get nothing,
@@ -153,6 +199,7 @@ struct Lookup {
   int64_t error_record;
   std::optional<at::Tensor> dropout_key;
   double dropout_p;
+  bool sparse;  // the table's gradient as a coalesced COO tensor
 };
 
 struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
@@ -167,7 +214,7 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
     ctx->saved_data["lookup"] = c10::ivalue::Tuple::create(
         {weight.size(0), lookup.pos_encoding == "learned" && pos_weight.has_value(),
          pos_weight.has_value() ? pos_weight->size(0) : int64_t(0), lookup.scale, lookup.offset, lookup.padding_idx,
-         lookup.scale_grad_by_freq, lookup.dropout_p});
+         lookup.scale_grad_by_freq, lookup.dropout_p, lookup.sparse});
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return call_forward(lookup.ids, weight, pos_weight, lookup.position_ids, lookup.pos_encoding, lookup.scale,
                         lookup.offset, lookup.error_record, lookup.dropout_key, lookup.dropout_p);
@@ -185,6 +232,7 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
     const auto padding_idx = lookup[5].toOptional<int64_t>();
     const bool by_freq = lookup[6].toBool();
     const double dropout_p = lookup[7].toDouble();
+    const bool sparse = lookup[8].toBool();
     const bool need_weight_grad = ctx->needs_input_grad(0);
     const bool need_pos_grad = learned && ctx->needs_input_grad(1);
     at::Tensor grad_out = grad_outputs[0].contiguous();
@@ -195,17 +243,34 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
         grad_out = at::GradMode::is_enabled() ? DropoutMaskFunction::apply(grad_out, dropout_key, dropout_p)
                                               : dropout_masked(grad_out, dropout_key, dropout_p);
       }
+      const bool sparse_weight_grad = sparse && need_weight_grad;
       if (at::GradMode::is_enabled()) {  // create_graph=True: the backward is recorded too
         std::tie(grad_weight, grad_pos) =
             differentiable_backward(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale,
                                     padding_idx, by_freq, need_weight_grad, need_pos_grad);
+        if (sparse_weight_grad) {  // the dense sums' touched rows, differentiably
+          at::Tensor rows;
+          {
+            at::AutoDispatchBelowADInplaceOrView below_autograd;
+            rows = std::get<0>(call_sparse_backward(grad_out.detach(), ids, num_embeddings, scale, padding_idx,
+                                                    by_freq));
+          }
+          grad_weight = at::_sparse_coo_tensor_with_dims_and_tensors(
+              1, 1, grad_weight.sizes(), rows.unsqueeze(0), grad_weight.index_select(0, rows),
+              grad_weight.options().layout(at::kSparse), /*is_coalesced=*/true);
+        }
       } else {
         at::AutoDispatchBelowADInplaceOrView below_autograd;
         const std::optional<at::Tensor> positions =
             position_ids.defined() ? std::optional<at::Tensor>(position_ids) : std::nullopt;
         std::tie(grad_weight, grad_pos) = call_backward(grad_out, ids, positions, offset, num_embeddings,
                                                         num_positions, scale, padding_idx, by_freq,
-                                                        need_weight_grad, need_pos_grad);
+                                                        need_weight_grad && !sparse, need_pos_grad);
+        if (sparse_weight_grad) {
+          const auto [rows, values] =
+              call_sparse_backward(grad_out, ids, num_embeddings, scale, padding_idx, by_freq);
+          grad_weight = sparse_gradient(rows, values, num_embeddings);
+        }
       }
     }
     // One entry per forward argument: the weight, pos_weight, nothing for the lookup.
@@ -219,7 +284,7 @@ at::Tensor embedding_no_autograd(const at::Tensor& ids, const at::Tensor& weight
                                  const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
                                  double scale, int64_t offset, std::optional<int64_t> padding_idx,
                                  bool /*scale_grad_by_freq*/, bool validate, int64_t error_record, double dropout_p,
-                                 const std::optional<at::Generator>& generator) {
+                                 const std::optional<at::Generator>& generator, bool /*sparse*/) {
   check_dropout_p(dropout_p);
   const LookupArgs args =
       check_lookup(ids, weight, pos_weight, position_ids, pos_encoding, offset, padding_idx, validate);
@@ -232,12 +297,12 @@ at::Tensor embedding_autograd(const at::Tensor& ids, const at::Tensor& weight,
                               const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
                               double scale, int64_t offset, std::optional<int64_t> padding_idx,
                               bool scale_grad_by_freq, bool validate, int64_t error_record, double dropout_p,
-                              const std::optional<at::Generator>& generator) {
+                              const std::optional<at::Generator>& generator, bool sparse) {
   const bool needs_grad = weight.requires_grad() || (pos_weight.has_value() && pos_weight->requires_grad());
   if (!at::GradMode::is_enabled() || !needs_grad) {  // no_grad decoding: no node to build (~1 us)
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return embedding_no_autograd(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                                 scale_grad_by_freq, validate, error_record, dropout_p, generator);
+                                 scale_grad_by_freq, validate, error_record, dropout_p, generator, sparse);
   }
   check_dropout_p(dropout_p);
   const LookupArgs args =
@@ -245,10 +310,24 @@ at::Tensor embedding_autograd(const at::Tensor& ids, const at::Tensor& weight,
   return EmbeddingFunction::apply(weight, pos_weight,
                                   Lookup{ids, args.position_ids, pos_encoding, scale, offset, args.padding_idx,
                                          scale_grad_by_freq, error_record,
-                                         draw_dropout_key(dropout_p, generator, weight.device()), dropout_p});
+                                         draw_dropout_key(dropout_p, generator, weight.device()), dropout_p,
+                                         sparse});
 }
 
 }  // namespace
+
+bool built_coalesced(const at::Tensor& grad) {
+  if (!grad.is_sparse()) return false;
+  const c10::StorageImpl* values = grad._values().storage().unsafeGetStorageImpl();
+  const c10::StorageImpl* indices = grad._indices().storage().unsafeGetStorageImpl();
+  const int64_t nnz = grad._nnz();
+  const std::lock_guard<std::mutex> lock(built_mutex);
+  for (const BuiltSparse& b : built) {
+    const auto v = b.values.lock(), i = b.indices.lock();
+    if (v.get() == values && i.get() == indices && b.nnz == nnz) return true;
+  }
+  return false;
+}
 
 TORCH_LIBRARY_IMPL(pyembed, Autograd, m) {
   m.impl("embedding", &embedding_autograd);

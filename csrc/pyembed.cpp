@@ -7,6 +7,7 @@
 #include <torch/library.h>
 #include <torch/version.h>
 
+#include "autograd.h"
 #include "checks.h"
 #include "cpu/kernel_api.h"
 
@@ -45,11 +46,12 @@ TORCH_LIBRARY(pyembed, m) {
   // C++ backends; its forward and backward are the two ops above. It checks every argument
   // itself (csrc/checks.h: check_lookup), the id / position ranges when validate (before the
   // kernel) or, with an error_record, inside the CUDA kernel (no host sync; pyembed/checks.py).
-  // With dropout_p it draws the dropout key from generator (else the device's default).
+  // With dropout_p it draws the dropout key from generator (else the device's default);
+  // with sparse the table's gradient is a coalesced COO tensor.
   m.def(
       "embedding(Tensor ids, Tensor weight, Tensor? pos_weight, Tensor? position_ids, str pos_encoding, "
       "float scale, int offset, int? padding_idx, bool scale_grad_by_freq, bool validate=True, int error_record=0, "
-      "float dropout_p=0.0, Generator? generator=None) -> Tensor");
+      "float dropout_p=0.0, Generator? generator=None, bool sparse=False) -> Tensor");
   const std::vector<at::Tag> sparse_tags = cudagraph_unsafe();  // an lvalue: the overload taking tags
   m.def(
       "embedding_sparse_backward(Tensor grad_out, Tensor ids, int num_embeddings, float scale, int? padding_idx, "
@@ -98,13 +100,14 @@ static at::Tensor embedding_call(const at::Tensor& ids, const at::Tensor& weight
                                  const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
                                  double scale, int64_t offset, std::optional<int64_t> padding_idx,
                                  bool scale_grad_by_freq, bool validate, int64_t error_record, double dropout_p,
-                                 const std::optional<at::Generator>& generator) {
+                                 const std::optional<at::Generator>& generator, bool sparse) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("pyembed::embedding", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                         const std::optional<at::Tensor>&, std::string_view, double, int64_t,
-                        std::optional<int64_t>, bool, bool, int64_t, double, const std::optional<at::Generator>&)>();
+                        std::optional<int64_t>, bool, bool, int64_t, double, const std::optional<at::Generator>&,
+                        bool)>();
   return op.call(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, scale_grad_by_freq,
-                 validate, error_record, dropout_p, generator);
+                 validate, error_record, dropout_p, generator, sparse);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -123,5 +126,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ids"), py::arg("weight"), py::arg("pos_weight"), py::arg("position_ids"), py::arg("pos_encoding"),
         py::arg("scale"), py::arg("offset"), py::arg("padding_idx"), py::arg("scale_grad_by_freq"),
         py::arg("validate"), py::arg("error_record"), py::arg("dropout_p") = 0.0,
-        py::arg("generator") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("generator") = py::none(), py::arg("sparse") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("built_coalesced", &pyembed::built_coalesced,
+        "whether a sparse .grad still holds the storages of a coalesced gradient pyembed::embedding built");
 }

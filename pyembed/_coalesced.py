@@ -28,6 +28,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 _built: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # tables with the hook registered (one hook per table, however many calls)
 _hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# The C++ autograd node (csrc/autograd.cpp) records the gradients it builds itself: each
+# function here says whether a .grad still holds one (pyembed._extension adds _C's).
+built_elsewhere: list = []
 
 
 def remember(grad: torch.Tensor) -> None:
@@ -59,5 +62,6 @@ def _restore_flag(weight: torch.Tensor) -> None:
     if grad is None or not grad.is_sparse or grad.is_coalesced():
         return
     built = _built.get(grad._values().untyped_storage())
-    if built is not None and built[0]() is grad._indices().untyped_storage() and built[1] == grad._nnz():
+    if ((built is not None and built[0]() is grad._indices().untyped_storage() and built[1] == grad._nnz())
+            or any(holds(grad) for holds in built_elsewhere)):
         grad._coalesced_(True)

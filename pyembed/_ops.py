@@ -104,7 +104,7 @@ def sparse_backward_fake(grad_out, ids, num_embeddings, scale, padding_idx, scal
 
 
 def lookup_fake(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, scale_grad_by_freq,
-                validate=True, error_record=0, dropout_p=0.0, generator=None):
+                validate=True, error_record=0, dropout_p=0.0, generator=None, sparse=False):
     """pyembed::embedding (the C++ backends' lookup with its C++ autograd node)."""
     return weight.new_empty(*ids.shape, weight.shape[1])
 

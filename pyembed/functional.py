@@ -83,10 +83,10 @@ def fused_embedding(
         forward mode too, and under ``torch.func`` transforms (``vmap``, ``grad``).
     """
     fused_table = optim.tables_are_fused and (optim.fused_optimizer(weight) or optim.fused_optimizer(pos_weight))
-    if (not sparse and type(dropout_p) in (float, int) and type(offset) is int and not fused_table
+    if (type(dropout_p) in (float, int) and type(offset) is int and not fused_table
             and type(weight) in _PLAIN_TENSORS and type(ids) is torch.Tensor and weight.is_floating_point()):
-        # The common call -- plain tensors, a float table, a dense gradient, with or without
-        # dropout (GPT-2's embedding dropout).
+        # The common call -- plain tensors, a float table, with or without dropout (GPT-2's
+        # embedding dropout), a dense or sparse gradient.
         if _autograd.autograd_may_be_cpp():
             # Eager, no forward-mode AD, no torch.func transform: its backend's lookup op,
             # which checks its arguments and holds its autograd node (the C++ backends'
@@ -104,13 +104,15 @@ def fused_embedding(
                 sync_check, error_record = range_checks(validate, fast, device)
                 if dropout_p:  # the op draws the key from generator, after its checks
                     checks.check_dropout_p(dropout_p)
+                if sparse:
+                    _coalesced.keep_flag(weight)  # .grad stays flagged coalesced (optimizers skip a re-sort)
                 try:
                     return fast.autograd_op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
                                             padding_idx, scale_grad_by_freq, sync_check, error_record,
-                                            float(dropout_p), generator)
+                                            float(dropout_p), generator, bool(sparse))
                 except (RuntimeError, TypeError, ValueError) as error:
                     raise checks.from_cpp(error) from None
-        elif dropout_p == 0 and torch.compiler.is_compiling() and _autograd.no_transform():
+        elif not sparse and dropout_p == 0 and torch.compiler.is_compiling() and _autograd.no_transform():
             looked_up = _compiled_lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
                                          padding_idx, scale_grad_by_freq, validate, backend)
             if looked_up is not None:

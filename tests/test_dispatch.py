@@ -140,10 +140,12 @@ def test_plain_eager_calls_take_the_cpp_node_and_the_rest_the_python_function():
     weight, pos_weight = torch.randn(7, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
     plain = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="cpu")
     assert "EmbeddingFunction" in plain.grad_fn.name() and "Fused" not in plain.grad_fn.name()
-    dropped = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="cpu", dropout_p=0.5)
-    assert "EmbeddingFunction" in dropped.grad_fn.name() and "Fused" not in dropped.grad_fn.name()
-    for python_path in ({"sparse": True}, {"sparse": True, "dropout_p": 0.5}):
-        out = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="cpu", **python_path)
+    for options in ({"dropout_p": 0.5}, {"sparse": True}, {"sparse": True, "dropout_p": 0.5}):
+        out = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="cpu", **options)
+        assert "EmbeddingFunction" in out.grad_fn.name() and "Fused" not in out.grad_fn.name(), options
+    with torch.autograd.forward_ad.dual_level():  # forward-mode AD: the Function, which has a jvp
+        dual = torch.autograd.forward_ad.make_dual(weight, torch.ones_like(weight))
+        out = pyembed.fused_embedding(ids, dual, pos_weight, scale=2.0, backend="cpu", sparse=True)
         assert "FusedEmbeddingFunction" in out.grad_fn.name()
     assert "FusedEmbeddingFunction" in pyembed.fused_embedding(ids, weight, backend="reference").grad_fn.name()
     with torch.inference_mode():  # below autograd: the op's forward alone
