@@ -263,9 +263,11 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
         at::AutoDispatchBelowADInplaceOrView below_autograd;
         const std::optional<at::Tensor> positions =
             position_ids.defined() ? std::optional<at::Tensor>(position_ids) : std::nullopt;
-        std::tie(grad_weight, grad_pos) = call_backward(grad_out, ids, positions, offset, num_embeddings,
-                                                        num_positions, scale, padding_idx, by_freq,
-                                                        need_weight_grad && !sparse, need_pos_grad);
+        if (need_pos_grad || !sparse_weight_grad) {  // a sparse table alone needs no dense op
+          std::tie(grad_weight, grad_pos) = call_backward(grad_out, ids, positions, offset, num_embeddings,
+                                                          num_positions, scale, padding_idx, by_freq,
+                                                          need_weight_grad && !sparse, need_pos_grad);
+        }
         if (sparse_weight_grad) {
           const auto [rows, values] =
               call_sparse_backward(grad_out, ids, num_embeddings, scale, padding_idx, by_freq);
