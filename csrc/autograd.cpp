@@ -255,9 +255,7 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
             rows = std::get<0>(call_sparse_backward(grad_out.detach(), ids, num_embeddings, scale, padding_idx,
                                                     by_freq));
           }
-          grad_weight = at::_sparse_coo_tensor_with_dims_and_tensors(
-              1, 1, grad_weight.sizes(), rows.unsqueeze(0), grad_weight.index_select(0, rows),
-              grad_weight.options().layout(at::kSparse), /*is_coalesced=*/true);
+          grad_weight = sparse_gradient(rows, grad_weight.index_select(0, rows), num_embeddings);
         }
       } else {
         at::AutoDispatchBelowADInplaceOrView below_autograd;
