@@ -463,6 +463,34 @@ def run_case_isolated(case: Case, device, provs: list[Provider], args) -> list[d
         return worker.submit(_run_case_in_worker, case, device.type, [p.name for p in provs], args).result()
 
 
+class TimeLimit:
+    """--time-limit: a case starts only if the run would still be within the limit when it
+    ends, taking as long as the median of the cases of its shape so far (of all cases, before
+    one of its shape has run; the first case always runs). A case that does not fit is left
+    out and named, and the next ones are still tried (a smaller table's may fit)."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds, self.start = seconds, time.perf_counter()
+        self.took: dict[str, list[float]] = {}  # seconds per case, by shape
+        self.left_out: list[str] = []
+
+    def fits(self, case: Case) -> bool:
+        if self.seconds is None or not self.took:
+            return True
+        seen = self.took.get(case.shape) or [t for times in self.took.values() for t in times]
+        expected = sorted(seen)[len(seen) // 2] if seen else 0.0
+        if time.perf_counter() - self.start + expected <= self.seconds:
+            return True
+        self.left_out.append(case.label())
+        return False
+
+    @contextlib.contextmanager
+    def timing(self, case: Case):
+        start = time.perf_counter()
+        yield
+        self.took.setdefault(case.shape, []).append(time.perf_counter() - start)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--suite", default=None, choices=["quick", "main", "cpu", "gpu", "all"],
@@ -487,6 +515,10 @@ def parse_args(argv=None):
                     help="--no-autograd-threads: every backward runs on the calling thread "
                          "(torch.autograd.set_multithreading_enabled(False)), not handed to autograd's "
                          "device thread -- on an H100 host that halved a backward's host time for every provider")
+    ap.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                    help="start a case only if the run, by the time it ends, stays within SECONDS (as the cases of "
+                         "its shape took so far); the rest are left out and named -- for a host that limits one "
+                         "command's time (the gpu suite runs in priority order)")
     ap.add_argument("--out", default=str(DEFAULT_OUT),
                     help="folder for results.csv, results.md and the PNG plots, written anew by each run "
                          "(default build/bench, git-ignored; "
@@ -526,12 +558,19 @@ def main(argv=None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     csv_path = out / "results.csv"
     csv_path.unlink(missing_ok=True)  # this run's results only (an earlier run's are not mixed in)
+    limit = TimeLimit(args.time_limit)
     for case in tqdm(cases, desc="cases", unit="case"):
-        measured = run_case_isolated(case, device, provs, args) if isolate else run_case(case, device, provs, args)
+        if not limit.fits(case):
+            continue
+        with limit.timing(case):
+            measured = run_case_isolated(case, device, provs, args) if isolate else run_case(case, device, provs, args)
         case_rows = [{**meta, **r} for r in measured]
         rows += case_rows
         report.append_csv(case_rows, csv_path)  # case by case: a run cut short keeps what it measured
     table = report.table(rows, [p.name for p in provs])
+    if limit.left_out:
+        table += (f"\n{len(limit.left_out)} of {len(cases)} cases left out by --time-limit {args.time_limit:g} s: "
+                  + "; ".join(limit.left_out) + "\n")
     (out / "results.md").write_text(table)
     print(table)
     if name == "main":

@@ -13,7 +13,7 @@ import torch
 import pyembed
 
 from bench import report, run
-from bench.cases import Case
+from bench.cases import Case, suite
 from bench.providers import Provider, eager_input_layer, providers
 
 
@@ -46,6 +46,31 @@ def test_quick_suite_writes_csv_table_and_plots(tmp_path, capsys):
     table = (tmp_path / "results.md").read_text()
     assert table.startswith(report.markdown(rows, names))
     assert report.markdown(report.load_csv(tmp_path / "results.csv"), names) == report.markdown(rows, names)
+
+
+def test_a_time_limit_leaves_out_the_cases_that_would_pass_it_and_names_them(tmp_path):
+    # One GPU call has 10 minutes: --time-limit starts a case only while the run, as its
+    # cases have taken so far, ends within the limit. With none left, the first case runs
+    # (there is nothing to go by), the rest are named in the table; plots and CSV as usual.
+    rows = run.main(["--quick", "--out", str(tmp_path), "--budget", "0.05", "--min-reps", "3", "--time-limit", "0"])
+    cases = suite("quick")
+    assert {r["label"] for r in rows} == {cases[0].label()}
+    assert {r["label"] for r in report.load_csv(tmp_path / "results.csv")} == {cases[0].label()}
+    table = (tmp_path / "results.md").read_text()
+    assert table.rstrip().splitlines()[-1] == (f"{len(cases) - 1} of {len(cases)} cases left out by --time-limit 0 s: "
+                                               + "; ".join(c.label() for c in cases[1:]))
+    assert (tmp_path / "bench_fwd.png").exists()
+
+
+def test_the_gpu_suite_runs_the_issues_targets_first():
+    # What a time-limited GPU call measures first: the 8x2048 forward and forward + backward
+    # at GPT-2 and Llama-3 (fp32, bf16, learned positions), then those tables' one-token calls.
+    cases = suite("gpu")
+    first = {(c.shape, c.batch, c.seq_len, c.mode, c.dtype, c.pos, c.grad, c.dropout) for c in cases[:8]}
+    assert first == {(s, 8, 2048, m, d, "learned", "dense", 0.0) for s in ("gpt2", "llama3")
+                     for m in ("fwd", "fwd+bwd") for d in ("fp32", "bf16")}
+    assert all((c.batch, c.seq_len, c.pos) == (1, 1, "learned") and c.mode != "step" for c in cases[8:16])
+    assert len(cases) == len(set(cases)) == 76  # the same cases as before the order
 
 
 def test_backward_on_the_calling_thread_is_run_and_recorded(tmp_path, monkeypatch):

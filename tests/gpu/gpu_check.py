@@ -15,13 +15,13 @@ On a machine whose python already has a CUDA torch, offline:
 and writes everything under GPU_CHECK_OUT (default gpu-check/): logs, junit.xml, the
 benchmark's CSV / markdown / PNG, and summary.md naming the device and versions with
 pass/fail counts, sanitizer error counts, the profile's medians and the benchmark table.
-On the H100 machine (16 cores, 2026-11-24) the build took 82 s and the benchmark 430 s (8
-providers); the tests, selected then by name, were stopped unfinished after 400 s (now
---gpu-only, the tests that need the GPU). A host that limits one command to 10 minutes
-runs this in four calls (the --skip-* options, README): the tests and sanitizers with
---tests-timeout below the limit, the profile and ncu, then the benchmark in two calls by
-shape (--bench-args '--shape ...', each with its own --out), since compiled triton runs
-again.
+On the H100 machine (16 cores, at d81f5b2) the build took 76 s, the tests 163 s beside the
+sanitizers (~173 s each), the profile 40 s and the benchmark ~560 s (76 cases, 8
+providers): more than the 10 minutes a command may run there, and than the 15 minutes of
+device time a session has. ``--time-limit SECONDS`` fits the run into one command: each
+step's timeout leaves the later steps their minimum, and the benchmark, whose cases run
+in priority order (bench/cases.py gpu_priority: the issues' targets first), measures
+cases while its share lasts and names those it left out (README, "Tests on a GPU").
 
 Without a CUDA device it prints one line and exits 2. Exit 0 when every step passed,
 1 otherwise. ``--rehearse`` runs the CPU-side parts here (build for sm_90, staging, a
@@ -93,6 +93,28 @@ class Check:
             cwd: Path = ROOT) -> tuple[bool, str]:
         self.start(name, cmd, log, timeout, env, cwd)
         return self.wait()[name]
+
+
+class Deadline:
+    """--time-limit: the whole run within ``seconds`` (None: no limit). A step's timeout is
+    its own cap, cut to what is left once the steps after it are kept their minimum time
+    (``reserve``); never under ``floor`` seconds, so each step at least starts."""
+
+    def __init__(self, seconds: int | None, floor: int = 30):
+        self.end = None if seconds is None else time.time() + seconds
+        self.floor = floor
+
+    def timeout(self, cap: int, reserve: int = 0) -> int:
+        if self.end is None:
+            return cap
+        return int(min(cap, max(self.floor, self.end - time.time() - reserve)))
+
+
+# Minimum seconds kept for what follows a step under --time-limit: each profile step (the
+# torch.profiler workload took 40 s on the H100 at d81f5b2), the benchmark's first cases
+# (its 8 target cases took ~65 s there), and the summary. The tests come first: at d81f5b2
+# they took 163 s, beside the sanitizers (~173 s each), after a 76 s build.
+PROFILE_MIN, BENCH_MIN, SUMMARY_MIN = 40, 90, 15
 
 
 def versions(python: str) -> dict:
@@ -172,6 +194,10 @@ def main() -> int:
                     help="the whole suite, CPU-only tests included (default: tests/gpu and the CUDA / triton tests)")
     ap.add_argument("--bench-timeout", type=int, default=1800, help="seconds for the benchmark")
     ap.add_argument("--bench-args", default="", help="extra arguments for python -m bench")
+    ap.add_argument("--time-limit", type=int, default=None, metavar="SECONDS",
+                    help="the whole run within SECONDS (a host's limit on one command, less a margin): each step's "
+                         "timeout leaves the later ones their minimum, and the benchmark measures its cases in "
+                         "priority order while its share lasts (bench --time-limit)")
     ap.add_argument("--rehearse", action="store_true", help="no GPU: check the CPU-side parts of this script")
     args = ap.parse_args()
 
@@ -195,6 +221,9 @@ def main() -> int:
     env.pop("TRITON_INTERPRET", None)
     check = Check(out, env)
     started = time.time()
+    deadline = Deadline(args.time_limit)
+    after_profile = (0 if args.skip_bench else BENCH_MIN) + SUMMARY_MIN
+    after_tests = after_profile + (0 if args.skip_profile else 3 * PROFILE_MIN)
 
     # 1. Stage the package the tests import, and build _C into it for this GPU only.
     stage_package(stage)
@@ -204,7 +233,8 @@ def main() -> int:
                  "PYTHONPATH": "", "PYEMBED_ALLOW_OLD_TORCH": "1"}
     built, _ = check.run(f"build (sm_{arch.replace('.', '')})",
                          [args.python, "setup.py", "build_ext", "--build-lib", str(stage), "--build-temp",
-                          str(ROOT / "build" / "gpu-check" / "temp")], "build.log", 900, build_env)
+                          str(ROOT / "build" / "gpu-check" / "temp")], "build.log",
+                         deadline.timeout(900, SUMMARY_MIN), build_env)
 
     if built:  # the tests must see the staged build, with its CUDA kernels
         code = ("import pyembed, sys; info = pyembed.build_info(); print(pyembed.__file__, info, "
@@ -231,16 +261,17 @@ def main() -> int:
             # compiles, Inductor on CPU, packaging) is CI's, and would not fit one 10-minute
             # call (--all-tests runs it too).
             tests = [f"{tests_dir}/gpu", tests_dir, "--gpu-only"]
+        tests_timeout = deadline.timeout(args.tests_timeout, after_tests)
         if not args.skip_tests:
             check.start("pytest tests/ tests/gpu/",
                         [args.python, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider", f"--rootdir={ROOT}",
                          "--durations=30", f"--junitxml={out / 'junit.xml'}", *xdist_args(args.python, args.workers)],
-                        "pytest.log", args.tests_timeout, cwd=stage)
+                        "pytest.log", tests_timeout, cwd=stage)
         if not args.rehearse and not args.skip_sanitizer:
             for tool in SANITIZER_TOOLS:
                 name = f"compute-sanitizer {tool}"
                 cmd = [sanitizer, "--tool", tool, "--print-limit", "50", args.python, workload]
-                check.start(name, cmd, f"sanitizer-{tool}.log", args.tests_timeout,
+                check.start(name, cmd, f"sanitizer-{tool}.log", tests_timeout,
                             {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, cwd=stage)
                 san_logs[tool] = name
         results = check.wait()
@@ -249,13 +280,14 @@ def main() -> int:
             # forward and backward kernels (DRAM throughput, occupancy) -- minutes, so before the benchmark,
             # which a host's time limit may cut short (its rows reach the CSV case by case).
             profiler = str(ROOT / "tests" / "gpu" / "profile_workload.py")
-            check.run("profile (torch.profiler)", [args.python, profiler], "profile.log", 300, cwd=stage)
+            check.run("profile (torch.profiler)", [args.python, profiler], "profile.log",
+                      deadline.timeout(300, after_profile + 2 * PROFILE_MIN), cwd=stage)
             # Compiled pyembed against compiled nn ops, host time by layer of torch.compile's
             # runtime (guards, graph, frame, backward), 1x1 and GPT-2 8x2048, backwards on the
             # calling thread: at d81f5b2 compiled pyembed cost ~120 us more host per 8x2048 step.
             check.run("compiled host time (python -m bench.compiled_host)",
-                      [args.python, "-m", "bench.compiled_host", "--no-autograd-threads"], "compiled-host.log", 300,
-                      cwd=stage)
+                      [args.python, "-m", "bench.compiled_host", "--no-autograd-threads"], "compiled-host.log",
+                      deadline.timeout(300, after_profile + PROFILE_MIN), cwd=stage)
             ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
             if os.path.exists(ncu):
                 check.run("ncu on the forward and backward kernels",
@@ -263,11 +295,16 @@ def main() -> int:
                            "regex:forward|sort_inputs|chunk_kernel|finish_segments|batch_sum|few_tokens|optimizer_update",
                            "--launch-count", "24",
                            "--section", "SpeedOfLight", "--section", "Occupancy", "--section", "LaunchStats",
-                           args.python, profiler, "--ncu"], "ncu.log", 300, cwd=stage)
+                           args.python, profiler, "--ncu"], "ncu.log", deadline.timeout(300, after_profile),
+                          cwd=stage)
         if not args.rehearse and not args.skip_bench:
+            bench_timeout = deadline.timeout(args.bench_timeout, SUMMARY_MIN)
+            # Under a time limit the benchmark stops starting cases in time to finish the one
+            # it is in (a Llama-3 step with every provider: ~30 s) and write its table.
+            limit = ["--time-limit", str(bench_timeout - 45)] if args.time_limit is not None else []
             check.run("benchmark (python -m bench --suite gpu)",
-                      [args.python, "-m", "bench", "--suite", "gpu", "--out", str(out / "bench"),
-                       *args.bench_args.split()], "bench.log", args.bench_timeout, cwd=stage)
+                      [args.python, "-m", "bench", "--suite", "gpu", "--out", str(out / "bench"), *limit,
+                       *args.bench_args.split()], "bench.log", bench_timeout, cwd=stage)
     san_counts = {tool: sanitizer_errors(results[name][1]) for tool, name in san_logs.items()}
 
     summary = write_summary(out, info, check, san_counts, time.time() - started, args.rehearse)
