@@ -217,15 +217,18 @@ def test_embedding_layer_drops_in_training_only(backend):
     assert "dropout=0.25" in repr(layer)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_double_backward_and_forward_ad_through_the_mask(backend):
-    ids = torch.randint(0, 6, (2, 5))
-    weight = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
-    pos_weight = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    # On the C++ backends the mask's own backward node (DropoutMaskFunction) is C++: on CUDA
+    # tensors too, with the forward kernel on the device.
+    name, device = backend.partition("@")[0], _device(backend)
+    ids = torch.randint(0, 6, (2, 5), device=device)
+    weight = torch.randn(6, 4, dtype=torch.float64, device=device, requires_grad=True)
+    pos_weight = torch.randn(5, 4, dtype=torch.float64, device=device, requires_grad=True)
 
     def f(w, p):  # a fixed generator state: the same mask on every evaluation
-        return pyembed.fused_embedding(ids, w, p, scale=1.5, dropout_p=0.4, backend=backend,
-                                       generator=torch.Generator().manual_seed(0))
+        return pyembed.fused_embedding(ids, w, p, scale=1.5, dropout_p=0.4, backend=name,
+                                       generator=torch.Generator(device).manual_seed(0))
 
     assert torch.autograd.gradcheck(f, (weight, pos_weight), check_forward_ad=True)
     assert torch.autograd.gradgradcheck(f, (weight, pos_weight))

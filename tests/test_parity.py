@@ -186,15 +186,16 @@ def test_dot_grad_is_flagged_coalesced_exactly_while_it_is(backend):
     torch.testing.assert_close(w.grad.to_dense(), exact)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_dot_grad_built_with_create_graph_is_flagged_too(backend):
-    # The Python route and the C++ node (cpu) record the gradient they build either way.
+    # The Python route and the C++ node (cpu, cuda) record the gradient they build either way.
+    name, _, device = backend.partition("@")
     ids, weight, _, _ = make_inputs(3, 10, 25, 8, torch.float64, seed=2)
-    w = weight.clone().requires_grad_()
-    pyembed.fused_embedding(ids, w, sparse=True, backend=backend).pow(2).sum().backward(create_graph=True)
+    w = weight.to(device or "cpu").requires_grad_()
+    pyembed.fused_embedding(ids.to(w.device), w, sparse=True, backend=name).pow(2).sum().backward(create_graph=True)
     assert w.grad.is_coalesced() and _sorted_unique_rows(w.grad)
     exact = torch.zeros_like(weight).index_add_(0, ids.reshape(-1), 2 * weight[ids.reshape(-1)])
-    torch.testing.assert_close(w.grad.detach().to_dense(), exact)
+    torch.testing.assert_close(w.grad.detach().to_dense().cpu(), exact)
     w.grad = None  # the graph it holds refers back to w
 
 
