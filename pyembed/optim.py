@@ -21,6 +21,7 @@ import functools
 import math
 import types
 import warnings
+import weakref
 from typing import Iterable, NamedTuple, Optional
 
 import torch
@@ -307,13 +308,15 @@ def prepare(table: torch.Tensor) -> tuple[torch.optim.Optimizer, dict, Update]:
     if not state:  # torch's layout: step a float32 scalar, on the CPU unless fused/capturable
         state["step"] = (torch.zeros((), dtype=torch.float32, device=table.device) if on_device
                          else torch.tensor(0.0, dtype=torch.float32))
+        if on_device:
+            _counted_steps[id(state["step"])] = (weakref.ref(state["step"]), 0.0)
         if rule == ADAM:
             state["exp_avg"] = torch.zeros_like(table)
             state["exp_avg_sq"] = torch.zeros_like(table)
         else:
             state["sum"] = torch.full_like(table, float(group["initial_accumulator_value"]))
     state["step"] += 1
-    step = float(state["step"])  # a device->host read only when the user keeps step on the device
+    step = _step_count(state["step"]) if on_device else float(state["step"])  # (on the CPU there)
     wd = float(group["weight_decay"])
     if rule == ADAM:
         beta1, beta2 = map(float, group["betas"])
@@ -322,6 +325,30 @@ def prepare(table: torch.Tensor) -> tuple[torch.optim.Optimizer, dict, Update]:
         return optimizer, state, Update(rule, hyper, True)
     clr = lr / (1 + (step - 1) * float(group["lr_decay"]))
     return optimizer, state, Update(rule, (clr, wd, float(group["eps"]), maximize), wd != 0)
+
+
+# The step of a fused or capturable group lives beside its table: on a GPU, where reading it
+# would make every backward wait for the device. Its count is kept here instead, on the
+# host, by the tensor's id (with a weak reference, so a new tensor at a reused address is
+# not taken for it): set when prepare makes the state, else read from the tensor once (a
+# state from a checkpoint: load_state_dict brings new tensors), then counted with the
+# increments prepare makes. Not seen: a step changed in place by anything else.
+_counted_steps: dict[int, tuple[weakref.ref, float]] = {}
+
+
+def _step_count(step: torch.Tensor) -> float:
+    """``step``'s value, just incremented by prepare, without reading the device when its count is kept."""
+    known = _counted_steps.get(id(step))
+    if known is not None and known[0]() is step:
+        count = known[1] + 1
+        _counted_steps[id(step)] = (known[0], count)
+        return count
+    if len(_counted_steps) >= 1024:  # drop the counts of freed tensors
+        for key in [key for key, (ref, _) in _counted_steps.items() if ref() is None]:
+            del _counted_steps[key]
+    count = float(step)  # one device->host read, the first time this tensor is seen
+    _counted_steps[id(step)] = (weakref.ref(step), count)
+    return count
 
 
 def state_tensors(rule: int, state: dict, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,6 +32,8 @@ CONFIGS = {
     "SGD-nesterov-max": (torch.optim.SGD, dict(lr=0.05, momentum=0.8, nesterov=True, maximize=True), False),
     "Adam-wd": (torch.optim.Adam, dict(lr=0.01, weight_decay=0.05), False),
     "AdamW": (torch.optim.AdamW, dict(lr=0.01, betas=(0.8, 0.95), weight_decay=0.1), False),
+    # fused=True: torch keeps the step beside the parameter (on a GPU), pyembed counts it on the host
+    "AdamW-fused": (torch.optim.AdamW, dict(lr=0.01, betas=(0.8, 0.95), weight_decay=0.1, fused=True), False),
     "Adagrad": (torch.optim.Adagrad, dict(lr=0.1, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1),
                 False),
     "SGD-sparse": (torch.optim.SGD, dict(lr=0.1), True),
@@ -176,7 +178,8 @@ def test_fused_training_equals_torch_optimizer(config, backend):
             assert type(got) is type(value), key
             if isinstance(value, torch.Tensor):
                 # torch keeps a non-fused optimizer's step on the CPU, the rest beside the parameter.
-                device = value.device if key == "step" else model.emb.pos_embedding.device
+                on_cpu = key == "step" and not CONFIGS[config][1].get("fused")
+                device = value.device if on_cpu else model.emb.pos_embedding.device
                 assert (got.dtype, got.device, got.shape) == (value.dtype, device, value.shape), key
                 assert_close_relative(got.cpu(), value, f"state {key}")
             else:
@@ -184,7 +187,7 @@ def test_fused_training_equals_torch_optimizer(config, backend):
         assert fused_opt.state_dict()["param_groups"] == plain_opt.state_dict()["param_groups"]
 
 
-@pytest.mark.parametrize("config", ["AdamW", "SGD-momentum-wd", "SparseAdam"])
+@pytest.mark.parametrize("config", ["AdamW", "AdamW-fused", "SGD-momentum-wd", "SparseAdam"])
 def test_a_checkpoint_moves_between_fused_and_plain_training(config):
     torch.manual_seed(1)
     plain = Plain(CONFIGS[config][2])
@@ -351,11 +354,15 @@ def test_gpu_touched_rows_need_no_sync_and_the_update_skips_their_unused_slots(k
 
 
 @pytest.mark.parametrize("kernel", ["triton", "cuda-emulated"])
-def test_fused_backward_allocates_no_table_sized_gradient_and_reads_nothing_back(kernel, request, monkeypatch):
+@pytest.mark.parametrize("step_beside_table", [False, True], ids=["step-on-cpu", "fused-step-beside-table"])
+def test_fused_backward_allocates_no_table_sized_gradient_and_reads_nothing_back(kernel, request, monkeypatch,
+                                                                                 step_beside_table):
     """A second AdamW step under a dispatch recorder: no op makes a (V, d)-sized tensor
     (the gradient torch's optimizer needs is never materialised; the state exists since the
-    first step) and none reads device data back, except the step counter, which torch keeps
-    on the CPU (Triton under the interpreter; the CUDA host code under emulation)."""
+    first step) and none reads device data back, the step counter included where a fused=True
+    group keeps it beside the table (on a GPU: counted on the host); a plain group's step,
+    which torch keeps on the CPU, is read (Triton under the interpreter; the CUDA host code
+    under emulation)."""
     from test_host_sync import HostSyncRecorder
 
     name = "triton" if kernel == "triton" else "cuda"
@@ -365,17 +372,19 @@ def test_fused_backward_allocates_no_table_sized_gradient_and_reads_nothing_back
         install_emulated_cuda(request.getfixturevalue("emulated"), monkeypatch)
     vocab, dim = 3000, 16
     layer = pyembed.EmbeddingLayer(vocab, dim, 64, backend=name)
-    pyembed.apply_optimizer_in_backward(torch.optim.AdamW, [layer.token_embedding.weight, layer.pos_embedding],
-                                        {"lr": 1e-3})
+    [optimizer] = pyembed.apply_optimizer_in_backward(
+        torch.optim.AdamW, [layer.token_embedding.weight, layer.pos_embedding], {"lr": 1e-3, "fused": step_beside_table})
     ids = torch.randint(0, vocab, (4, 50))
     layer(ids).sum().backward()  # the first step creates the state (zeros_like the table)
+    steps = [optimizer.state[p]["step"] for p in layer.parameters()]
 
     class Recorder(HostSyncRecorder):
         largest = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            if func._schema.name == "aten::_local_scalar_dense" and args[0].shape == () and args[0].is_floating_point():
+            read_step = func._schema.name == "aten::_local_scalar_dense" and any(args[0] is t for t in steps)
+            if read_step and not step_beside_table:
                 self.syncs.remove(func._schema.name)  # torch's CPU step counter (state["step"]), not device data
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor) and not (func._schema.is_mutable or func.is_view):  # new memory
@@ -388,6 +397,7 @@ def test_fused_backward_allocates_no_table_sized_gradient_and_reads_nothing_back
     assert recorder.syncs == []
     assert 0 < recorder.largest < vocab * dim, recorder.largest
     assert layer.token_embedding.weight.grad is None
+    assert [float(optimizer.state[p]["step"]) for p in layer.parameters()] == [2.0, 2.0]
 
 
 def test_rule_codes_agree_with_the_cuda_and_cpu_header():
