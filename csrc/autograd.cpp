@@ -95,14 +95,16 @@ std::tuple<at::Tensor, at::Tensor> call_backward(const at::Tensor& grad_out, con
                                                  const std::optional<at::Tensor>& position_ids, int64_t offset,
                                                  int64_t num_embeddings, int64_t num_positions, double scale,
                                                  std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
-                                                 bool need_weight_grad, bool need_pos_grad) {
+                                                 bool need_weight_grad, bool need_pos_grad,
+                                                 const std::optional<at::Tensor>& dropout_key, double dropout_p) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("pyembed::embedding_backward", "")
                        .typed<std::tuple<at::Tensor, at::Tensor>(
                            const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t, int64_t,
-                           int64_t, double, std::optional<int64_t>, bool, bool, bool)>();
+                           int64_t, double, std::optional<int64_t>, bool, bool, bool,
+                           const std::optional<at::Tensor>&, double)>();
   return op.call(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
-                 scale_grad_by_freq, need_weight_grad, need_pos_grad);
+                 scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p);
 }
 
 // The table's touched rows (sorted, unique) and their sums, from the backend's sparse op.
@@ -239,11 +241,16 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
 
     at::Tensor grad_weight, grad_pos;
     if (need_weight_grad || need_pos_grad) {
-      if (dropout_key.defined()) {  // the gradient goes through the forward's mask first
+      const bool sparse_weight_grad = sparse && need_weight_grad;
+      // With dropout the gradient goes through the forward's mask: in the dense op's own
+      // reads (the key passed on), else -- a sparse gradient, create_graph=True -- first.
+      const bool mask_first = dropout_key.defined() && (at::GradMode::is_enabled() || sparse_weight_grad);
+      if (mask_first) {
         grad_out = at::GradMode::is_enabled() ? DropoutMaskFunction::apply(grad_out, dropout_key, dropout_p)
                                               : dropout_masked(grad_out, dropout_key, dropout_p);
       }
-      const bool sparse_weight_grad = sparse && need_weight_grad;
+      const std::optional<at::Tensor> dense_dropout_key =
+          dropout_key.defined() && !mask_first ? std::optional<at::Tensor>(dropout_key) : std::nullopt;
       if (at::GradMode::is_enabled()) {  // create_graph=True: the backward is recorded too
         std::tie(grad_weight, grad_pos) =
             differentiable_backward(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale,
@@ -264,7 +271,8 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
         if (need_pos_grad || !sparse_weight_grad) {  // a sparse table alone needs no dense op
           std::tie(grad_weight, grad_pos) = call_backward(grad_out, ids, positions, offset, num_embeddings,
                                                           num_positions, scale, padding_idx, by_freq,
-                                                          need_weight_grad && !sparse, need_pos_grad);
+                                                          need_weight_grad && !sparse, need_pos_grad,
+                                                          dense_dropout_key, dropout_p);
         }
         if (sparse_weight_grad) {
           const auto [rows, values] =

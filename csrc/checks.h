@@ -115,6 +115,22 @@ inline void raise_recorded_error(int64_t address, const at::Device& device) {
                     hint);
 }
 
+// The Dropout a kernel applies for a [seed, offset] key (inactive without one); `kept`
+// holds the contiguous key the kernel reads. The forward's mask, and the backward's, which
+// regenerates it from the same key.
+inline Dropout dropout_of(const std::optional<at::Tensor>& key, double dropout_p, at::Tensor& kept) {
+  Dropout dropout;
+  if (!key.has_value()) return dropout;
+  TORCH_CHECK_VALUE(key->scalar_type() == at::kLong && key->numel() == 2,
+                    "pyembed: dropout_key must be a (2,) int64 tensor [seed, offset]");
+  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p <= 1.0, "pyembed: dropout_p must be in [0, 1], got ", dropout_p);
+  kept = key->contiguous();
+  dropout.key = kept.data_ptr<int64_t>();
+  dropout.threshold = Dropout::threshold_for(dropout_p);
+  dropout.scale = Dropout::scale_for(dropout_p);
+  return dropout;
+}
+
 // The shared start of every forward op: argument checks, contiguous inputs,
 // position_ids as int64, and the output, allocated (uninitialised).
 struct ForwardInputs {
@@ -151,15 +167,7 @@ inline ForwardInputs prepare_forward(const at::Tensor& ids, const at::Tensor& we
     raise_recorded_error(error_record, weight.device());
     in.error_record = reinterpret_cast<int64_t*>(error_record);
   }
-  if (dropout_key.has_value()) {
-    TORCH_CHECK_VALUE(dropout_key->scalar_type() == at::kLong && dropout_key->numel() == 2,
-                      "pyembed: dropout_key must be a (2,) int64 tensor [seed, offset]");
-    TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p <= 1.0, "pyembed: dropout_p must be in [0, 1], got ", dropout_p);
-    in.dropout_key = dropout_key->contiguous();
-    in.dropout.key = in.dropout_key.data_ptr<int64_t>();
-    in.dropout.threshold = Dropout::threshold_for(dropout_p);
-    in.dropout.scale = Dropout::scale_for(dropout_p);
-  }
+  in.dropout = dropout_of(dropout_key, dropout_p, in.dropout_key);
   in.ids = ids.contiguous();
   in.weight = weight.contiguous();
   if (in.mode == PosEncoding::kLearned) in.pos_weight = pos_weight->contiguous();

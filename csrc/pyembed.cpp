@@ -38,10 +38,13 @@ TORCH_LIBRARY(pyembed, m) {
       "embedding_forward(Tensor ids, Tensor weight, Tensor? pos_weight, Tensor? position_ids, "
       "str pos_encoding, float scale, int offset, Tensor? dropout_key, float dropout_p, "
       "int sinusoid_column_offset=0, int sinusoid_dim=0, int error_record=0) -> Tensor");
+  // dropout_key / dropout_p: the forward's dropout, applied to grad_out by the backward (the
+  // cuda kernels as they read it; the cpu op by a mask pass first).
   m.def(
       "embedding_backward(Tensor grad_out, Tensor ids, Tensor? position_ids, int offset, "
       "int num_embeddings, int num_positions, float scale, int? padding_idx, bool scale_grad_by_freq, "
-      "bool need_weight_grad, bool need_pos_grad) -> (Tensor, Tensor)");
+      "bool need_weight_grad, bool need_pos_grad, Tensor? dropout_key=None, float dropout_p=0.0) "
+      "-> (Tensor, Tensor)");
   // The lookup with its autograd node in C++ (csrc/autograd.cpp), for eager calls on the
   // C++ backends; its forward and backward are the two ops above. It checks every argument
   // itself (csrc/checks.h: check_lookup), the id / position ranges when validate (before the

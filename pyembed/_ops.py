@@ -92,7 +92,7 @@ def forward_fake(ids, weight, pos_weight, position_ids, pos_encoding, scale, off
 
 
 def backward_fake(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
-                  scale_grad_by_freq, need_weight_grad, need_pos_grad):
+                  scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key=None, dropout_p=0.0):
     embed_dim = grad_out.shape[-1]
     return (grad_out.new_empty(num_embeddings if need_weight_grad else 0, embed_dim),
             grad_out.new_empty(num_positions if need_pos_grad else 0, embed_dim))
@@ -157,7 +157,9 @@ def _forward_rule(op):
 
 def _backward_rule(op):
     def rule(info, in_dims, grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
-             scale_grad_by_freq, need_weight_grad, need_pos_grad):
+             scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key=None, dropout_p=0.0):
+        if dropout_key is not None:  # the autograd routes mask the gradient first under torch.func
+            raise NotImplementedError("pyembed: the dense backward op's dropout has no vmap rule")
         n = info.batch_size
         grad_out = _batch_first(grad_out, in_dims[0], n)
         ids = _batch_first(ids, in_dims[1], n).long()

@@ -60,7 +60,8 @@ def test_cuda_kernels_compile_for_sm80_and_sm90_without_spills(ptxas_report):
     for arch in ARCHS:
         names = {k for k, a in kernels if a == arch}
         for family in ("embedding_forward_kernel", "sort_inputs_kernel", "segment_starts_kernel", "chunk_kernel",
-                       "finish_segments_kernel", "batch_sum_kernel", "few_tokens_gradient_kernel",
+                       "finish_segments_kernel", "finish_segments_dropout_kernel", "batch_sum_kernel",
+                       "few_tokens_gradient_kernel",
                        "few_tokens_slots_kernel"):
             assert any(family in n for n in names), f"{family} not compiled for sm_{arch}"
     spilling = {k: v for k, v in kernels.items() if v[1] or v[2]}
@@ -126,10 +127,11 @@ def test_few_tokens_gradient_writes_rows_with_128_bit_accesses(ptxas_report, arc
     """The one-kernel backward of a short batch writes the whole (V, d) table: it must
     move it as the finish kernel does, 16 bytes per access, with its few_rows rows of
     sums kept in registers (no spills: the test above) -- at most 64 of them, so an SM
-    holds at least half the threads it can (8 bf16 rows of 8 sums took 95)."""
+    holds at least half the threads it can (8 bf16 rows of 8 sums took 95). Without dropout
+    (Lb0E): with it, each row's Philox bits take their own registers (75 for fp32)."""
     ptx = ptxas_report[1][arch]
     registers = {name: regs for (name, a), (regs, _, _) in _kernels(ptxas_report[0]).items() if a == arch}
-    for fragment in ("few_tokens_gradient_kernelIlffLi4E", "few_tokens_gradient_kernelIlN3c108BFloat16EfLi8E"):
+    for fragment in ("few_tokens_gradient_kernelIlffLi4ELb0E", "few_tokens_gradient_kernelIlN3c108BFloat16EfLi8ELb0E"):
         body = _entry_body(ptx, fragment)
         assert re.search(r"ld\.global(\.nc)?\.v4\.", body), f"{fragment}: no 128-bit load"
         assert re.search(r"st\.global\.v4\.", body), f"{fragment}: no 128-bit store"

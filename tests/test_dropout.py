@@ -73,6 +73,50 @@ def test_emulated_cuda_kernel_drops_the_reference_mask(emulated):
             assert_within(out, ref, 2e-3 if pos == "sinusoidal" else 0, 2**-10 if dtype == torch.float16 else 1e-6)
 
 
+# (batch, seq_len, vocab, dim, learned positions by offset + t / by position_ids / none,
+#  the table's gradient): the backward's every kernel that reads dout -- one launch for a
+# few tokens, the sorted path with a hot row longer than a chunk (partial sums) and the
+# position blocks writing one-token rows, dense position_ids, the positions alone.
+BACKWARD_CASES = {
+    "few tokens": (2, 8, 20, 24, "offset", True),
+    "sorted, hot row, positions": (4, 60, 30, 24, "offset", True),
+    "sorted, position_ids": (3, 40, 25, 24, "position_ids", True),
+    "positions only": (3, 40, 25, 24, "offset", False),
+    "odd dim, no positions": (5, 30, 12, 6, None, True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("case", list(BACKWARD_CASES))
+def test_dense_backward_ops_apply_the_mask_as_masking_first_does_bit_for_bit(emulated, dtype, case):
+    # Given the forward's key, the dense backward op applies its mask to dout itself: the
+    # cuda kernels as they read each element (emulated here), the cpu op by a pass first.
+    # Either way the same bits as the gradient masked by the forward kernel (ids 0..N-1, how
+    # the backward masked it before) and then summed -- with as many launches as no dropout.
+    batch, seq_len, vocab, dim, positions, table = BACKWARD_CASES[case]
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=g)
+    if seq_len > 32:
+        ids[:, :45] = 7  # a row of up to 180 uses: summed in chunk pieces
+    dout = torch.randn(batch, seq_len, dim, generator=g).to(dtype)
+    position_ids = torch.randint(0, seq_len, ids.shape, generator=g) if positions == "position_ids" else None
+    num_positions = seq_len + 2 if positions else 0
+    key = reference.draw_dropout_key(torch.device("cpu"), torch.Generator().manual_seed(11))
+    n = ids.numel()
+    args = (ids, position_ids, 1, vocab, num_positions, 1.5, 3, True, table, positions is not None)
+    for forward, backward in ((emulated.embedding_forward, emulated.embedding_backward),
+                              (torch.ops.pyembed.embedding_forward, torch.ops.pyembed.embedding_backward)):
+        masked = forward(torch.arange(n), dout.reshape(n, dim), None, None, "none", 1.0, 0, key, Q).view(dout.shape)
+        emulated.take_launch_counts()
+        expected = backward(masked, *args)
+        plain_launches = emulated.take_launch_counts()
+        got = backward(dout, *args, dropout_key=key, dropout_p=Q)
+        assert emulated.take_launch_counts() == plain_launches
+        for a, b in zip(got, expected):
+            assert a.shape == b.shape and torch.equal(a, b), (backward, case, dtype)
+    assert masked.ne(0).any() and masked.eq(0).any()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal"])
 def test_forward_is_the_reference_forward_with_its_mask(backend, pos_encoding):

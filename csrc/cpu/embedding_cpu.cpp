@@ -163,10 +163,21 @@ void sum_segments(const at::Tensor& dout, const Segments& seg, double scale, boo
 std::tuple<at::Tensor, at::Tensor> embedding_backward_cpu(
     const at::Tensor& grad_out_in, const at::Tensor& ids_in, const std::optional<at::Tensor>& position_ids_in,
     int64_t offset, int64_t num_embeddings, int64_t num_positions, double scale, std::optional<int64_t> padding_idx,
-    bool scale_grad_by_freq, bool need_weight_grad, bool need_pos_grad) {
-  check_same_device(grad_out_in.device(), {&ids_in, opt(position_ids_in)});
+    bool scale_grad_by_freq, bool need_weight_grad, bool need_pos_grad, const std::optional<at::Tensor>& dropout_key,
+    double dropout_p) {
+  check_same_device(grad_out_in.device(), {&ids_in, opt(position_ids_in), opt(dropout_key)});
   const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
-  const at::Tensor dout = grad_out_in.contiguous(), ids = ids_in.contiguous();
+  at::Tensor dout = grad_out_in.contiguous();
+  const at::Tensor ids = ids_in.contiguous();
+  if (dropout_key && num_tokens > 0 && dim > 0) {
+    // The forward's dropout: the gradient through its mask first, by the forward's kernel
+    // (row n of dout is flat token n: ids 0..N-1), as csrc/autograd.cpp's dropout_masked.
+    // Here a pass of its own costs little next to the sums; the cuda kernels apply it as they read.
+    dout = embedding_forward_cpu(at::arange(num_tokens, ids.options().dtype(at::kLong)),
+                                 dout.view({num_tokens, dim}), std::nullopt, std::nullopt, "none", 1.0, 0,
+                                 dropout_key, dropout_p, 0, 0, 0)
+               .view(dout.sizes());
+  }
   const auto options = dout.options();
   at::Tensor weight_grad = at::empty({0, dim}, options), pos_grad = at::empty({0, dim}, options);
   if (need_weight_grad) {

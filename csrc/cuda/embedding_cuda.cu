@@ -49,10 +49,11 @@ at::Tensor embedding_forward_cuda(const at::Tensor& ids, const at::Tensor& weigh
 std::tuple<at::Tensor, at::Tensor> embedding_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& ids, const std::optional<at::Tensor>& position_ids, int64_t offset,
     int64_t num_embeddings, int64_t num_positions, double scale, std::optional<int64_t> padding_idx,
-    bool scale_grad_by_freq, bool need_weight_grad, bool need_pos_grad) {
+    bool scale_grad_by_freq, bool need_weight_grad, bool need_pos_grad, const std::optional<at::Tensor>& dropout_key,
+    double dropout_p) {
   const c10::cuda::CUDAGuard guard(grad_out.device());
   return backward_op<CudaLaunch>(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
-                                 scale_grad_by_freq, need_weight_grad, need_pos_grad);
+                                 scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p);
 }
 
 std::tuple<at::Tensor, at::Tensor> embedding_sparse_backward_cuda(const at::Tensor& grad_out, const at::Tensor& ids,

@@ -221,6 +221,60 @@ __device__ __forceinline__ bool used_key(int64_t key, int64_t num_rows, int64_t 
   return key >= 0 && key < num_rows && key != skip;
 }
 
+// The output gradient as the dense backward's kernels read it: row `token` of `rows`
+// (tokens x dim). With kDropout, through the forward's dropout: element (token, j) is
+// kept as round_T(x / (1 - p)) if its Philox bit was kept in the forward, else 0 -- what
+// the forward kernel stored when it masked the whole gradient before the backward (ids
+// 0..N-1: the same bits), now regenerated from the key as each element is read, so dout
+// is read once instead of read, masked, written and read again (~35 us of an H100's GPT-2
+// 8x2048 fp32 backward, and an N x d buffer). A kernel calls start() once to read the key.
+template <typename T, bool kDropout>
+struct Dout {
+  using A = acc_t<T>;
+  const T* rows;
+  int64_t dim;
+  Dropout dropout;  // kDropout: the key [seed, offset] on the device, the threshold and 1 / (1 - p)
+  uint64_t seed = 0, offset = 0;
+
+  __device__ __forceinline__ void start() {
+    if constexpr (kDropout) {
+      seed = static_cast<uint64_t>(dropout.key[0]);
+      offset = static_cast<uint64_t>(dropout.key[1]);
+    }
+  }
+
+  // Elements j .. j + VEC - 1 of row `token` (j a multiple of VEC), in A.
+  template <int VEC>
+  __device__ __forceinline__ void load(int64_t token, int64_t j, A (&x)[VEC]) const {
+    load_pack<VEC>(rows + token * dim + j, x);
+    if constexpr (kDropout) apply<VEC>(keep_bits<VEC>(token, j), x);
+  }
+
+  // Which of elements j .. j + VEC - 1 of row `token` the forward kept (bit i: element
+  // j + i): element e is word e % 4 of its group e / 4's Philox call, as the forward draws it.
+  template <int VEC>
+  __device__ __forceinline__ unsigned keep_bits(int64_t token, int64_t j) const {
+    if constexpr (VEC % 4 == 0) {  // VEC / 4 whole groups
+      unsigned bits = 0;
+#pragma unroll
+      for (int g = 0; g < VEC / 4; ++g) {
+        bits |= dropout_keep_bits(seed, offset, token, (j >> 2) + g, dropout.threshold) << (4 * g);
+      }
+      return bits;
+    } else {  // one or two elements: within one group
+      return dropout_keep_bits(seed, offset, token, j >> 2, dropout.threshold) >> (j & 3);
+    }
+  }
+
+  // x (as loaded) through keep bits: a kept element becomes round_T(x / (1 - p)), the rest 0.
+  template <int VEC>
+  __device__ __forceinline__ void apply(unsigned bits, A (&x)[VEC]) const {
+    const A keep_scale = static_cast<A>(dropout.scale);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) x[i] = (bits >> i) & 1u ? static_cast<A>(static_cast<T>(x[i] * keep_scale)) : A(0);
+  }
+};
+
 // What the sort needs, in one launch: the keys it sees -- a used key as it is, every other
 // one as num_rows (sorted after all used ones), in K: 32 bits when the table allows --
 // the values it carries (each token's index), and the segment bounds' starting values:
@@ -262,11 +316,11 @@ __device__ __forceinline__ int64_t lower_bound(const K* __restrict__ sorted, int
   return lo;
 }
 
-// d_row = factor * (sum of src rows src_row(r), r in [r0, r1)), summed in order in the
+// d_row = factor * (sum of dout rows src_row(r), r in [r0, r1)), summed in order in the
 // compute dtype A: the result does not depend on scheduling. This thread's columns only.
-template <int VEC, typename S, typename D, typename A>
-__device__ __forceinline__ void sum_rows(const S* __restrict__ src, const int64_t* __restrict__ src_rows, int64_t r0,
-                                         int64_t r1, D* __restrict__ d_row, A factor, int64_t dim) {
+template <int VEC, typename T, bool kDropout, typename D, typename A>
+__device__ __forceinline__ void sum_rows(const Dout<T, kDropout>& dout, const int64_t* __restrict__ src_rows,
+                                         int64_t r0, int64_t r1, D* __restrict__ d_row, A factor, int64_t dim) {
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
     A acc[VEC];
 #pragma unroll
@@ -274,7 +328,7 @@ __device__ __forceinline__ void sum_rows(const S* __restrict__ src, const int64_
 #pragma unroll 4
     for (int64_t r = r0; r < r1; ++r) {
       A x[VEC];
-      load_pack<VEC>(src + src_rows[r] * dim + j, x);
+      dout.template load<VEC>(src_rows[r], j, x);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[i] += x[i];
     }
@@ -303,11 +357,11 @@ __device__ __forceinline__ int64_t first_piece_slot(int64_t b) {
 // with `solo` (by token, -1 from sort_inputs), the key of each token that is its segment's
 // only one (PositionSums); (2) the partial sums of its long-segment pieces (`partials`
 // nullptr when no segment can be longer than a chunk).
-template <typename K, typename T, typename A, int VEC>
+template <typename K, typename T, typename A, int VEC, bool kDropout>
 __global__ void chunk_kernel(const K* __restrict__ sorted, const int64_t* __restrict__ scan, int64_t n,
                              int64_t num_rows, int64_t* __restrict__ keys, int64_t* __restrict__ begin,
                              int64_t* __restrict__ end, int64_t* __restrict__ first, int64_t* __restrict__ solo,
-                             const T* __restrict__ dout, const int64_t* __restrict__ order, A* __restrict__ partials,
+                             Dout<T, kDropout> dout, const int64_t* __restrict__ order, A* __restrict__ partials,
                              int64_t num_chunks, int64_t dim) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (c >= num_chunks) return;
@@ -326,6 +380,7 @@ __global__ void chunk_kernel(const K* __restrict__ sorted, const int64_t* __rest
     if (starts && ends && solo != nullptr) solo[order[r]] = key;
   }
   if (partials == nullptr) return;
+  dout.start();
   // Where the chunk's first run stops and its last run starts (searches within the chunk);
   // whether their segments are longer than a chunk, from one key outside each run.
   const int64_t head = sorted[c0], tail = sorted[c1 - 1];
@@ -381,8 +436,8 @@ struct PositionSums {
 // (pos.solo, checked at run time) into `table`, scaled by `scale`, as the table's blocks
 // would; the kernels that never do are compiled without that path (it took the bf16
 // few_tokens_gradient_kernel from 64 registers to 72).
-template <int VEC, bool kSolo, typename T>
-__device__ __forceinline__ void position_sum_row(const T* __restrict__ dout, const PositionSums<T>& pos, int64_t p,
+template <int VEC, bool kSolo, typename T, bool kDropout>
+__device__ __forceinline__ void position_sum_row(const Dout<T, kDropout>& dout, const PositionSums<T>& pos, int64_t p,
                                                  int64_t dim, T* table, acc_t<T> scale) {
   using A = acc_t<T>;
   if (p >= pos.rows) return;
@@ -396,7 +451,7 @@ __device__ __forceinline__ void position_sum_row(const T* __restrict__ dout, con
       const int64_t token = b * pos.seq_len + t;
       const int64_t solo_row = kSolo && pos.solo != nullptr ? pos.solo[token] : -1;
       A x[VEC];
-      load_pack<VEC>(dout + token * dim + j, x);
+      dout.template load<VEC>(token, j, x);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[i] += x[i];
       if (solo_row >= 0) {  // as finish_segments_kernel writes a one-token row
@@ -412,8 +467,8 @@ __device__ __forceinline__ void position_sum_row(const T* __restrict__ dout, con
 
 // This block's rows of pos.out, if it is one of the blocks that write them (blockDim.y rows
 // each): the launch's first blocks (kFirst) or its last ones, one bound to test either way.
-template <int VEC, bool kSolo, bool kFirst, typename T>
-__device__ __forceinline__ bool position_block(const T* __restrict__ dout, const PositionSums<T>& pos, int64_t dim,
+template <int VEC, bool kSolo, bool kFirst, typename T, bool kDropout>
+__device__ __forceinline__ bool position_block(const Dout<T, kDropout>& dout, const PositionSums<T>& pos, int64_t dim,
                                                T* table = nullptr, acc_t<T> scale = 1) {
   const int64_t block = static_cast<int64_t>(blockIdx.x) - pos.first_block;
   if (kFirst ? block >= pos.blocks : block < 0) return false;
@@ -471,13 +526,14 @@ constexpr int kSegmentsPerGroup = 4;
 // group, its loads issued for every segment at once; longer ones, one after another, by
 // the loop after it. Kept apart, the common pass holds a few registers per segment: with
 // the longer segments' loops unrolled into it per segment the kernel took 118-174.
-template <typename T, typename A, int VEC>
-__global__ void finish_segments_kernel(const T* __restrict__ dout, const int64_t* __restrict__ order,
-                                       const A* __restrict__ partials, const int64_t* __restrict__ begin,
-                                       const int64_t* __restrict__ end, const int64_t* __restrict__ first_token,
-                                       T* __restrict__ out, A scale,
-                                       bool divide_by_count, bool zero_empty, int64_t num_segments, int64_t dim,
-                                       PositionSums<T> positions) {
+template <typename T, typename A, int VEC, bool kDropout>
+__device__ __forceinline__ void finish_segments_body(Dout<T, kDropout> dout, const int64_t* __restrict__ order,
+                                                     const A* __restrict__ partials, const int64_t* __restrict__ begin,
+                                                     const int64_t* __restrict__ end,
+                                                     const int64_t* __restrict__ first_token, T* __restrict__ out,
+                                                     A scale, bool divide_by_count, bool zero_empty,
+                                                     int64_t num_segments, int64_t dim, PositionSums<T> positions) {
+  dout.start();
   if (position_block<VEC, /*kSolo=*/true, /*kFirst=*/true>(dout, positions, dim, out, scale)) return;
   constexpr int kRows = kSegmentsPerGroup;
   // token[k] of an empty segment, of one of two or more tokens, of one token whose row the
@@ -500,10 +556,24 @@ __global__ void finish_segments_kernel(const T* __restrict__ dout, const int64_t
     token[k] = length[k] == 1 ? (solo_by_positions ? kByPositions : token[k]) : length[k] == 0 ? kEmpty : kLonger;
   }
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
+    // With dropout, the rows' keep bits first, one row's Philox calls at a time: computed
+    // beside the rows' loads, or unrolled, the kernel held Philox states and loaded rows at
+    // once (96-124 registers for bf16 at sm_90, against 68 without dropout).
+    static_assert(VEC * kRows <= 32, "the keep bits of a group's rows fill one word");
+    unsigned keep = 0;  // row k's bits at VEC * k
+    if constexpr (kDropout) {
+#pragma unroll 1
+      for (int k = 0; k < kRows; ++k) {
+        int64_t t = token[0];  // token[k] without indexing by a run-time k (which would put token in memory)
+#pragma unroll
+        for (int i = 1; i < kRows; ++i) t = k == i ? token[i] : t;
+        if (t >= 0) keep |= dout.template keep_bits<VEC>(t, j) << (VEC * k);
+      }
+    }
     Pack<T, VEC> row[kRows];  // as stored: half the registers of fp32 sums for bf16 / fp16
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
-      if (token[k] >= 0) row[k] = *reinterpret_cast<const Pack<T, VEC>*>(dout + token[k] * dim + j);
+      if (token[k] >= 0) row[k] = *reinterpret_cast<const Pack<T, VEC>*>(dout.rows + token[k] * dim + j);
     }
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
@@ -511,9 +581,13 @@ __global__ void finish_segments_kernel(const T* __restrict__ dout, const int64_t
           (token[k] == kEmpty && !zero_empty)) {
         continue;
       }
+      A x[VEC];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) x[i] = static_cast<A>(row[k].val[i]);
+      if constexpr (kDropout) dout.template apply<VEC>(keep >> (VEC * k), x);
       A sum[VEC];
 #pragma unroll  // 0 + x: a sum from zero (+0, never -0); an untouched row: +0, as a fill; scale / 1 = scale
-      for (int i = 0; i < VEC; ++i) sum[i] = token[k] >= 0 ? (A(0) + static_cast<A>(row[k].val[i])) * scale : A(0);
+      for (int i = 0; i < VEC; ++i) sum[i] = token[k] >= 0 ? (A(0) + x[i]) * scale : A(0);
       store_pack<VEC>(out + (g0 + k) * dim + j, sum);
     }
   }
@@ -534,6 +608,30 @@ __global__ void finish_segments_kernel(const T* __restrict__ dout, const int64_t
   }
 }
 
+template <typename T, typename A, int VEC>
+__global__ void finish_segments_kernel(Dout<T, false> dout, const int64_t* __restrict__ order,
+                                       const A* __restrict__ partials, const int64_t* __restrict__ begin,
+                                       const int64_t* __restrict__ end, const int64_t* __restrict__ first_token,
+                                       T* __restrict__ out, A scale, bool divide_by_count, bool zero_empty,
+                                       int64_t num_segments, int64_t dim, PositionSums<T> positions) {
+  finish_segments_body<T, A, VEC>(dout, order, partials, begin, end, first_token, out, scale, divide_by_count,
+                                  zero_empty, num_segments, dim, positions);
+}
+
+// The same with the forward's dropout applied as dout is read. The keep bits' Philox
+// calls hold registers of their own (~90 for bf16 at sm_90, against 68 without dropout):
+// bounded so that three blocks fit an SM, as many as hold the bf16 kernel without dropout.
+template <typename T, typename A, int VEC>
+__global__ void __launch_bounds__(kThreadsPerBlock, 3)
+    finish_segments_dropout_kernel(Dout<T, true> dout, const int64_t* __restrict__ order,
+                                   const A* __restrict__ partials, const int64_t* __restrict__ begin,
+                                   const int64_t* __restrict__ end, const int64_t* __restrict__ first_token,
+                                   T* __restrict__ out, A scale, bool divide_by_count, bool zero_empty,
+                                   int64_t num_segments, int64_t dim, PositionSums<T> positions) {
+  finish_segments_body<T, A, VEC>(dout, order, partials, begin, end, first_token, out, scale, divide_by_count,
+                                  zero_empty, num_segments, dim, positions);
+}
+
 // A dense gradient of at most kFewTokens tokens (a one-token step, a short batch) in one
 // launch, no sort: each thread group owns few_rows<VEC>() consecutive rows of the table,
 // reads every token's key and sums the dout rows of its own rows' tokens in token order --
@@ -552,10 +650,11 @@ constexpr int few_rows() {
   return VEC >= 8 ? 4 : 8;
 }
 
-template <typename index_t, typename T, typename A, int VEC>
-__global__ void few_tokens_gradient_kernel(const index_t* __restrict__ keys, int64_t n, const T* __restrict__ dout,
+template <typename index_t, typename T, typename A, int VEC, bool kDropout>
+__global__ void few_tokens_gradient_kernel(const index_t* __restrict__ keys, int64_t n, Dout<T, kDropout> dout,
                                            T* __restrict__ out, A scale, bool divide_by_count, int64_t num_rows,
                                            int64_t skip, int64_t dim, PositionSums<T> positions) {
+  dout.start();
   if (position_block<VEC, /*kSolo=*/false, /*kFirst=*/false>(dout, positions, dim)) return;
   constexpr int kFewRows = few_rows<VEC>();
   const int64_t g0 = (static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y) * kFewRows;
@@ -567,7 +666,7 @@ __global__ void few_tokens_gradient_kernel(const index_t* __restrict__ keys, int
       const int64_t key = static_cast<int64_t>(keys[t]), k = key - g0;
       if (k < 0 || k >= kFewRows || !used_key(key, num_rows, skip)) continue;
       A x[VEC];
-      load_pack<VEC>(dout + t * dim + j, x);
+      dout.template load<VEC>(t, j, x);
 #pragma unroll
       for (int r = 0; r < kFewRows; ++r) {  // acc[k] with k known at run time only: registers stay registers
         if (r != k) continue;
@@ -631,8 +730,9 @@ __global__ void few_tokens_slots_kernel(const index_t* __restrict__ keys, int64_
 }
 
 // The learned positions' gradient alone (the token table needs none): every block a position block.
-template <typename T, int VEC>
-__global__ void batch_sum_kernel(const T* __restrict__ dout, PositionSums<T> positions, int64_t dim) {
+template <typename T, int VEC, bool kDropout>
+__global__ void batch_sum_kernel(Dout<T, kDropout> dout, PositionSums<T> positions, int64_t dim) {
+  dout.start();
   position_block<VEC, /*kSolo=*/false, /*kFirst=*/true>(dout, positions, dim);
 }
 
@@ -688,6 +788,17 @@ int vector_width(int64_t dim, std::initializer_list<const void*> pointers) {
     if (p != nullptr && !aligned16(p)) return 1;
   }
   return kVec;
+}
+
+// run(Dout<T, kDropout>) over dout's rows, kDropout = dropout.active(): the dense backward's
+// kernels come in both forms (without dropout, the loads as they were).
+template <typename T, typename F>
+void with_dout(const at::Tensor& dout, const Dropout& dropout, F&& run) {
+  if (dropout.active()) {
+    run(Dout<T, true>{dout.data_ptr<T>(), dout.size(1), dropout});
+  } else {
+    run(Dout<T, false>{dout.data_ptr<T>(), dout.size(1), dropout});
+  }
 }
 
 template <class Launch, typename T, typename index_t>
@@ -780,7 +891,7 @@ struct SortedSegments {
 // chunk_kernel.
 template <class Launch, typename T>
 SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in, int64_t num_rows, int64_t skip,
-                               bool by_row, bool with_solo = false) {
+                               bool by_row, bool with_solo = false, const Dropout& dropout = {}) {
   using A = acc_t<T>;
   SortedSegments seg;
   const at::Tensor keys = keys_in.reshape(-1);
@@ -833,16 +944,18 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
       seg.count = scan[n - 1];
     }
     const RowGrid g = row_grid(num_chunks, dim, vec);
-    auto run = [&](auto v) {
-      Launch::run(g.grid, g.block, chunk_kernel<K, T, A, decltype(v)::value>, sorted.template data_ptr<K>(),
-                  by_row ? nullptr : scan.data_ptr<int64_t>(), n, num_rows,
-                  by_row ? nullptr : seg.keys.data_ptr<int64_t>(), seg.begin.data_ptr<int64_t>(),
-                  seg.end.data_ptr<int64_t>(), seg.first.data_ptr<int64_t>(),
-                  with_solo ? seg.solo.data_ptr<int64_t>() : nullptr, dout.data_ptr<T>(),
-                  seg.order.data_ptr<int64_t>(),
-                  seg.partials.defined() ? seg.partials.data_ptr<A>() : nullptr, num_chunks, dim);
-    };
-    if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
+    with_dout<T>(dout, dropout, [&](auto rows) {
+      constexpr bool kDropout = std::is_same_v<decltype(rows), Dout<T, true>>;
+      auto run = [&](auto v) {
+        Launch::run(g.grid, g.block, chunk_kernel<K, T, A, decltype(v)::value, kDropout>,
+                    sorted.template data_ptr<K>(), by_row ? nullptr : scan.data_ptr<int64_t>(), n, num_rows,
+                    by_row ? nullptr : seg.keys.data_ptr<int64_t>(), seg.begin.data_ptr<int64_t>(),
+                    seg.end.data_ptr<int64_t>(), seg.first.data_ptr<int64_t>(),
+                    with_solo ? seg.solo.data_ptr<int64_t>() : nullptr, rows, seg.order.data_ptr<int64_t>(),
+                    seg.partials.defined() ? seg.partials.data_ptr<A>() : nullptr, num_chunks, dim);
+      };
+      if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
+    });
   };
   if (narrow) with_keys(int32_t{}); else with_keys(int64_t{});
   return seg;
@@ -854,7 +967,7 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
 // zeros (a dense gradient, numbered by row: every row written once, no fill before).
 template <class Launch, typename T>
 void finish_segments(const at::Tensor& dout, const SortedSegments& seg, double scale, bool divide_by_count,
-                     bool zero_empty, at::Tensor& out, PositionSums<T> positions = {}) {
+                     bool zero_empty, at::Tensor& out, PositionSums<T> positions = {}, const Dropout& dropout = {}) {
   using A = acc_t<T>;
   const int64_t dim = dout.size(1), rows = out.size(0);
   if (dim == 0 || rows + positions.rows == 0) return;
@@ -864,32 +977,46 @@ void finish_segments(const at::Tensor& dout, const SortedSegments& seg, double s
   const int vec = vector_width<T>(dim, {dout.data_ptr(), out.data_ptr(), positions.out});
   const int64_t groups = (rows + kSegmentsPerGroup - 1) / kSegmentsPerGroup;
   const RowGrid g = add_position_blocks(row_grid(groups, dim, vec), groups, positions, /*positions_first=*/true);
-  auto run = [&](auto v) {
-    Launch::run(g.grid, g.block, finish_segments_kernel<T, A, decltype(v)::value>, dout.data_ptr<T>(),
-                seg.order.data_ptr<int64_t>(), partials, seg.begin.data_ptr<int64_t>(), seg.end.data_ptr<int64_t>(),
-                seg.first.data_ptr<int64_t>(), out.data_ptr<T>(), static_cast<A>(scale), divide_by_count, zero_empty,
-                rows, dim, positions);
-  };
-  if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
+  with_dout<T>(dout, dropout, [&](auto dout_rows) {
+    constexpr bool kDropout = std::is_same_v<decltype(dout_rows), Dout<T, true>>;
+    auto run = [&](auto v) {
+      constexpr int kVec = decltype(v)::value;
+      const auto kernel = [] {
+        if constexpr (kDropout) {
+          return finish_segments_dropout_kernel<T, A, kVec>;
+        } else {
+          return finish_segments_kernel<T, A, kVec>;
+        }
+      }();
+      Launch::run(g.grid, g.block, kernel, dout_rows, seg.order.data_ptr<int64_t>(), partials,
+                  seg.begin.data_ptr<int64_t>(), seg.end.data_ptr<int64_t>(), seg.first.data_ptr<int64_t>(),
+                  out.data_ptr<T>(), static_cast<A>(scale), divide_by_count, zero_empty, rows, dim, positions);
+    };
+    if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
+  });
 }
 
 // few_tokens_gradient_kernel over every row of grad (and of positions.out).
 template <class Launch, typename T>
 void few_tokens_gradient(const at::Tensor& dout, const at::Tensor& keys, int64_t skip, double scale,
-                         bool divide_by_count, at::Tensor& grad, PositionSums<T> positions) {
+                         bool divide_by_count, at::Tensor& grad, PositionSums<T> positions, const Dropout& dropout) {
   using A = acc_t<T>;
   const int64_t num_rows = grad.size(0), dim = grad.size(1);
   if (dim == 0 || num_rows + positions.rows == 0) return;
   const int vec = vector_width<T>(dim, {dout.data_ptr(), grad.data_ptr(), positions.out});
   AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_few_tokens_gradient", [&] {
-    auto run = [&](auto v) {
-      const int64_t groups = (num_rows + few_rows<decltype(v)::value>() - 1) / few_rows<decltype(v)::value>();
-      const RowGrid g = add_position_blocks(row_grid(groups, dim, vec), groups, positions, /*positions_first=*/false);
-      Launch::run(g.grid, g.block, few_tokens_gradient_kernel<index_t, T, A, decltype(v)::value>,
-                  keys.data_ptr<index_t>(), keys.numel(), dout.data_ptr<T>(), grad.data_ptr<T>(),
-                  static_cast<A>(scale), divide_by_count, num_rows, skip, dim, positions);
-    };
-    if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
+    with_dout<T>(dout, dropout, [&](auto rows) {
+      constexpr bool kDropout = std::is_same_v<decltype(rows), Dout<T, true>>;
+      auto run = [&](auto v) {
+        const int64_t groups = (num_rows + few_rows<decltype(v)::value>() - 1) / few_rows<decltype(v)::value>();
+        const RowGrid g =
+            add_position_blocks(row_grid(groups, dim, vec), groups, positions, /*positions_first=*/false);
+        Launch::run(g.grid, g.block, few_tokens_gradient_kernel<index_t, T, A, decltype(v)::value, kDropout>,
+                    keys.data_ptr<index_t>(), keys.numel(), rows, grad.data_ptr<T>(), static_cast<A>(scale),
+                    divide_by_count, num_rows, skip, dim, positions);
+      };
+      if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
+    });
   });
 }
 
@@ -898,17 +1025,17 @@ void few_tokens_gradient(const at::Tensor& dout, const at::Tensor& keys, int64_t
 // learned positions' gradient, if given (PositionSums).
 template <class Launch, typename T>
 at::Tensor dense_gradient(const at::Tensor& dout, const at::Tensor& keys, int64_t num_rows, int64_t skip,
-                          double scale, bool divide_by_count, PositionSums<T> positions = {}) {
+                          double scale, bool divide_by_count, PositionSums<T> positions, const Dropout& dropout) {
   at::Tensor grad = at::empty({num_rows, dout.size(1)}, dout.options());
   if (keys.numel() <= kFewTokens) {
-    few_tokens_gradient<Launch, T>(dout, keys.contiguous(), skip, scale, divide_by_count, grad, positions);
+    few_tokens_gradient<Launch, T>(dout, keys.contiguous(), skip, scale, divide_by_count, grad, positions, dropout);
     return grad;
   }
   // The position blocks write the one-token rows when they read every token (PositionSums).
   const bool solo_by_positions = positions.out != nullptr && positions.steps == positions.seq_len;
   const SortedSegments seg =
-      sorted_segments<Launch, T>(dout, keys, num_rows, skip, /*by_row=*/true, solo_by_positions);
-  finish_segments<Launch, T>(dout, seg, scale, divide_by_count, /*zero_empty=*/true, grad, positions);
+      sorted_segments<Launch, T>(dout, keys, num_rows, skip, /*by_row=*/true, solo_by_positions, dropout);
+  finish_segments<Launch, T>(dout, seg, scale, divide_by_count, /*zero_empty=*/true, grad, positions, dropout);
   return grad;
 }
 
@@ -923,10 +1050,14 @@ std::tuple<at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out_in, co
                                                const std::optional<at::Tensor>& position_ids_in, int64_t offset,
                                                int64_t num_embeddings, int64_t num_positions, double scale,
                                                std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
-                                               bool need_weight_grad, bool need_pos_grad) {
-  check_same_device(grad_out_in.device(), {&ids_in, opt(position_ids_in)});
+                                               bool need_weight_grad, bool need_pos_grad,
+                                               const std::optional<at::Tensor>& dropout_key = std::nullopt,
+                                               double dropout_p = 0.0) {
+  check_same_device(grad_out_in.device(), {&ids_in, opt(position_ids_in), opt(dropout_key)});
   const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
   const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
+  at::Tensor key;  // the forward's dropout, applied to dout as the kernels read it (Dout)
+  const Dropout dropout = dropout_of(dropout_key, dropout_p, key);
   const auto options = dout.options();
   at::Tensor weight_grad, pos_grad;  // (0, d) where not asked for, made only then (each op costs the host)
 
@@ -947,18 +1078,21 @@ std::tuple<at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out_in, co
     }
     if (need_weight_grad) {
       weight_grad = dense_gradient<Launch, T>(dout, ids_in, num_embeddings, padding_idx.value_or(-1), scale,
-                                              scale_grad_by_freq, positions);
+                                              scale_grad_by_freq, positions, dropout);
     } else if (positions.out != nullptr) {
       const int vec = vector_width<T>(dim, {dout.data_ptr(), positions.out});
       const RowGrid g = add_position_blocks(row_grid(0, dim, vec), 0, positions, /*positions_first=*/true);
-      if (vec > 1) {
-        Launch::run(g.grid, g.block, batch_sum_kernel<T, 16 / sizeof(T)>, dout.data_ptr<T>(), positions, dim);
-      } else {
-        Launch::run(g.grid, g.block, batch_sum_kernel<T, 1>, dout.data_ptr<T>(), positions, dim);
-      }
+      with_dout<T>(dout, dropout, [&](auto rows) {
+        constexpr bool kDropout = std::is_same_v<decltype(rows), Dout<T, true>>;
+        if (vec > 1) {
+          Launch::run(g.grid, g.block, batch_sum_kernel<T, 16 / sizeof(T), kDropout>, rows, positions, dim);
+        } else {
+          Launch::run(g.grid, g.block, batch_sum_kernel<T, 1, kDropout>, rows, positions, dim);
+        }
+      });
     }
     if (need_pos_grad && position_ids_in) {
-      pos_grad = dense_gradient<Launch, T>(dout, *position_ids_in, num_positions, -1, 1.0, false);
+      pos_grad = dense_gradient<Launch, T>(dout, *position_ids_in, num_positions, -1, 1.0, false, {}, dropout);
     }
   });
   return {weight_grad.defined() ? weight_grad : at::empty({0, dim}, options),

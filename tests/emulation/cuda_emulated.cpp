@@ -16,7 +16,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("offset"), py::arg("dropout_key"), py::arg("dropout_p"),
         py::arg("sinusoid_column_offset") = 0, py::arg("sinusoid_dim") = 0, py::arg("error_record") = 0);
   m.def("embedding_backward", &pyembed::cuda::backward_op<EmulatedLaunch>,
-        "the CUDA dense backward, emulated on CPU tensors (same arguments as torch.ops.pyembed.embedding_backward)");
+        "the CUDA dense backward, emulated on CPU tensors (same arguments as torch.ops.pyembed.embedding_backward)",
+        py::arg("grad_out"), py::arg("ids"), py::arg("position_ids"), py::arg("offset"), py::arg("num_embeddings"),
+        py::arg("num_positions"), py::arg("scale"), py::arg("padding_idx"), py::arg("scale_grad_by_freq"),
+        py::arg("need_weight_grad"), py::arg("need_pos_grad"), py::arg("dropout_key") = std::nullopt,
+        py::arg("dropout_p") = 0.0);
   m.def("embedding_sparse_backward", &pyembed::cuda::sparse_backward_op<EmulatedLaunch>,
         "the CUDA sparse backward, emulated on CPU tensors (same arguments as "
         "torch.ops.pyembed.embedding_sparse_backward)");
