@@ -478,7 +478,7 @@ class TimeLimit:
         if self.seconds is None or not self.took:
             return True
         seen = self.took.get(case.shape) or [t for times in self.took.values() for t in times]
-        expected = sorted(seen)[len(seen) // 2] if seen else 0.0
+        expected = sorted(seen)[len(seen) // 2]
         if time.perf_counter() - self.start + expected <= self.seconds:
             return True
         self.left_out.append(case.label())

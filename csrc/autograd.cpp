@@ -60,6 +60,8 @@ std::optional<at::Tensor> draw_dropout_key(double dropout_p, const std::optional
   return at::randint(0, int64_t(1) << 62, {2}, generator, at::TensorOptions().dtype(at::kLong).device(device));
 }
 
+}  // namespace
+
 // grad * keep / (1 - p) with the forward's mask, by the forward's own kernel: grad is
 // looked up as a table whose row n is flat token n (ids 0..N-1), so element (n, j) meets
 // the keep bit it met in the forward; rounded once to grad's dtype, as nn.Dropout's
@@ -72,6 +74,8 @@ at::Tensor dropout_masked(const at::Tensor& grad, const at::Tensor& key, double 
                       key, dropout_p)
       .reshape(grad.sizes());
 }
+
+namespace {
 
 // The mask applied to an output gradient as a node of its own, for create_graph=True:
 // multiplying by the mask is linear and diagonal, so its backward is itself.

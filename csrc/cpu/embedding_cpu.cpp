@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "../autograd.h"
 #include "../checks.h"
 #include "kernel_api.h"
 
@@ -167,17 +168,10 @@ std::tuple<at::Tensor, at::Tensor> embedding_backward_cpu(
     double dropout_p) {
   check_same_device(grad_out_in.device(), {&ids_in, opt(position_ids_in), opt(dropout_key)});
   const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
-  at::Tensor dout = grad_out_in.contiguous();
+  // The forward's dropout: here a mask pass first (it costs little next to the sums); the
+  // cuda kernels apply the mask as they read.
+  const at::Tensor dout = dropout_key ? dropout_masked(grad_out_in, *dropout_key, dropout_p) : grad_out_in.contiguous();
   const at::Tensor ids = ids_in.contiguous();
-  if (dropout_key && num_tokens > 0 && dim > 0) {
-    // The forward's dropout: the gradient through its mask first, by the forward's kernel
-    // (row n of dout is flat token n: ids 0..N-1), as csrc/autograd.cpp's dropout_masked.
-    // Here a pass of its own costs little next to the sums; the cuda kernels apply it as they read.
-    dout = embedding_forward_cpu(at::arange(num_tokens, ids.options().dtype(at::kLong)),
-                                 dout.view({num_tokens, dim}), std::nullopt, std::nullopt, "none", 1.0, 0,
-                                 dropout_key, dropout_p, 0, 0, 0)
-               .view(dout.sizes());
-  }
   const auto options = dout.options();
   at::Tensor weight_grad = at::empty({0, dim}, options), pos_grad = at::empty({0, dim}, options);
   if (need_weight_grad) {

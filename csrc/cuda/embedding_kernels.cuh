@@ -231,6 +231,7 @@ __device__ __forceinline__ bool used_key(int64_t key, int64_t num_rows, int64_t 
 template <typename T, bool kDropout>
 struct Dout {
   using A = acc_t<T>;
+  static constexpr bool kMasked = kDropout;  // for a caller holding a Dout of either form (with_dout)
   const T* rows;
   int64_t dim;
   Dropout dropout;  // kDropout: the key [seed, offset] on the device, the threshold and 1 / (1 - p)
@@ -945,7 +946,7 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
     }
     const RowGrid g = row_grid(num_chunks, dim, vec);
     with_dout<T>(dout, dropout, [&](auto rows) {
-      constexpr bool kDropout = std::is_same_v<decltype(rows), Dout<T, true>>;
+      constexpr bool kDropout = decltype(rows)::kMasked;
       auto run = [&](auto v) {
         Launch::run(g.grid, g.block, chunk_kernel<K, T, A, decltype(v)::value, kDropout>,
                     sorted.template data_ptr<K>(), by_row ? nullptr : scan.data_ptr<int64_t>(), n, num_rows,
@@ -978,7 +979,7 @@ void finish_segments(const at::Tensor& dout, const SortedSegments& seg, double s
   const int64_t groups = (rows + kSegmentsPerGroup - 1) / kSegmentsPerGroup;
   const RowGrid g = add_position_blocks(row_grid(groups, dim, vec), groups, positions, /*positions_first=*/true);
   with_dout<T>(dout, dropout, [&](auto dout_rows) {
-    constexpr bool kDropout = std::is_same_v<decltype(dout_rows), Dout<T, true>>;
+    constexpr bool kDropout = decltype(dout_rows)::kMasked;
     auto run = [&](auto v) {
       constexpr int kVec = decltype(v)::value;
       const auto kernel = [] {
@@ -1006,7 +1007,7 @@ void few_tokens_gradient(const at::Tensor& dout, const at::Tensor& keys, int64_t
   const int vec = vector_width<T>(dim, {dout.data_ptr(), grad.data_ptr(), positions.out});
   AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_few_tokens_gradient", [&] {
     with_dout<T>(dout, dropout, [&](auto rows) {
-      constexpr bool kDropout = std::is_same_v<decltype(rows), Dout<T, true>>;
+      constexpr bool kDropout = decltype(rows)::kMasked;
       auto run = [&](auto v) {
         const int64_t groups = (num_rows + few_rows<decltype(v)::value>() - 1) / few_rows<decltype(v)::value>();
         const RowGrid g =
@@ -1083,7 +1084,7 @@ std::tuple<at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out_in, co
       const int vec = vector_width<T>(dim, {dout.data_ptr(), positions.out});
       const RowGrid g = add_position_blocks(row_grid(0, dim, vec), 0, positions, /*positions_first=*/true);
       with_dout<T>(dout, dropout, [&](auto rows) {
-        constexpr bool kDropout = std::is_same_v<decltype(rows), Dout<T, true>>;
+        constexpr bool kDropout = decltype(rows)::kMasked;
         if (vec > 1) {
           Launch::run(g.grid, g.block, batch_sum_kernel<T, 16 / sizeof(T), kDropout>, rows, positions, dim);
         } else {
