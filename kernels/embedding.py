@@ -103,22 +103,39 @@ INTERPRETED = tl.constexpr(not isinstance(_rounded, JITFunction))
 
 
 @triton.jit
-def _dropout_keep(key_ptr, tok, threshold, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """(BLOCK_T, BLOCK_D) keep mask of this tile (pyembed/reference.py, csrc/dropout.h):
-    element (n, j) is word j % 4 of Philox4x32-10 keyed by seed with counter
-    (offset + j // 4, n) -- one Philox call per group of four columns."""
+def _dropout_keep(key_ptr, tok, threshold, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(ROWS, BLOCK_D) keep mask of the tokens ``tok`` (a (ROWS, 1) column of int64 flat
+    token indices) over this program's column tile (axis 1 of the grid; pyembed/reference.py,
+    csrc/dropout.h): element (n, j) is word j % 4 of Philox4x32-10 keyed by seed with
+    counter (offset + j // 4, n) -- one Philox call per group of four columns."""
     seed = tl.load(key_ptr)
     group = tl.load(key_ptr + 1) + tl.program_id(1).to(tl.int64) * (BLOCK_D // 4) + tl.arange(0, BLOCK_D // 4)
-    shape: tl.constexpr = (BLOCK_T, BLOCK_D // 4)
+    shape: tl.constexpr = (ROWS, BLOCK_D // 4)
     r0, r1, r2, r3 = tl.philox(
         seed,
         tl.broadcast_to((group & 0xFFFFFFFF).to(tl.uint32)[None, :], shape),
         tl.broadcast_to((group >> 32).to(tl.uint32)[None, :], shape),
-        tl.broadcast_to((tok & 0xFFFFFFFF).to(tl.uint32)[:, None], shape),
-        tl.broadcast_to((tok >> 32).to(tl.uint32)[:, None], shape),
+        tl.broadcast_to((tok & 0xFFFFFFFF).to(tl.uint32), shape),
+        tl.broadcast_to((tok >> 32).to(tl.uint32), shape),
     )
     words = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # r0 r1 r2 r3 of each group, in column order
     return words.to(tl.int64) >= threshold
+
+
+@triton.jit
+def _dout_rows(dout_ptr, token, cols, mask, dim, dropout_key_ptr, dropout_threshold, dropout_scale,
+               HAS_DROPOUT: tl.constexpr, COMPUTE_F64: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The output gradient's rows ``token`` (a (ROWS, 1) column) at ``cols`` (this program's
+    column tile, (1, BLOCK_D)), in the compute dtype. HAS_DROPOUT: as the forward's mask
+    pass would store them -- the kept x / (1 - p) rounded to dout's dtype, +0 where dropped
+    -- from each element's keep bit, regenerated here: the bits of masking first, without
+    that pass over (N, d) or its buffer (csrc/cuda's Dout does the same)."""
+    acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
+    x = tl.load(dout_ptr + token * dim + cols, mask=mask, other=0.0).to(acc_dtype)
+    if HAS_DROPOUT:
+        kept = _rounded(x * tl.full([], dropout_scale, acc_dtype), dout_ptr).to(acc_dtype)
+        x = tl.where(_dropout_keep(dropout_key_ptr, token, dropout_threshold, ROWS, BLOCK_D), kept, 0.0)
+    return x
 
 
 @triton.jit
@@ -227,7 +244,7 @@ def _embedding_forward_kernel(
             pe = tl.interleave(tl.sin(angle), tl.cos(angle))
             x += tl.where(id_ok[:, None], pe, 0.0)
     if HAS_DROPOUT:
-        x = tl.where(_dropout_keep(dropout_key_ptr, tok, dropout_threshold, BLOCK_T, BLOCK_D),
+        x = tl.where(_dropout_keep(dropout_key_ptr, tok[:, None], dropout_threshold, BLOCK_T, BLOCK_D),
                      x * tl.full([], dropout_scale, acc_dtype), 0.0)
     tl.store(out_ptr + tok[:, None] * dim + cols[None, :], _rounded(x, out_ptr),
              mask=tok_ok[:, None] & col_ok[None, :])
@@ -323,9 +340,11 @@ def _chunk_kernel(
     dout_ptr,  # (n, dim) the output gradient
     order_ptr,  # (n,) int64 its row for sorted position r
     partials_ptr,  # (2 * chunks, dim) compute dtype out: the long segments' pieces, when HAS_PARTIALS
+    dropout_key_ptr,  # (2,) int64: the forward's dropout key, when HAS_DROPOUT (_dout_rows)
     n, num_rows, entries, dim,
-    BY_SLOT: tl.constexpr, HAS_PARTIALS: tl.constexpr, HAS_SOLO: tl.constexpr, COMPUTE_F64: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+    dropout_threshold, dropout_scale: tl.float64,  # the forward's (_embedding_forward_kernel), when HAS_DROPOUT
+    BY_SLOT: tl.constexpr, HAS_PARTIALS: tl.constexpr, HAS_SOLO: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    COMPUTE_F64: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Chunk c of the sorted positions (program (c, column block)): (1) the segment
     bounds of its positions, each written by the position at the segment's edge, by slot
@@ -386,15 +405,16 @@ def _chunk_kernel(
         for k in range(0, tl.max(rows, 0)):
             take = k < rows
             token = tl.load(order_ptr + start + k, mask=take, other=0)
-            acc += tl.load(dout_ptr + token[:, None] * dim + cols[None, :], mask=take[:, None] & col_ok[None, :],
-                           other=0.0).to(acc_dtype)
+            acc += _dout_rows(dout_ptr, token[:, None], cols[None, :], take[:, None] & col_ok[None, :], dim,
+                              dropout_key_ptr, dropout_threshold, dropout_scale, HAS_DROPOUT, COMPUTE_F64, 2, BLOCK_D)
         tl.store(partials_ptr + (2 * c + piece)[:, None] * dim + cols[None, :], acc,
                  mask=(rows > 0)[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def _position_sums(dout_ptr, out_ptr, program, rows, batch, seq_len, steps, offset, dim, table_ptr, solo_ptr, scale,
-                   SOLO: tl.constexpr, COMPUTE_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                   dropout_key_ptr, dropout_threshold, dropout_scale, SOLO: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                   COMPUTE_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows program * BLOCK_R + [0, BLOCK_R) of the learned positions' gradient with
     p = offset + t: the sum over b of dout[b, t], b ascending, for the `steps` positions
     the sequence reaches, zeros in every other row. Run by extra programs of the token
@@ -414,7 +434,8 @@ def _position_sums(dout_ptr, out_ptr, program, rows, batch, seq_len, steps, offs
     for b in range(0, batch * tl.max(tl.max(reached.to(tl.int32), 1), 0)):
         if SOLO:  # its table row, if the token is that row's only one
             solo = tl.load(solo_ptr + token, mask=reached, other=-1)
-        x = tl.load(dout_ptr + token * dim + cols, mask=reached & col_ok, other=0.0).to(acc_dtype)
+        x = _dout_rows(dout_ptr, token, cols, reached & col_ok, dim, dropout_key_ptr, dropout_threshold, dropout_scale,
+                       HAS_DROPOUT, COMPUTE_F64, BLOCK_R, BLOCK_D)
         acc += x
         if SOLO:  # as _finish_segments_kernel writes it: a sum from +0, scaled, rounded once
             one = (tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype) + x) * tl.full([], scale, acc_dtype)
@@ -434,9 +455,10 @@ def _finish_segments_kernel(
     scale: tl.float64, num_segments, entries, dim,
     table_programs,  # programs (along axis 0) that write out; those after write pos_out, when HAS_POSITIONS
     pos_out_ptr, pos_rows, batch, seq_len, steps, offset,  # the learned positions' gradient (_position_sums)
+    dropout_key_ptr, dropout_threshold, dropout_scale: tl.float64,  # the forward's dropout (_dout_rows)
     DIVIDE_BY_COUNT: tl.constexpr, ZERO_EMPTY: tl.constexpr, HAS_PARTIALS: tl.constexpr, HAS_POSITIONS: tl.constexpr,
-    HAS_SOLO: tl.constexpr, COMPUTE_F64: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    HAS_SOLO: tl.constexpr, HAS_DROPOUT: tl.constexpr, COMPUTE_F64: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """out[g] = factor * (sum of the dout rows of segment g), summed in sorted (= token)
     order, rounded once; factor = scale, or scale / the segment's token count. A segment
@@ -448,8 +470,8 @@ def _finish_segments_kernel(
     if tl.program_id(0) >= table_programs:
         if HAS_POSITIONS:  # solo: a dense gradient's bounds, by table row (three parts), then by token
             _position_sums(dout_ptr, pos_out_ptr, tl.program_id(0) - table_programs, pos_rows, batch, seq_len, steps,
-                           offset, dim, out_ptr, bounds_ptr + entries + entries + entries, scale, HAS_SOLO,
-                           COMPUTE_F64, BLOCK_R, BLOCK_D)
+                           offset, dim, out_ptr, bounds_ptr + entries + entries + entries, scale, dropout_key_ptr,
+                           dropout_threshold, dropout_scale, HAS_SOLO, HAS_DROPOUT, COMPUTE_F64, BLOCK_R, BLOCK_D)
     else:
         acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
         # Every per-segment value is a (BLOCK_R, 1) column of the tile, not a vector broadcast
@@ -468,11 +490,13 @@ def _finish_segments_kernel(
         # touched rows -- is two dependent loads away, not three (its order entry first).
         lead = tl.load(bounds_ptr + entries + entries + g, mask=g_ok, other=0)
         acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype)  # + x: a sum from +0, as every backend's
-        acc += tl.load(dout_ptr + lead * dim + cols, mask=(direct > 0) & col_ok, other=0.0).to(acc_dtype)
+        acc += _dout_rows(dout_ptr, lead, cols, (direct > 0) & col_ok, dim, dropout_key_ptr, dropout_threshold,
+                          dropout_scale, HAS_DROPOUT, COMPUTE_F64, BLOCK_R, BLOCK_D)
         for k in range(1, tl.max(tl.max(direct, 1), 0)):
             take = k < direct
             token = tl.load(order_ptr + begin + k, mask=take, other=0)
-            acc += tl.load(dout_ptr + token * dim + cols, mask=take & col_ok, other=0.0).to(acc_dtype)
+            acc += _dout_rows(dout_ptr, token, cols, take & col_ok, dim, dropout_key_ptr, dropout_threshold,
+                              dropout_scale, HAS_DROPOUT, COMPUTE_F64, BLOCK_R, BLOCK_D)
         if HAS_PARTIALS:
             first_chunk = begin // CHUNK
             pieces = tl.where(length > CHUNK, (begin + length - 1) // CHUNK - first_chunk + 1, 0)
@@ -499,8 +523,9 @@ def _few_tokens_gradient_kernel(
     scale: tl.float64, n, num_rows, skip, dim,
     table_programs,  # programs (along axis 0) that write out; those after write pos_out, when HAS_POSITIONS
     pos_out_ptr, pos_rows, batch, seq_len, steps, offset,  # the learned positions' gradient (_position_sums)
-    DIVIDE_BY_COUNT: tl.constexpr, HAS_POSITIONS: tl.constexpr, COMPUTE_F64: tl.constexpr, FEW: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    dropout_key_ptr, dropout_threshold, dropout_scale: tl.float64,  # the forward's dropout (_dout_rows)
+    DIVIDE_BY_COUNT: tl.constexpr, HAS_POSITIONS: tl.constexpr, HAS_DROPOUT: tl.constexpr, COMPUTE_F64: tl.constexpr,
+    FEW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """A dense gradient of a few tokens without the sort: a program owns BLOCK_R rows,
     reads every token's key and sums the dout rows of its own rows' tokens in token order
@@ -510,7 +535,8 @@ def _few_tokens_gradient_kernel(
     if tl.program_id(0) >= table_programs:
         if HAS_POSITIONS:
             _position_sums(dout_ptr, pos_out_ptr, tl.program_id(0) - table_programs, pos_rows, batch, seq_len, steps,
-                           offset, dim, out_ptr, keys_ptr, scale, False, COMPUTE_F64, BLOCK_R, BLOCK_D)
+                           offset, dim, out_ptr, keys_ptr, scale, dropout_key_ptr, dropout_threshold, dropout_scale,
+                           False, HAS_DROPOUT, COMPUTE_F64, BLOCK_R, BLOCK_D)
     else:
         acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
         g0 = tl.program_id(0).to(tl.int64) * BLOCK_R
@@ -528,7 +554,8 @@ def _few_tokens_gradient_kernel(
             key = tl.load(keys_ptr + t).to(tl.int64)
             if _used_key(key, num_rows, skip) & (key >= g0) & (key < g0 + BLOCK_R):  # dout read by its row's program only
                 hit = g == key
-                row = tl.load(dout_ptr + t * dim + cols, mask=col_ok, other=0.0).to(acc_dtype)
+                row = _dout_rows(dout_ptr, tl.zeros([1, 1], dtype=tl.int64) + t, cols, col_ok, dim, dropout_key_ptr,
+                                 dropout_threshold, dropout_scale, HAS_DROPOUT, COMPUTE_F64, 1, BLOCK_D)
                 acc += tl.where(hit, row, 0.0)  # + 0.0 elsewhere: a sum of this kind is never -0.0, so no bit changes
                 count += hit.to(tl.int32)
         if DIVIDE_BY_COUNT:
@@ -588,12 +615,15 @@ def _few_tokens_slots_kernel(
 def _batch_sum_kernel(
     dout_ptr,  # (batch, seq_len, dim)
     out_ptr,  # (rows, dim): the learned positions' gradient (_position_sums)
+    dropout_key_ptr,  # (2,) int64: the forward's dropout key, when HAS_DROPOUT (_dout_rows)
     rows, batch, seq_len, steps, offset, dim,
-    COMPUTE_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    dropout_threshold, dropout_scale: tl.float64,
+    HAS_DROPOUT: tl.constexpr, COMPUTE_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """The learned positions' gradient alone (when the token table needs none)."""
     _position_sums(dout_ptr, out_ptr, tl.program_id(0), rows, batch, seq_len, steps, offset, dim, out_ptr, dout_ptr,
-                   1.0, False, COMPUTE_F64, BLOCK_R, BLOCK_D)
+                   1.0, dropout_key_ptr, dropout_threshold, dropout_scale, False, HAS_DROPOUT, COMPUTE_F64, BLOCK_R,
+                   BLOCK_D)
 
 
 @triton.jit
@@ -816,12 +846,28 @@ class Segments(NamedTuple):
         return self.bounds[3 * self.entries:]
 
 
+class DoutDropout(NamedTuple):
+    """The forward's dropout, which the dense backward's kernels apply to dout as they read
+    it (_dout_rows): its key and the forward kernel's threshold and 1 / (1 - p)."""
+
+    key: torch.Tensor  # (2,) int64 [seed, offset]
+    threshold: int
+    scale: float
+
+    @staticmethod
+    def launch_args(dropout: Optional["DoutDropout"], unused: torch.Tensor) -> tuple:
+        """The kernels' (dropout_key_ptr, dropout_threshold, dropout_scale); ``unused`` stands
+        for the key without dropout (HAS_DROPOUT=False: never read)."""
+        return (unused, 0, 1.0) if dropout is None else (dropout.key, dropout.threshold, dropout.scale)
+
+
 def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch=_direct,
-                    with_solo: bool = False) -> Segments:
+                    with_solo: bool = False, dropout: Optional[DoutDropout] = None) -> Segments:
     """Segments of the keys in [0, num_rows) other than ``skip`` (out-of-range ids and the
     padding row are left out), without a device->host sync. Launches: the sort's inputs,
     the sort, [by slot: the segment starts and their scan], one pass over the chunks.
-    with_solo (by row only): mark the tokens alone in their segments (Segments.solo)."""
+    with_solo (by row only): mark the tokens alone in their segments (Segments.solo).
+    dropout: the partial sums read dout through the forward's mask."""
     keys = keys.reshape(-1)
     n, dim, device = keys.numel(), dout2d.shape[1], keys.device
     num_rows = max(num_rows, 0)
@@ -847,12 +893,13 @@ def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch
     chunks = _cdiv(n, CHUNK_ROWS)
     acc = torch.float64 if dout2d.dtype == torch.float64 else torch.float32
     partials = torch.empty(2 * chunks, dim, dtype=acc, device=device) if n > CHUNK_ROWS and dim else None
-    _, block_d = _blocks(dim)
+    _, block_d = _blocks(dim, dropout=dropout is not None)
+    key, threshold, keep_scale = DoutDropout.launch_args(dropout, order)
     launch(_chunk_kernel)[(chunks, _cdiv(dim, block_d) if partials is not None else 1)](
         sorted_keys, scan if scan is not None else order, bounds, dout2d, order,
-        partials if partials is not None else dout2d, n, num_rows, entries, dim, BY_SLOT=not by_row,
-        HAS_PARTIALS=partials is not None, HAS_SOLO=with_solo, COMPUTE_F64=acc == torch.float64, CHUNK=CHUNK_ROWS,
-        BLOCK_D=block_d,
+        partials if partials is not None else dout2d, key, n, num_rows, entries, dim, threshold, keep_scale,
+        BY_SLOT=not by_row, HAS_PARTIALS=partials is not None, HAS_SOLO=with_solo, HAS_DROPOUT=dropout is not None,
+        COMPUTE_F64=acc == torch.float64, CHUNK=CHUNK_ROWS, BLOCK_D=block_d,
     )
     return Segments(order, bounds, entries, with_solo, count, partials)
 
@@ -885,23 +932,23 @@ def _programs_with_positions(rows: int, block_r: int, positions: Optional[Positi
     return table_programs, table_programs + (0 if positions is None else _cdiv(positions.out.shape[0], block_r))
 
 
-def _segment_blocks(dim: int, dtype: torch.dtype) -> tuple[int, int]:
+def _segment_blocks(dim: int, dtype: torch.dtype, dropout: bool = False) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_D) of _finish_segments_kernel: _blocks' tile, half as many rows in
     float64, whose values take two registers each (with 8 rows of 256 at d = 768 it spilled
     16 bytes on sm_90)."""
-    block_r, block_d = _blocks(dim)
+    block_r, block_d = _blocks(dim, dropout=dropout)
     return (max(1, block_r // 2) if dtype == torch.float64 else block_r), block_d
 
 
 def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool, out, zero_empty: bool,
-                    launch=_direct, positions: Optional[PositionSums] = None):
+                    launch=_direct, positions: Optional[PositionSums] = None, dropout: Optional[DoutDropout] = None):
     """out[g] = factor(g) * (sum of the dout rows of segment g) for the first out.shape[0]
     segments, in one launch: factor = scale, or scale / its token count; zero_empty: empty
     segments written as zeros (a dense gradient by row: each row written once). The same
     launch writes ``positions``, if given, and then the one-token segments' rows too when
-    ``segments`` has their tokens (``solo``)."""
+    ``segments`` has their tokens (``solo``). dropout: dout read through the forward's mask."""
     rows, dim = out.shape
-    block_r, block_d = _segment_blocks(dim, dout2d.dtype)
+    block_r, block_d = _segment_blocks(dim, dout2d.dtype, dropout is not None)
     table_programs, programs = _programs_with_positions(rows, block_r, positions)
     if programs == 0 or dim == 0:
         return
@@ -909,35 +956,42 @@ def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: b
     launch(_finish_segments_kernel)[(programs, _cdiv(dim, block_d))](
         dout2d, segments.order, partials if partials is not None else dout2d, segments.bounds, out,
         scale, rows, segments.entries, dim, table_programs, *_position_args(positions, dout2d),
+        *DoutDropout.launch_args(dropout, segments.order),
         DIVIDE_BY_COUNT=divide_by_count, ZERO_EMPTY=zero_empty, HAS_PARTIALS=partials is not None,
         HAS_POSITIONS=positions is not None, HAS_SOLO=positions is not None and segments.with_solo,
-        COMPUTE_F64=dout2d.dtype == torch.float64, CHUNK=CHUNK_ROWS, BLOCK_R=block_r, BLOCK_D=block_d,
+        HAS_DROPOUT=dropout is not None, COMPUTE_F64=dout2d.dtype == torch.float64, CHUNK=CHUNK_ROWS,
+        BLOCK_R=block_r, BLOCK_D=block_d,
     )
 
 
 def dense_gradient(dout2d, keys, num_rows: int, skip: int, scale: float, divide_by_count: bool, launch=_direct,
-                   positions: Optional[PositionSums] = None):
+                   positions: Optional[PositionSums] = None, dropout: Optional[DoutDropout] = None):
     """The (num_rows, d) gradient of the rows named by ``keys``, each row written once
     (untouched ones as zeros: no fill before). Three kernels around the sort; one for
-    at most FEW_TOKENS tokens. The last one also writes ``positions``, if given."""
+    at most FEW_TOKENS tokens. The last one also writes ``positions``, if given. dropout:
+    every kernel reads dout through the forward's mask (no pass over dout before)."""
     grad = dout2d.new_empty(num_rows, dout2d.shape[1])
     if keys.numel() <= FEW_TOKENS:
         dim = dout2d.shape[1]
-        block_r, block_d = _blocks(dim)
+        # Dropout's keep bits here are one token's row at a time, beside the whole tile's
+        # sums: the full tile (half of it spilled 16 B for bf16 on sm_80), whole Philox groups.
+        block_r, block_d = _blocks(max(dim, 4) if dropout is not None else dim)
         table_programs, programs = _programs_with_positions(num_rows, block_r, positions)
         if programs and dim:
             launch(_few_tokens_gradient_kernel)[(programs, _cdiv(dim, block_d))](
                 keys.reshape(-1), dout2d, grad, scale, keys.numel(), num_rows, skip, dim, table_programs,
-                *_position_args(positions, dout2d), DIVIDE_BY_COUNT=divide_by_count,
-                HAS_POSITIONS=positions is not None, COMPUTE_F64=dout2d.dtype == torch.float64, FEW=FEW_TOKENS,
+                *_position_args(positions, dout2d), *DoutDropout.launch_args(dropout, grad),
+                DIVIDE_BY_COUNT=divide_by_count, HAS_POSITIONS=positions is not None,
+                HAS_DROPOUT=dropout is not None, COMPUTE_F64=dout2d.dtype == torch.float64, FEW=FEW_TOKENS,
                 BLOCK_R=block_r, BLOCK_D=block_d,
             )
         return grad
     # The position programs write the one-token rows when they read every token (_position_sums).
     with_solo = positions is not None and positions.steps == positions.seq_len
-    segments = sorted_segments(dout2d, keys, num_rows, skip, by_row=True, launch=launch, with_solo=with_solo)
+    segments = sorted_segments(dout2d, keys, num_rows, skip, by_row=True, launch=launch, with_solo=with_solo,
+                               dropout=dropout)
     finish_segments(dout2d, segments, scale, divide_by_count, grad, zero_empty=True, launch=launch,
-                    positions=positions)
+                    positions=positions, dropout=dropout)
     return grad
 
 
@@ -970,11 +1024,13 @@ def used_row_sums(dout2d, keys, num_rows: int, skip: int, scale: float, divide_b
     return segments.keys, values  # -1 where no segment landed
 
 
-def batch_sum(dout2d, positions: PositionSums, launch=_direct):
+def batch_sum(dout2d, positions: PositionSums, launch=_direct, dropout: Optional[DoutDropout] = None):
     """The learned positions' gradient alone, in one launch (the token table needs none):
-    one row per program (a tile of rows spilled 16 B for fp16 on sm_80)."""
-    _, block_d = _blocks(dout2d.shape[1])
+    one row per program (a tile of rows spilled 16 B for fp16 on sm_80). dropout: dout
+    read through the forward's mask."""
+    _, block_d = _blocks(dout2d.shape[1], dropout=dropout is not None)
+    key, threshold, keep_scale = DoutDropout.launch_args(dropout, positions.out)
     launch(_batch_sum_kernel)[(positions.out.shape[0], _cdiv(dout2d.shape[1], block_d))](
-        dout2d, *positions.launch_args(), dout2d.shape[1], COMPUTE_F64=dout2d.dtype == torch.float64,
-        BLOCK_R=1, BLOCK_D=block_d,
+        dout2d, positions.out, key, *positions.launch_args()[1:], dout2d.shape[1], threshold, keep_scale,
+        HAS_DROPOUT=dropout is not None, COMPUTE_F64=dout2d.dtype == torch.float64, BLOCK_R=1, BLOCK_D=block_d,
     )

@@ -144,13 +144,16 @@ def _gradients(ctx, grad_out):
     backend's ops, None where not needed: updates of tables whose optimizer runs in the
     backward (pyembed.optim), dense through DenseGradFunction (differentiable again),
     sparse as a coalesced COO tensor built by the aten op behind torch.sparse_coo_tensor.
-    With dropout, the output gradient first goes through the forward's mask, regenerated
-    from its key."""
+    With dropout, the output gradient goes through the forward's mask, regenerated from its
+    key: inside the dense op, which applies it as it reads the gradient, when that op is
+    all that reads it; else first, as its own op (differentiable again, vmappable)."""
     ids, position_ids, dropout_key = ctx.saved_tensors
     config, weight_shape = ctx.config, ctx.weight_shape
     need_weight_grad = ctx.needs_input_grad[1]
     need_pos_grad = ctx.needs_input_grad[2] and config.pos_encoding == "learned"
-    if dropout_key is not None:
+    masked_in_op = (dropout_key is not None and (need_weight_grad or need_pos_grad) and not config.sparse
+                    and ctx.fused_tables is None and not torch.is_grad_enabled() and not functorch_active())
+    if dropout_key is not None and not masked_in_op:
         grad_out = (DropoutMaskFunctorch if functorch_active() else DropoutMaskFunction).apply(
             grad_out, dropout_key, config)
     grad_out = grad_out.contiguous()
@@ -160,7 +163,10 @@ def _gradients(ctx, grad_out):
             (need_weight_grad, need_pos_grad))
     dense_weight_grad = need_weight_grad and not config.sparse
     grad_weight = pos_grad = None
-    if dense_weight_grad or need_pos_grad:
+    if masked_in_op:  # grad mode off: the op's body, no Function (as _gradient_op)
+        grad_weight, pos_grad = _dense_grad_forward(grad_out, ids, position_ids, config, weight_shape[0],
+                                                    ctx.num_positions, need_weight_grad, need_pos_grad, dropout_key)
+    elif dense_weight_grad or need_pos_grad:
         grad_weight, pos_grad = _gradient_op(
             _dense_grad_forward, DenseGradFunction, DenseGradFunctorch,
             grad_out, ids, position_ids, config, weight_shape[0], ctx.num_positions, dense_weight_grad, need_pos_grad)
@@ -280,10 +286,13 @@ FusedEmbeddingFunctorch = _functorch_form("FusedEmbeddingFunctorch", _fused_forw
 
 
 def _dense_grad_forward(grad_out, ids, position_ids, config: FusedConfig, num_embeddings: int, num_positions: int,
-                        need_weight_grad: bool, need_pos_grad: bool):
+                        need_weight_grad: bool, need_pos_grad: bool, dropout_key=None):
+    """The dense backward op; dropout_key: of grad_out through the forward's mask (a plain
+    backward only: DenseGradFunction's double backward and the vmap rule take none)."""
     return dispatch.get(config.backend).backward_op(grad_out)(
         grad_out, ids, position_ids, config.offset, num_embeddings, num_positions, config.scale,
-        config.padding_idx, config.scale_grad_by_freq, need_weight_grad, need_pos_grad)
+        config.padding_idx, config.scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key,
+        config.dropout_p)
 
 
 def _dense_grad_save(ctx, grad_out, ids, position_ids, config: FusedConfig, num_embeddings: int, *_):

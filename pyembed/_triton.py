@@ -172,11 +172,15 @@ if not _INTERPRETED:
 
 
 def _backward(grad_out, ids, position_ids, offset: int, num_embeddings: int, num_positions: int, scale: float,
-              padding_idx: Optional[int], scale_grad_by_freq: bool, need_weight_grad: bool, need_pos_grad: bool, *,
+              padding_idx: Optional[int], scale_grad_by_freq: bool, need_weight_grad: bool, need_pos_grad: bool,
+              dropout_key: Optional[torch.Tensor] = None, dropout_p: float = 0.0, *,
               launch=_direct, device_guard=True) -> tuple[torch.Tensor, torch.Tensor]:
     k = _kernels()
     dim = grad_out.shape[-1]
     dout = grad_out.contiguous().reshape(ids.numel(), dim)  # not -1: d may be 0
+    # The forward's dropout, applied by every kernel as it reads dout (no masking pass first)
+    dropout = None if dropout_key is None else k.DoutDropout(
+        dropout_key, reference.dropout_threshold(dropout_p), reference.dropout_scale(dropout_p))
     weight_grad = pos_grad = None  # (0, d) where not asked for: made only then (each op costs the host)
     with _on_device(grad_out) if device_guard else contextlib.nullcontext():
         # Dense gradients are written once, every row: no zero fill first. Learned positions
@@ -190,20 +194,23 @@ def _backward(grad_out, ids, position_ids, offset: int, num_embeddings: int, num
                                            min(max(num_positions - offset, 0), seq_len), offset)
         if need_weight_grad:
             weight_grad = k.dense_gradient(dout, ids, num_embeddings, -1 if padding_idx is None else padding_idx,
-                                           scale, scale_grad_by_freq, launch=launch, positions=positions)
+                                           scale, scale_grad_by_freq, launch=launch, positions=positions,
+                                           dropout=dropout)
         elif positions is not None:
-            k.batch_sum(dout, positions, launch=launch)
+            k.batch_sum(dout, positions, launch=launch, dropout=dropout)
         if need_pos_grad and position_ids is not None:
-            pos_grad = k.dense_gradient(dout, position_ids, num_positions, -1, 1.0, False, launch=launch)
+            pos_grad = k.dense_gradient(dout, position_ids, num_positions, -1, 1.0, False, launch=launch,
+                                        dropout=dropout)
     return (grad_out.new_empty(0, dim) if weight_grad is None else weight_grad,
             grad_out.new_empty(0, dim) if pos_grad is None else pos_grad)
 
 
 def backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[torch.Tensor], offset: int,
              num_embeddings: int, num_positions: int, scale: float, padding_idx: Optional[int],
-             scale_grad_by_freq: bool, need_weight_grad: bool,
-             need_pos_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense gradients (schema of reference.embedding_backward), without a host sync.
+             scale_grad_by_freq: bool, need_weight_grad: bool, need_pos_grad: bool,
+             dropout_key: Optional[torch.Tensor] = None, dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense gradients (schema of reference.embedding_backward), without a host sync; with
+    the forward's dropout key, of the output gradient through its mask.
 
     Eagerly, from a metadata's third call on, the launches replay a plan bound at its
     second (kernels.launch.LaunchPlan): the kernels Triton compiled for this metadata,
@@ -213,7 +220,8 @@ def backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[t
     if type(scale) is float and type(offset) is int:
         key = (grad_out.shape, grad_out.dtype, grad_out.device, ids.shape, ids.dtype,
                None if position_ids is None else (position_ids.shape, position_ids.dtype), offset, num_embeddings,
-               num_positions, scale, padding_idx, scale_grad_by_freq, need_weight_grad, need_pos_grad)
+               num_positions, scale, padding_idx, scale_grad_by_freq, need_weight_grad, need_pos_grad,
+               None if dropout_key is None else float(dropout_p))
         plan = _backward_plans.get(key)
         if plan is None:
             _note_first_call(_backward_plans, key)
@@ -223,7 +231,7 @@ def backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[t
         elif plan is not _UNPLANNED:
             launch = plan.replaying()
     grads = _backward(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
-                      scale_grad_by_freq, need_weight_grad, need_pos_grad, launch=launch)
+                      scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p, launch=launch)
     if binding is not None:
         _backward_plans[key] = binding if binding.complete else _UNPLANNED
     return grads

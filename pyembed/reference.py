@@ -203,15 +203,24 @@ def embedding_backward(
     scale_grad_by_freq: bool,
     need_weight_grad: bool,
     need_pos_grad: bool,
+    dropout_key: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense gradients: (weight_grad, pos_grad).
     - weight_grad (V, d), zero on untouched rows and the padding row, if need_weight_grad;
     - pos_grad (max_seq_len, d) for a learned table, if need_pos_grad.
     An output not needed is (0, d). Gradients are in grad_out's dtype, accumulated in fp32
-    (fp64 for fp64). The kernels' backends compute this without a device->host sync."""
+    (fp64 for fp64). The kernels' backends compute this without a device->host sync.
+    dropout_key: the forward's, with dropout_p: the gradients of grad_out through the
+    forward's mask, as that mask applied alone stores it (in grad_out's dtype); the
+    kernels' backends apply it as they read grad_out."""
     embed_dim = grad_out.shape[-1]
     dtype, acc = grad_out.dtype, compute_dtype(grad_out.dtype)
-    dout = grad_out.reshape(ids.numel(), embed_dim).to(acc)  # not -1: d may be 0
+    dout = grad_out.reshape(ids.numel(), embed_dim)  # not -1: d may be 0
+    if dropout_key is not None:  # the mask alone: a lookup of dout's rows, token n reading row n
+        dout = embedding_forward(torch.arange(ids.numel(), device=dout.device), dout, None, None, "none", 1.0, 0,
+                                 dropout_key, dropout_p)
+    dout = dout.to(acc)
     weight_grad = pos_grad = grad_out.new_empty(0, embed_dim)
     if need_weight_grad:
         rows, values = _weight_grad_rows(dout, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq)

@@ -48,6 +48,71 @@ def emulated():
     )
 
 
+@pytest.fixture
+def interpreted_launches(monkeypatch):
+    """The names of the Triton kernels launched (under TRITON_INTERPRET=1). The interpreter
+    runs each kernel with ATen ops of its own, on the host's tensors: they are hidden from
+    the recorders, which count the host work around the launches."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    import triton.runtime.interpreter as interpreter
+
+    launched = []
+    launch = interpreter.GridExecutor.__call__
+
+    def unrecorded_launch(self, *args, **kwargs):
+        launched.append(self.fn.__name__)
+        with torch.utils._python_dispatch._disable_current_modes():
+            return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", unrecorded_launch)
+    return launched
+
+
+@pytest.fixture
+def interpreted_accesses(monkeypatch):
+    """The element addresses the Triton interpreter loads and stores (the lanes a mask
+    keeps), to count per tensor afterwards: ``loads(t)``, ``stores(t)``, ``unique_stores(t)``.
+    CPU tensors keep their storage under the interpreter, so the addresses are theirs."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    import numpy as np
+    import triton.runtime.interpreter as interpreter
+
+    loads, stores = [], []
+    builder = interpreter.InterpreterBuilder
+    masked_load, masked_store = builder.create_masked_load, builder.create_masked_store
+
+    def counted_load(self, ptrs, mask, *args):
+        loads.append(np.broadcast_to(ptrs.data, mask.data.shape)[mask.data].astype(np.uint64))
+        return masked_load(self, ptrs, mask, *args)
+
+    def counted_store(self, ptrs, value, mask, *args):
+        stores.append(np.broadcast_to(ptrs.data, mask.data.shape)[mask.data].astype(np.uint64))
+        return masked_store(self, ptrs, value, mask, *args)
+
+    monkeypatch.setattr(builder, "create_masked_load", counted_load)
+    monkeypatch.setattr(builder, "create_masked_store", counted_store)
+
+    def inside(found, t):
+        addresses = np.concatenate(found) if found else np.empty(0, np.uint64)
+        start = t.data_ptr()
+        return addresses[(addresses >= start) & (addresses < start + t.numel() * t.element_size())]
+
+    class Accesses:
+        def clear(self):
+            loads.clear(), stores.clear()
+
+        def loads(self, t):
+            return inside(loads, t).size
+
+        def stores(self, t):
+            return inside(stores, t).size
+
+        def unique_stores(self, t):
+            return np.unique(inside(stores, t)).size
+
+    return Accesses()
+
+
 # `make gpu-check` runs what needs the GPU first and must finish inside one 10-minute call
 # on the H100 machine: there the selection by name ("cuda or gpu or triton") also took the
 # CPU-only tests with those words (host emulation, AOT compiles, the stand-in driver): 400 s

@@ -87,9 +87,9 @@ def test_ops_pass_opcheck(backend):
     torch.library.opcheck(bwd, (dout, ids, None, 1, 7, 6, 2.0, 3, False, True, True))
     torch.library.opcheck(bwd, (dout, ids, position_ids, 0, 7, 6, 1.0, None, True, True, True))
     torch.library.opcheck(bwd, (dout, ids, position_ids, 0, 7, 6, 1.0, None, False, False, True))
-    if backend == "cpu":  # the C++ op takes the forward's dropout (the cuda kernels apply it as they read)
-        torch.library.opcheck(bwd, (dout, ids, None, 1, 7, 6, 2.0, 3, False, True, True),
-                              dict(dropout_key=key, dropout_p=0.25))
+    # With the forward's dropout key (the cuda and triton kernels apply its mask as they read)
+    torch.library.opcheck(bwd, (dout, ids, None, 1, 7, 6, 2.0, 3, False, True, True),
+                          dict(dropout_key=key, dropout_p=0.25))
     torch.library.opcheck(sparse_bwd, (dout, ids, 7, 2.0, 3, False))
     torch.library.opcheck(sparse_bwd, (dout, ids, 7, 1.0, None, True))
 

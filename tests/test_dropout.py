@@ -7,12 +7,13 @@ float64), binomial bounds for the kept fraction.
 """
 
 import math
+import os
 
 import pytest
 import torch
 
 import pyembed
-from pyembed import reference
+from pyembed import _ops, dispatch, reference
 from helpers import BACKENDS, CPU_BACKENDS, assert_within, make_inputs, to_device
 
 Q = 0.3
@@ -86,14 +87,38 @@ BACKWARD_CASES = {
 }
 
 
+def _dense_ops(request, ops: str):
+    """(forward op, dense backward op, launches since the last ask) of a backend, on CPU
+    tensors: the cuda kernels under host emulation, triton's under the interpreter."""
+    if ops == "cuda (emulated)":
+        emulated = request.getfixturevalue("emulated")
+        return emulated.embedding_forward, emulated.embedding_backward, emulated.take_launch_counts
+    if ops == "cpu":
+        return torch.ops.pyembed.embedding_forward, torch.ops.pyembed.embedding_backward, lambda: None
+    if ops == "reference":
+        return torch.ops.pyembed.reference_forward, torch.ops.pyembed.reference_backward, lambda: None
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the triton ops on CPU tensors need the Triton interpreter (no GPU here)")
+    launched = request.getfixturevalue("interpreted_launches")
+
+    def take():
+        names = list(launched)
+        launched.clear()
+        return names
+    return torch.ops.pyembed.triton_forward, torch.ops.pyembed.triton_backward, take
+
+
+@pytest.mark.parametrize("ops", ["cuda (emulated)", "cpu", "triton", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("case", list(BACKWARD_CASES))
-def test_dense_backward_ops_apply_the_mask_as_masking_first_does_bit_for_bit(emulated, dtype, case):
+def test_dense_backward_ops_apply_the_mask_as_masking_first_does_bit_for_bit(request, ops, dtype, case):
     # Given the forward's key, the dense backward op applies its mask to dout itself: the
-    # cuda kernels as they read each element (emulated here), the cpu op by a pass first.
-    # Either way the same bits as the gradient masked by the forward kernel (ids 0..N-1, how
-    # the backward masked it before) and then summed -- with as many launches as no dropout.
+    # cuda and triton kernels as they read each element, the cpu and reference ops by a pass
+    # first. Either way the same bits as the gradient masked by the forward op (ids 0..N-1,
+    # how the autograd routes mask it otherwise) and then summed -- with the launches of no
+    # dropout.
     batch, seq_len, vocab, dim, positions, table = BACKWARD_CASES[case]
+    forward, backward, launches = _dense_ops(request, ops)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, vocab, (batch, seq_len), generator=g)
     if seq_len > 32:
@@ -104,17 +129,15 @@ def test_dense_backward_ops_apply_the_mask_as_masking_first_does_bit_for_bit(emu
     key = reference.draw_dropout_key(torch.device("cpu"), torch.Generator().manual_seed(11))
     n = ids.numel()
     args = (ids, position_ids, 1, vocab, num_positions, 1.5, 3, True, table, positions is not None)
-    for forward, backward in ((emulated.embedding_forward, emulated.embedding_backward),
-                              (torch.ops.pyembed.embedding_forward, torch.ops.pyembed.embedding_backward)):
-        masked = forward(torch.arange(n), dout.reshape(n, dim), None, None, "none", 1.0, 0, key, Q).view(dout.shape)
-        emulated.take_launch_counts()
-        expected = backward(masked, *args)
-        plain_launches = emulated.take_launch_counts()
-        got = backward(dout, *args, dropout_key=key, dropout_p=Q)
-        assert emulated.take_launch_counts() == plain_launches
-        for a, b in zip(got, expected):
-            assert a.shape == b.shape and torch.equal(a, b), (backward, case, dtype)
+    masked = forward(torch.arange(n), dout.reshape(n, dim), None, None, "none", 1.0, 0, key, Q).view(dout.shape)
     assert masked.ne(0).any() and masked.eq(0).any()
+    launches()
+    expected = backward(masked, *args)
+    plain_launches = launches()
+    got = backward(dout, *args, dropout_key=key, dropout_p=Q)
+    assert launches() == plain_launches
+    for a, b in zip(got, expected):
+        assert a.shape == b.shape and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -144,6 +167,23 @@ def test_gradients_go_through_the_same_mask_and_scale(backend, sparse):
     assert w.grad.is_sparse == sparse
     assert_within(w.grad.to_dense(), exact_w, 1e-12, 1e-12, what=f"{backend} dW")
     assert_within(p.grad, exact_p, 1e-12, 1e-12, what=f"{backend} dP")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
+@pytest.mark.parametrize("num_tokens", [8, 200])
+def test_triton_backward_with_dropout_launches_what_it_launches_without(interpreted_launches, num_tokens):
+    # fused_embedding's triton route hands the dense backward the forward's key: no pass of
+    # the mask over (N, d) before it, one launch and an output-sized buffer fewer, the
+    # gradients those of the masked gradient (test_gradients_go_through_the_same_mask_and_scale).
+    ids, weight, pos_weight, dout = make_inputs(2, num_tokens // 2, 30, 24, torch.float32, pos_rows=num_tokens)
+    launched = {}
+    for p in (0.0, Q):
+        w, pw = weight.clone().requires_grad_(), pos_weight.clone().requires_grad_()
+        out = pyembed.fused_embedding(ids, w, pw, backend="triton", dropout_p=p)
+        interpreted_launches.clear()
+        out.backward(dout)
+        launched[p] = list(interpreted_launches)
+    assert launched[Q] == launched[0.0] and "_embedding_forward_kernel" not in launched[Q]
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -289,6 +329,38 @@ def test_vmap_randomness_same_gives_every_sample_one_key(backend):
         torch.manual_seed(2)
         one = pyembed.fused_embedding(ids[i], weight, pos_encoding="sinusoidal", dropout_p=0.5, backend=backend)
         assert torch.equal(batched[i], one)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_compiled_backward_with_dropout_is_the_dense_backward_op_alone(backend):
+    # A compiled call with dropout takes the general route's Function; its backward hands the
+    # forward's key to the dense backward op, so the backward graph is that one op -- no
+    # mask pass over (N, d) before it (five ops it was) -- and the gradients go through the
+    # elements the forward kept (tables without zeros: out == 0 exactly where dropped).
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep_graph(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    ids, weight, pos_weight, dout = make_inputs(2, 16, 30, 24, torch.float64, pos_rows=16)
+    w, p = (weight.abs() + 1).requires_grad_(), pos_weight.abs().requires_grad_()
+    step = torch.compile(lambda i: pyembed.fused_embedding(i, w, p, scale=1.5, dropout_p=Q, backend=backend),
+                         fullgraph=True, backend=aot_autograd(fw_compiler=keep_graph, bw_compiler=keep_graph))
+    out = step(ids)
+    out.backward(dout)
+    backward_ops = [str(node.target) for node in graphs[1].graph.nodes
+                    if isinstance(node.target, torch._ops.OpOverload)]
+    assert backward_ops == [_ops._qualname(dispatch.get(backend).backward).replace("::", ".") + ".default"]
+    kept = (out != 0).double().reshape(-1, 24) * dout.reshape(-1, 24) / (1 - Q)
+    exact_w = torch.zeros(30, 24, dtype=torch.float64).index_add_(0, ids.reshape(-1), kept * 1.5)
+    assert 0.5 < (out != 0).double().mean().item() < 0.9
+    assert_within(w.grad, exact_w, 1e-12, 1e-12, what=f"compiled {backend} dW")
+    assert_within(p.grad, kept.reshape(2, 16, 24).sum(0), 1e-12, 1e-12, what=f"compiled {backend} dP")
 
 
 @pytest.mark.parametrize("validate", [True, False])

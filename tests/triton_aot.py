@@ -91,19 +91,25 @@ def forward_source(dtype, pos_mode, dim, *, position_ids=False, id_type="i64", s
         "BLOCK_T": block_t, "BLOCK_D": block_d})
 
 
-def chunk_source(dtype, dim, *, key_type="i16", by_slot=False, partials=True, solo=False):
+# The forward's dropout as the dense backward's kernels take it (kernels' DoutDropout): p = 0.1.
+DROPOUT_ARGS = {"dropout_key_ptr": "*i64", "dropout_threshold": 429496730, "dropout_scale": 1.1}
+
+
+def chunk_source(dtype, dim, *, key_type="i16", by_slot=False, partials=True, solo=False, dropout=False):
     """One pass over the sorted positions: segment bounds (by table row, or by slot for a
     sparse gradient) and the long segments' partial sums (partials=False: a backward of
     at most one chunk of tokens, where no segment can be long); solo: the one-token
-    segments' tokens too (a dense gradient with learned positions, which write those rows).
+    segments' tokens too (a dense gradient with learned positions, which write those rows);
+    dropout: the partial sums read dout through the forward's mask.
     Keys: i16 for tables of fewer than 2^16 rows (the 50257 used here), i32 / i64 for larger ones."""
     acc = "fp64" if dtype == "fp64" else "fp32"
     args = {"sorted_ptr": f"*{key_type}", "scan_ptr": "*i64", "bounds_ptr": "*i64", "dout_ptr": f"*{dtype}",
-            "order_ptr": "*i64", "partials_ptr": f"*{acc}", "n": TOKENS, "num_rows": 50257,
-            "entries": min(TOKENS, 50257) if by_slot else 50257, "dim": dim}
+            "order_ptr": "*i64", "partials_ptr": f"*{acc}", "dropout_key_ptr": "*i64", "n": TOKENS,
+            "num_rows": 50257, "entries": min(TOKENS, 50257) if by_slot else 50257, "dim": dim,
+            "dropout_threshold": DROPOUT_ARGS["dropout_threshold"], "dropout_scale": DROPOUT_ARGS["dropout_scale"]}
     return _source(k._chunk_kernel, args, {
-        "BY_SLOT": by_slot, "HAS_PARTIALS": partials, "HAS_SOLO": solo, "COMPUTE_F64": acc == "fp64",
-        "CHUNK": k.CHUNK_ROWS, "BLOCK_D": k._blocks(dim)[1]})
+        "BY_SLOT": by_slot, "HAS_PARTIALS": partials, "HAS_SOLO": solo, "HAS_DROPOUT": dropout,
+        "COMPUTE_F64": acc == "fp64", "CHUNK": k.CHUNK_ROWS, "BLOCK_D": k._blocks(dim, dropout=dropout)[1]})
 
 
 def _position_args(dtype, batch, seq_len):
@@ -113,33 +119,35 @@ def _position_args(dtype, batch, seq_len):
             "steps": min(seq_len, 2045), "offset": 3}
 
 
-def finish_source(dtype, dim, *, divide, partials=True, positions=True, solo=None):
+def finish_source(dtype, dim, *, divide, partials=True, positions=True, solo=None, dropout=False):
     """One pass over a dense gradient's rows (with scale_grad_by_freq's division or not;
     partials=False: a backward of at most one chunk of tokens), and the learned positions'
     (positions=False: none, or by position_ids), which write the one-token rows too unless
-    solo=False (a position past the table: validate=False)."""
+    solo=False (a position past the table: validate=False); dropout: dout read through the
+    forward's mask."""
     acc = "fp64" if dtype == "fp64" else "fp32"
-    block_r, block_d = k._segment_blocks(dim, torch.float64 if dtype == "fp64" else torch.float32)
+    block_r, block_d = k._segment_blocks(dim, torch.float64 if dtype == "fp64" else torch.float32, dropout)
     args = {"dout_ptr": f"*{dtype}", "order_ptr": "*i64", "partials_ptr": f"*{acc}", "bounds_ptr": "*i64",
             "out_ptr": f"*{dtype}", "scale": 27.7, "num_segments": 50257, "entries": 50257, "dim": dim,
             "table_programs": -(-50257 // block_r),
-            **_position_args(dtype, 8, 512)}
+            **_position_args(dtype, 8, 512), **DROPOUT_ARGS}
     return _source(k._finish_segments_kernel, args, {
         "DIVIDE_BY_COUNT": divide, "ZERO_EMPTY": True, "HAS_PARTIALS": partials, "HAS_POSITIONS": positions,
-        "HAS_SOLO": positions if solo is None else solo, "COMPUTE_F64": acc == "fp64", "CHUNK": k.CHUNK_ROWS,
-        "BLOCK_R": block_r, "BLOCK_D": block_d})
+        "HAS_SOLO": positions if solo is None else solo, "HAS_DROPOUT": dropout, "COMPUTE_F64": acc == "fp64",
+        "CHUNK": k.CHUNK_ROWS, "BLOCK_R": block_r, "BLOCK_D": block_d})
 
 
-def few_tokens_source(dtype, dim, *, divide, id_type="i64", positions=True):
+def few_tokens_source(dtype, dim, *, divide, id_type="i64", positions=True, dropout=False):
     """A dense gradient of at most FEW_TOKENS tokens: one pass over the table's rows, and
-    the learned positions' (positions=False: none, or by position_ids)."""
-    block_r, block_d = k._blocks(dim)
+    the learned positions' (positions=False: none, or by position_ids); dropout: dout read
+    through the forward's mask."""
+    block_r, block_d = k._blocks(max(dim, 4) if dropout else dim)  # as kernels' dense_gradient
     args = {"keys_ptr": f"*{id_type}", "dout_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "scale": 27.7, "n": 7,
             "num_rows": 50257, "skip": 3, "dim": dim, "table_programs": -(-50257 // block_r),
-            **_position_args(dtype, 1, 7)}
+            **_position_args(dtype, 1, 7), **DROPOUT_ARGS}
     return _source(k._few_tokens_gradient_kernel, args, {
-        "DIVIDE_BY_COUNT": divide, "HAS_POSITIONS": positions, "COMPUTE_F64": dtype == "fp64", "FEW": k.FEW_TOKENS,
-        "BLOCK_R": block_r, "BLOCK_D": block_d})
+        "DIVIDE_BY_COUNT": divide, "HAS_POSITIONS": positions, "HAS_DROPOUT": dropout, "COMPUTE_F64": dtype == "fp64",
+        "FEW": k.FEW_TOKENS, "BLOCK_R": block_r, "BLOCK_D": block_d})
 
 
 def few_slots_source(dtype, dim, *, divide):
@@ -165,12 +173,13 @@ def bounds_source(kernel, key_type="i16"):
                                               "num_rows": 50257}, {"BLOCK": k.BOUNDS_BLOCK})
 
 
-def batch_source(dtype, dim):
+def batch_source(dtype, dim, dropout=False):
     """The learned positions' gradient alone (a frozen token table), one row per program."""
-    args = {"dout_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "rows": 2048, "batch": 8, "seq_len": 512,
-            "steps": 512, "offset": 3, "dim": dim}
-    return _source(k._batch_sum_kernel, args, {"COMPUTE_F64": dtype == "fp64", "BLOCK_R": 1,
-                                               "BLOCK_D": k._blocks(dim)[1]})
+    args = {"dout_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "dropout_key_ptr": "*i64", "rows": 2048, "batch": 8,
+            "seq_len": 512, "steps": 512, "offset": 3, "dim": dim,
+            "dropout_threshold": DROPOUT_ARGS["dropout_threshold"], "dropout_scale": DROPOUT_ARGS["dropout_scale"]}
+    return _source(k._batch_sum_kernel, args, {"HAS_DROPOUT": dropout, "COMPUTE_F64": dtype == "fp64", "BLOCK_R": 1,
+                                               "BLOCK_D": k._blocks(dim, dropout=dropout)[1]})
 
 
 # (rule, its flags): SGD with momentum, AdamW, Adagrad, SparseAdam -- the rule's longest path.
@@ -231,6 +240,13 @@ def sources():
             "divide": True, "positions": False})
         out[f"few_slots {dtype} d={dim}"] = (few_slots_source, (dtype, dim), {"divide": False})
         out[f"few_slots {dtype} by_freq d={dim}"] = (few_slots_source, (dtype, dim), {"divide": True})
+        if dtype != "fp16":  # the forward's dropout applied as dout is read: each kernel's longest form
+            out[f"chunk dropout {dtype} d={dim}"] = (chunk_source, (dtype, dim), {"solo": True, "dropout": True})
+            out[f"finish_segments dropout {dtype} by_freq d={dim}"] = (finish_source, (dtype, dim), {
+                "divide": True, "dropout": True})
+            out[f"few_tokens dropout {dtype} by_freq d={dim}"] = (few_tokens_source, (dtype, dim), {
+                "divide": True, "dropout": True})
+            out[f"batch_sum dropout {dtype} d={dim}"] = (batch_source, (dtype, dim), {"dropout": True})
     out["few_tokens fp32 int32-ids d=768"] = (few_tokens_source, ("fp32", 768), {"divide": False, "id_type": "i32"})
     # A backward of at most CHUNK_ROWS tokens has no partials. Not at d = 100: for bf16 on
     # sm_80 ptxas spills 40 B there (the direct loop's scalar loads; the same before the
