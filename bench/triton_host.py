@@ -7,8 +7,9 @@ so everything but the driver's cuLaunchKernel is timed: a raw Triton launch of a
 one-store kernel, the same through pyembed's cached launcher (kernels/launch.py),
 F.embedding on the CPU for scale, and pyembed's one-token forward (no gradient -- also as
 the first call of its metadata, which launches without the plan later calls replay,
-pyembed/_triton.py; with a gradient), forward + backward, and a training step with AdamW inside the backward
-(``apply_optimizer_in_backward``) -- the default checks as on a GPU (inside the kernel) --
+pyembed/_triton.py; with a gradient), forward + backward (also with dropout), and a
+training step with AdamW inside the backward (``apply_optimizer_in_backward``) -- the
+default checks as on a GPU (inside the kernel) --
 and the dense backward op of a batch of 8x2048 tokens (three launches around torch's
 sort), as the autograd path calls it (its launches replayed from a plan) and through the
 cached launcher. That sort is a stand-in returning a fixed permutation: on CPU tensors
@@ -59,6 +60,11 @@ def calls(vocab: int, dim: int) -> dict:
         out.backward(torch.ones_like(out))
         weight.grad = pos_weight.grad = None
 
+    def forward_backward_dropout():  # GPT-2's embedding dropout: the backward regenerates the mask
+        out = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, dropout_p=0.1, backend="triton")
+        out.backward(torch.ones_like(out))
+        weight.grad = pos_weight.grad = None
+
     def first_call():  # the no-grad forward as the first call of its metadata: no launch plan to replay
         _triton._plans.clear()
         return pyembed.fused_embedding(ids, frozen, frozen_pos, scale=2.0, backend="triton")
@@ -96,6 +102,7 @@ def calls(vocab: int, dim: int) -> dict:
         "triton 1x1 fwd, no grad, first call": first_call,
         "triton 1x1 fwd": lambda: pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="triton"),
         "triton 1x1 fwd+bwd": forward_backward,
+        "triton 1x1 fwd+bwd, dropout": forward_backward_dropout,
         "triton 1x1 fused AdamW step": step_in_backward,
         "triton 8x2048 dense backward": batch_backward(_triton.backward),
         "8x2048 backward, cached launches": batch_backward(_triton._backward),
