@@ -232,14 +232,15 @@ def test_under_cuda_autocast_the_lookup_keeps_its_dtype_and_gradients_as_nn_embe
     torch.testing.assert_close(grad, expected[3], rtol=1e-5, atol=1e-5)  # fp32 sums of the same rows, other order
 
 
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
 @pytest.mark.parametrize("layout", ["8x512 hot row, positions", "short batch", "position_ids", "positions only"])
-def test_cuda_dropout_backward_masks_in_its_loads_as_masking_first_does(dtype, layout):
-    """The cuda dense backward given the forward's dropout key applies the mask as it
-    reads dout (csrc/cuda's Dout): on the GPU, the same bits as the gradient masked by the
-    forward kernel first (ids 0..N-1) and then summed -- as tests/test_dropout.py shows
-    under host emulation."""
-    _kernel_ops("cuda")
+def test_dropout_backward_masks_in_its_loads_as_masking_first_does(backend, dtype, layout):
+    """The GPU backends' dense backward given the forward's dropout key applies the mask
+    as it reads dout (csrc/cuda's Dout, kernels' _dout_rows): on the GPU, the same bits as
+    the gradient masked by the forward kernel first (ids 0..N-1) and then summed -- as
+    tests/test_dropout.py shows under host emulation and Triton's interpreter."""
+    ops = _kernel_ops(backend)
     batch, seq_len = {"short batch": (2, 8)}.get(layout, (8, 512))
     vocab, dim = 50257, 768
     ids = torch.randint(0, vocab, (batch, seq_len), device="cuda")
@@ -249,10 +250,10 @@ def test_cuda_dropout_backward_masks_in_its_loads_as_masking_first_does(dtype, l
     position_ids = torch.randint(0, seq_len, ids.shape, device="cuda") if layout == "position_ids" else None
     key = torch.tensor([2024, 11], device="cuda")
     n = ids.numel()
-    masked = torch.ops.pyembed.embedding_forward(torch.arange(n, device="cuda"), dout.reshape(n, dim), None, None,
-                                                 "none", 1.0, 0, key, 0.1).view(dout.shape)
+    masked = ops.forward(torch.arange(n, device="cuda"), dout.reshape(n, dim), None, None, "none", 1.0, 0, key,
+                         0.1).view(dout.shape)
     args = (ids, position_ids, 0, vocab, seq_len, 1.5, 3, False, layout != "positions only", True)
-    expected = torch.ops.pyembed.embedding_backward(masked, *args)
-    got = torch.ops.pyembed.embedding_backward(dout, *args, dropout_key=key, dropout_p=0.1)
+    expected = ops.backward(masked, *args)
+    got = ops.backward(dout, *args, dropout_key=key, dropout_p=0.1)
     for a, b in zip(got, expected):
         assert a.shape == b.shape and torch.equal(a, b), layout
