@@ -96,7 +96,7 @@ if _C is not None:
     _backend_ops = (torch.ops.pyembed.embedding_forward, torch.ops.pyembed.embedding_backward,
                     torch.ops.pyembed.embedding_sparse_backward)
     _lookup = dict(autograd_op=_C.embedding,  # torch.ops.pyembed.embedding without the boxed call's host time
-                   compiled_op=torch.ops.pyembed.embedding.default)
+                   compiled_op=torch.ops.pyembed.embedding.default, compiled_dropout=True)
     _optimizer_ops = dict(touched_rows=torch.ops.pyembed.embedding_touched_rows.default,
                           optimizer_update=torch.ops.pyembed.optimizer_update.default)
     dispatch.register_backend(dispatch.Backend("cpu", *_backend_ops, _why_cpu_unavailable, **_lookup, **_optimizer_ops,

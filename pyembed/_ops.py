@@ -45,6 +45,8 @@ class Backend:
     # whose autograd AOTAutograd splits into the forward and backward ops; None: the general
     # route (pyembed.functional._compiled_lookup says why it matters).
     compiled_op: Optional[Callable] = None
+    # compiled_op takes dropout_p too (drawing the key itself, as pyembed::embedding does)
+    compiled_dropout: bool = False
     # Its forward kernel checks id / position ranges itself into an error record (the
     # ``error_record`` argument; pyembed.checks): validate=True on a GPU then never syncs.
     checks_in_kernel: bool = False

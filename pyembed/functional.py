@@ -112,9 +112,9 @@ def fused_embedding(
                                             float(dropout_p), generator, bool(sparse))
                 except (RuntimeError, TypeError, ValueError) as error:
                     raise checks.from_cpp(error) from None
-        elif not sparse and dropout_p == 0 and torch.compiler.is_compiling() and _autograd.no_transform():
+        elif not sparse and generator is None and torch.compiler.is_compiling() and _autograd.no_transform():
             looked_up = _compiled_lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
-                                         padding_idx, scale_grad_by_freq, validate, backend)
+                                         padding_idx, scale_grad_by_freq, validate, backend, dropout_p)
             if looked_up is not None:
                 return looked_up
     options = (pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, sparse, validate, dropout_p, generator,
@@ -166,7 +166,7 @@ def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_
 
 
 def _compiled_lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                     scale_grad_by_freq, validate, backend) -> Optional[torch.Tensor]:
+                     scale_grad_by_freq, validate, backend, dropout_p=0.0) -> Optional[torch.Tensor]:
     """The common call as torch.compile traces it, on a backend with a lookup op for it
     (``compiled_op``: the C++ backends' pyembed::embedding, triton's pyembed::triton_lookup),
     else None (the general route). The checks of metadata run here (once, when Dynamo
@@ -177,16 +177,23 @@ def _compiled_lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale,
     what Dynamo traces, and so guards on every call: a few functions, not that route and
     its Function's forward and backward. A compiled one-token `validate=False` forward (the
     graph a `cuda` call makes) on the development VM: 135 guards in ~9 us through that
-    route, 87 in ~5.5 us here; compiled nn ops: 28 in ~2 us (python -m bench.compiled_host)."""
+    route, 87 in ~5.5 us here; compiled nn ops: 28 in ~2 us (python -m bench.compiled_host).
+    With dropout (no generator) on a backend whose op takes it (``compiled_dropout``: the
+    C++ backends', which draw the key as a random op of the graph); triton's does not."""
     pos_encoding, position_ids = checks.check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
     if padding_idx is not None:
         padding_idx = checks.normalize_padding_idx(padding_idx, weight.shape[0])
     chosen = dispatch.resolve(backend, weight.device)
-    if chosen.compiled_op is None:
+    if chosen.compiled_op is None or (dropout_p and not chosen.compiled_dropout):
         return None
+    if dropout_p:
+        checks.check_dropout_p(dropout_p)
     sync_check, error_record = range_checks(validate, chosen, weight.device)
     if sync_check:
         ids = _autograd.checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
+    if dropout_p:  # the op draws the key (a random op of the graph), after the checks above
+        return chosen.compiled_op(ids, weight, pos_weight, position_ids, pos_encoding, float(scale), offset,
+                                  padding_idx, bool(scale_grad_by_freq), False, error_record, float(dropout_p))
     return chosen.compiled_op(ids, weight, pos_weight, position_ids, pos_encoding, float(scale), offset, padding_idx,
                               bool(scale_grad_by_freq), False, error_record)
 

@@ -333,29 +333,35 @@ def test_vmap_randomness_same_gives_every_sample_one_key(backend):
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_compiled_backward_with_dropout_is_the_dense_backward_op_alone(backend):
-    # A compiled call with dropout takes the general route's Function; its backward hands the
-    # forward's key to the dense backward op, so the backward graph is that one op -- no
-    # mask pass over (N, d) before it (five ops it was) -- and the gradients go through the
-    # elements the forward kept (tables without zeros: out == 0 exactly where dropped).
+    # A compiled call with dropout is the backend's lookup op where it takes dropout (the
+    # C++ backends' pyembed::embedding, drawing the key as a random op of the graph), else
+    # the general route's Function. Either way the backward hands the forward's key to the
+    # dense backward op, so the backward graph is that one op -- no mask pass over (N, d)
+    # before it (five ops it was) -- and the gradients go through the elements the forward
+    # kept (tables without zeros: out == 0 exactly where dropped).
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    graphs = []
+    dynamo_graphs, graphs = [], []
 
     def keep_graph(gm, _):
         graphs.append(gm)
         return make_boxed_func(gm.forward)
 
+    split = aot_autograd(fw_compiler=keep_graph, bw_compiler=keep_graph)
     torch._dynamo.reset()
     ids, weight, pos_weight, dout = make_inputs(2, 16, 30, 24, torch.float64, pos_rows=16)
     w, p = (weight.abs() + 1).requires_grad_(), pos_weight.abs().requires_grad_()
     step = torch.compile(lambda i: pyembed.fused_embedding(i, w, p, scale=1.5, dropout_p=Q, backend=backend),
-                         fullgraph=True, backend=aot_autograd(fw_compiler=keep_graph, bw_compiler=keep_graph))
+                         fullgraph=True, backend=lambda gm, inputs: dynamo_graphs.append(gm) or split(gm, inputs))
     out = step(ids)
     out.backward(dout)
+    chosen = dispatch.get(backend)
+    if chosen.compiled_dropout:
+        assert chosen.compiled_op in [node.target for node in dynamo_graphs[0].graph.nodes]
     backward_ops = [str(node.target) for node in graphs[1].graph.nodes
                     if isinstance(node.target, torch._ops.OpOverload)]
-    assert backward_ops == [_ops._qualname(dispatch.get(backend).backward).replace("::", ".") + ".default"]
+    assert backward_ops == [_ops._qualname(chosen.backward).replace("::", ".") + ".default"]
     kept = (out != 0).double().reshape(-1, 24) * dout.reshape(-1, 24) / (1 - Q)
     exact_w = torch.zeros(30, 24, dtype=torch.float64).index_add_(0, ids.reshape(-1), kept * 1.5)
     assert 0.5 < (out != 0).double().mean().item() < 0.9
