@@ -70,26 +70,28 @@ SM90_TRACE = (
 )
 
 
-def _traced_backward(batch: int, seq_len: int, num_positions: int) -> tuple[str, list]:
+def _traced_backward(batch: int, seq_len: int, num_positions: int, dropout: bool = False) -> tuple[str, list]:
     """The triton dense backward of (batch, seq_len) tokens with num_positions learned
-    positions, under AOTAutograd's functionalisation on fake CUDA tensors (sm_90 target for
-    Inductor's mutation analysis): ("traced" or "opaque" and whether the graph sorts, the
-    pointers each kernel launch writes)."""
+    positions (and the forward's dropout key), under AOTAutograd's functionalisation on
+    fake CUDA tensors (sm_90 target for Inductor's mutation analysis): ("traced" or
+    "opaque" and whether the graph sorts, the pointers each kernel launch writes)."""
     out = _run(SM90_TRACE +
-        f"f = lambda dout, ids: torch.ops.pyembed.triton_backward(dout, ids, None, 0, 1000, {num_positions}, 2.0,\n"
-        "                                                        None, False,\n"
-        "                                                        True, True)\n"
+        f"f = lambda dout, ids, key: torch.ops.pyembed.triton_backward(dout, ids, None, 0, 1000, {num_positions},\n"
+        "                                                             2.0, None, False, True, True,\n"
+        f"                                                             {'key, 0.1' if dropout else 'None, 0.0'})\n"
         "with FakeTensorMode():\n"
         f"    ids = torch.empty({batch}, {seq_len}, dtype=torch.long, device='cuda')\n"
         f"    dout = torch.empty({batch}, {seq_len}, 64, device='cuda')\n"
-        "    aot_function(f, fw_compiler=keep)(dout, ids)\n"
+        "    key = torch.empty(2, dtype=torch.long, device='cuda')\n"
+        "    aot_function(f, fw_compiler=keep)(dout, ids, key)\n"
         "print('opaque' if 'pyembed.triton_backward' in graphs[0] else 'traced', 'sort' in graphs[0])\n"
         "print(re.findall(r'tensors_to_clone = (\\[[^\\]]*\\])', graphs[0]))\n")
     first, clones = out.strip().splitlines()
     return first, [eval(names) for names in eval(clones)]
 
 
-def test_compiled_backward_holds_the_triton_kernels_and_copies_no_input():
+@pytest.mark.parametrize("dropout", [False, True])
+def test_compiled_backward_holds_the_triton_kernels_and_copies_no_input(dropout):
     # The dense backward as the forward: the graph holds the sort and each Triton kernel --
     # what Inductor can schedule and fuse -- not an opaque pyembed op, and each kernel is
     # found to write only its outputs (the output gradient and the ids are never copied).
@@ -97,16 +99,18 @@ def test_compiled_backward_holds_the_triton_kernels_and_copies_no_input():
     # the table's rows and the positions' (one kernel): no input (dout, ids, the sorted keys)
     # is written. Every position is in the table (600 of them for 512 tokens a row), so the
     # chunks also mark the tokens used once, whose rows the positions' programs write: the
-    # finish kernel only reads those marks.
-    assert _traced_backward(4, 512, 600) == ("traced True", [
+    # finish kernel only reads those marks. With the forward's dropout key the same: the
+    # kernels read the key, dout through its mask, and write nothing more.
+    assert _traced_backward(4, 512, 600, dropout) == ("traced True", [
         ["out_ptr", "bounds_ptr"], ["bounds_ptr", "partials_ptr"],
         ["out_ptr", "pos_out_ptr"]])
 
 
-def test_compiled_short_batch_backward_is_one_kernel_writing_only_the_gradients():
+@pytest.mark.parametrize("dropout", [False, True])
+def test_compiled_short_batch_backward_is_one_kernel_writing_only_the_gradients(dropout):
     # At most 32 tokens: no sort in the graph, one kernel -- the few-token one, writing the
     # table's rows and the positions' -- found to write only its outputs.
-    assert _traced_backward(1, 8, 64) == ("traced False", [["out_ptr", "pos_out_ptr"]])
+    assert _traced_backward(1, 8, 64, dropout) == ("traced False", [["out_ptr", "pos_out_ptr"]])
 
 
 def test_compiled_kernel_with_the_range_check_writes_no_input_tensor():
