@@ -282,11 +282,20 @@ def check_planned_backward():
              ("few tokens", dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous())),
              ("few tokens again", dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous())),
              ("few tokens, third", dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous()))]
+    # With dropout: the forward's key, a new tensor every call, is one more replaced tensor.
+    keys = [torch.randint(0, 2**62, (2,), generator=gen) for _ in range(6)]
+    few = dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous())
+    calls += [("dropout", dict(key=keys[0])), ("dropout again", dict(key=keys[1])),
+              ("dropout, third", dict(key=keys[2])), ("few tokens, dropout", dict(few, key=keys[3])),
+              ("few tokens, dropout again", dict(few, key=keys[4])),
+              ("few tokens, dropout, third", dict(few, key=keys[5]))]
     mismatches, replayed, own_tensors = [], [], []
     for name, change in calls:
         call = {**base, **change}
+        key = call.get("key")
         args = (call["dout"], call["ids"], call["position_ids"], call["offset"], call["rows"], call["positions"],
-                call["scale"], call["padding"], call["by_freq"], call["table"], call["pos"])
+                call["scale"], call["padding"], call["by_freq"], call["table"], call["pos"], key,
+                0.0 if key is None else 0.1)
         if call.get("hook"):
             knobs.runtime.launch_enter_hook.add(hook)
         launches.clear()
@@ -301,7 +310,7 @@ def check_planned_backward():
             replayed.append(name)
             pointers = {a.data_ptr() for *_, arguments in got for a in arguments if isinstance(a, torch.Tensor)}
             own = ([call["dout"]] + ([call["ids"], grads[0]] if call["table"] else [])
-                   + ([grads[1]] if call["pos"] else []))
+                   + ([grads[1]] if call["pos"] else []) + ([key] if key is not None else []))
             own_tensors.append({t.data_ptr() for t in own} <= pointers)
         launches.clear()  # what Triton's own run launches for the same call
         _triton._backward(*args, launch=lambda kernel: kernel)
