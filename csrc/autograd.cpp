@@ -114,12 +114,15 @@ std::tuple<at::Tensor, at::Tensor> call_backward(const at::Tensor& grad_out, con
 // The table's touched rows (sorted, unique) and their sums, from the backend's sparse op.
 std::tuple<at::Tensor, at::Tensor> call_sparse_backward(const at::Tensor& grad_out, const at::Tensor& ids,
                                                         int64_t num_embeddings, double scale,
-                                                        std::optional<int64_t> padding_idx, bool scale_grad_by_freq) {
+                                                        std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
+                                                        const std::optional<at::Tensor>& dropout_key = std::nullopt,
+                                                        double dropout_p = 0.0) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("pyembed::embedding_sparse_backward", "")
                        .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t,
-                                                                 double, std::optional<int64_t>, bool)>();
-  return op.call(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq);
+                                                                 double, std::optional<int64_t>, bool,
+                                                                 const std::optional<at::Tensor>&, double)>();
+  return op.call(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key, dropout_p);
 }
 
 // The sparse gradients this node built, while they live: AccumulateGrad rebuilds a sparse
@@ -246,14 +249,11 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
     at::Tensor grad_weight, grad_pos;
     if (need_weight_grad || need_pos_grad) {
       const bool sparse_weight_grad = sparse && need_weight_grad;
-      // With dropout the gradient goes through the forward's mask: in the dense op's own
-      // reads (the key passed on), else -- a sparse gradient, create_graph=True -- first.
-      const bool mask_first = dropout_key.defined() && (at::GradMode::is_enabled() || sparse_weight_grad);
-      if (mask_first) {
-        grad_out = at::GradMode::is_enabled() ? DropoutMaskFunction::apply(grad_out, dropout_key, dropout_p)
-                                              : dropout_masked(grad_out, dropout_key, dropout_p);
-      }
-      const std::optional<at::Tensor> dense_dropout_key =
+      // With dropout the gradient goes through the forward's mask: in the ops' own reads
+      // (the key passed on), else -- create_graph=True, where the mask is a node -- first.
+      const bool mask_first = dropout_key.defined() && at::GradMode::is_enabled();
+      if (mask_first) grad_out = DropoutMaskFunction::apply(grad_out, dropout_key, dropout_p);
+      const std::optional<at::Tensor> op_dropout_key =
           dropout_key.defined() && !mask_first ? std::optional<at::Tensor>(dropout_key) : std::nullopt;
       if (at::GradMode::is_enabled()) {  // create_graph=True: the backward is recorded too
         std::tie(grad_weight, grad_pos) =
@@ -276,11 +276,11 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
           std::tie(grad_weight, grad_pos) = call_backward(grad_out, ids, positions, offset, num_embeddings,
                                                           num_positions, scale, padding_idx, by_freq,
                                                           need_weight_grad && !sparse, need_pos_grad,
-                                                          dense_dropout_key, dropout_p);
+                                                          op_dropout_key, dropout_p);
         }
         if (sparse_weight_grad) {
-          const auto [rows, values] =
-              call_sparse_backward(grad_out, ids, num_embeddings, scale, padding_idx, by_freq);
+          const auto [rows, values] = call_sparse_backward(grad_out, ids, num_embeddings, scale, padding_idx, by_freq,
+                                                           op_dropout_key, dropout_p);
           grad_weight = sparse_gradient(rows, values, num_embeddings);
         }
       }

@@ -38,8 +38,8 @@ TORCH_LIBRARY(pyembed, m) {
       "embedding_forward(Tensor ids, Tensor weight, Tensor? pos_weight, Tensor? position_ids, "
       "str pos_encoding, float scale, int offset, Tensor? dropout_key, float dropout_p, "
       "int sinusoid_column_offset=0, int sinusoid_dim=0, int error_record=0) -> Tensor");
-  // dropout_key / dropout_p: the forward's dropout, applied to grad_out by the backward (the
-  // cuda kernels as they read it; the cpu op by a mask pass first).
+  // dropout_key / dropout_p (here and in the sparse ops): the forward's dropout, applied to
+  // grad_out by the backward (the cuda kernels as they read it; the cpu op by a mask pass first).
   m.def(
       "embedding_backward(Tensor grad_out, Tensor ids, Tensor? position_ids, int offset, "
       "int num_embeddings, int num_positions, float scale, int? padding_idx, bool scale_grad_by_freq, "
@@ -58,7 +58,7 @@ TORCH_LIBRARY(pyembed, m) {
   const std::vector<at::Tag> sparse_tags = cudagraph_unsafe();  // an lvalue: the overload taking tags
   m.def(
       "embedding_sparse_backward(Tensor grad_out, Tensor ids, int num_embeddings, float scale, int? padding_idx, "
-      "bool scale_grad_by_freq) -> (Tensor, Tensor)",
+      "bool scale_grad_by_freq, Tensor? dropout_key=None, float dropout_p=0.0) -> (Tensor, Tensor)",
       sparse_tags);
   // The optimizer inside the backward (pyembed/optim.py, csrc/optim.h). touched_rows: the
   // sparse backward's (rows, values) with no host sync -- on a GPU sized min(tokens, V),
@@ -67,7 +67,7 @@ TORCH_LIBRARY(pyembed, m) {
   // refused on the CPU); all_rows updates every row, the rest with g = 0.
   m.def(
       "embedding_touched_rows(Tensor grad_out, Tensor ids, int num_embeddings, float scale, int? padding_idx, "
-      "bool scale_grad_by_freq) -> (Tensor, Tensor)");
+      "bool scale_grad_by_freq, Tensor? dropout_key=None, float dropout_p=0.0) -> (Tensor, Tensor)");
   m.def(
       "optimizer_update(Tensor(a!) param, Tensor(b!) state1, Tensor(c!) state2, Tensor rows, Tensor values, "
       "int rule, float[] hyper, bool all_rows) -> ()");

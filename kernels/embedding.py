@@ -573,7 +573,9 @@ def _few_tokens_slots_kernel(
     rows_ptr,  # (slots,) int64 out: slot s's row, -1 past the used ones
     values_ptr,  # (slots, dim) out: the used rows' scaled sums (the slots past them not written)
     scale: tl.float64, n, slots, num_rows, skip, dim,
-    DIVIDE_BY_COUNT: tl.constexpr, COMPUTE_F64: tl.constexpr, FEW: tl.constexpr, BLOCK_D: tl.constexpr,
+    dropout_key_ptr, dropout_threshold, dropout_scale: tl.float64,  # the forward's dropout (_dout_rows)
+    DIVIDE_BY_COUNT: tl.constexpr, HAS_DROPOUT: tl.constexpr, COMPUTE_F64: tl.constexpr, FEW: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """A sparse gradient's rows (touched_rows, the sparse backward) of a few tokens without
     the sort: slot s is the s-th smallest used key -- the sorted path's numbering -- with
@@ -590,7 +592,7 @@ def _few_tokens_slots_kernel(
     slot = tl.sum(((k[None, :] < k[:, None]) & first[None, :]).to(tl.int32), 1)
     distinct = tl.sum(first.to(tl.int32), 0)
     s = i[:, None]  # (FEW, 1): the slots, as rows of the tile
-    cols = (tl.program_id(0).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
+    cols = (tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]  # axis 1, as _dropout_keep's
     col_ok = cols < dim
     acc = tl.zeros([FEW, BLOCK_D], dtype=acc_dtype)
     count = tl.zeros([FEW, 1], dtype=tl.int32)
@@ -598,7 +600,8 @@ def _few_tokens_slots_kernel(
         key = tl.load(keys_ptr + t).to(tl.int64)
         if _used_key(key, num_rows, skip):
             hit = s == tl.sum(tl.where(i == t, slot, 0), 0)  # token t's slot
-            row = tl.load(dout_ptr + t * dim + cols, mask=col_ok, other=0.0).to(acc_dtype)
+            row = _dout_rows(dout_ptr, tl.zeros([1, 1], dtype=tl.int64) + t, cols, col_ok, dim, dropout_key_ptr,
+                             dropout_threshold, dropout_scale, HAS_DROPOUT, COMPUTE_F64, 1, BLOCK_D)
             acc += tl.where(hit, row, 0.0)  # + 0.0 elsewhere: as _few_tokens_gradient_kernel, no bit changes
             count += hit.to(tl.int32)
     if DIVIDE_BY_COUNT:
@@ -606,7 +609,7 @@ def _few_tokens_slots_kernel(
     else:
         acc = acc * tl.full([], scale, acc_dtype)
     tl.store(values_ptr + s * dim + cols, _rounded(acc, values_ptr), mask=(s < distinct) & col_ok)
-    if tl.program_id(0) == 0:
+    if tl.program_id(1) == 0:
         slot_row = tl.max(tl.where((slot[None, :] == s) & first[None, :], k[None, :], -1), 1)  # -1: no such slot
         tl.store(rows_ptr + i, slot_row, mask=i < slots)
 
@@ -995,11 +998,13 @@ def dense_gradient(dout2d, keys, num_rows: int, skip: int, scale: float, divide_
     return grad
 
 
-def used_row_sums(dout2d, keys, num_rows: int, skip: int, scale: float, divide_by_count: bool, exact: bool):
+def used_row_sums(dout2d, keys, num_rows: int, skip: int, scale: float, divide_by_count: bool, exact: bool,
+                  dropout: Optional[DoutDropout] = None):
     """(rows, values) by slot: slot s holds the s-th smallest used key and its tokens'
     scaled sum. exact: the U used rows only (one host sync, for U); else min(tokens, V)
     slots, a size the host knows, those past the used rows marked row -1 (values not
-    written). At most FEW_TOKENS tokens: one kernel; else the sort and two kernels around."""
+    written). At most FEW_TOKENS tokens: one kernel; else the sort and two kernels around.
+    dropout: dout read through the forward's mask."""
     keys = keys.reshape(-1)
     n, dim = keys.numel(), dout2d.shape[1]
     if n <= FEW_TOKENS:
@@ -1007,18 +1012,21 @@ def used_row_sums(dout2d, keys, num_rows: int, skip: int, scale: float, divide_b
         rows = torch.empty(slots, dtype=torch.long, device=keys.device)
         values = dout2d.new_empty(slots, dim)
         if slots:
-            block_d = min(_blocks(dim)[1], TILE_ELEMENTS // FEW_TOKENS)  # a tile holds every slot's sums
-            _direct(_few_tokens_slots_kernel)[(max(_cdiv(dim, block_d), 1),)](
-                keys, dout2d, rows, values, scale, n, slots, num_rows, skip, dim, DIVIDE_BY_COUNT=divide_by_count,
-                COMPUTE_F64=dout2d.dtype == torch.float64, FEW=FEW_TOKENS, BLOCK_D=block_d,
+            # A tile holds every slot's sums; whole Philox groups with dropout
+            block_d = max(min(_blocks(dim)[1], TILE_ELEMENTS // FEW_TOKENS), 4 if dropout is not None else 1)
+            _direct(_few_tokens_slots_kernel)[(1, max(_cdiv(dim, block_d), 1))](
+                keys, dout2d, rows, values, scale, n, slots, num_rows, skip, dim,
+                *DoutDropout.launch_args(dropout, rows), DIVIDE_BY_COUNT=divide_by_count,
+                HAS_DROPOUT=dropout is not None, COMPUTE_F64=dout2d.dtype == torch.float64, FEW=FEW_TOKENS,
+                BLOCK_D=block_d,
             )
         if exact:
             used = int((rows >= 0).sum())
             return rows[:used], values[:used]
         return rows, values
-    segments = sorted_segments(dout2d, keys, num_rows, skip, by_row=False)
+    segments = sorted_segments(dout2d, keys, num_rows, skip, by_row=False, dropout=dropout)
     values = dout2d.new_empty(int(segments.count) if exact else segments.entries, dim)
-    finish_segments(dout2d, segments, scale, divide_by_count, values, zero_empty=False)
+    finish_segments(dout2d, segments, scale, divide_by_count, values, zero_empty=False, dropout=dropout)
     if exact:
         return segments.keys[:values.shape[0]].clone(), values
     return segments.keys, values  # -1 where no segment landed

@@ -145,34 +145,35 @@ def _gradients(ctx, grad_out):
     backward (pyembed.optim), dense through DenseGradFunction (differentiable again),
     sparse as a coalesced COO tensor built by the aten op behind torch.sparse_coo_tensor.
     With dropout, the output gradient goes through the forward's mask, regenerated from its
-    key: inside the dense op, which applies it as it reads the gradient, when that op is
-    all that reads it; else first, as its own op (differentiable again, vmappable)."""
+    key: inside the backend's ops, which apply it as they read the gradient (the key passed
+    on), in a plain backward; first, as an op of its own (differentiable again, vmappable),
+    where the gradients are differentiated again (create_graph=True) or torch.func runs."""
     ids, position_ids, dropout_key = ctx.saved_tensors
     config, weight_shape = ctx.config, ctx.weight_shape
     need_weight_grad = ctx.needs_input_grad[1]
     need_pos_grad = ctx.needs_input_grad[2] and config.pos_encoding == "learned"
-    masked_in_op = (dropout_key is not None and (need_weight_grad or need_pos_grad) and not config.sparse
-                    and ctx.fused_tables is None and not torch.is_grad_enabled() and not functorch_active())
-    if dropout_key is not None and not masked_in_op:
-        grad_out = (DropoutMaskFunctorch if functorch_active() else DropoutMaskFunction).apply(
-            grad_out, dropout_key, config)
+    op_dropout_key = None  # the key the ops take
+    if dropout_key is not None:
+        if functorch_active() or torch.is_grad_enabled():
+            grad_out = (DropoutMaskFunctorch if functorch_active() else DropoutMaskFunction).apply(
+                grad_out, dropout_key, config)
+        else:
+            op_dropout_key = dropout_key
     grad_out = grad_out.contiguous()
     if ctx.fused_tables is not None:  # tables with an optimizer in the backward: updated here, no gradient
         need_weight_grad, need_pos_grad = optim.step_tables(
             dispatch.get(config.backend), config, grad_out, ids, position_ids, ctx.fused_tables,
-            (need_weight_grad, need_pos_grad))
+            (need_weight_grad, need_pos_grad), op_dropout_key)
     dense_weight_grad = need_weight_grad and not config.sparse
     grad_weight = pos_grad = None
-    if masked_in_op:  # grad mode off: the op's body, no Function (as _gradient_op)
-        grad_weight, pos_grad = _dense_grad_forward(grad_out, ids, position_ids, config, weight_shape[0],
-                                                    ctx.num_positions, need_weight_grad, need_pos_grad, dropout_key)
-    elif dense_weight_grad or need_pos_grad:
+    if dense_weight_grad or need_pos_grad:
         grad_weight, pos_grad = _gradient_op(
             _dense_grad_forward, DenseGradFunction, DenseGradFunctorch,
-            grad_out, ids, position_ids, config, weight_shape[0], ctx.num_positions, dense_weight_grad, need_pos_grad)
+            grad_out, ids, position_ids, config, weight_shape[0], ctx.num_positions, dense_weight_grad, need_pos_grad,
+            dropout_key=op_dropout_key)
     if need_weight_grad and config.sparse:
         rows, values = _gradient_op(_sparse_values_forward, SparseGradFunction, SparseGradFunctorch,
-                                    grad_out, ids, config, weight_shape[0])
+                                    grad_out, ids, config, weight_shape[0], dropout_key=op_dropout_key)
         grad_weight = torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors(
             1, 1, list(weight_shape), rows[None], values, dtype=values.dtype, layout=torch.sparse_coo,
             device=values.device, is_coalesced=True)
@@ -180,17 +181,18 @@ def _gradients(ctx, grad_out):
     return grad_weight if need_weight_grad else None, pos_grad if need_pos_grad else None
 
 
-def _gradient_op(forward, function, functorch_form, *arguments):
+def _gradient_op(forward, function, functorch_form, *arguments, dropout_key=None):
     """``function.apply(*arguments)`` where its graph is used: under a torch.func transform
     (``functorch_form``) or with grad mode on (``create_graph=True``: the gradient is
     differentiated again). A plain backward runs with grad mode off and records nothing,
     so there the forward body runs alone (a Function's apply cost a one-token `triton`
-    forward + backward ~4 us of host time)."""
+    forward + backward ~4 us of host time), and only there with the forward's
+    ``dropout_key`` (the op applies the mask; the Functions take masked gradients)."""
     if functorch_active():
         return functorch_form.apply(*arguments)
     if torch.is_grad_enabled():
         return function.apply(*arguments)
-    return forward(*arguments)
+    return forward(*arguments, dropout_key)
 
 
 # --------------------------------------------------------------------------- autograd
@@ -333,9 +335,11 @@ DenseGradFunctorch = _functorch_form("DenseGradFunctorch", _dense_grad_forward, 
                                      _dense_grad_backward)
 
 
-def _sparse_values_forward(grad_out, ids, config: FusedConfig, num_embeddings: int):
+def _sparse_values_forward(grad_out, ids, config: FusedConfig, num_embeddings: int, dropout_key=None):
+    """The sparse backward op; dropout_key as _dense_grad_forward's."""
     return dispatch.get(config.backend).sparse_backward(grad_out, ids, num_embeddings, config.scale,
-                                                        config.padding_idx, config.scale_grad_by_freq)
+                                                        config.padding_idx, config.scale_grad_by_freq, dropout_key,
+                                                        config.dropout_p)
 
 
 def _sparse_values_save(ctx, grad_out, ids, config: FusedConfig, num_embeddings: int, rows):

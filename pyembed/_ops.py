@@ -100,7 +100,8 @@ def backward_fake(grad_out, ids, position_ids, offset, num_embeddings, num_posit
             grad_out.new_empty(num_positions if need_pos_grad else 0, embed_dim))
 
 
-def sparse_backward_fake(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq):
+def sparse_backward_fake(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key=None,
+                         dropout_p=0.0):
     touched = torch.library.get_ctx().new_dynamic_size()
     return grad_out.new_empty(touched, dtype=torch.long), grad_out.new_empty(touched, grad_out.shape[-1])
 

@@ -178,9 +178,7 @@ def _backward(grad_out, ids, position_ids, offset: int, num_embeddings: int, num
     k = _kernels()
     dim = grad_out.shape[-1]
     dout = grad_out.contiguous().reshape(ids.numel(), dim)  # not -1: d may be 0
-    # The forward's dropout, applied by every kernel as it reads dout (no masking pass first)
-    dropout = None if dropout_key is None else k.DoutDropout(
-        dropout_key, reference.dropout_threshold(dropout_p), reference.dropout_scale(dropout_p))
+    dropout = _dout_dropout(dropout_key, dropout_p)
     weight_grad = pos_grad = None  # (0, d) where not asked for: made only then (each op costs the host)
     with _on_device(grad_out) if device_guard else contextlib.nullcontext():
         # Dense gradients are written once, every row: no zero fill first. Learned positions
@@ -203,6 +201,14 @@ def _backward(grad_out, ids, position_ids, offset: int, num_embeddings: int, num
                                         dropout=dropout)
     return (grad_out.new_empty(0, dim) if weight_grad is None else weight_grad,
             grad_out.new_empty(0, dim) if pos_grad is None else pos_grad)
+
+
+def _dout_dropout(dropout_key: Optional[torch.Tensor], dropout_p: float):
+    """The forward's dropout as the backward's kernels apply it as they read dout (no mask
+    pass first; kernels' DoutDropout), None without a key."""
+    if dropout_key is None:
+        return None
+    return _kernels().DoutDropout(dropout_key, reference.dropout_threshold(dropout_p), reference.dropout_scale(dropout_p))
 
 
 def backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[torch.Tensor], offset: int,
@@ -291,25 +297,32 @@ triton_lookup.register_autograd(_lookup_backward, setup_context=_save_lookup)
 
 @torch.library.custom_op("pyembed::triton_sparse_backward", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
 def triton_sparse_backward(grad_out: torch.Tensor, ids: torch.Tensor, num_embeddings: int, scale: float,
-                           padding_idx: Optional[int], scale_grad_by_freq: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                           padding_idx: Optional[int], scale_grad_by_freq: bool,
+                           dropout_key: Optional[torch.Tensor] = None,
+                           dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The token table's sparse gradient (schema of reference.embedding_sparse_backward):
     one host sync, for the number of touched rows."""
-    return _used_row_sums(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, exact=True)
+    return _used_row_sums(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key,
+                          dropout_p, exact=True)
 
 
 def touched_rows(grad_out: torch.Tensor, ids: torch.Tensor, num_embeddings: int, scale: float,
-                 padding_idx: Optional[int], scale_grad_by_freq: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 padding_idx: Optional[int], scale_grad_by_freq: bool, dropout_key: Optional[torch.Tensor] = None,
+                 dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The sparse backward without its host sync (schema of
     torch.ops.pyembed.embedding_touched_rows): min(tokens, V) slots, unused ones row -1."""
-    return _used_row_sums(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, exact=False)
+    return _used_row_sums(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key,
+                          dropout_p, exact=False)
 
 
-def _used_row_sums(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, exact: bool):
+def _used_row_sums(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key, dropout_p,
+                   exact: bool):
     """kernels.embedding.used_row_sums on the op's arguments: (rows by slot, their sums)."""
     with _on_device(grad_out):
         return _kernels().used_row_sums(
             grad_out.contiguous().reshape(ids.numel(), grad_out.shape[-1]), ids, num_embeddings,
-            -1 if padding_idx is None else padding_idx, scale, scale_grad_by_freq, exact=exact)
+            -1 if padding_idx is None else padding_idx, scale, scale_grad_by_freq, exact=exact,
+            dropout=_dout_dropout(dropout_key, dropout_p))
 
 
 def optimizer_update(param, state1, state2, rows, values, rule: int, hyper: list, all_rows: bool) -> None:

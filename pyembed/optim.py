@@ -169,24 +169,26 @@ def fused_tables(weight: torch.Tensor, pos_weight: Optional[torch.Tensor]):
 
 
 def step_tables(backend, config, grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[torch.Tensor],
-                tables, needs: tuple[bool, bool]) -> tuple[bool, bool]:
+                tables, needs: tuple[bool, bool], dropout_key: Optional[torch.Tensor] = None) -> tuple[bool, bool]:
     """The backward's seam for fused optimizers: each table of ``tables`` whose gradient is
     needed is updated from its gradient rows -- the token table's touched rows (the
     backend's touched_rows: the sparse backward's sorted unique rows, summed, padding and
     out-of-range ids left out, scale and scale_grad_by_freq applied; on a GPU with no host
     sync) and the learned positions' dense gradient -- and needs no gradient any more.
-    Returns what still does."""
+    dropout_key: the forward's, which the ops apply to grad_out as they read it. Returns
+    what still does."""
     weight, pos_weight = tables
     need_weight_grad, need_pos_grad = needs
     if weight is not None and need_weight_grad:
         rows, values = (backend.touched_rows or backend.sparse_backward)(
-            grad_out, ids, weight.shape[0], config.scale, config.padding_idx, config.scale_grad_by_freq)
+            grad_out, ids, weight.shape[0], config.scale, config.padding_idx, config.scale_grad_by_freq, dropout_key,
+            config.dropout_p)
         _update(backend, weight, rows, values, config.sparse)
         need_weight_grad = False
     if pos_weight is not None and need_pos_grad:
         _, pos_grad = backend.backward_op(grad_out)(grad_out, ids, position_ids, config.offset, 0,
                                                     pos_weight.shape[0], config.scale, config.padding_idx, False,
-                                                    False, True)  # eagerly, the op's body: no dispatch
+                                                    False, True, dropout_key, config.dropout_p)  # eagerly: no dispatch
         _update(backend, pos_weight, _row_range(pos_weight.shape[0], pos_grad.device), pos_grad, False, every_row=True)
         need_pos_grad = False
     return need_weight_grad, need_pos_grad

@@ -216,11 +216,7 @@ def embedding_backward(
     kernels' backends apply it as they read grad_out."""
     embed_dim = grad_out.shape[-1]
     dtype, acc = grad_out.dtype, compute_dtype(grad_out.dtype)
-    dout = grad_out.reshape(ids.numel(), embed_dim)  # not -1: d may be 0
-    if dropout_key is not None:  # the mask alone: a lookup of dout's rows, token n reading row n
-        dout = embedding_forward(torch.arange(ids.numel(), device=dout.device), dout, None, None, "none", 1.0, 0,
-                                 dropout_key, dropout_p)
-    dout = dout.to(acc)
+    dout = _masked_rows(grad_out, ids.numel(), dropout_key, dropout_p).to(acc)
     weight_grad = pos_grad = grad_out.new_empty(0, embed_dim)
     if need_weight_grad:
         rows, values = _weight_grad_rows(dout, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq)
@@ -242,14 +238,28 @@ def embedding_sparse_backward(
     scale: float,
     padding_idx: Optional[int],
     scale_grad_by_freq: bool,
+    dropout_key: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The token table's gradient as a coalesced COO gradient's (indices, values):
     rows (U,) the sorted unique touched ids (padding absent), values (U, d) their summed
-    gradients. U depends on the data, so on a GPU this op syncs (tagged cudagraph_unsafe)."""
+    gradients. U depends on the data, so on a GPU this op syncs (tagged cudagraph_unsafe).
+    dropout_key, dropout_p: as embedding_backward's."""
     acc = compute_dtype(grad_out.dtype)
-    rows, values = _weight_grad_rows(grad_out.reshape(ids.numel(), grad_out.shape[-1]).to(acc), ids, num_embeddings, scale,
-                                     padding_idx, scale_grad_by_freq)
+    rows, values = _weight_grad_rows(_masked_rows(grad_out, ids.numel(), dropout_key, dropout_p).to(acc), ids,
+                                     num_embeddings, scale, padding_idx, scale_grad_by_freq)
     return rows, values.to(grad_out.dtype)
+
+
+def _masked_rows(grad_out: torch.Tensor, num_tokens: int, dropout_key: Optional[torch.Tensor],
+                 dropout_p: float) -> torch.Tensor:
+    """grad_out as (num_tokens, d) rows, through the forward's dropout mask when a key is
+    given: the mask alone is a lookup of those rows, token n reading row n."""
+    rows = grad_out.reshape(num_tokens, grad_out.shape[-1])  # not -1: d may be 0
+    if dropout_key is None:
+        return rows
+    return embedding_forward(torch.arange(num_tokens, device=rows.device), rows, None, None, "none", 1.0, 0,
+                             dropout_key, dropout_p)
 
 
 def _weight_grad_rows(dout: torch.Tensor, ids: torch.Tensor, num_embeddings: int, scale: float,

@@ -92,6 +92,7 @@ def test_ops_pass_opcheck(backend):
                           dict(dropout_key=key, dropout_p=0.25))
     torch.library.opcheck(sparse_bwd, (dout, ids, 7, 2.0, 3, False))
     torch.library.opcheck(sparse_bwd, (dout, ids, 7, 1.0, None, True))
+    torch.library.opcheck(sparse_bwd, (dout, ids, 7, 1.0, None, True), dict(dropout_key=key, dropout_p=0.25))
 
 
 @pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")

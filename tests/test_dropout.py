@@ -8,6 +8,7 @@ float64), binomial bounds for the kept fraction.
 
 import math
 import os
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -87,28 +88,65 @@ BACKWARD_CASES = {
 }
 
 
-def _dense_ops(request, ops: str):
-    """(forward op, dense backward op, launches since the last ask) of a backend, on CPU
-    tensors: the cuda kernels under host emulation, triton's under the interpreter."""
+class _Ops(NamedTuple):
+    forward: object
+    dense: object  # the dense backward
+    sparse: object  # the sparse backward's (rows, values)
+    touched: object  # the same without its host sync (the optimizer in the backward)
+    launches: object  # () -> the launches since the last call
+
+
+def _backend_ops(request, ops: str) -> _Ops:
+    """A backend's ops on CPU tensors: the cuda kernels under host emulation, triton's
+    under the interpreter."""
     if ops == "cuda (emulated)":
-        emulated = request.getfixturevalue("emulated")
-        return emulated.embedding_forward, emulated.embedding_backward, emulated.take_launch_counts
+        e = request.getfixturevalue("emulated")
+        return _Ops(e.embedding_forward, e.embedding_backward, e.embedding_sparse_backward, e.embedding_touched_rows,
+                    e.take_launch_counts)
+    o = torch.ops.pyembed
     if ops == "cpu":
-        return torch.ops.pyembed.embedding_forward, torch.ops.pyembed.embedding_backward, lambda: None
+        return _Ops(o.embedding_forward, o.embedding_backward, o.embedding_sparse_backward, o.embedding_touched_rows,
+                    lambda: None)
     if ops == "reference":
-        return torch.ops.pyembed.reference_forward, torch.ops.pyembed.reference_backward, lambda: None
+        return _Ops(o.reference_forward, o.reference_backward, o.reference_sparse_backward,
+                    o.reference_sparse_backward, lambda: None)
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the triton ops on CPU tensors need the Triton interpreter (no GPU here)")
+    from pyembed import _triton
+
     launched = request.getfixturevalue("interpreted_launches")
 
     def take():
         names = list(launched)
         launched.clear()
         return names
-    return torch.ops.pyembed.triton_forward, torch.ops.pyembed.triton_backward, take
+    return _Ops(o.triton_forward, o.triton_backward, o.triton_sparse_backward, _triton.touched_rows, take)
 
 
-@pytest.mark.parametrize("ops", ["cuda (emulated)", "cpu", "triton", "reference"])
+def _backward_case(case: str, dtype):
+    batch, seq_len, vocab, dim, positions, table = BACKWARD_CASES[case]
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=g)
+    if seq_len > 32:
+        ids[:, :45] = 7  # a row of up to 180 uses: summed in chunk pieces
+    dout = torch.randn(batch, seq_len, dim, generator=g).to(dtype)
+    position_ids = torch.randint(0, seq_len, ids.shape, generator=g) if positions == "position_ids" else None
+    key = reference.draw_dropout_key(torch.device("cpu"), torch.Generator().manual_seed(11))
+    return ids, dout, position_ids, key
+
+
+def _masked(ops: _Ops, dout, key):
+    """dout through the forward's mask, by the forward op (ids 0..N-1): masking first."""
+    n, dim = dout.shape[0] * dout.shape[1], dout.shape[-1]
+    masked = ops.forward(torch.arange(n), dout.reshape(n, dim), None, None, "none", 1.0, 0, key, Q).view(dout.shape)
+    assert masked.ne(0).any() and masked.eq(0).any()
+    return masked
+
+
+OPS = ["cuda (emulated)", "cpu", "triton", "reference"]
+
+
+@pytest.mark.parametrize("ops", OPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("case", list(BACKWARD_CASES))
 def test_dense_backward_ops_apply_the_mask_as_masking_first_does_bit_for_bit(request, ops, dtype, case):
@@ -117,27 +155,40 @@ def test_dense_backward_ops_apply_the_mask_as_masking_first_does_bit_for_bit(req
     # first. Either way the same bits as the gradient masked by the forward op (ids 0..N-1,
     # how the autograd routes mask it otherwise) and then summed -- with the launches of no
     # dropout.
-    batch, seq_len, vocab, dim, positions, table = BACKWARD_CASES[case]
-    forward, backward, launches = _dense_ops(request, ops)
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, vocab, (batch, seq_len), generator=g)
-    if seq_len > 32:
-        ids[:, :45] = 7  # a row of up to 180 uses: summed in chunk pieces
-    dout = torch.randn(batch, seq_len, dim, generator=g).to(dtype)
-    position_ids = torch.randint(0, seq_len, ids.shape, generator=g) if positions == "position_ids" else None
-    num_positions = seq_len + 2 if positions else 0
-    key = reference.draw_dropout_key(torch.device("cpu"), torch.Generator().manual_seed(11))
-    n = ids.numel()
-    args = (ids, position_ids, 1, vocab, num_positions, 1.5, 3, True, table, positions is not None)
-    masked = forward(torch.arange(n), dout.reshape(n, dim), None, None, "none", 1.0, 0, key, Q).view(dout.shape)
-    assert masked.ne(0).any() and masked.eq(0).any()
-    launches()
-    expected = backward(masked, *args)
-    plain_launches = launches()
-    got = backward(dout, *args, dropout_key=key, dropout_p=Q)
-    assert launches() == plain_launches
+    ops = _backend_ops(request, ops)
+    ids, dout, position_ids, key = _backward_case(case, dtype)
+    _, seq_len, vocab, _, positions, table = BACKWARD_CASES[case]
+    args = (ids, position_ids, 1, vocab, seq_len + 2 if positions else 0, 1.5, 3, True, table, positions is not None)
+    masked = _masked(ops, dout, key)
+    ops.launches()
+    expected = ops.dense(masked, *args)
+    plain_launches = ops.launches()
+    got = ops.dense(dout, *args, dropout_key=key, dropout_p=Q)
+    assert ops.launches() == plain_launches
     for a, b in zip(got, expected):
         assert a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("ops", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("case", ["few tokens", "sorted, hot row, positions", "odd dim, no positions"])
+def test_sparse_and_touched_rows_ops_apply_the_mask_as_masking_first_does_bit_for_bit(request, ops, dtype, case):
+    # The same for a sparse gradient's rows and the optimizer's touched rows (one kernel for
+    # a few tokens; the sort, the chunk pass and the segment sums by slot for more).
+    ops = _backend_ops(request, ops)
+    ids, dout, _, key = _backward_case(case, dtype)
+    vocab = BACKWARD_CASES[case][2]
+    masked = _masked(ops, dout, key)
+    for op in (ops.sparse, ops.touched):
+        ops.launches()
+        expected = op(masked, ids, vocab, 1.5, 3, True)
+        plain_launches = ops.launches()
+        (rows, values), (expected_rows, expected_values) = op(dout, ids, vocab, 1.5, 3, True, dropout_key=key,
+                                                              dropout_p=Q), expected
+        assert ops.launches() == plain_launches
+        assert torch.equal(rows, expected_rows)
+        used = rows >= 0  # touched rows on a GPU: slots past the used rows are -1, their values unwritten
+        assert values.shape == expected_values.shape and torch.equal(values[used], expected_values[used])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -169,21 +220,42 @@ def test_gradients_go_through_the_same_mask_and_scale(backend, sparse):
     assert_within(p.grad, exact_p, 1e-12, 1e-12, what=f"{backend} dP")
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
+class _DispatchedOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The names of the ops dispatched below autograd (the C++ node's calls included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("gradient", ["dense", "sparse", "AdamW in the backward"])
 @pytest.mark.parametrize("num_tokens", [8, 200])
-def test_triton_backward_with_dropout_launches_what_it_launches_without(interpreted_launches, num_tokens):
-    # fused_embedding's triton route hands the dense backward the forward's key: no pass of
-    # the mask over (N, d) before it, one launch and an output-sized buffer fewer, the
-    # gradients those of the masked gradient (test_gradients_go_through_the_same_mask_and_scale).
+def test_backward_with_dropout_runs_what_it_runs_without(request, backend, gradient, num_tokens):
+    # Every route hands the backward's ops the forward's key -- the C++ node (cpu) and the
+    # Python Function (triton, reference; an optimizer in the backward on any backend), for a
+    # dense gradient, a sparse one and the optimizer's touched rows: no pass of the mask over
+    # (N, d) before them, so the backward runs the ops (on triton: launches) it runs without
+    # dropout; the gradients are those of the masked gradient (checked by
+    # test_gradients_go_through_the_same_mask_and_scale and the op tests above).
     ids, weight, pos_weight, dout = make_inputs(2, num_tokens // 2, 30, 24, torch.float32, pos_rows=num_tokens)
-    launched = {}
-    for p in (0.0, Q):
-        w, pw = weight.clone().requires_grad_(), pos_weight.clone().requires_grad_()
-        out = pyembed.fused_embedding(ids, w, pw, backend="triton", dropout_p=p)
-        interpreted_launches.clear()
-        out.backward(dout)
-        launched[p] = list(interpreted_launches)
-    assert launched[Q] == launched[0.0] and "_embedding_forward_kernel" not in launched[Q]
+    launched = request.getfixturevalue("interpreted_launches") if backend == "triton" else []
+    ran = {}
+    for p in (0.0, 0.0, Q):  # the first, to warm up (the optimizer's first step makes a row range once)
+        w, pw = torch.nn.Parameter(weight.clone()), torch.nn.Parameter(pos_weight.clone())
+        if gradient == "AdamW in the backward":
+            pyembed.apply_optimizer_in_backward(torch.optim.AdamW, [w, pw], {"lr": 0.1})
+        out = pyembed.fused_embedding(ids, w, pw, backend=backend, sparse=gradient == "sparse", dropout_p=p)
+        launched.clear()
+        with _DispatchedOps() as dispatched:
+            out.backward(dout)
+        ran[p] = (dispatched.names, list(launched))
+    assert ran[Q] == ran[0.0]
+    assert not any("forward" in name for name in ran[Q][0]) and "_embedding_forward_kernel" not in ran[Q][1]
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

@@ -150,14 +150,16 @@ def few_tokens_source(dtype, dim, *, divide, id_type="i64", positions=True, drop
         "FEW": k.FEW_TOKENS, "BLOCK_R": block_r, "BLOCK_D": block_d})
 
 
-def few_slots_source(dtype, dim, *, divide):
+def few_slots_source(dtype, dim, *, divide, dropout=False):
     """A sparse gradient's rows (touched rows, the sparse backward) of at most FEW_TOKENS
-    tokens: every slot's sums in one tile, BLOCK_D columns of them per program."""
-    block_d = min(k._blocks(dim)[1], k.TILE_ELEMENTS // k.FEW_TOKENS)
+    tokens: every slot's sums in one tile, BLOCK_D columns of them per program; dropout:
+    dout read through the forward's mask."""
+    block_d = max(min(k._blocks(dim)[1], k.TILE_ELEMENTS // k.FEW_TOKENS), 4 if dropout else 1)
     args = {"keys_ptr": "*i64", "dout_ptr": f"*{dtype}", "rows_ptr": "*i64", "values_ptr": f"*{dtype}",
-            "scale": 27.7, "n": 7, "slots": 7, "num_rows": 50257, "skip": 3, "dim": dim}
+            "scale": 27.7, "n": 7, "slots": 7, "num_rows": 50257, "skip": 3, "dim": dim, **DROPOUT_ARGS}
     return _source(k._few_tokens_slots_kernel, args, {
-        "DIVIDE_BY_COUNT": divide, "COMPUTE_F64": dtype == "fp64", "FEW": k.FEW_TOKENS, "BLOCK_D": block_d})
+        "DIVIDE_BY_COUNT": divide, "HAS_DROPOUT": dropout, "COMPUTE_F64": dtype == "fp64", "FEW": k.FEW_TOKENS,
+        "BLOCK_D": block_d})
 
 
 def bounds_source(kernel, key_type="i16"):
@@ -247,6 +249,8 @@ def sources():
             out[f"few_tokens dropout {dtype} by_freq d={dim}"] = (few_tokens_source, (dtype, dim), {
                 "divide": True, "dropout": True})
             out[f"batch_sum dropout {dtype} d={dim}"] = (batch_source, (dtype, dim), {"dropout": True})
+            out[f"few_slots dropout {dtype} by_freq d={dim}"] = (few_slots_source, (dtype, dim), {
+                "divide": True, "dropout": True})
     out["few_tokens fp32 int32-ids d=768"] = (few_tokens_source, ("fp32", 768), {"divide": False, "id_type": "i32"})
     # A backward of at most CHUNK_ROWS tokens has no partials. Not at d = 100: for bf16 on
     # sm_80 ptxas spills 40 B there (the direct loop's scalar loads; the same before the
@@ -260,6 +264,7 @@ def sources():
         out[f"segment_starts {key_type}"] = (bounds_source, ("starts", key_type), {})
         out[f"chunk by_slot fp32 {key_type} d=768"] = (chunk_source, ("fp32", 768), {"key_type": key_type,
                                                                                       "by_slot": True})
+    out["chunk by_slot dropout bf16 d=768"] = (chunk_source, ("bf16", 768), {"by_slot": True, "dropout": True})
     for dtype, dim, rule in itertools.product(("fp32", "bf16"), (100, 768, 4096), UPDATE_RULES):
         out[f"optimizer_update {rule} {dtype} d={dim}"] = (update_source, (dtype, dim, rule), {})
     out["optimizer_update adamw fp64 d=768"] = (update_source, ("fp64", 768, "adamw"), {})

@@ -196,12 +196,12 @@ std::tuple<at::Tensor, at::Tensor> embedding_backward_cpu(
   return {weight_grad, pos_grad};
 }
 
-std::tuple<at::Tensor, at::Tensor> embedding_sparse_backward_cpu(const at::Tensor& grad_out_in,
-                                                                 const at::Tensor& ids_in, int64_t num_embeddings,
-                                                                 double scale, std::optional<int64_t> padding_idx,
-                                                                 bool scale_grad_by_freq) {
-  check_same_device(grad_out_in.device(), {&ids_in});
-  const at::Tensor dout = grad_out_in.contiguous();
+std::tuple<at::Tensor, at::Tensor> embedding_sparse_backward_cpu(
+    const at::Tensor& grad_out_in, const at::Tensor& ids_in, int64_t num_embeddings, double scale,
+    std::optional<int64_t> padding_idx, bool scale_grad_by_freq, const std::optional<at::Tensor>& dropout_key,
+    double dropout_p) {
+  check_same_device(grad_out_in.device(), {&ids_in, opt(dropout_key)});
+  const at::Tensor dout = dropout_key ? dropout_masked(grad_out_in, *dropout_key, dropout_p) : grad_out_in.contiguous();
   const auto options = dout.options();
   const Segments seg = segments_of(ids_in.contiguous(), num_embeddings, padding_idx.value_or(-1));
   at::Tensor rows = at::tensor(seg.rows, options.dtype(at::kLong));

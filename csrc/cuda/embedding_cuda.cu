@@ -56,20 +56,22 @@ std::tuple<at::Tensor, at::Tensor> embedding_backward_cuda(
                                  scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p);
 }
 
-std::tuple<at::Tensor, at::Tensor> embedding_sparse_backward_cuda(const at::Tensor& grad_out, const at::Tensor& ids,
-                                                                  int64_t num_embeddings, double scale,
-                                                                  std::optional<int64_t> padding_idx,
-                                                                  bool scale_grad_by_freq) {
+std::tuple<at::Tensor, at::Tensor> embedding_sparse_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& ids, int64_t num_embeddings, double scale,
+    std::optional<int64_t> padding_idx, bool scale_grad_by_freq, const std::optional<at::Tensor>& dropout_key,
+    double dropout_p) {
   const c10::cuda::CUDAGuard guard(grad_out.device());
-  return sparse_backward_op<CudaLaunch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq);
+  return sparse_backward_op<CudaLaunch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq,
+                                        dropout_key, dropout_p);
 }
 
-std::tuple<at::Tensor, at::Tensor> embedding_touched_rows_cuda(const at::Tensor& grad_out, const at::Tensor& ids,
-                                                               int64_t num_embeddings, double scale,
-                                                               std::optional<int64_t> padding_idx,
-                                                               bool scale_grad_by_freq) {
+std::tuple<at::Tensor, at::Tensor> embedding_touched_rows_cuda(
+    const at::Tensor& grad_out, const at::Tensor& ids, int64_t num_embeddings, double scale,
+    std::optional<int64_t> padding_idx, bool scale_grad_by_freq, const std::optional<at::Tensor>& dropout_key,
+    double dropout_p) {
   const c10::cuda::CUDAGuard guard(grad_out.device());
-  return touched_rows_op<CudaLaunch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq);
+  return touched_rows_op<CudaLaunch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq,
+                                     dropout_key, dropout_p);
 }
 
 void optimizer_update_cuda(const at::Tensor& param, const at::Tensor& state1, const at::Tensor& state2,

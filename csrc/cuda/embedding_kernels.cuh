@@ -693,11 +693,12 @@ __global__ void few_tokens_gradient_kernel(const index_t* __restrict__ keys, int
 // so the same bits. A thread finds its slot's key as s + 1 successive minima over the n
 // keys (from cache: every thread reads the same few), then sums its columns. rows[s] is
 // -1 for the slots past the used keys, whose values are not written.
-template <typename index_t, typename T, typename A, int VEC>
-__global__ void few_tokens_slots_kernel(const index_t* __restrict__ keys, int64_t n, const T* __restrict__ dout,
+template <typename index_t, typename T, typename A, int VEC, bool kDropout>
+__global__ void few_tokens_slots_kernel(const index_t* __restrict__ keys, int64_t n, Dout<T, kDropout> dout,
                                         int64_t* __restrict__ rows, T* __restrict__ values, A scale,
                                         bool divide_by_count, int64_t slots, int64_t num_rows, int64_t skip,
                                         int64_t dim) {
+  dout.start();
   const int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (s >= slots) return;
   int64_t key = -1;  // after r steps: the r-th smallest used key
@@ -718,7 +719,7 @@ __global__ void few_tokens_slots_kernel(const index_t* __restrict__ keys, int64_
     for (int64_t t = 0; t < n; ++t) {
       if (static_cast<int64_t>(keys[t]) != key) continue;
       A x[VEC];
-      load_pack<VEC>(dout + t * dim + j, x);
+      dout.template load<VEC>(t, j, x);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[i] += x[i];
       ++count;
@@ -1109,10 +1110,13 @@ template <class Launch>
 std::tuple<at::Tensor, at::Tensor> sum_used_rows(const at::Tensor& grad_out_in, const at::Tensor& ids_in,
                                                  int64_t num_embeddings, double scale,
                                                  std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
-                                                 bool exact) {
-  check_same_device(grad_out_in.device(), {&ids_in});
+                                                 bool exact, const std::optional<at::Tensor>& dropout_key,
+                                                 double dropout_p) {
+  check_same_device(grad_out_in.device(), {&ids_in, opt(dropout_key)});
   const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
   const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
+  at::Tensor key;  // the forward's dropout, applied to dout as the kernels read it (Dout)
+  const Dropout dropout = dropout_of(dropout_key, dropout_p, key);
   const int64_t skip = padding_idx.value_or(-1);
   at::Tensor rows, values;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dout.scalar_type(), "pyembed_sum_used_rows_cuda", [&] {
@@ -1127,13 +1131,16 @@ std::tuple<at::Tensor, at::Tensor> sum_used_rows(const at::Tensor& grad_out_in, 
         const int vec = vector_width<T>(dim, {dout.data_ptr(), values.data_ptr()});
         const RowGrid g = row_grid(slots, dim, vec);
         AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_few_tokens_slots", [&] {
-          auto run = [&](auto v) {
-            Launch::run(g.grid, g.block, few_tokens_slots_kernel<index_t, T, A, decltype(v)::value>,
-                        keys.data_ptr<index_t>(), num_tokens, dout.data_ptr<T>(), rows.data_ptr<int64_t>(),
-                        values.data_ptr<T>(), static_cast<A>(scale), scale_grad_by_freq, slots, num_embeddings, skip,
-                        dim);
-          };
-          if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
+          with_dout<T>(dout, dropout, [&](auto dout_rows) {
+            constexpr bool kDropout = decltype(dout_rows)::kMasked;
+            auto run = [&](auto v) {
+              Launch::run(g.grid, g.block, few_tokens_slots_kernel<index_t, T, A, decltype(v)::value, kDropout>,
+                          keys.data_ptr<index_t>(), num_tokens, dout_rows, rows.data_ptr<int64_t>(),
+                          values.data_ptr<T>(), static_cast<A>(scale), scale_grad_by_freq, slots, num_embeddings,
+                          skip, dim);
+            };
+            if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
+          });
         });
       }
       if (exact) {
@@ -1142,10 +1149,11 @@ std::tuple<at::Tensor, at::Tensor> sum_used_rows(const at::Tensor& grad_out_in, 
       }
       return;
     }
-    const SortedSegments seg = sorted_segments<Launch, T>(dout, ids_in, num_embeddings, skip, /*by_row=*/false);
+    const SortedSegments seg =
+        sorted_segments<Launch, T>(dout, ids_in, num_embeddings, skip, /*by_row=*/false, /*with_solo=*/false, dropout);
     const int64_t used = exact ? seg.count.item<int64_t>() : seg.keys.numel();  // exact: one device->host read
     values = at::empty({used, dim}, dout.options());
-    finish_segments<Launch, T>(dout, seg, scale, scale_grad_by_freq, /*zero_empty=*/false, values);
+    finish_segments<Launch, T>(dout, seg, scale, scale_grad_by_freq, /*zero_empty=*/false, values, {}, dropout);
     rows = exact ? seg.keys.slice(0, 0, used).clone() : seg.keys;  // -1 where no segment landed
   });
   return {rows, values};
@@ -1156,9 +1164,11 @@ std::tuple<at::Tensor, at::Tensor> sum_used_rows(const at::Tensor& grad_out_in, 
 template <class Launch>
 std::tuple<at::Tensor, at::Tensor> sparse_backward_op(const at::Tensor& grad_out, const at::Tensor& ids,
                                                       int64_t num_embeddings, double scale,
-                                                      std::optional<int64_t> padding_idx, bool scale_grad_by_freq) {
+                                                      std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
+                                                      const std::optional<at::Tensor>& dropout_key = std::nullopt,
+                                                      double dropout_p = 0.0) {
   return sum_used_rows<Launch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq,
-                               /*exact=*/true);
+                               /*exact=*/true, dropout_key, dropout_p);
 }
 
 // The sparse backward's (rows, values) without the host sync: sized by the bound
@@ -1168,9 +1178,11 @@ std::tuple<at::Tensor, at::Tensor> sparse_backward_op(const at::Tensor& grad_out
 template <class Launch>
 std::tuple<at::Tensor, at::Tensor> touched_rows_op(const at::Tensor& grad_out, const at::Tensor& ids,
                                                    int64_t num_embeddings, double scale,
-                                                   std::optional<int64_t> padding_idx, bool scale_grad_by_freq) {
+                                                   std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
+                                                   const std::optional<at::Tensor>& dropout_key = std::nullopt,
+                                                   double dropout_p = 0.0) {
   return sum_used_rows<Launch>(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq,
-                               /*exact=*/false);
+                               /*exact=*/false, dropout_key, dropout_p);
 }
 
 }  // namespace pyembed::cuda

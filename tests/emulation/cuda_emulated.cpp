@@ -23,10 +23,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dropout_p") = 0.0);
   m.def("embedding_sparse_backward", &pyembed::cuda::sparse_backward_op<EmulatedLaunch>,
         "the CUDA sparse backward, emulated on CPU tensors (same arguments as "
-        "torch.ops.pyembed.embedding_sparse_backward)");
+        "torch.ops.pyembed.embedding_sparse_backward)",
+        py::arg("grad_out"), py::arg("ids"), py::arg("num_embeddings"), py::arg("scale"), py::arg("padding_idx"),
+        py::arg("scale_grad_by_freq"), py::arg("dropout_key") = std::nullopt, py::arg("dropout_p") = 0.0);
   m.def("embedding_touched_rows", &pyembed::cuda::touched_rows_op<EmulatedLaunch>,
         "the CUDA sparse backward without its host sync, emulated on CPU tensors (same arguments as "
-        "torch.ops.pyembed.embedding_touched_rows)");
+        "torch.ops.pyembed.embedding_touched_rows)",
+        py::arg("grad_out"), py::arg("ids"), py::arg("num_embeddings"), py::arg("scale"), py::arg("padding_idx"),
+        py::arg("scale_grad_by_freq"), py::arg("dropout_key") = std::nullopt, py::arg("dropout_p") = 0.0);
   m.def("optimizer_update",
         [](const at::Tensor& param, const at::Tensor& state1, const at::Tensor& state2, const at::Tensor& rows,
            const at::Tensor& values, int64_t rule, const std::vector<double>& hyper, bool all_rows) {

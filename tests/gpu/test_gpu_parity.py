@@ -233,6 +233,31 @@ def test_under_cuda_autocast_the_lookup_keeps_its_dtype_and_gradients_as_nn_embe
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("batch", [(8, 512), (2, 8)], ids=["8x512 hot row", "short batch"])
+def test_sparse_and_touched_rows_mask_in_their_loads_as_masking_first_does(backend, dtype, batch):
+    """The sparse backward and the optimizer's touched rows with the forward's dropout key:
+    on the GPU, the same bits as on the gradient masked first (tests/test_dropout.py shows
+    it under host emulation and the interpreter). Touched rows past the used ones are -1,
+    their values unwritten."""
+    ops = _kernel_ops(backend)
+    vocab, dim = 50257, 768
+    ids = torch.randint(0, vocab, batch, device="cuda")
+    if batch[1] > 300:
+        ids[:, :300] = 7  # a row of 2400 uses: summed in chunk pieces
+    dout = torch.randn(*batch, dim, device="cuda").to(dtype)
+    key = torch.tensor([2024, 11], device="cuda")
+    n = ids.numel()
+    masked = ops.forward(torch.arange(n, device="cuda"), dout.reshape(n, dim), None, None, "none", 1.0, 0, key,
+                         0.1).view(dout.shape)
+    for op in (ops.sparse_backward, ops.touched_rows):
+        rows, values = op(dout, ids, vocab, 1.5, 3, False, key, 0.1)
+        expected_rows, expected_values = op(masked, ids, vocab, 1.5, 3, False)
+        used = rows >= 0
+        assert torch.equal(rows, expected_rows) and torch.equal(values[used], expected_values[used]), op
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
 @pytest.mark.parametrize("layout", ["8x512 hot row, positions", "short batch", "position_ids", "positions only"])
 def test_dropout_backward_masks_in_its_loads_as_masking_first_does(backend, dtype, layout):
