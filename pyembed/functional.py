@@ -191,11 +191,9 @@ def _compiled_lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale,
     sync_check, error_record = range_checks(validate, chosen, weight.device)
     if sync_check:
         ids = _autograd.checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
-    if dropout_p:  # the op draws the key (a random op of the graph), after the checks above
-        return chosen.compiled_op(ids, weight, pos_weight, position_ids, pos_encoding, float(scale), offset,
-                                  padding_idx, bool(scale_grad_by_freq), False, error_record, float(dropout_p))
+    dropout = (float(dropout_p),) if dropout_p else ()  # the op draws the key (a random op), after the checks
     return chosen.compiled_op(ids, weight, pos_weight, position_ids, pos_encoding, float(scale), offset, padding_idx,
-                              bool(scale_grad_by_freq), False, error_record)
+                              bool(scale_grad_by_freq), False, error_record, *dropout)
 
 
 _PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))  # a set: fewer guards (pyembed.checks.ID_DTYPES)
