@@ -275,8 +275,11 @@ def _functorch_form(name: str, forward, save, backward, jvp=None, save_takes_row
     def setup_context(ctx, inputs, output):
         save(ctx, *inputs, *((output[0],) if save_takes_rows else ()))
 
+    def forward_of_given(*inputs):  # apply binds forward's signature: defaulted parameters would be inputs too
+        return forward(*inputs)
+
     body = {"__doc__": f"{name}: the form torch.func transforms require.", "generate_vmap_rule": True,
-            "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
+            "forward": staticmethod(forward_of_given), "setup_context": staticmethod(setup_context),
             "backward": staticmethod(backward)}
     if jvp is not None:
         body["jvp"] = staticmethod(jvp)

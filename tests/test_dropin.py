@@ -171,6 +171,23 @@ def test_func_grad_of_a_sparse_table_equals_nn_embedding(backend):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_func_grad_of_grad_equals_nn_embedding(backend):
+    """Second order under torch.func (grad of a function of a gradient): the dense
+    gradient's own derivative (DenseGradFunctorch's backward), as nn.Embedding's."""
+    ours, theirs = _pair(backend, sparse=False)
+    ids = torch.tensor([[0, 3, 3, 5], [7, 3, 1, 1]])
+
+    def loss(params, module):
+        return functional_call(module, params, (ids,)).pow(3).sum()
+
+    def curvature(params, module):  # a scalar of the first gradient, whose gradient is second order
+        return grad(loss)(params, module)["weight"].pow(2).sum()
+
+    got, want = (grad(curvature)({"weight": m.weight.detach()}, m)["weight"] for m in (ours, theirs))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal"])
 def test_per_sample_gradients_of_the_layer(backend, pos_encoding):
     layer, params = _layer(backend, pos_encoding, seed=4)
