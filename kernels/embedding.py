@@ -340,9 +340,8 @@ def _chunk_kernel(
     dout_ptr,  # (n, dim) the output gradient
     order_ptr,  # (n,) int64 its row for sorted position r
     partials_ptr,  # (2 * chunks, dim) compute dtype out: the long segments' pieces, when HAS_PARTIALS
-    dropout_key_ptr,  # (2,) int64: the forward's dropout key, when HAS_DROPOUT (_dout_rows)
     n, num_rows, entries, dim,
-    dropout_threshold, dropout_scale: tl.float64,  # the forward's (_embedding_forward_kernel), when HAS_DROPOUT
+    dropout_key_ptr, dropout_threshold, dropout_scale: tl.float64,  # the forward's dropout (_dout_rows)
     BY_SLOT: tl.constexpr, HAS_PARTIALS: tl.constexpr, HAS_SOLO: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     COMPUTE_F64: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -618,9 +617,8 @@ def _few_tokens_slots_kernel(
 def _batch_sum_kernel(
     dout_ptr,  # (batch, seq_len, dim)
     out_ptr,  # (rows, dim): the learned positions' gradient (_position_sums)
-    dropout_key_ptr,  # (2,) int64: the forward's dropout key, when HAS_DROPOUT (_dout_rows)
     rows, batch, seq_len, steps, offset, dim,
-    dropout_threshold, dropout_scale: tl.float64,
+    dropout_key_ptr, dropout_threshold, dropout_scale: tl.float64,  # the forward's dropout (_dout_rows)
     HAS_DROPOUT: tl.constexpr, COMPUTE_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """The learned positions' gradient alone (when the token table needs none)."""
@@ -897,12 +895,12 @@ def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch
     acc = torch.float64 if dout2d.dtype == torch.float64 else torch.float32
     partials = torch.empty(2 * chunks, dim, dtype=acc, device=device) if n > CHUNK_ROWS and dim else None
     _, block_d = _blocks(dim, dropout=dropout is not None)
-    key, threshold, keep_scale = DoutDropout.launch_args(dropout, order)
     launch(_chunk_kernel)[(chunks, _cdiv(dim, block_d) if partials is not None else 1)](
         sorted_keys, scan if scan is not None else order, bounds, dout2d, order,
-        partials if partials is not None else dout2d, key, n, num_rows, entries, dim, threshold, keep_scale,
-        BY_SLOT=not by_row, HAS_PARTIALS=partials is not None, HAS_SOLO=with_solo, HAS_DROPOUT=dropout is not None,
-        COMPUTE_F64=acc == torch.float64, CHUNK=CHUNK_ROWS, BLOCK_D=block_d,
+        partials if partials is not None else dout2d, n, num_rows, entries, dim,
+        *DoutDropout.launch_args(dropout, order), BY_SLOT=not by_row, HAS_PARTIALS=partials is not None,
+        HAS_SOLO=with_solo, HAS_DROPOUT=dropout is not None, COMPUTE_F64=acc == torch.float64, CHUNK=CHUNK_ROWS,
+        BLOCK_D=block_d,
     )
     return Segments(order, bounds, entries, with_solo, count, partials)
 
@@ -1037,8 +1035,7 @@ def batch_sum(dout2d, positions: PositionSums, launch=_direct, dropout: Optional
     one row per program (a tile of rows spilled 16 B for fp16 on sm_80). dropout: dout
     read through the forward's mask."""
     _, block_d = _blocks(dout2d.shape[1], dropout=dropout is not None)
-    key, threshold, keep_scale = DoutDropout.launch_args(dropout, positions.out)
     launch(_batch_sum_kernel)[(positions.out.shape[0], _cdiv(dout2d.shape[1], block_d))](
-        dout2d, positions.out, key, *positions.launch_args()[1:], dout2d.shape[1], threshold, keep_scale,
+        dout2d, *positions.launch_args(), dout2d.shape[1], *DoutDropout.launch_args(dropout, positions.out),
         HAS_DROPOUT=dropout is not None, COMPUTE_F64=dout2d.dtype == torch.float64, BLOCK_R=1, BLOCK_D=block_d,
     )

@@ -104,9 +104,8 @@ def chunk_source(dtype, dim, *, key_type="i16", by_slot=False, partials=True, so
     Keys: i16 for tables of fewer than 2^16 rows (the 50257 used here), i32 / i64 for larger ones."""
     acc = "fp64" if dtype == "fp64" else "fp32"
     args = {"sorted_ptr": f"*{key_type}", "scan_ptr": "*i64", "bounds_ptr": "*i64", "dout_ptr": f"*{dtype}",
-            "order_ptr": "*i64", "partials_ptr": f"*{acc}", "dropout_key_ptr": "*i64", "n": TOKENS,
-            "num_rows": 50257, "entries": min(TOKENS, 50257) if by_slot else 50257, "dim": dim,
-            "dropout_threshold": DROPOUT_ARGS["dropout_threshold"], "dropout_scale": DROPOUT_ARGS["dropout_scale"]}
+            "order_ptr": "*i64", "partials_ptr": f"*{acc}", "n": TOKENS, "num_rows": 50257,
+            "entries": min(TOKENS, 50257) if by_slot else 50257, "dim": dim, **DROPOUT_ARGS}
     return _source(k._chunk_kernel, args, {
         "BY_SLOT": by_slot, "HAS_PARTIALS": partials, "HAS_SOLO": solo, "HAS_DROPOUT": dropout,
         "COMPUTE_F64": acc == "fp64", "CHUNK": k.CHUNK_ROWS, "BLOCK_D": k._blocks(dim, dropout=dropout)[1]})
@@ -177,9 +176,8 @@ def bounds_source(kernel, key_type="i16"):
 
 def batch_source(dtype, dim, dropout=False):
     """The learned positions' gradient alone (a frozen token table), one row per program."""
-    args = {"dout_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "dropout_key_ptr": "*i64", "rows": 2048, "batch": 8,
-            "seq_len": 512, "steps": 512, "offset": 3, "dim": dim,
-            "dropout_threshold": DROPOUT_ARGS["dropout_threshold"], "dropout_scale": DROPOUT_ARGS["dropout_scale"]}
+    args = {"dout_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "rows": 2048, "batch": 8, "seq_len": 512,
+            "steps": 512, "offset": 3, "dim": dim, **DROPOUT_ARGS}
     return _source(k._batch_sum_kernel, args, {"HAS_DROPOUT": dropout, "COMPUTE_F64": dtype == "fp64", "BLOCK_R": 1,
                                                "BLOCK_D": k._blocks(dim, dropout=dropout)[1]})
 
