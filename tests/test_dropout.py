@@ -85,6 +85,9 @@ BACKWARD_CASES = {
     "sorted, position_ids": (3, 40, 25, 24, "position_ids", True),
     "positions only": (3, 40, 25, 24, "offset", False),
     "odd dim, no positions": (5, 30, 12, 6, None, True),
+    # Mostly one-use rows, whose sums finish_segments writes in one pass over its group of
+    # rows, their keep bits packed in one word; d = 6: 1- and 2-element accesses (fp64).
+    "sorted, one-use rows, odd dim": (4, 120, 2000, 6, None, True),
 }
 
 

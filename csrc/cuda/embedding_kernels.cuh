@@ -262,8 +262,9 @@ struct Dout {
         bits |= dropout_keep_bits(seed, offset, token, (j >> 2) + g, dropout.threshold) << (4 * g);
       }
       return bits;
-    } else {  // one or two elements: within one group
-      return dropout_keep_bits(seed, offset, token, j >> 2, dropout.threshold) >> (j & 3);
+    } else {  // one or two elements: within one group; only their VEC bits (finish_segments
+              // packs several rows' bits into one word: a group's other bits would land on the next row's)
+      return (dropout_keep_bits(seed, offset, token, j >> 2, dropout.threshold) >> (j & 3)) & ((1u << VEC) - 1u);
     }
   }
 
