@@ -10,7 +10,7 @@ On a machine whose python already has a CUDA torch, offline:
      tests/gpu/sanitizer_workload.py (every kernel, small);
   4. then alone, torch.profiler and Nsight Compute over tests/gpu/profile_workload.py,
      and compiled pyembed's host time by layer of torch.compile's runtime
-     (python -m bench.compiled_host);
+     (python -m bench.compiled_host, autograd threads off and on);
   5. then the GPU benchmark suite (results.csv / .md / PNG);
 and writes everything under GPU_CHECK_OUT (default gpu-check/): logs, junit.xml, the
 benchmark's CSV / markdown / PNG, and summary.md naming the device and versions with
@@ -223,7 +223,7 @@ def main() -> int:
     started = time.time()
     deadline = Deadline(args.time_limit)
     after_profile = (0 if args.skip_bench else BENCH_MIN) + SUMMARY_MIN
-    after_tests = after_profile + (0 if args.skip_profile else 3 * PROFILE_MIN)
+    after_tests = after_profile + (0 if args.skip_profile else 4 * PROFILE_MIN)
 
     # 1. Stage the package the tests import, and build _C into it for this GPU only.
     stage_package(stage)
@@ -281,13 +281,18 @@ def main() -> int:
             # which a host's time limit may cut short (its rows reach the CSV case by case).
             profiler = str(ROOT / "tests" / "gpu" / "profile_workload.py")
             check.run("profile (torch.profiler)", [args.python, profiler], "profile.log",
-                      deadline.timeout(300, after_profile + 2 * PROFILE_MIN), cwd=stage)
+                      deadline.timeout(300, after_profile + 3 * PROFILE_MIN), cwd=stage)
             # Compiled pyembed against compiled nn ops, host time by layer of torch.compile's
-            # runtime (guards, graph, frame, backward), 1x1 and GPT-2 8x2048, backwards on the
-            # calling thread: at d81f5b2 compiled pyembed cost ~120 us more host per 8x2048 step.
-            check.run("compiled host time (python -m bench.compiled_host)",
-                      [args.python, "-m", "bench.compiled_host", "--no-autograd-threads"], "compiled-host.log",
-                      deadline.timeout(300, after_profile + PROFILE_MIN), cwd=stage)
+            # runtime (guards, graph, frame, backward), 1x1 and GPT-2 8x2048: at d81f5b2
+            # compiled pyembed cost ~120 us more host per 8x2048 step. With backwards on the
+            # calling thread, and as torch runs them by default (autograd's device thread, as
+            # the benchmark does): at 79bdffb (H200) the benchmark's compiled fwd+bwd took
+            # ~450 us more than the first form's host times add up to, for nn ops and pyembed.
+            for threads, log in ((["--no-autograd-threads"], "compiled-host.log"), ([], "compiled-host-threads.log")):
+                check.run(f"compiled host time, autograd threads {'off' if threads else 'on'} "
+                          "(python -m bench.compiled_host)",
+                          [args.python, "-m", "bench.compiled_host", "--rounds", "3", *threads], log,
+                          deadline.timeout(300, after_profile + PROFILE_MIN * (2 if threads else 1)), cwd=stage)
             ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
             if os.path.exists(ncu):
                 check.run("ncu on the forward and backward kernels",
@@ -334,9 +339,10 @@ def write_summary(out: Path, info: dict, check: Check, san_counts: dict, seconds
         lines += ["", "## Profile (profile.log: host us per call, medians, GPU ops per call)", ""]
         lines += [f"- {line}" for line in profile.read_text().splitlines()
                   if re.match(r"(\d+x\d+ .*: fwd |host )", line)]
-    compiled = out / "compiled-host.log"
-    if compiled.exists():
-        lines += ["", "## Compiled host time (compiled-host.log)", "", "```", compiled.read_text().strip(), "```"]
+    for log in ("compiled-host.log", "compiled-host-threads.log"):
+        compiled = out / log
+        if compiled.exists():
+            lines += ["", f"## Compiled host time ({log})", "", "```", compiled.read_text().strip(), "```"]
     tables = sorted((out / "bench").glob("*.md")) if (out / "bench").exists() else []
     for table in tables:
         lines += ["", f"## Benchmark ({table.name})", "", table.read_text()]
