@@ -174,7 +174,8 @@ def test_dense_backward_ops_apply_the_mask_as_masking_first_does_bit_for_bit(req
 
 @pytest.mark.parametrize("ops", OPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("case", ["few tokens", "sorted, hot row, positions", "odd dim, no positions"])
+@pytest.mark.parametrize("case", ["few tokens", "sorted, hot row, positions", "odd dim, no positions",
+                                  "sorted, one-use rows, odd dim"])
 def test_sparse_and_touched_rows_ops_apply_the_mask_as_masking_first_does_bit_for_bit(request, ops, dtype, case):
     # The same for a sparse gradient's rows and the optimizer's touched rows (one kernel for
     # a few tokens; the sort, the chunk pass and the segment sums by slot for more).
