@@ -87,7 +87,7 @@ BACKWARD_CASES = {
     "odd dim, no positions": (5, 30, 12, 6, None, True),
     # Mostly one-use rows, whose sums finish_segments writes in one pass over its group of
     # rows, their keep bits packed in one word; d = 6: 1- and 2-element accesses (fp64).
-    "sorted, one-use rows, odd dim": (4, 120, 2000, 6, None, True),
+    "sorted, one-use rows, odd dim": (2, 100, 600, 6, None, True),
 }
 
 
