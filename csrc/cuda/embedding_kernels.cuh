@@ -252,7 +252,8 @@ struct Dout {
   }
 
   // Which of elements j .. j + VEC - 1 of row `token` the forward kept (bit i: element
-  // j + i): element e is word e % 4 of its group e / 4's Philox call, as the forward draws it.
+  // j + i), and no other bit (finish_segments packs several rows' bits into one word):
+  // element e is word e % 4 of its group e / 4's Philox call, as the forward draws it.
   template <int VEC>
   __device__ __forceinline__ unsigned keep_bits(int64_t token, int64_t j) const {
     if constexpr (VEC % 4 == 0) {  // VEC / 4 whole groups
@@ -262,8 +263,7 @@ struct Dout {
         bits |= dropout_keep_bits(seed, offset, token, (j >> 2) + g, dropout.threshold) << (4 * g);
       }
       return bits;
-    } else {  // one or two elements: within one group; only their VEC bits (finish_segments
-              // packs several rows' bits into one word: a group's other bits would land on the next row's)
+    } else {  // one or two elements: within one group, the group's other bits masked off
       return (dropout_keep_bits(seed, offset, token, j >> 2, dropout.threshold) >> (j & 3)) & ((1u << VEC) - 1u);
     }
   }

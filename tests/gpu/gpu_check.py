@@ -287,7 +287,7 @@ def main() -> int:
             # compiled pyembed cost ~120 us more host per 8x2048 step. With backwards on the
             # calling thread, and as torch runs them by default (autograd's device thread, as
             # the benchmark does): at 79bdffb (H200) the benchmark's compiled fwd+bwd took
-            # ~450 us more than the first form's host times add up to, for nn ops and pyembed.
+            # 470-550 us more than the first form's host times add up to, for nn ops and pyembed.
             for threads, log in ((["--no-autograd-threads"], "compiled-host.log"), ([], "compiled-host-threads.log")):
                 check.run(f"compiled host time, autograd threads {'off' if threads else 'on'} "
                           "(python -m bench.compiled_host)",
