@@ -11,7 +11,7 @@ import torch
 from helpers import (
     BOUNDARY_VOCAB, ID_DTYPES, KEY_WIDTH_VOCABS, WEIGHT_DTYPES, accumulation_bound, assert_within,
     boundary_ids_and_grad, eager_embedding, exact_row_sums, key_width_ids_and_grad, make_inputs, max_abs_err,
-    sinusoid_atol,
+    sinusoid_atol, token_order_ids_and_grad,
 )
 
 
@@ -151,6 +151,19 @@ def test_emulated_rows_at_the_sort_keys_width_edges_sum_exactly(emulated, vocab)
     used = sorted(set(ids[keep].tolist()))
     rows, values = emulated.embedding_sparse_backward(dout, ids, vocab, 1.0, vocab - 3, False)
     assert rows.tolist() == used and torch.equal(values.double(), exact[used])
+
+
+@pytest.mark.parametrize("num_tokens, vocab", [(4097, 50257), (16384, 200000)])
+def test_emulated_sorted_paths_sum_each_row_in_token_order(emulated, num_tokens, vocab):
+    """A stable sort keeps each row's tokens in token order, and its sums follow it: the
+    sizes where a GPU sorts in one thread block (csrc/cuda/embedding_cuda.cu; here the
+    host's stable sort), checked on the GPU by tests/gpu/test_gpu_parity.py."""
+    ids, dout, expected = token_order_ids_and_grad(num_tokens, vocab)
+    dw, _ = backward(emulated, dout, ids, num_embeddings=vocab)
+    assert torch.equal(dw, expected)
+    used = torch.unique(ids)
+    rows, values = emulated.embedding_sparse_backward(dout, ids, vocab, 1.0, None, False)
+    assert torch.equal(rows, used) and torch.equal(values, expected[used])
 
 
 def test_emulated_position_ids_and_out_of_range_ids(emulated):

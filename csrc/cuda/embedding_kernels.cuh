@@ -19,10 +19,11 @@
 // every size the host needs is bounded by the token count or the table, and the segment
 // bounds are indexed by table row, so it can be captured in a CUDA graph. Each launch
 // costs the host microseconds and the GPU a ramp, so a dense gradient is three kernels
-// around the sort (Launch::sort_pairs: CUB's radix sort, a histogram and a pass per 8
-// bits): the sort's inputs; one pass over the sorted positions (segment bounds, the long
-// segments' pieces); one over the table's rows (each written once, untouched rows as
-// zeros: no zero fill before). A batch of at most kFewTokens tokens skips the sort: one
+// around the sort (Launch::sort_pairs: one thread block's radix sort in shared memory for
+// 4096 < n <= 16384 tokens, one launch; else CUB's, a histogram and a pass per 8 bits,
+// one launch up to ~4.8K keys): the sort's inputs; one pass over the sorted positions
+// (segment bounds, the long segments' pieces); one over the table's rows (each written
+// once, untouched rows as zeros: no zero fill before). Four launches at 8x2048 tokens. A batch of at most kFewTokens tokens skips the sort: one
 // kernel reads every key per group of rows (few_tokens_gradient_kernel), same sums.
 // Learned positions (p = offset + t) are summed over the batch by extra blocks of the
 // table's last kernel (PositionSums): no launch of their own; they also write the table

@@ -23,6 +23,7 @@ import pyembed
 from pyembed import dispatch
 
 GPT2 = (50257, 768)
+LLAMA3 = (128256, 4096)
 
 
 def tensors(vocab, dim, batch, seq_len, dtype):
@@ -368,14 +369,65 @@ def step_profile(backends, batch=8, seq_len=2048):
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
 
 
+def sort_comparison(batch=8, seq_len=2048, calls=40):
+    """The dense backward op at GPT-2 and Llama-3 8x2048 (fp32, bf16, learned positions),
+    with the `cuda` backend's one-block sort and with CUB's device sort
+    (PYEMBED_CUDA_BLOCK_SORT=0, read by each call): GPU time (do_bench, and a CUDA graph's
+    replay: the kernels alone), host time with the GPU held by a sleep kernel, GPU ops per
+    call. At 79bdffb (H200) CUB's sort was 7 of the 10 GPU ops, ~23 us."""
+    import os
+
+    op = dispatch.get("cuda").backward
+    for which, env_value in (("one-block sort", "1"), ("CUB device sort", "0")):
+        os.environ["PYEMBED_CUDA_BLOCK_SORT"] = env_value
+        for table in (GPT2, LLAMA3):
+            for dtype in (torch.float32, torch.bfloat16):
+                sort_case(op, which, table, dtype, batch, seq_len, calls)
+    del os.environ["PYEMBED_CUDA_BLOCK_SORT"]
+
+
+def sort_case(op, which, table, dtype, batch, seq_len, calls):
+    import time
+
+    weight, pos_weight, ids, dout = tensors(*table, batch, seq_len, dtype)
+    num_positions, (vocab, dim) = pos_weight.shape[0], table
+    del weight, pos_weight
+
+    def call():
+        return op(dout, ids, None, 0, vocab, num_positions, dim ** 0.5, None, False, True, True)
+
+    wall = triton.testing.do_bench(call, return_mode="median")
+    graphed = triton.testing.do_bench_cudagraph(call, return_mode="median")
+    call()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # the GPU busy: the host never waits
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    ops = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"sort {which}: the `cuda` dense backward op, {vocab}x{dim} {str(dtype)[6:]} {batch}x{seq_len}: "
+          f"{wall * 1e3:.1f} us, graphed {graphed * 1e3:.1f} us, host {host:.1f} us (GPU busy), {ops} GPU ops",
+          flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ncu", action="store_true", help="one forward per backend and dtype and one backward, for ncu")
+    ap.add_argument("--sort", action="store_true", help="only the `cuda` dense backward op's times (sort_comparison)")
     args = ap.parse_args()
     backends = [b for b in dispatch.backends_for("cuda") if b != "reference"]
     if args.ncu:
         ncu_kernels(backends)
+    elif args.sort:
+        sort_comparison()
     else:
+        if "cuda" in backends:
+            sort_comparison()
         host_costs(backends)
         host_only_costs(backends)
         python_profile(backends)

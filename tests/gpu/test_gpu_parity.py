@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pyembed
+from helpers import token_order_ids_and_grad
 from pyembed import dispatch
 
 
@@ -152,6 +153,53 @@ def test_learned_positions_gradient_in_the_tables_kernel_is_the_standalone_ones(
     exact = torch.zeros(1024, 768, dtype=torch.float64)
     exact[3:3 + min(t, 1021)] = dout.double().sum(0)[:1021].cpu()
     torch.testing.assert_close(dp.cpu().double(), exact, rtol=1e-5, atol=1e-4)
+
+
+# (tokens, rows) around the cuda backend's one-block sort (csrc/cuda/embedding_cuda.cu:
+# 4096 < tokens <= 16384, keys of at most 18 bits) and CUB's device sort on either side.
+TOKEN_ORDER_CASES = [(4096, 50257), (4097, 50257), (12345, 2**17), (16384, 50257), (16384, 200000), (16385, 50257),
+                     (16384, 300000)]
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("num_tokens, vocab", TOKEN_ORDER_CASES, ids=str)
+def test_sorted_paths_sum_each_row_in_token_order(num_tokens, vocab, backend):
+    """The sort is stable, so each row's float32 sum adds its tokens in token order, bit
+    for bit, in the dense, sparse and touched-rows backwards (tokens of mixed magnitudes:
+    another order gives other bits, tests/helpers.py)."""
+    ids, dout, expected = token_order_ids_and_grad(num_tokens, vocab)
+    ops = _kernel_ops(backend)
+    dw, _ = ops.backward_op(dout)(dout.cuda(), ids.cuda(), None, 0, vocab, 0, 1.0, None, False, True, False)
+    assert torch.equal(dw.cpu(), expected)
+    used = torch.unique(ids)
+    rows, values = ops.sparse_backward(dout.cuda(), ids.cuda(), vocab, 1.0, None, False)
+    assert torch.equal(rows.cpu(), used) and torch.equal(values.cpu(), expected[used])
+    rows, values = ops.touched_rows(dout.cuda(), ids.cuda(), vocab, 1.0, None, False)
+    u = used.numel()
+    assert torch.equal(rows[:u].cpu(), used) and torch.equal(values[:u].cpu(), expected[used])
+
+
+@pytest.mark.parametrize("batch, seq_len", [(8, 2048), (3, 2000)], ids=str)
+def test_cuda_dense_backward_is_four_gpu_operations(batch, seq_len):
+    """Issue #30: at most four launches per dense backward at 8x2048 (no memsets, no host
+    sync): the sort's inputs, the one-block sort, the chunk pass, the table's kernel (the
+    learned positions inside it); CUB's device sort alone was seven GPU operations."""
+    ops = _kernel_ops("cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, 50257, (batch, seq_len), device="cuda", generator=g)
+    dout = torch.randn(batch, seq_len, 768, device="cuda", generator=g)
+    call = lambda: ops.backward(dout, ids, None, 0, 50257, seq_len, 1.0, None, False, True, True)  # noqa: E731
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        dw, dp = call()
+        torch.cuda.synchronize()
+    gpu_ops = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(gpu_ops) <= 4, [e.name for e in gpu_ops]
+    exact = torch.zeros(50257, 768, dtype=torch.float64, device="cuda").index_add_(
+        0, ids.reshape(-1), dout.reshape(-1, 768).double())
+    torch.testing.assert_close(dw.double(), exact, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(dp.double(), dout.double().sum(0), rtol=1e-5, atol=1e-4)
 
 
 def test_output_of_more_than_2_to_the_31_elements():

@@ -150,14 +150,15 @@ def test_default_check_runs_in_the_kernel_and_reports_at_the_next_call(backend, 
     pyembed.check_errors("cuda")  # cleared: nothing more to raise
 
 
-def test_forward_and_dense_backward_capture_in_a_cuda_graph(backend):
+@pytest.mark.parametrize("seq_len", [256, 2048])  # 4 x 2048 tokens: `cuda`'s one-block sort
+def test_forward_and_dense_backward_capture_in_a_cuda_graph(backend, seq_len):
     _check_backend(backend)
     torch.manual_seed(3)
-    ids = torch.randint(0, 64, (4, 256), device="cuda")
+    ids = torch.randint(0, 64, (4, seq_len), device="cuda")
     ids[:, :100] = 5  # a hot row: its per-chunk pieces are captured too
     weight = torch.randn(64, 128, device="cuda", requires_grad=True)
-    pos_weight = torch.randn(256, 128, device="cuda", requires_grad=True)
-    dout = torch.randn(4, 256, 128, device="cuda")
+    pos_weight = torch.randn(seq_len, 128, device="cuda", requires_grad=True)
+    dout = torch.randn(4, seq_len, 128, device="cuda")
 
     def step():  # the default validate=True: the range check is in the kernel, so it is captured too
         out = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend=backend)
