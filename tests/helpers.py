@@ -210,26 +210,32 @@ def key_width_ids_and_grad(vocab, dim=2, seed=0):
 
 
 def token_order_ids_and_grad(num_tokens, vocab, dim=4, seed=0):
-    """(ids (num_tokens,), dout float32, the float32 gradient summed in token order): ids
-    over ~num_tokens / 40 rows of a `vocab` table, each used at most 100 times (no
-    segment is split into chunks of 128), shuffled; dout of mixed magnitudes (2^-20 to
-    2^20), so a row's float32 sum depends on its tokens' order -- the sorted paths sum in
-    token order when their sort is stable. The expected sums are float32 additions done
-    here, one token at a time per row (CPU arithmetic is IEEE, order as written)."""
+    """(ids (num_tokens,), dout float32, the float32 gradient summed in token order, the
+    padding row): ids over ~num_tokens / 40 rows of a `vocab` table, each used at most 100
+    times (no segment is split into chunks of 128), shuffled, then one id below the table,
+    one past it (validate=False: no gradient) and a row's uses as the padding row (none);
+    dout of mixed magnitudes (2^-20 to 2^20), so a row's float32 sum depends on its tokens'
+    order -- the sorted paths sum in token order when their sort is stable. The expected
+    sums are float32 additions done here, one token at a time per row (CPU arithmetic is
+    IEEE, order as written)."""
     gen = torch.Generator().manual_seed(seed)
-    rows = torch.randperm(vocab, generator=gen)[: max(1, num_tokens // 40)]
+    rows = torch.randperm(vocab, generator=gen)[: max(2, num_tokens // 40)]
     uses = torch.randint(1, 101, (rows.numel(),), generator=gen)
     ids = rows.repeat_interleave(uses).repeat(num_tokens // int(uses.sum()) + 1)[:num_tokens]
     ids = ids[torch.randperm(num_tokens, generator=gen)]
+    padding_idx = int(ids[2])
+    ids[0], ids[1] = -1, vocab
     dout = torch.randn(num_tokens, dim, generator=gen) * torch.exp2(torch.randint(-20, 21, (num_tokens, 1),
                                                                                   generator=gen).float())
-    order = torch.sort(ids, stable=True).indices  # each row's tokens together, in token order
+    used = (ids >= 0) & (ids < vocab) & (ids != padding_idx)
+    order = torch.nonzero(used).reshape(-1)
+    order = order[torch.sort(ids[order], stable=True).indices]  # each row's tokens together, in token order
     sorted_ids, sorted_dout = ids[order], dout[order]
-    start = torch.ones(num_tokens, dtype=torch.bool)
+    start = torch.ones(order.numel(), dtype=torch.bool)
     start[1:] = sorted_ids[1:] != sorted_ids[:-1]
     segment = torch.cumsum(start.long(), 0) - 1
     first = torch.nonzero(start).reshape(-1)
-    rank = torch.arange(num_tokens) - first[segment]  # position within its row
+    rank = torch.arange(order.numel()) - first[segment]  # position within its row
     count = torch.bincount(segment)
     assert int(count.max()) <= 100, "a row past a chunk (128) would be summed in pieces"
 
@@ -246,7 +252,7 @@ def token_order_ids_and_grad(num_tokens, vocab, dim=4, seed=0):
     assert (reverse != sums).any(1).sum() > (count > 1).sum() // 2
     expected = torch.zeros(vocab, dim)
     expected[sorted_ids[start]] = sums
-    return ids, dout, expected
+    return ids, dout, expected, padding_idx
 
 
 RANKS_TIMEOUT_S = 120

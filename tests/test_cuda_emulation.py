@@ -158,12 +158,13 @@ def test_emulated_sorted_paths_sum_each_row_in_token_order(emulated, num_tokens,
     """A stable sort keeps each row's tokens in token order, and its sums follow it: the
     sizes where a GPU sorts in one thread block (csrc/cuda/embedding_cuda.cu; here the
     host's stable sort), checked on the GPU by tests/gpu/test_gpu_parity.py."""
-    ids, dout, expected = token_order_ids_and_grad(num_tokens, vocab)
-    dw, _ = backward(emulated, dout, ids, num_embeddings=vocab)
-    assert torch.equal(dw, expected)
-    used = torch.unique(ids)
-    rows, values = emulated.embedding_sparse_backward(dout, ids, vocab, 1.0, None, False)
-    assert torch.equal(rows, used) and torch.equal(values, expected[used])
+    ids, dout, expected, padding_idx = token_order_ids_and_grad(num_tokens, vocab)
+    used = torch.unique(ids[(ids >= 0) & (ids < vocab) & (ids != padding_idx)])
+    for id_dtype in ID_DTYPES:
+        dw, _ = backward(emulated, dout, ids.to(id_dtype), num_embeddings=vocab, padding_idx=padding_idx)
+        assert torch.equal(dw, expected)
+        rows, values = emulated.embedding_sparse_backward(dout, ids.to(id_dtype), vocab, 1.0, padding_idx, False)
+        assert torch.equal(rows, used) and torch.equal(values, expected[used])
 
 
 def test_emulated_position_ids_and_out_of_range_ids(emulated):

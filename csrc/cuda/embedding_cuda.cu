@@ -18,17 +18,19 @@
 namespace pyembed::cuda {
 namespace {
 
-// A stable sort of up to kBlockSortMax 32-bit keys by one thread block, in shared memory:
-// one launch, where CUB's device-wide radix sort takes seven at 8x2048 tokens (a histogram,
-// a onesweep pass per 8 bits, four memsets: ~23 us of GPU time and ~10 us of host time per
-// launch on the H200 run of 79bdffb). Each position r < 2^14 travels in the low 14 bits of
-// its key's word, (key << 14) | r, and the sort orders the words on the key's bits alone
-// (bits 14 and up): keys-only, so no value array to exchange and no register spills at
-// 1024 threads (pairs spilled 108-260 bytes). A radix sort is stable, and the words are
-// loaded in the blocked arrangement (thread t holds positions 16t..16t+15), so equal keys
-// keep their token order, as CUB's device sort keeps it: the same output, bit for bit.
-// Positions past n get a key whose bits are all ones: they sort after every real key
-// (after equal ones too, being later) and are not stored.
+// The sort's inputs and a stable sort of up to kBlockSortMax keys in one launch: block 0
+// sorts the used keys in shared memory, the other blocks set the segment bounds' starting
+// values (what sort_inputs_kernel and CUB's device-wide radix sort do in eight GPU
+// operations at 8x2048 tokens: a histogram, a onesweep pass per 8 bits, four memsets --
+// ~25 us of GPU time and ~10 us of host time per launch on the H200 run of 79bdffb).
+// Block 0 is the sort_inputs_kernel's keys, sorted: each position r < 2^14 travels in the
+// low 14 bits of its key's word, (key << 14) | r, and the sort orders the words on the
+// key's bits alone (bits 14 and up): keys-only, so no value array to exchange and no
+// register spills at 1024 threads (pairs spilled 108-260 bytes). A radix sort is stable,
+// and the words are loaded in the blocked arrangement (thread t holds positions
+// 16t..16t+15), so equal keys keep their token order, as CUB's device sort keeps it: the
+// same output, bit for bit. Positions past n get a key whose bits are all ones: they sort
+// after every real key (after equal ones too, being later) and are not stored.
 constexpr int kBlockSortThreads = 1024, kBlockSortItems = 16, kBlockSortRadixBits = 5;
 constexpr int kBlockSortPositionBits = 14;
 constexpr int64_t kBlockSortMax = int64_t(kBlockSortThreads) * kBlockSortItems;
@@ -36,12 +38,23 @@ static_assert(kBlockSortMax <= (int64_t(1) << kBlockSortPositionBits));
 constexpr int kBlockSortKeyBits = 32 - kBlockSortPositionBits;  // keys below 2^18 (Llama-3's 128256 rows: 17 bits)
 // Up to here CUB's own sort is one launch too (its single-tile kernel: 256 x 19 keys on sm_80 / sm_90).
 constexpr int64_t kBlockSortMin = 4096;
+constexpr int64_t kBoundsBlocks = 1024;  // at most, after the sorting block: grid-stride beyond
 using BlockSort = cub::BlockRadixSort<uint32_t, kBlockSortThreads, kBlockSortItems, cub::NullType,
                                       kBlockSortRadixBits, /*MEMOIZE_OUTER_SCAN=*/false>;  // memoized: spills
+constexpr int kBlockSortSharedBytes = sizeof(BlockSort::TempStorage);  // ~68 KB: above the default 48
 
+template <typename index_t>
 __global__ void __launch_bounds__(kBlockSortThreads)
-block_sort_kernel(const int32_t* __restrict__ keys, int32_t* __restrict__ sorted, int64_t* __restrict__ order,
-                        int n, int bits) {
+one_block_sort_kernel(const index_t* __restrict__ ids, int n, int64_t num_rows, int64_t skip, int bits,
+                      int32_t* __restrict__ sorted, int64_t* __restrict__ order, int64_t* __restrict__ bounds,
+                      int64_t num_zeros, int64_t num_bounds) {
+  if (blockIdx.x > 0) {  // sort_inputs_kernel's bounds
+    const int64_t stride = static_cast<int64_t>(gridDim.x - 1) * blockDim.x;
+    for (int64_t r = static_cast<int64_t>(blockIdx.x - 1) * blockDim.x + threadIdx.x; r < num_bounds; r += stride) {
+      bounds[r] = r < num_zeros ? 0 : -1;
+    }
+    return;
+  }
   extern __shared__ __align__(16) unsigned char shared[];
   auto& temp = *reinterpret_cast<BlockSort::TempStorage*>(shared);
   constexpr uint32_t kPositionMask = (1u << kBlockSortPositionBits) - 1;
@@ -49,7 +62,11 @@ block_sort_kernel(const int32_t* __restrict__ keys, int32_t* __restrict__ sorted
 #pragma unroll
   for (int i = 0; i < kBlockSortItems; ++i) {
     const int r = static_cast<int>(threadIdx.x) * kBlockSortItems + i;
-    const uint32_t key = r < n ? static_cast<uint32_t>(keys[r]) : ~0u;
+    uint32_t key = ~0u;
+    if (r < n) {  // sort_inputs_kernel's key: a used one as it is, every other one as num_rows
+      const int64_t id = static_cast<int64_t>(ids[r]);
+      key = static_cast<uint32_t>(used_key(id, num_rows, skip) ? id : num_rows);
+    }
     words[i] = key << kBlockSortPositionBits | static_cast<uint32_t>(r);
   }
   // Word i of thread t ends at sorted position 1024 i + t: coalesced stores below.
@@ -64,11 +81,11 @@ block_sort_kernel(const int32_t* __restrict__ keys, int32_t* __restrict__ sorted
   }
 }
 
-// Whether the block sort runs on `device`: its shared memory (~70 KB) needs the opt-in
+// Whether one_block_sort_kernel can run on `device`: its shared memory needs the opt-in
 // above 48 KB, which sm_80+ allow (sm_75's 64 KB does not), set here once per device.
 // PYEMBED_CUDA_BLOCK_SORT=0 keeps CUB's device sort everywhere, read by every call (a
 // getenv: well under a microsecond), so gpu-check compares the two in one process.
-bool block_sort_available(int device) {
+bool one_block_sort_available(int device) {
   const char* env = std::getenv("PYEMBED_CUDA_BLOCK_SORT");
   if (env != nullptr && std::string_view(env) == "0") return false;
   constexpr int kMaxDevices = 64;
@@ -78,10 +95,13 @@ bool block_sort_available(int device) {
   std::call_once(once[device], [device] {
     int optin = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    if (optin >= static_cast<int>(sizeof(BlockSort::TempStorage))) {
+    if (optin >= kBlockSortSharedBytes) {
       const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-      C10_CUDA_CHECK(cudaFuncSetAttribute(block_sort_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(sizeof(BlockSort::TempStorage))));
+      for (const void* kernel : {reinterpret_cast<const void*>(one_block_sort_kernel<int32_t>),
+                                 reinterpret_cast<const void*>(one_block_sort_kernel<int64_t>)}) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            kBlockSortSharedBytes));
+      }
       fits[device] = true;
     }
   });
@@ -95,30 +115,42 @@ struct CudaLaunch {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 
-  // A stable sort of (keys, values) on the keys' low `bits` bits (keys in [0, 2^bits)),
-  // values the positions 0..n-1 (sort_inputs_kernel's iota: the block sort makes its own),
-  // on the current stream: the block sort above for n in (kBlockSortMin, kBlockSortMax]
-  // 32-bit keys of at most 18 bits, else CUB's radix sort, as PyTorch's own embedding
-  // backward calls it.
+  // A stable sort of (keys, values) on the keys' low `bits` bits (keys in [0, 2^bits)):
+  // CUB's radix sort, as PyTorch's own embedding backward calls it, on the current stream.
   static std::pair<at::Tensor, at::Tensor> sort_pairs(const at::Tensor& keys, const at::Tensor& values,
                                                       int64_t bits) {
     at::Tensor sorted = at::empty_like(keys), order = at::empty_like(values);
-    const int64_t n = keys.numel();
-    if (keys.scalar_type() == at::kInt && n > kBlockSortMin && n <= kBlockSortMax && bits <= kBlockSortKeyBits &&
-        block_sort_available(keys.get_device())) {
-      block_sort_kernel<<<1, kBlockSortThreads, sizeof(BlockSort::TempStorage),
-                                c10::cuda::getCurrentCUDAStream()>>>(
-          keys.data_ptr<int32_t>(), sorted.data_ptr<int32_t>(), order.data_ptr<int64_t>(), static_cast<int>(n),
-          static_cast<int>(bits));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      return {sorted, order};
-    }
     AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_sort_pairs", [&] {
       at::cuda::cub::radix_sort_pairs<index_t, int64_t>(keys.data_ptr<index_t>(), sorted.data_ptr<index_t>(),
                                                         values.data_ptr<int64_t>(), order.data_ptr<int64_t>(),
-                                                        n, /*descending=*/false, 0, bits);
+                                                        keys.numel(), /*descending=*/false, 0, bits);
     });
     return {sorted, order};
+  }
+
+  // sorted_segments' sort inputs and sort in one launch (one_block_sort_kernel), for n in
+  // (kBlockSortMin, kBlockSortMax] keys of at most kBlockSortKeyBits bits.
+  static constexpr bool kOneBlockSort = true;
+
+  static bool one_block_sort_fits(int64_t n, int64_t bits, const at::Tensor& ids) {
+    return n > kBlockSortMin && n <= kBlockSortMax && bits <= kBlockSortKeyBits &&
+           one_block_sort_available(ids.get_device());
+  }
+
+  // sorted (n,) int32 and order (n,) int64 from the ids; bounds as sort_inputs_kernel sets them.
+  static void one_block_sort(const at::Tensor& ids, int64_t num_rows, int64_t skip, int64_t bits,
+                             const at::Tensor& sorted, const at::Tensor& order, const at::Tensor& bounds,
+                             int64_t num_zeros) {
+    const int64_t bounds_blocks =
+        std::min<int64_t>((bounds.numel() + kBlockSortThreads - 1) / kBlockSortThreads, kBoundsBlocks);
+    AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "pyembed_one_block_sort", [&] {
+      one_block_sort_kernel<index_t><<<1 + bounds_blocks, kBlockSortThreads, kBlockSortSharedBytes,
+                                       c10::cuda::getCurrentCUDAStream()>>>(
+          ids.data_ptr<index_t>(), static_cast<int>(ids.numel()), num_rows, skip, static_cast<int>(bits),
+          sorted.data_ptr<int32_t>(), order.data_ptr<int64_t>(), bounds.data_ptr<int64_t>(), num_zeros,
+          bounds.numel());
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 };
 

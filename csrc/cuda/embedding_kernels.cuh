@@ -19,11 +19,13 @@
 // every size the host needs is bounded by the token count or the table, and the segment
 // bounds are indexed by table row, so it can be captured in a CUDA graph. Each launch
 // costs the host microseconds and the GPU a ramp, so a dense gradient is three kernels
-// around the sort (Launch::sort_pairs: one thread block's radix sort in shared memory for
-// 4096 < n <= 16384 tokens, one launch; else CUB's, a histogram and a pass per 8 bits,
-// one launch up to ~4.8K keys): the sort's inputs; one pass over the sorted positions
-// (segment bounds, the long segments' pieces); one over the table's rows (each written
-// once, untouched rows as zeros: no zero fill before). Four launches at 8x2048 tokens. A batch of at most kFewTokens tokens skips the sort: one
+// around the sort (Launch::sort_pairs: CUB's radix sort, a histogram and a pass per 8
+// bits, one kernel up to ~4.8K keys): the sort's inputs; one pass over the sorted
+// positions (segment bounds, the long segments' pieces); one over the table's rows (each
+// written once, untouched rows as zeros: no zero fill before). For 4096 < n <= 16384
+// tokens the GPU build sorts in one thread block, in the launch that sets the sort's
+// inputs (Launch::one_block_sort, in shared memory, which these kernels do not use):
+// three launches at 8x2048 tokens. A batch of at most kFewTokens tokens skips the sort: one
 // kernel reads every key per group of rows (few_tokens_gradient_kernel), same sums.
 // Learned positions (p = offset + t) are summed over the batch by extra blocks of the
 // table's last kernel (PositionSums): no launch of their own; they also write the table
@@ -35,6 +37,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 
 #include "../checks.h"
@@ -891,8 +894,8 @@ struct SortedSegments {
 
 // Keys outside [0, num_rows) (out-of-range ids, validate=False) and `skip` (the padding
 // row) are left out. Launches, with no device->host sync: sort_inputs, the radix sort
-// (Launch::sort_pairs, on the bits num_rows needs), [by slot: starts and their scan],
-// chunk_kernel.
+// (Launch::sort_pairs, on the bits num_rows needs) -- or both in one
+// (Launch::one_block_sort) --, [by slot: starts and their scan], chunk_kernel.
 template <class Launch, typename T>
 SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in, int64_t num_rows, int64_t skip,
                                bool by_row, bool with_solo = false, const Dropout& dropout = {}) {
@@ -913,25 +916,34 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
   seg.order = at::empty({n}, long_options);
   // 32-bit sort keys when V (the unused keys' stand-in) fits: half the bytes and passes.
   const bool narrow = num_rows < std::numeric_limits<int32_t>::max();
-  const at::Tensor compact = at::empty({n}, keys.options().dtype(narrow ? at::kInt : at::kLong));
-  if (n + bounds.numel() > 0) {
-    const RowGrid g = linear_grid(std::max(n, bounds.numel()));
-    AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_sort_inputs", [&] {
-      auto run = [&](auto key_type) {
-        using K = decltype(key_type);
-        Launch::run(g.grid, g.block, sort_inputs_kernel<index_t, K>, keys.data_ptr<index_t>(), n, num_rows, skip,
-                    compact.data_ptr<K>(), seg.order.data_ptr<int64_t>(), bounds.data_ptr<int64_t>(),
-                    3 * entries, bounds.numel());
-      };
-      if (narrow) run(int32_t{}); else run(int64_t{});
-    });
+  const int64_t bits = key_bits(num_rows);
+  at::Tensor sorted;
+  if constexpr (Launch::kOneBlockSort) {  // the sort's inputs and the sort in one launch, where it fits
+    if (narrow && Launch::one_block_sort_fits(n, bits, keys)) {
+      sorted = at::empty({n}, keys.options().dtype(at::kInt));
+      Launch::one_block_sort(keys, num_rows, skip, bits, sorted, seg.order, bounds, 3 * entries);
+    }
   }
-  if (n == 0) {
-    seg.count = at::zeros({}, long_options);
-    return seg;
+  if (!sorted.defined()) {
+    const at::Tensor compact = at::empty({n}, keys.options().dtype(narrow ? at::kInt : at::kLong));
+    if (n + bounds.numel() > 0) {
+      const RowGrid g = linear_grid(std::max(n, bounds.numel()));
+      AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_sort_inputs", [&] {
+        auto run = [&](auto key_type) {
+          using K = decltype(key_type);
+          Launch::run(g.grid, g.block, sort_inputs_kernel<index_t, K>, keys.data_ptr<index_t>(), n, num_rows, skip,
+                      compact.data_ptr<K>(), seg.order.data_ptr<int64_t>(), bounds.data_ptr<int64_t>(),
+                      3 * entries, bounds.numel());
+        };
+        if (narrow) run(int32_t{}); else run(int64_t{});
+      });
+    }
+    if (n == 0) {
+      seg.count = at::zeros({}, long_options);
+      return seg;
+    }
+    std::tie(sorted, seg.order) = Launch::sort_pairs(compact, seg.order, bits);  // stable
   }
-  auto [sorted, order] = Launch::sort_pairs(compact, seg.order, key_bits(num_rows));  // stable
-  seg.order = order;
   const int64_t num_chunks = (n + kChunkRows - 1) / kChunkRows;
   if (n > kChunkRows && dim > 0) seg.partials = at::empty({2 * num_chunks, dim}, dout.options().dtype(
       c10::CppTypeToScalarType<A>::value));

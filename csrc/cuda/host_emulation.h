@@ -62,6 +62,10 @@ struct EmulatedLaunch {
               }
   }
 
+  // CudaLaunch's one-block sort (its own kernel, in shared memory) is not emulated: the
+  // sort's inputs and the sort always run as below, which gives the same output.
+  static constexpr bool kOneBlockSort = false;
+
   // CudaLaunch's CUB radix sort on `bits` bits, as a stable sort; it checks that every
   // key fits in those bits (the CUB sort would silently drop the higher ones).
   static std::pair<at::Tensor, at::Tensor> sort_pairs(const at::Tensor& keys, const at::Tensor& values,
