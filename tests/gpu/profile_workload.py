@@ -148,6 +148,22 @@ def host_costs(backends, calls=300):
         op = dispatch.get(backend).backward
         us = per_call(lambda op=op: op(dout, ids, None, 0, GPT2[0], pos_weight.shape[0], 2.0, None, False, True, True))
         print(f"host 8x2048 {backend}: dense backward op: {us:.1f} us/call (GPU work included)", flush=True)
+    # At 79bdffb (H200) `triton`'s op took 313 us a call back to back, 164 us of host with the
+    # GPU held busy, ~110 us of GPU work: something waits. The CUDA runtime / driver calls of
+    # 20 back-to-back calls, by total time, show which (an allocation, a synchronisation).
+    for backend in backends:
+        op = dispatch.get(backend).backward
+        for _ in range(3):  # the plans bound (triton), the allocator's blocks cached
+            op(dout, ids, None, 0, GPT2[0], pos_weight.shape[0], 2.0, None, False, True, True)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(20):
+                op(dout, ids, None, 0, GPT2[0], pos_weight.shape[0], 2.0, None, False, True, True)
+            torch.cuda.synchronize()
+        runtime = [e for e in prof.key_averages() if e.key.startswith(("cuda", "cu"))]
+        for e in sorted(runtime, key=lambda e: -e.cpu_time_total)[:6]:
+            print(f"host 8x2048 {backend}: dense backward op x20, {e.key}: {e.count} calls, "
+                  f"{e.cpu_time_total:.0f} us in all", flush=True)
 
 
 def host_only_costs(backends, calls=40, rounds=3):
