@@ -23,8 +23,8 @@ namespace {
 // values (what sort_inputs_kernel and CUB's device-wide radix sort do in eight GPU
 // operations at 8x2048 tokens: a histogram, a onesweep pass per 8 bits, four memsets --
 // ~25 us of GPU time and ~10 us of host time per launch on the H200 run of 79bdffb).
-// Block 0 is the sort_inputs_kernel's keys, sorted: each position r < 2^14 travels in the
-// low 14 bits of its key's word, (key << 14) | r, and the sort orders the words on the
+// Block 0 sorts sort_inputs_kernel's keys (used ones as they are, the rest as num_rows):
+// each position r < 2^14 travels in the low 14 bits of its key's word, (key << 14) | r, and the sort orders the words on the
 // key's bits alone (bits 14 and up): keys-only, so no value array to exchange and no
 // register spills at 1024 threads (pairs spilled 108-260 bytes). A radix sort is stable,
 // and the words are loaded in the blocked arrangement (thread t holds positions
