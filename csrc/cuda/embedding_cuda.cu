@@ -19,28 +19,20 @@ namespace pyembed::cuda {
 namespace {
 
 // The sort's inputs and a stable sort of up to kBlockSortMax keys in one launch: block 0
-// sorts the used keys in shared memory, the other blocks set the segment bounds' starting
-// values (what sort_inputs_kernel and CUB's device-wide radix sort do in eight GPU
-// operations at 8x2048 tokens: a histogram, a onesweep pass per 8 bits, four memsets --
-// ~25 us of GPU time and ~10 us of host time per launch on the H200 run of 79bdffb).
-// Block 0 sorts sort_inputs_kernel's keys (used ones as they are, the rest as num_rows):
-// each position r < 2^14 travels in the low 14 bits of its key's word, (key << 14) | r, and the sort orders the words on the
-// key's bits alone (bits 14 and up): keys-only, so no value array to exchange and no
-// register spills at 1024 threads (pairs spilled 108-260 bytes). A radix sort is stable,
-// and the words are loaded in the blocked arrangement (thread t holds positions
-// 16t..16t+15), so equal keys keep their token order, as CUB's device sort keeps it: the
-// same output, bit for bit. Positions past n get a key whose bits are all ones: they sort
-// after every real key (after equal ones too, being later) and are not stored.
+// sorts the words of embedding_kernels.cuh's block_sort_word in shared memory, the other
+// blocks set the segment bounds' starting values (what sort_inputs_kernel and CUB's
+// device-wide radix sort do in eight GPU operations at 8x2048 tokens: a histogram, a
+// onesweep pass per 8 bits, four memsets -- ~25 us of GPU time and ~10 us of host time per
+// launch on the H200 run of 79bdffb). Keys-only words, because a key / value sort spilled
+// 108-260 bytes at 1024 threads (64 registers); memoizing the outer scan spilled too. A
+// radix sort is stable, and the words are loaded in the blocked arrangement (thread t
+// holds positions 16t..16t+15), so equal keys keep their token order, as CUB's device sort
+// keeps it: the same output, bit for bit.
 constexpr int kBlockSortThreads = 1024, kBlockSortItems = 16, kBlockSortRadixBits = 5;
-constexpr int kBlockSortPositionBits = 14;
-constexpr int64_t kBlockSortMax = int64_t(kBlockSortThreads) * kBlockSortItems;
-static_assert(kBlockSortMax <= (int64_t(1) << kBlockSortPositionBits));
-constexpr int kBlockSortKeyBits = 32 - kBlockSortPositionBits;  // keys below 2^18 (Llama-3's 128256 rows: 17 bits)
-// Up to here CUB's own sort is one launch too (its single-tile kernel: 256 x 19 keys on sm_80 / sm_90).
-constexpr int64_t kBlockSortMin = 4096;
+static_assert(kBlockSortThreads * kBlockSortItems == kBlockSortMax);
 constexpr int64_t kBoundsBlocks = 1024;  // at most, after the sorting block: grid-stride beyond
 using BlockSort = cub::BlockRadixSort<uint32_t, kBlockSortThreads, kBlockSortItems, cub::NullType,
-                                      kBlockSortRadixBits, /*MEMOIZE_OUTER_SCAN=*/false>;  // memoized: spills
+                                      kBlockSortRadixBits, /*MEMOIZE_OUTER_SCAN=*/false>;
 constexpr int kBlockSortSharedBytes = sizeof(BlockSort::TempStorage);  // ~68 KB: above the default 48
 
 template <typename index_t>
@@ -51,33 +43,23 @@ one_block_sort_kernel(const index_t* __restrict__ ids, int n, int64_t num_rows, 
   if (blockIdx.x > 0) {  // sort_inputs_kernel's bounds
     const int64_t stride = static_cast<int64_t>(gridDim.x - 1) * blockDim.x;
     for (int64_t r = static_cast<int64_t>(blockIdx.x - 1) * blockDim.x + threadIdx.x; r < num_bounds; r += stride) {
-      bounds[r] = r < num_zeros ? 0 : -1;
+      bounds[r] = first_bound(r, num_zeros);
     }
     return;
   }
   extern __shared__ __align__(16) unsigned char shared[];
   auto& temp = *reinterpret_cast<BlockSort::TempStorage*>(shared);
-  constexpr uint32_t kPositionMask = (1u << kBlockSortPositionBits) - 1;
   uint32_t words[kBlockSortItems];
 #pragma unroll
   for (int i = 0; i < kBlockSortItems; ++i) {
-    const int r = static_cast<int>(threadIdx.x) * kBlockSortItems + i;
-    uint32_t key = ~0u;
-    if (r < n) {  // sort_inputs_kernel's key: a used one as it is, every other one as num_rows
-      const int64_t id = static_cast<int64_t>(ids[r]);
-      key = static_cast<uint32_t>(used_key(id, num_rows, skip) ? id : num_rows);
-    }
-    words[i] = key << kBlockSortPositionBits | static_cast<uint32_t>(r);
+    words[i] = block_sort_word(ids, static_cast<int>(threadIdx.x) * kBlockSortItems + i, n, num_rows, skip);
   }
   // Word i of thread t ends at sorted position 1024 i + t: coalesced stores below.
   BlockSort(temp).SortBlockedToStriped(words, kBlockSortPositionBits, kBlockSortPositionBits + bits);
 #pragma unroll
   for (int i = 0; i < kBlockSortItems; ++i) {
     const int r = i * kBlockSortThreads + static_cast<int>(threadIdx.x);
-    if (r < n) {
-      sorted[r] = static_cast<int32_t>(words[i] >> kBlockSortPositionBits);
-      order[r] = words[i] & kPositionMask;
-    }
+    if (r < n) store_block_sort_word(words[i], r, sorted, order);
   }
 }
 
@@ -128,14 +110,9 @@ struct CudaLaunch {
     return {sorted, order};
   }
 
-  // sorted_segments' sort inputs and sort in one launch (one_block_sort_kernel), for n in
-  // (kBlockSortMin, kBlockSortMax] keys of at most kBlockSortKeyBits bits.
-  static constexpr bool kOneBlockSort = true;
-
-  static bool one_block_sort_fits(int64_t n, int64_t bits, const at::Tensor& ids) {
-    return n > kBlockSortMin && n <= kBlockSortMax && bits <= kBlockSortKeyBits &&
-           one_block_sort_available(ids.get_device());
-  }
+  // sorted_segments' sort inputs and sort in one launch (one_block_sort_kernel), for the
+  // sizes of fits_one_block_sort, on a device with the shared memory for it.
+  static bool one_block_sort_runs(const at::Tensor& ids) { return one_block_sort_available(ids.get_device()); }
 
   // sorted (n,) int32 and order (n,) int64 from the ids; bounds as sort_inputs_kernel sets them.
   static void one_block_sort(const at::Tensor& ids, int64_t num_rows, int64_t skip, int64_t bits,

@@ -24,8 +24,10 @@
 // positions (segment bounds, the long segments' pieces); one over the table's rows (each
 // written once, untouched rows as zeros: no zero fill before). For 4096 < n <= 16384
 // tokens the GPU build sorts in one thread block, in the launch that sets the sort's
-// inputs (Launch::one_block_sort, in shared memory, which these kernels do not use):
-// three launches at 8x2048 tokens. A batch of at most kFewTokens tokens skips the sort: one
+// inputs (block_sort_word): three launches at 8x2048 tokens. That kernel alone uses shared
+// memory and block barriers (CUB's block radix sort), as the device-wide sort it
+// replaces did; the emulation runs the words and stores around it, a stable sort in its
+// place. A batch of at most kFewTokens tokens skips the sort: one
 // kernel reads every key per group of rows (few_tokens_gradient_kernel), same sums.
 // Learned positions (p = offset + t) are summed over the batch by extra blocks of the
 // table's last kernel (PositionSums): no launch of their own; they also write the table
@@ -287,16 +289,52 @@ struct Dout {
 // `num_zeros` zeros (begin, end, first token: empty ranges where no segment lands, whose
 // first token is read but unused), then -1 up to `num_bounds` (the slots' keys: -1 marks a
 // slot no segment lands in).
+__device__ __forceinline__ int64_t sort_key(int64_t key, int64_t num_rows, int64_t skip) {
+  return used_key(key, num_rows, skip) ? key : num_rows;
+}
+
+__device__ __forceinline__ int64_t first_bound(int64_t r, int64_t num_zeros) { return r < num_zeros ? 0 : -1; }
+
 template <typename index_t, typename K>
 __global__ void sort_inputs_kernel(const index_t* __restrict__ keys, int64_t n, int64_t num_rows, int64_t skip,
                                    K* __restrict__ out, int64_t* __restrict__ iota, int64_t* __restrict__ bounds,
                                    int64_t num_zeros, int64_t num_bounds) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (r < num_bounds) bounds[r] = r < num_zeros ? 0 : -1;
+  if (r < num_bounds) bounds[r] = first_bound(r, num_zeros);
   if (r >= n) return;
-  const int64_t key = static_cast<int64_t>(keys[r]);
-  out[r] = static_cast<K>(used_key(key, num_rows, skip) ? key : num_rows);
+  out[r] = static_cast<K>(sort_key(static_cast<int64_t>(keys[r]), num_rows, skip));
   iota[r] = r;
+}
+
+// The GPU build sorts 4096 < n <= 16384 tokens in one thread block, in the launch that
+// sets the sort's inputs (Launch::one_block_sort: embedding_cuda.cu's one_block_sort_kernel,
+// CUB's block radix sort in shared memory; the host emulation stands a stable sort in for
+// it, around the same words and stores below). Each position r < 2^14 travels in the low
+// 14 bits of its key's 32-bit word, (key << 14) | r, and the sort orders the words on the
+// key's bits alone (bits 14 and up): keys-only, no value array. Positions in [n, 16384)
+// get a key whose bits are all ones: they sort after every real key (after equal ones
+// too, being later, the sort being stable) and are not stored.
+constexpr int kBlockSortPositionBits = 14;
+constexpr int64_t kBlockSortMin = 4096;  // up to here CUB's own sort is one kernel (its single-tile policy)
+constexpr int64_t kBlockSortMax = int64_t(1) << kBlockSortPositionBits;
+constexpr int kBlockSortKeyBits = 32 - kBlockSortPositionBits;  // keys below 2^18 (Llama-3's 128256 rows: 17 bits)
+
+inline bool fits_one_block_sort(int64_t n, int64_t bits) {
+  return n > kBlockSortMin && n <= kBlockSortMax && bits <= kBlockSortKeyBits;
+}
+
+template <typename index_t>
+__device__ __forceinline__ uint32_t block_sort_word(const index_t* __restrict__ ids, int r, int n, int64_t num_rows,
+                                                    int64_t skip) {
+  const uint32_t key = r < n ? static_cast<uint32_t>(sort_key(static_cast<int64_t>(ids[r]), num_rows, skip)) : ~0u;
+  return key << kBlockSortPositionBits | static_cast<uint32_t>(r);
+}
+
+// Sorted position r (< n) of the sorted words: its key and its token.
+__device__ __forceinline__ void store_block_sort_word(uint32_t word, int r, int32_t* __restrict__ sorted,
+                                                      int64_t* __restrict__ order) {
+  sorted[r] = static_cast<int32_t>(word >> kBlockSortPositionBits);
+  order[r] = word & ((1u << kBlockSortPositionBits) - 1);
 }
 
 // starts[r] = 1 where sorted position r begins a segment: a used key (< num_rows, after
@@ -918,13 +956,10 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
   const bool narrow = num_rows < std::numeric_limits<int32_t>::max();
   const int64_t bits = key_bits(num_rows);
   at::Tensor sorted;
-  if constexpr (Launch::kOneBlockSort) {  // the sort's inputs and the sort in one launch, where it fits
-    if (narrow && Launch::one_block_sort_fits(n, bits, keys)) {
-      sorted = at::empty({n}, keys.options().dtype(at::kInt));
-      Launch::one_block_sort(keys, num_rows, skip, bits, sorted, seg.order, bounds, 3 * entries);
-    }
-  }
-  if (!sorted.defined()) {
+  if (narrow && fits_one_block_sort(n, bits) && Launch::one_block_sort_runs(keys)) {
+    sorted = at::empty({n}, keys.options().dtype(at::kInt));  // the sort's inputs and the sort in one launch
+    Launch::one_block_sort(keys, num_rows, skip, bits, sorted, seg.order, bounds, 3 * entries);
+  } else {
     const at::Tensor compact = at::empty({n}, keys.options().dtype(narrow ? at::kInt : at::kLong));
     if (n + bounds.numel() > 0) {
       const RowGrid g = linear_grid(std::max(n, bounds.numel()));

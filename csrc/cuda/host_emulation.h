@@ -62,9 +62,14 @@ struct EmulatedLaunch {
               }
   }
 
-  // CudaLaunch's one-block sort (its own kernel, in shared memory) is not emulated: the
-  // sort's inputs and the sort always run as below, which gives the same output.
-  static constexpr bool kOneBlockSort = false;
+  // CudaLaunch's one-block sort (the sort's inputs and a stable sort in one launch): the
+  // same words and stores (embedding_kernels.cuh's block_sort_word), with a stable sort on
+  // their key bits standing in for CUB's block radix sort, one thread's work at a time.
+  // Defined after the kernels, in tests/emulation/cuda_emulated.cpp.
+  static bool one_block_sort_runs(const at::Tensor&) { return true; }
+  static void one_block_sort(const at::Tensor& ids, int64_t num_rows, int64_t skip, int64_t bits,
+                             const at::Tensor& sorted, const at::Tensor& order, const at::Tensor& bounds,
+                             int64_t num_zeros);
 
   // CudaLaunch's CUB radix sort on `bits` bits, as a stable sort; it checks that every
   // key fits in those bits (the CUB sort would silently drop the higher ones).
