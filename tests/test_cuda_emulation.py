@@ -156,8 +156,9 @@ def test_emulated_rows_at_the_sort_keys_width_edges_sum_exactly(emulated, vocab)
 @pytest.mark.parametrize("num_tokens, vocab", [(4097, 50257), (16384, 200000)])
 def test_emulated_sorted_paths_sum_each_row_in_token_order(emulated, num_tokens, vocab):
     """A stable sort keeps each row's tokens in token order, and its sums follow it: the
-    sizes where a GPU sorts in one thread block (csrc/cuda/embedding_cuda.cu; here the
-    host's stable sort), checked on the GPU by tests/gpu/test_gpu_parity.py."""
+    sizes where a GPU sorts in one thread block (csrc/cuda/embedding_cuda.cu; here its
+    words and stores around the host's stable sort, EmulatedLaunch::one_block_sort),
+    checked on the GPU by tests/gpu/test_gpu_parity.py."""
     ids, dout, expected, padding_idx = token_order_ids_and_grad(num_tokens, vocab)
     used = torch.unique(ids[(ids >= 0) & (ids < vocab) & (ids != padding_idx)])
     for id_dtype in ID_DTYPES:

@@ -24,11 +24,11 @@
 // positions (segment bounds, the long segments' pieces); one over the table's rows (each
 // written once, untouched rows as zeros: no zero fill before). For 4096 < n <= 16384
 // tokens the GPU build sorts in one thread block, in the launch that sets the sort's
-// inputs (block_sort_word): three launches at 8x2048 tokens. That kernel alone uses shared
-// memory and block barriers (CUB's block radix sort), as the device-wide sort it
+// inputs (block_sort_word): three launches at 8x2048 tokens. That kernel alone uses
+// shared memory and block barriers (CUB's block radix sort), as the device-wide sort it
 // replaces did; the emulation runs the words and stores around it, a stable sort in its
-// place. A batch of at most kFewTokens tokens skips the sort: one
-// kernel reads every key per group of rows (few_tokens_gradient_kernel), same sums.
+// place. A batch of at most kFewTokens tokens skips the sort: one kernel reads every key
+// per group of rows (few_tokens_gradient_kernel), same sums.
 // Learned positions (p = offset + t) are summed over the batch by extra blocks of the
 // table's last kernel (PositionSums): no launch of their own; they also write the table
 // rows used by one token, so dout is read once for those, not twice.
@@ -283,18 +283,20 @@ struct Dout {
   }
 };
 
-// What the sort needs, in one launch: the keys it sees -- a used key as it is, every other
-// one as num_rows (sorted after all used ones), in K: 32 bits when the table allows --
-// the values it carries (each token's index), and the segment bounds' starting values:
-// `num_zeros` zeros (begin, end, first token: empty ranges where no segment lands, whose
-// first token is read but unused), then -1 up to `num_bounds` (the slots' keys: -1 marks a
-// slot no segment lands in).
+// The key the sort sees for `key`: a used one as it is, every other one as num_rows (sorted
+// after all used ones); and the starting value of segment bound r.
 __device__ __forceinline__ int64_t sort_key(int64_t key, int64_t num_rows, int64_t skip) {
   return used_key(key, num_rows, skip) ? key : num_rows;
 }
 
 __device__ __forceinline__ int64_t first_bound(int64_t r, int64_t num_zeros) { return r < num_zeros ? 0 : -1; }
 
+// What the sort needs, in one launch: the keys it sees -- a used key as it is, every other
+// one as num_rows (sorted after all used ones), in K: 32 bits when the table allows --
+// the values it carries (each token's index), and the segment bounds' starting values:
+// `num_zeros` zeros (begin, end, first token: empty ranges where no segment lands, whose
+// first token is read but unused), then -1 up to `num_bounds` (the slots' keys: -1 marks a
+// slot no segment lands in).
 template <typename index_t, typename K>
 __global__ void sort_inputs_kernel(const index_t* __restrict__ keys, int64_t n, int64_t num_rows, int64_t skip,
                                    K* __restrict__ out, int64_t* __restrict__ iota, int64_t* __restrict__ bounds,

@@ -144,9 +144,10 @@ def host_costs(backends, calls=300):
         print(f"host 1x1 with a gradient, {name}: {per_call(fn):.1f} us/call", flush=True)
     host_cost_targets(backends, weight, ids, per_call)
     weight, pos_weight, ids, dout = tensors(*GPT2, 8, 2048, torch.float32)
+    backward_args = (dout, ids, None, 0, GPT2[0], pos_weight.shape[0], 2.0, None, False, True, True)
     for backend in backends:
         op = dispatch.get(backend).backward
-        us = per_call(lambda op=op: op(dout, ids, None, 0, GPT2[0], pos_weight.shape[0], 2.0, None, False, True, True))
+        us = per_call(lambda op=op: op(*backward_args))
         print(f"host 8x2048 {backend}: dense backward op: {us:.1f} us/call (GPU work included)", flush=True)
     # At 79bdffb (H200) `triton`'s op took 313 us a call back to back, 164 us of host with the
     # GPU held busy, ~110 us of GPU work: something waits. The CUDA runtime / driver calls of
@@ -154,16 +155,33 @@ def host_costs(backends, calls=300):
     for backend in backends:
         op = dispatch.get(backend).backward
         for _ in range(3):  # the plans bound (triton), the allocator's blocks cached
-            op(dout, ids, None, 0, GPT2[0], pos_weight.shape[0], 2.0, None, False, True, True)
+            op(*backward_args)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(20):
-                op(dout, ids, None, 0, GPT2[0], pos_weight.shape[0], 2.0, None, False, True, True)
+                op(*backward_args)
             torch.cuda.synchronize()
         runtime = [e for e in prof.key_averages() if e.key.startswith(("cuda", "cu"))]
         for e in sorted(runtime, key=lambda e: -e.cpu_time_total)[:6]:
             print(f"host 8x2048 {backend}: dense backward op x20, {e.key}: {e.count} calls, "
                   f"{e.cpu_time_total:.0f} us in all", flush=True)
+
+
+def host_us_gpu_busy(fn, calls: int) -> float:
+    """Host microseconds per call of ``fn`` with the GPU held by a ~0.25 s sleep kernel
+    queued first, so the host never waits for it (a call that does wait, a sync, shows as
+    ~0.25 s / calls)."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # cycles: ~0.25 s at the H100's 1.98 GHz, past any 40 calls' host time
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return us
 
 
 def host_only_costs(backends, calls=40, rounds=3):
@@ -179,21 +197,11 @@ def host_only_costs(backends, calls=40, rounds=3):
     with dropout, and for each C++ backend with AdamW inside its backward (a Python node on
     every backend). Then the parts of pyembed's backward: the dense backward op and
     `triton`'s torch.sort."""
-    import time
-
     weight, pos_weight, ids, dout = tensors(*GPT2, 8, 2048, torch.float32)
     scale = GPT2[1] ** 0.5
 
     def host_only(fn):
-        fn()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(500_000_000)  # cycles: ~0.25 s at the H100's 1.98 GHz, past any 40 calls' host time
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        us = (time.perf_counter() - start) / calls * 1e6
-        torch.cuda.synchronize()
-        return us
+        return host_us_gpu_busy(fn, calls)
 
     def fwd_bwd(layer):
         def run():
@@ -403,8 +411,6 @@ def sort_comparison(batch=8, seq_len=2048, calls=40):
 
 
 def sort_case(op, which, table, dtype, batch, seq_len, calls):
-    import time
-
     weight, pos_weight, ids, dout = tensors(*table, batch, seq_len, dtype)
     num_positions, (vocab, dim) = pos_weight.shape[0], table
     del weight, pos_weight
@@ -414,14 +420,7 @@ def sort_case(op, which, table, dtype, batch, seq_len, calls):
 
     wall = triton.testing.do_bench(call, return_mode="median")
     graphed = triton.testing.do_bench_cudagraph(call, return_mode="median")
-    call()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(500_000_000)  # the GPU busy: the host never waits
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    host = (time.perf_counter() - start) / calls * 1e6
-    torch.cuda.synchronize()
+    host = host_us_gpu_busy(call, calls)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()
