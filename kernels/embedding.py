@@ -32,6 +32,7 @@ of d (which is what lets it emit 16-byte accesses); BLOCK_T follows from BLOCK_D
 
 import functools
 import math
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -285,12 +286,128 @@ def _sort_inputs_kernel(
     keys: a slot no segment lands in)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = r < n
+    _store_sort_key(out_ptr, r, _compacted_key(keys_ptr, r, ok, num_rows, skip), ok)
+    _start_bounds(bounds_ptr, r, num_zeros, num_bounds)
+
+
+@triton.jit
+def _compacted_key(keys_ptr, r, ok, num_rows, skip):
+    """The key the sort sees for token r: its key if used, else num_rows (after every used key)."""
     key = tl.load(keys_ptr + r, mask=ok, other=0).to(tl.int64)
-    out = tl.where(_used_key(key, num_rows, skip), key, num_rows)
+    return tl.where(_used_key(key, num_rows, skip), key, num_rows)
+
+
+@triton.jit
+def _store_sort_key(out_ptr, at, key, mask):
+    """A compacted key (int64) stored in the sort's key type: int16 keys less INT16_KEY_BIAS."""
     if out_ptr.dtype.element_ty == tl.int16:
-        out -= INT16_KEY_BIAS
-    tl.store(out_ptr + r, out.to(out_ptr.dtype.element_ty), mask=ok)
-    tl.store(bounds_ptr + r, tl.where(r < num_zeros, 0, -1).to(tl.int64), mask=r < num_bounds)
+        key -= INT16_KEY_BIAS
+    tl.store(out_ptr + at, key.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _start_bounds(bounds_ptr, b, num_zeros, num_bounds):
+    """The segment bounds' starting values (_sort_inputs_kernel) at b."""
+    tl.store(bounds_ptr + b, tl.where(b < num_zeros, 0, -1).to(tl.int64), mask=b < num_bounds)
+
+
+# The tile sort, for batches of at most 2^TILE_SORT_POSITION_BITS tokens over tables of
+# fewer than 2^TILE_SORT_KEY_BITS rows (GPT-2, BERT, Llama-2, Llama-3): token r's compacted
+# key k and r itself travel as one 32-bit word (k << 14) | r. The words are distinct, so
+# ordering them orders the keys stably, with no values beside them, and a word's sorted
+# position is the number of words below it: no comparison network, no barrier, two
+# launches where torch's sort is seven GPU operations (a histogram, a onesweep pass per 8
+# bits, four memsets: ~23 us of GPU and ~41 us of host time on the H200 at 79bdffb).
+# _tile_rank_kernel places each word within its tile of TILE_SORT_TILE by counting the
+# tile's words below it; _merge_tiles_kernel places it among all of them by adding its
+# lower bounds in the other (sorted) tiles. One tile (n <= TILE_SORT_TILE) is one launch.
+# The same words, key width and position bits as csrc/cuda's one_block_sort_kernel.
+TILE_SORT_POSITION_BITS = tl.constexpr(14)
+TILE_SORT_POSITION_MASK = tl.constexpr(2**14 - 1)
+TILE_SORT_KEY_BITS = 18
+TILE_SORT_TILE = 512
+TILE_SORT_MAX_TILES = 32  # 2^14 tokens
+RANK_ROWS = 64  # words ranked per program of _tile_rank_kernel (eight programs a tile), against
+RANK_COLUMNS = 64  # this many of the tile's words at a time: 64 x 64 comparisons, 32 per thread
+
+
+@triton.jit
+def _tile_sort_word(keys_ptr, r, ok, num_rows, skip):
+    """Token r's word (uint32): its compacted key above its position."""
+    key = _compacted_key(keys_ptr, r, ok, num_rows, skip)
+    return (key.to(tl.uint32) << TILE_SORT_POSITION_BITS) | r.to(tl.uint32)
+
+
+@triton.jit
+def _store_sorted_words(sorted_ptr, order_ptr, at, word, mask):
+    """Words stored at their sorted positions ``at``: the compacted key and the token."""
+    _store_sort_key(sorted_ptr, at, (word >> TILE_SORT_POSITION_BITS).to(tl.int64), mask)
+    tl.store(order_ptr + at, (word & TILE_SORT_POSITION_MASK).to(tl.int64), mask=mask)
+
+
+@triton.jit
+def _tile_rank_kernel(
+    keys_ptr,  # (n,) int32/int64 ids or positions
+    words_ptr,  # (n,) int32 out, unless ONE_TILE: each tile's words (uint32 bits), sorted within the tile
+    sorted_ptr,  # (n,) sort_key_dtype(num_rows) out, if ONE_TILE: the sorted compacted keys
+    order_ptr,  # (n,) int64 out, if ONE_TILE: the token of each sorted position
+    bounds_ptr,  # (num_bounds,) int64 out: the segment bounds' starting values (_sort_inputs_kernel)
+    n, rank_programs, num_zeros, num_bounds, num_rows, skip,
+    ONE_TILE: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Programs [0, rank_programs): ROWS words of a tile, each stored at its tile's start
+    plus the count of the tile's words below it -- with one tile (n <= TILE) that is the
+    sort, stored as keys and tokens. The programs after set BLOCK bound values each, as
+    _sort_inputs_kernel does."""
+    program = tl.program_id(0)
+    if program < rank_programs:
+        tile_start = program // (TILE // ROWS) * TILE  # int32: positions < 2^14
+        r = tile_start + program % (TILE // ROWS) * ROWS + tl.arange(0, ROWS)
+        ok = r < n
+        word = _tile_sort_word(keys_ptr, r, ok, num_rows, skip)
+        below = tl.zeros([ROWS, COLUMNS], dtype=tl.int32)  # summed across a row once, at the end
+        for c in tl.static_range(0, TILE, COLUMNS):
+            other = tile_start + c + tl.arange(0, COLUMNS)
+            in_tile = other < n
+            other_word = _tile_sort_word(keys_ptr, other, in_tile, num_rows, skip)
+            below += (in_tile[None, :] & (other_word[None, :] < word[:, None])).to(tl.int32)
+        rank = tl.sum(below, axis=1)
+        if ONE_TILE:
+            _store_sorted_words(sorted_ptr, order_ptr, rank, word, ok)
+        else:
+            tl.store(words_ptr + tile_start + rank, word.to(tl.int32, bitcast=True), mask=ok)
+    else:
+        _start_bounds(bounds_ptr, (program - rank_programs).to(tl.int64) * BLOCK + tl.arange(0, BLOCK), num_zeros,
+                      num_bounds)
+
+
+@triton.jit
+def _merge_tiles_kernel(
+    words_ptr,  # (n,) int32: each tile's words (uint32 bits), sorted within the tile (_tile_rank_kernel)
+    sorted_ptr,  # (n,) sort_key_dtype(num_rows) out: the sorted compacted keys
+    order_ptr,  # (n,) int64 out: the token of each sorted position
+    n,
+    TILE: tl.constexpr, MAX_TILES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Words i, each stored at its sorted position: the number of words below it, the sum
+    of its lower bounds in every tile (in its own, its index there). Each lower bound is a
+    binary search of at most TILE words (L2-resident: 4 bytes per token), a program's
+    BLOCK x MAX_TILES searches at once."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    word = tl.load(words_ptr + i, mask=ok, other=0).to(tl.uint32, bitcast=True)
+    tile_start = tl.arange(0, MAX_TILES) * TILE
+    searched = ok[:, None] & (tile_start < n)[None, :]
+    lo = tl.zeros([BLOCK, MAX_TILES], dtype=tl.int32)
+    hi = tl.broadcast_to(tl.minimum(n - tile_start, TILE)[None, :], [BLOCK, MAX_TILES])
+    for _ in tl.static_range(TILE.bit_length()):
+        mid = (lo + hi) >> 1  # both >= 0: a shift, not a signed division's fix-ups
+        active = searched & (lo < hi)
+        probe = tl.load(words_ptr + tile_start[None, :] + mid, mask=active, other=0).to(tl.uint32, bitcast=True)
+        below = active & (probe < word[:, None])
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where(active & ~below, mid, hi)
+    _store_sorted_words(sorted_ptr, order_ptr, tl.sum(tl.where(searched, lo, 0), axis=1), word, ok)
 
 
 @triton.jit
@@ -808,6 +925,7 @@ FORWARD_REPLAYED = dict(tensors=(("ids_ptr", "position_ids_ptr", "dropout_key_pt
 
 
 BOUNDS_BLOCK = 1024  # sorted positions per program of the sort-input and segment-start kernels
+MERGE_BLOCK = 64  # words per program of _merge_tiles_kernel: 64 x 32 lower bounds searched at once
 CHUNK_ROWS = 128  # sorted positions per chunk: the longest segment summed directly
 # A dense gradient of at most this many tokens skips the sort: one kernel, in which a
 # program reads every key per tile of rows it writes (csrc/cuda's kFewTokens). The sorted
@@ -862,6 +980,36 @@ class DoutDropout(NamedTuple):
         return (unused, 0, 1.0) if dropout is None else (dropout.key, dropout.threshold, dropout.scale)
 
 
+def tile_sorts(n: int, num_rows: int) -> bool:
+    """The tile sort takes these keys (n tokens over num_rows rows): it fits them, and
+    PYEMBED_TRITON_TILE_SORT=0 (read by each call, so one process can time both) does not
+    ask for torch's sort."""
+    return (0 < n <= TILE_SORT_TILE * TILE_SORT_MAX_TILES and num_rows < 2**TILE_SORT_KEY_BITS
+            and os.environ.get("PYEMBED_TRITON_TILE_SORT") != "0")
+
+
+def tile_sort(keys, sorted_keys, order, bounds, num_zeros: int, num_rows: int, skip: int, launch=_direct,
+              blocks: Optional[tuple[int, int, int]] = None):
+    """The keys' compacted values sorted stably into sorted_keys, their tokens into order,
+    and the bounds' starting values set: _tile_rank_kernel, then _merge_tiles_kernel
+    unless one tile holds every key. blocks: (ROWS, COLUMNS, merge BLOCK), by default the
+    GPU's, or under the interpreter (CPU tensors) whole tiles, which it runs as one NumPy
+    operation each rather than as eight programs of eight steps (tests/test_host_sync.py runs
+    the GPU's blocks there too)."""
+    n = keys.numel()
+    rows, columns, merge_block = blocks or ((RANK_ROWS, RANK_COLUMNS, MERGE_BLOCK) if keys.is_cuda else
+                                            (TILE_SORT_TILE, TILE_SORT_TILE, 1024))
+    one_tile = n <= TILE_SORT_TILE
+    words = order if one_tile else torch.empty(n, dtype=torch.int32, device=keys.device)  # one tile: not written
+    rank_programs = _cdiv(n, rows)
+    launch(_tile_rank_kernel)[(rank_programs + _cdiv(bounds.numel(), BOUNDS_BLOCK),)](
+        keys, words, sorted_keys, order, bounds, n, rank_programs, num_zeros, bounds.numel(), num_rows, skip,
+        ONE_TILE=one_tile, TILE=TILE_SORT_TILE, ROWS=rows, COLUMNS=columns, BLOCK=BOUNDS_BLOCK)
+    if not one_tile:
+        launch(_merge_tiles_kernel)[(_cdiv(n, merge_block),)](
+            words, sorted_keys, order, n, TILE=TILE_SORT_TILE, MAX_TILES=TILE_SORT_MAX_TILES, BLOCK=merge_block)
+
+
 def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch=_direct,
                     with_solo: bool = False, dropout: Optional[DoutDropout] = None) -> Segments:
     """Segments of the keys in [0, num_rows) other than ``skip`` (out-of-range ids and the
@@ -878,13 +1026,17 @@ def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch
     bounds = torch.empty(3 * entries + (0 if by_row else entries) + (n if with_solo else 0), dtype=torch.long,
                          device=device)
     compact = torch.empty(n, dtype=sort_key_dtype(num_rows), device=device)
-    if n + bounds.numel():
-        launch(_sort_inputs_kernel)[(_cdiv(max(n, bounds.numel()), BOUNDS_BLOCK),)](
-            keys, compact, bounds, n, 3 * entries, bounds.numel(), num_rows, skip, BLOCK=BOUNDS_BLOCK)
-    if n == 0:
-        return Segments(torch.empty(0, dtype=torch.long, device=device), bounds, entries, with_solo,
-                        torch.zeros((), dtype=torch.long, device=device), None)
-    sorted_keys, order = compact.sort(stable=True)  # unused keys (num_rows) sort last
+    if tile_sorts(n, num_rows):
+        sorted_keys, order = compact, torch.empty(n, dtype=torch.long, device=device)
+        tile_sort(keys, sorted_keys, order, bounds, 3 * entries, num_rows, skip, launch)
+    else:
+        if n + bounds.numel():
+            launch(_sort_inputs_kernel)[(_cdiv(max(n, bounds.numel()), BOUNDS_BLOCK),)](
+                keys, compact, bounds, n, 3 * entries, bounds.numel(), num_rows, skip, BLOCK=BOUNDS_BLOCK)
+        if n == 0:
+            return Segments(torch.empty(0, dtype=torch.long, device=device), bounds, entries, with_solo,
+                            torch.zeros((), dtype=torch.long, device=device), None)
+        sorted_keys, order = compact.sort(stable=True)  # unused keys (num_rows) sort last
     scan = count = None
     if not by_row:
         scan = torch.empty(n, dtype=torch.long, device=device)

@@ -133,12 +133,13 @@ def test_triton_dense_backward_is_a_few_ops(interpreted_launches):
     torch.testing.assert_close(dw.double(), exact_row_sums(ids, dout, VOCAB), rtol=1e-5, atol=1e-4)
 
 
-# Launches per dense backward, the contract of issue #30: three kernels around one sort
-# (the sort's inputs; one pass over the sorted positions; one over the table's rows) at
-# GPT-2's 8x2048 tokens, hot rows included; the learned positions' batch sums are extra
-# blocks of the last one.
-# Each launch costs the host microseconds and the GPU a ramp; the reduction tree,
-# scans and fills this replaced were ~25 launches at this size.
+# Launches per dense backward, the contract of issue #30 (at most four at GPT-2's 8x2048
+# tokens, hot rows included): the sort, one pass over the sorted positions (segment bounds,
+# the long segments' pieces), one over the table's rows; the learned positions' batch sums
+# are extra blocks of the last one. cuda sorts in one launch with the sort's inputs;
+# triton in two (its tile sort), or around torch's sort (PYEMBED_TRITON_TILE_SORT=0, and
+# past 2^14 tokens or 2^18 rows). Each launch costs the host microseconds and the GPU a
+# ramp; the reduction tree, scans and fills this replaced were ~25 launches at this size.
 def _gpt2_backward_inputs():
     gen = torch.Generator().manual_seed(8)
     ids = torch.randint(0, 50257, (8, 2048), generator=gen)
@@ -156,14 +157,19 @@ def test_emulated_cuda_dense_backward_is_three_kernels_around_one_sort(emulated)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
-def test_triton_dense_backward_is_three_kernels_around_one_sort(interpreted_launches):
+@pytest.mark.parametrize("tile_sort", [True, False], ids=["tile sort", "torch's sort"])
+def test_triton_dense_backward_is_four_kernels_or_three_around_torchs_sort(interpreted_launches, monkeypatch,
+                                                                           tile_sort):
     from pyembed import _triton
 
+    if not tile_sort:
+        monkeypatch.setenv("PYEMBED_TRITON_TILE_SORT", "0")
     ids, dout = _gpt2_backward_inputs()
     with HostSyncRecorder() as rec:
         dw, dp = _triton.backward(dout, ids, None, 0, 50257, 2048, 1.0, None, False, True, True)
-    assert interpreted_launches == ["_sort_inputs_kernel", "_chunk_kernel", "_finish_segments_kernel"]
-    assert rec.names.count("aten::sort") == 1 and not rec.syncs
+    sort = ["_tile_rank_kernel", "_merge_tiles_kernel"] if tile_sort else ["_sort_inputs_kernel"]
+    assert interpreted_launches == sort + ["_chunk_kernel", "_finish_segments_kernel"]
+    assert rec.names.count("aten::sort") == (0 if tile_sort else 1) and not rec.syncs
     torch.testing.assert_close(dw[13].double(), dout[:, :1500].double().sum((0, 1)), rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(dp.double(), dout.double().sum(0), rtol=1e-5, atol=1e-4)
 
@@ -282,7 +288,9 @@ def test_short_batch_gradient_is_one_kernel_with_the_sorted_paths_sums(request, 
         dw_sorted, dp_sorted, kernels, sorts = _short_batch_backward(
             backend, emulated, torch.cat([unused, dout]), torch.cat([torch.full((40,), -1), ids]),
             torch.cat([torch.full((40,), -1), positions]), by_freq)
-        assert sorts == 2 and kernels in (6, None), (kernels, sorts)  # three kernels around a sort, per gradient
+        # Per gradient: three kernels around a sort (cuda), or the tile sort's one and two (triton)
+        assert (sorts, kernels) == (2, 6) if backend == "cuda" else (
+            sorts == 0 and interpreted_launches.count("_tile_rank_kernel") == 2), (kernels, sorts)
         assert torch.equal(dw, dw_sorted) and torch.equal(dp, dp_sorted)
 
 
@@ -337,7 +345,9 @@ def test_short_batch_touched_rows_are_one_kernel_with_the_sorted_paths_sums(requ
         sorted_rows, sorted_values, _, _, kernels, sorts = _short_batch_rows(
             backend, emulated, torch.cat([torch.randn(40, dim, dtype=torch.float64).to(dtype), dout]),
             torch.cat([torch.full((40,), -1), ids]), by_freq)
-        assert sorts == 1 and kernels in (4, None), (kernels, sorts)  # starts, chunks, finish (and the sort's inputs)
+        # Per call: starts, chunks, finish and the sort's inputs around a sort (cuda), or the tile sort (triton)
+        assert (sorts, kernels) == (1, 4) if backend == "cuda" else (
+            sorts == 0 and interpreted_launches.count("_tile_rank_kernel") == 2), (kernels, sorts)
         # min(tokens, V) slots, those past the used rows marked -1 (as the sort's inputs start them)
         assert sorted_rows.tolist() == used.tolist() + [-1] * (sorted_rows.numel() - used.numel())
         assert torch.equal(sorted_values[:used.numel()], values[:used.numel()])
@@ -567,12 +577,13 @@ def _written_once_inputs(position_ids: bool):
 
 
 def _assert_written_once(rec, ids, dout, positions, dw, dp, key_dtype):
-    """No fill among the recorded ops, sort keys of key_dtype, and (dW, dP) within the
-    accumulation bound of the float64 index_add of the kept tokens (scale 1.5, padding row 5)."""
+    """No fill among the recorded ops, torch sorts of key_dtype keys (None: no torch sort),
+    and (dW, dP) within the accumulation bound of the float64 index_add of the kept tokens
+    (scale 1.5, padding row 5)."""
     fills = [c for c in rec.calls if c[0] in ("aten::zero_", "aten::fill_")]
     assert fills == [], fills  # (the segment bounds' zeros are written by the sort-inputs kernel)
     sorts = [c for c in rec.calls if c[0] == "aten::sort"]
-    assert sorts and all(c[1] == key_dtype for c in sorts), sorts
+    assert (sorts and all(c[1] == key_dtype for c in sorts)) if key_dtype else not sorts, sorts
     keep = (ids >= 0) & (ids < 300) & (ids != 5)
     exact, bound = accumulation_bound(ids[keep], dout[keep], 300, 1.5, torch.float32)  # DESIGN §7's rule
     assert_within(dw, exact, bound, what="dW")  # NaN (a row never written) fails any bound
@@ -623,7 +634,7 @@ def test_learned_positions_write_the_one_token_rows_bit_for_bit(request, backend
         def backward(offset, need_pos_grad, by_freq):
             launched.clear()
             grads = _triton.backward(dout, ids, None, offset, SOLO_VOCAB, 120, -0.5, 5, by_freq, True, need_pos_grad)
-            assert launched == ["_sort_inputs_kernel", "_chunk_kernel", "_finish_segments_kernel"]
+            assert launched == ["_tile_rank_kernel", "_chunk_kernel", "_finish_segments_kernel"]  # one tile
             return grads
     for by_freq in (False, True):
         alone_dw, _ = backward(0, False, by_freq)
@@ -670,16 +681,23 @@ def test_emulated_cuda_dense_gradient_of_no_tokens_is_zeros(emulated):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
 @pytest.mark.parametrize("position_ids", [False, True])
-def test_triton_dense_gradient_is_written_once_and_sorted_on_16_bit_keys(interpreted_launches, position_ids):
-    """As the emulated CUDA test above, for the triton backend's dense backward. torch's
-    sort takes every bit of its keys, so a table under 2^16 rows sorts int16 keys: two
-    radix passes, as CUB's bit-limited sort makes on the cuda backend."""
+@pytest.mark.parametrize("tile_sort", [True, False], ids=["tile sort", "torch's sort"])
+def test_triton_dense_gradient_is_written_once_and_sorted_on_narrow_keys(interpreted_launches, monkeypatch,
+                                                                        position_ids, tile_sort):
+    """As the emulated CUDA test above, for the triton backend's dense backward: its tile
+    sort orders 32-bit words of 18 key bits and 14 position bits (no torch op); torch's sort
+    takes every bit of its keys, so a table under 2^16 rows sorts int16 keys: two radix
+    passes, as CUB's bit-limited sort makes on the cuda backend."""
     from pyembed import _triton
 
+    if not tile_sort:
+        monkeypatch.setenv("PYEMBED_TRITON_TILE_SORT", "0")
     ids, dout, positions = _written_once_inputs(position_ids)
     with HostSyncRecorder() as rec:
         dw, dp = _triton.backward(dout, ids, positions, 0, 300, 40, 1.5, 5, False, True, position_ids)
-    _assert_written_once(rec, ids, dout, positions, dw, dp, key_dtype=torch.int16)
+    _assert_written_once(rec, ids, dout, positions, dw, dp, key_dtype=None if tile_sort else torch.int16)
+    # 1024 tokens: two tiles for each table
+    assert interpreted_launches.count("_merge_tiles_kernel") == (1 + position_ids if tile_sort else 0)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")

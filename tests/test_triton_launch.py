@@ -52,7 +52,7 @@ def test_cached_launches_equal_tritons_for_every_specialisation_in_every_order()
 def test_eager_forward_and_backward_launch_through_the_cache():
     result = _worker("eager")
     assert result["kernels"] == ["_chunk_kernel", "_embedding_forward_kernel", "_finish_segments_kernel",
-                                 "_sort_inputs_kernel"]  # the learned positions' gradient rides in finish_segments
+                                 "_tile_rank_kernel"]  # the learned positions' gradient rides in finish_segments
     assert result["jit_runs"] == [4, 0]  # the second step never enters JITFunction.run
     assert result["second"] == result["first"]  # same binaries, grids and stream
 

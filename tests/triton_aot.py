@@ -174,6 +174,22 @@ def bounds_source(kernel, key_type="i16"):
                                               "num_rows": 50257}, {"BLOCK": k.BOUNDS_BLOCK})
 
 
+def tile_sort_source(kernel, key_type="i16", id_type="i64", one_tile=False):
+    """The tile sort's two kernels at the GPU's blocks (kernels.tile_sort): the ranks within
+    tiles (int64 or int32 ids in; words out, or with one tile the key_type keys and tokens;
+    the bounds' starting values) and the merge of the tiles (words in, key_type keys out)."""
+    if kernel == "rank":
+        return _source(k._tile_rank_kernel, {
+            "keys_ptr": f"*{id_type}", "words_ptr": "*i32", "sorted_ptr": f"*{key_type}", "order_ptr": "*i64",
+            "bounds_ptr": "*i64", "n": TOKENS, "rank_programs": TOKENS // k.RANK_ROWS, "num_zeros": 2 * TOKENS,
+            "num_bounds": 3 * TOKENS, "num_rows": 50257, "skip": 3},
+            {"ONE_TILE": one_tile, "TILE": k.TILE_SORT_TILE, "ROWS": k.RANK_ROWS, "COLUMNS": k.RANK_COLUMNS,
+             "BLOCK": k.BOUNDS_BLOCK})
+    return _source(k._merge_tiles_kernel, {"words_ptr": "*i32", "sorted_ptr": f"*{key_type}", "order_ptr": "*i64",
+                                           "n": TOKENS},
+                   {"TILE": k.TILE_SORT_TILE, "MAX_TILES": k.TILE_SORT_MAX_TILES, "BLOCK": k.MERGE_BLOCK})
+
+
 def batch_source(dtype, dim, dropout=False):
     """The learned positions' gradient alone (a frozen token table), one row per program."""
     args = {"dout_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "rows": 2048, "batch": 8, "seq_len": 512,
@@ -262,6 +278,10 @@ def sources():
         out[f"segment_starts {key_type}"] = (bounds_source, ("starts", key_type), {})
         out[f"chunk by_slot fp32 {key_type} d=768"] = (chunk_source, ("fp32", 768), {"key_type": key_type,
                                                                                       "by_slot": True})
+        out[f"tile_rank {key_type}"] = (tile_sort_source, ("rank", key_type), {})
+        out[f"tile_rank one-tile {key_type}"] = (tile_sort_source, ("rank", key_type), {"one_tile": True})
+        out[f"merge_tiles {key_type}"] = (tile_sort_source, ("merge", key_type), {})
+    out["tile_rank int32-ids"] = (tile_sort_source, ("rank", "i16", "i32"), {})
     out["chunk by_slot dropout bf16 d=768"] = (chunk_source, ("bf16", 768), {"by_slot": True, "dropout": True})
     for dtype, dim, rule in itertools.product(("fp32", "bf16"), (100, 768, 4096), UPDATE_RULES):
         out[f"optimizer_update {rule} {dtype} d={dim}"] = (update_source, (dtype, dim, rule), {})

@@ -1,0 +1,93 @@
+"""The `triton` backward's tile sort (kernels/embedding.py tile_sort), under the
+interpreter: the keys and tokens it leaves are torch's stable sort's, and the sums over
+them follow token order. On a GPU, tests/gpu/test_gpu_parity.py runs the same sizes
+through the compiled kernels (test_sorted_paths_sum_each_row_in_token_order)."""
+
+import os
+
+import pytest
+import torch
+
+from helpers import ID_DTYPES, token_order_ids_and_grad
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs the Triton interpreter (no GPU here)")
+
+
+def _sort(keys, num_rows, skip, blocks=None):
+    """(sorted keys as int64, tokens, bounds) from the tile sort, the bounds' memory NaN-free garbage first."""
+    from pyembed.kernels import embedding as k
+
+    n = keys.numel()
+    sorted_keys = torch.empty(n, dtype=k.sort_key_dtype(num_rows))
+    order = torch.empty(n, dtype=torch.long)
+    bounds = torch.full((3 * num_rows + 7,), 123, dtype=torch.long)
+    k.tile_sort(keys, sorted_keys, order, bounds, 3 * num_rows, num_rows, skip, blocks=blocks)
+    unbiased = sorted_keys.long() + (2**15 if sorted_keys.dtype == torch.int16 else 0)
+    return unbiased, order, bounds
+
+
+# (tokens, table rows): one tile, one past it, three tiles with a part-filled last one, a
+# GPT-2 batch of 4097 and the largest batch (2^14) over the widest table (2^18 - 1 rows:
+# the unused mark takes all 18 key bits) -- and int16 keys either side of the sign split.
+SORT_CASES = [(33, 10), (512, 2**15 + 2), (513, 2**16 - 1), (1500, 2**16), (4097, 50257), (2**14, 2**18 - 1)]
+
+
+@pytest.mark.parametrize("num_tokens, num_rows", SORT_CASES, ids=str)
+def test_tile_sort_is_torchs_stable_sort(num_tokens, num_rows):
+    """Keys out of the table and the skipped row sort last, as num_rows (the unused mark);
+    each key's tokens stay in token order; the bounds start as zeros, then -1."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    keys = torch.randint(-2, num_rows + 2, (num_tokens,), generator=gen)
+    keys[: num_tokens // 3] = num_rows - 1  # a hot row, the largest used key
+    keys[-1] = 0
+    skip = int(keys[num_tokens // 2])
+    unused = (keys < 0) | (keys >= num_rows) | (keys == skip)
+    expected_keys, expected_order = torch.where(unused, num_rows, keys).sort(stable=True)
+    for id_dtype in ID_DTYPES:
+        got_keys, got_order, bounds = _sort(keys.to(id_dtype), num_rows, skip)
+        assert torch.equal(got_keys, expected_keys) and torch.equal(got_order, expected_order), id_dtype
+        assert torch.equal(bounds, torch.where(torch.arange(bounds.numel()) < 3 * num_rows, 0, -1))
+
+
+@pytest.mark.parametrize("num_tokens", [100, 1500], ids=["one tile", "three tiles"])
+def test_tile_sort_at_the_gpus_blocks(num_tokens):
+    """The GPU's blocks (eight rank programs a tile, eight column steps each, merge
+    programs of 64 words), which the interpreter otherwise runs a tile at a time."""
+    from pyembed.kernels import embedding as k
+
+    keys = torch.randint(0, 600, (num_tokens,), generator=torch.Generator().manual_seed(1))
+    keys[::7] = 5
+    expected_keys, expected_order = torch.where(keys == 9, 600, keys).sort(stable=True)
+    got_keys, got_order, _ = _sort(keys, 600, 9, blocks=(k.RANK_ROWS, k.RANK_COLUMNS, k.MERGE_BLOCK))
+    assert torch.equal(got_keys, expected_keys) and torch.equal(got_order, expected_order)
+
+
+def test_tile_sort_takes_what_fits_its_words(monkeypatch):
+    """2^14 tokens (14 position bits) over fewer than 2^18 rows (18 key bits: the unused
+    mark num_rows included); PYEMBED_TRITON_TILE_SORT=0 leaves every size to torch's sort."""
+    from pyembed.kernels import embedding as k
+
+    assert k.tile_sorts(1, 1) and k.tile_sorts(2**14, 2**18 - 1)
+    assert not k.tile_sorts(2**14 + 1, 50257) and not k.tile_sorts(4096, 2**18) and not k.tile_sorts(0, 10)
+    monkeypatch.setenv("PYEMBED_TRITON_TILE_SORT", "0")
+    assert not k.tile_sorts(4096, 50257)
+
+
+@pytest.mark.parametrize("num_tokens, vocab", [(1500, 2**16 + 5), (4097, 50257)], ids=str)
+def test_triton_sorted_paths_sum_each_row_in_token_order(num_tokens, vocab):
+    """Each row's float32 sum adds its tokens in token order, bit for bit (tokens of mixed
+    magnitudes: another order gives other bits), in the dense, sparse and touched-rows
+    backwards, int64 and int32 ids, with a padding row and out-of-range ids."""
+    from pyembed import _triton
+
+    ids, dout, expected, pad = token_order_ids_and_grad(num_tokens, vocab)
+    used = torch.unique(ids[(ids >= 0) & (ids < vocab) & (ids != pad)])
+    for id_dtype in ID_DTYPES:
+        dw, _ = _triton.backward(dout, ids.to(id_dtype), None, 0, vocab, 0, 1.0, pad, False, True, False)
+        assert torch.equal(dw, expected), id_dtype
+        rows, values = _triton.triton_sparse_backward(dout, ids.to(id_dtype), vocab, 1.0, pad, False)
+        assert torch.equal(rows, used) and torch.equal(values, expected[used]), id_dtype
+        rows, values = _triton.touched_rows(dout, ids.to(id_dtype), vocab, 1.0, pad, False)
+        assert torch.equal(rows[: used.numel()], used) and torch.equal(values[: used.numel()], expected[used])
+        assert (rows[used.numel():] == -1).all()
