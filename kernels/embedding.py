@@ -6,20 +6,23 @@ stores once -- fp32 math (fp64 for fp64 tables), one rounding, 64-bit offsets. A
 out-of-range id (validate=False) is masked: a zero row (no positional term either: the
 vocab-parallel layer sums ranks' rows), no memory access.
 
-Backward: the keys are sorted with torch on the device (stable), and each segment of equal
-used keys is summed in sorted (= token) order in fp32 -- no atomics, so it is
-deterministic (this backend has no atomic fast path). A segment longer than CHUNK_ROWS (a
-row used 12000 times must not be summed by one program) is summed in pieces by the
-chunks of sorted positions it spans, and its row adds those partial sums in order. The
-host never waits for the device (a dense backward can be captured in a CUDA graph): every
-size is bounded by the token count or the table, and a dense gradient's segment bounds
-are indexed by table row. Launches, not arithmetic, are what the host pays for, so a
-dense gradient is three kernels around the sort: the sort's inputs, one pass over the
-sorted positions (segment bounds, the long segments' pieces), one over the table's rows
-(each written once, untouched ones as zeros) -- as csrc/cuda/embedding_kernels.cuh,
-which has the same structure. The learned-PE gradient with p = offset + t is a batch
-reduction, run by extra programs of the table's last kernel (no launch of its own), which
-also write the table rows used by one token (dout read once for those, not twice).
+Backward: the keys are sorted stably on the device (tile_sort: the keys with their
+positions as distinct 32-bit words, ranked within tiles, then merged; torch's sort past
+2^14 tokens or 2^18 rows), and each segment of equal used keys is summed in sorted (=
+token) order in fp32 -- no atomics, so it is deterministic (this backend has no atomic
+fast path). A segment longer than CHUNK_ROWS (a row used 12000 times must not be summed
+by one program) is summed in pieces by the chunks of sorted positions it spans, and its
+row adds those partial sums in order. The host never waits for the device (a dense
+backward can be captured in a CUDA graph): every size is bounded by the token count or
+the table, and a dense gradient's segment bounds are indexed by table row. Launches, not
+arithmetic, are what the host pays for, so a dense gradient at GPT-2's 8x2048 tokens is
+four kernels: the tile sort's two, one pass over the sorted positions (segment bounds,
+the long segments' pieces), one over the table's rows (each written once, untouched ones
+as zeros) -- as csrc/cuda/embedding_kernels.cuh, which has the same structure (its sort
+one launch: one thread block's shared memory holds 2^14 keys). The learned-PE gradient
+with p = offset + t is a batch reduction, run by extra programs of the table's last
+kernel (no launch of its own), which also write the table rows used by one token (dout
+read once for those, not twice).
 
 Scalars: Triton types a Python float argument as fp32, so ``scale`` and the sinusoid's
 frequency step are annotated fp64 (exact for fp64 tables) and rounded to the compute
@@ -286,14 +289,15 @@ def _sort_inputs_kernel(
     keys: a slot no segment lands in)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = r < n
-    _store_sort_key(out_ptr, r, _compacted_key(keys_ptr, r, ok, num_rows, skip), ok)
+    _store_sort_key(out_ptr, r, _compacted_key(tl.load(keys_ptr + r, mask=ok, other=0), num_rows, skip), ok)
     _start_bounds(bounds_ptr, r, num_zeros, num_bounds)
 
 
 @triton.jit
-def _compacted_key(keys_ptr, r, ok, num_rows, skip):
-    """The key the sort sees for token r: its key if used, else num_rows (after every used key)."""
-    key = tl.load(keys_ptr + r, mask=ok, other=0).to(tl.int64)
+def _compacted_key(loaded, num_rows, skip):
+    """The key the sort sees for a loaded key, as int64: itself if used, else num_rows (after
+    every used key). It takes the loaded value, not the pointer (_sorted_key says why)."""
+    key = loaded.to(tl.int64)
     return tl.where(_used_key(key, num_rows, skip), key, num_rows)
 
 
@@ -332,9 +336,9 @@ RANK_COLUMNS = 64  # this many of the tile's words at a time: 64 x 64 comparison
 
 
 @triton.jit
-def _tile_sort_word(keys_ptr, r, ok, num_rows, skip):
-    """Token r's word (uint32): its compacted key above its position."""
-    key = _compacted_key(keys_ptr, r, ok, num_rows, skip)
+def _tile_sort_word(loaded, r, num_rows, skip):
+    """Token r's word (uint32) from its loaded key: the compacted key above the position."""
+    key = _compacted_key(loaded, num_rows, skip)
     return (key.to(tl.uint32) << TILE_SORT_POSITION_BITS) | r.to(tl.uint32)
 
 
@@ -364,12 +368,12 @@ def _tile_rank_kernel(
         tile_start = program // (TILE // ROWS) * TILE  # int32: positions < 2^14
         r = tile_start + program % (TILE // ROWS) * ROWS + tl.arange(0, ROWS)
         ok = r < n
-        word = _tile_sort_word(keys_ptr, r, ok, num_rows, skip)
+        word = _tile_sort_word(tl.load(keys_ptr + r, mask=ok, other=0), r, num_rows, skip)
         below = tl.zeros([ROWS, COLUMNS], dtype=tl.int32)  # summed across a row once, at the end
-        for c in tl.static_range(0, TILE, COLUMNS):
+        for c in range(0, TILE, COLUMNS):  # a loop, not unrolled: note on _merge_tiles_kernel's
             other = tile_start + c + tl.arange(0, COLUMNS)
             in_tile = other < n
-            other_word = _tile_sort_word(keys_ptr, other, in_tile, num_rows, skip)
+            other_word = _tile_sort_word(tl.load(keys_ptr + other, mask=in_tile, other=0), other, num_rows, skip)
             below += (in_tile[None, :] & (other_word[None, :] < word[:, None])).to(tl.int32)
         rank = tl.sum(below, axis=1)
         if ONE_TILE:
@@ -400,7 +404,10 @@ def _merge_tiles_kernel(
     searched = ok[:, None] & (tile_start < n)[None, :]
     lo = tl.zeros([BLOCK, MAX_TILES], dtype=tl.int32)
     hi = tl.broadcast_to(tl.minimum(n - tile_start, TILE)[None, :], [BLOCK, MAX_TILES])
-    for _ in tl.static_range(TILE.bit_length()):
+    # A loop, not unrolled: Inductor's mutation analysis (torch.compile through wrap_triton)
+    # walks every path through a kernel's ops, and each unrolled step here multiplies them by
+    # the uses of lo and hi (unrolled, tracing a backward took over five minutes).
+    for _ in range(TILE.bit_length()):
         mid = (lo + hi) >> 1  # both >= 0: a shift, not a signed division's fix-ups
         active = searched & (lo < hi)
         probe = tl.load(words_ptr + tile_start[None, :] + mid, mask=active, other=0).to(tl.uint32, bitcast=True)
@@ -929,7 +936,7 @@ MERGE_BLOCK = 64  # words per program of _merge_tiles_kernel: 64 x 32 lower boun
 CHUNK_ROWS = 128  # sorted positions per chunk: the longest segment summed directly
 # A dense gradient of at most this many tokens skips the sort: one kernel, in which a
 # program reads every key per tile of rows it writes (csrc/cuda's kFewTokens). The sorted
-# path is four launches plus torch's sort -- all host cost for a one-token step.
+# path is three or four launches -- all host cost for a one-token step.
 FEW_TOKENS = 32
 
 
@@ -994,13 +1001,14 @@ def tile_sort(keys, sorted_keys, order, bounds, num_zeros: int, num_rows: int, s
     and the bounds' starting values set: _tile_rank_kernel, then _merge_tiles_kernel
     unless one tile holds every key. blocks: (ROWS, COLUMNS, merge BLOCK), by default the
     GPU's, or under the interpreter (CPU tensors) whole tiles, which it runs as one NumPy
-    operation each rather than as eight programs of eight steps (tests/test_host_sync.py runs
-    the GPU's blocks there too)."""
+    operation each rather than as eight programs of eight steps (tests/test_triton_sort.py
+    runs the GPU's blocks there too)."""
     n = keys.numel()
     rows, columns, merge_block = blocks or ((RANK_ROWS, RANK_COLUMNS, MERGE_BLOCK) if keys.is_cuda else
                                             (TILE_SORT_TILE, TILE_SORT_TILE, 1024))
     one_tile = n <= TILE_SORT_TILE
-    words = order if one_tile else torch.empty(n, dtype=torch.int32, device=keys.device)  # one tile: not written
+    # One tile writes no words: the keys stand in for them (an output would alias two outputs).
+    words = keys if one_tile else torch.empty(n, dtype=torch.int32, device=keys.device)
     rank_programs = _cdiv(n, rows)
     launch(_tile_rank_kernel)[(rank_programs + _cdiv(bounds.numel(), BOUNDS_BLOCK),)](
         keys, words, sorted_keys, order, bounds, n, rank_programs, num_zeros, bounds.numel(), num_rows, skip,
@@ -1013,8 +1021,9 @@ def tile_sort(keys, sorted_keys, order, bounds, num_zeros: int, num_rows: int, s
 def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch=_direct,
                     with_solo: bool = False, dropout: Optional[DoutDropout] = None) -> Segments:
     """Segments of the keys in [0, num_rows) other than ``skip`` (out-of-range ids and the
-    padding row are left out), without a device->host sync. Launches: the sort's inputs,
-    the sort, [by slot: the segment starts and their scan], one pass over the chunks.
+    padding row are left out), without a device->host sync. Launches: the tile sort's one
+    or two (else the sort's inputs and torch's sort), [by slot: the segment starts and their
+    scan], one pass over the chunks.
     with_solo (by row only): mark the tokens alone in their segments (Segments.solo).
     dropout: the partial sums read dout through the forward's mask."""
     keys = keys.reshape(-1)
@@ -1120,7 +1129,7 @@ def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: b
 def dense_gradient(dout2d, keys, num_rows: int, skip: int, scale: float, divide_by_count: bool, launch=_direct,
                    positions: Optional[PositionSums] = None, dropout: Optional[DoutDropout] = None):
     """The (num_rows, d) gradient of the rows named by ``keys``, each row written once
-    (untouched ones as zeros: no fill before). Three kernels around the sort; one for
+    (untouched ones as zeros: no fill before). Two kernels after the sort; one for
     at most FEW_TOKENS tokens. The last one also writes ``positions``, if given. dropout:
     every kernel reads dout through the forward's mask (no pass over dout before)."""
     grad = dout2d.new_empty(num_rows, dout2d.shape[1])

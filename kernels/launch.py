@@ -276,8 +276,8 @@ class Binding(_LaunchSeam):
 
 class LaunchPlan:
     """The launches a helper makes for one metadata, in order, bound once and replayed after:
-    for a helper that launches several kernels call after call (the `triton` dense backward:
-    three around torch's sort), whose launch arguments other than tensors -- sizes, grids,
+    for a helper that launches several kernels call after call (the `triton` dense backward's
+    three or four), whose launch arguments other than tensors -- sizes, grids,
     constexprs -- the metadata fixes.
 
     ``binding()`` is a ``launch=`` that launches each kernel through ``bind`` with every

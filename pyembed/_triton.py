@@ -6,7 +6,8 @@ registered as ops so ``torch.compile`` sees them:
   ``torch.library.triton_op`` does, registered without importing Triton or Inductor);
   under the CPU interpreter an opaque custom op (interpreted kernels cannot be traced);
 - ``pyembed::triton_backward``: the dense backward, a custom op that torch.compile
-  decomposes the same way (its kernels and torch's sort between them; no host sync);
+  decomposes the same way (its kernels, and torch's sort where the tile sort does not
+  fit; no host sync);
 - ``pyembed::triton_sparse_backward``: the sparse backward, tagged cudagraph_unsafe (the
   number of touched rows is read back from the device).
 

@@ -90,19 +90,24 @@ def _traced_backward(batch: int, seq_len: int, num_positions: int, dropout: bool
     return first, [eval(names) for names in eval(clones)]
 
 
-def test_compiled_backward_holds_the_triton_kernels_and_copies_no_input():
-    # The dense backward as the forward: the graph holds the sort and each Triton kernel --
-    # what Inductor can schedule and fuse -- not an opaque pyembed op, and each kernel is
-    # found to write only its outputs (the output gradient and the ids are never copied).
-    # The sort's inputs, the chunks (segment bounds and first tokens, long segments' pieces),
-    # the table's rows and the positions' (one kernel): no input (dout, ids, the sorted keys)
-    # is written. Every position is in the table (600 of them for 512 tokens a row), so the
-    # chunks also mark the tokens used once, whose rows the positions' programs write: the
-    # finish kernel only reads those marks. (~45 s of tracing; the forms with the dropout
-    # key, which only load more, are traced in the short batch's single kernel below.)
-    assert _traced_backward(4, 512, 600) == ("traced True", [
-        ["out_ptr", "bounds_ptr"], ["bounds_ptr", "partials_ptr"],
-        ["out_ptr", "pos_out_ptr"]])
+@pytest.mark.parametrize("batch, seq_len, sort", [(4, 512, "tile sort"), (8, 4096, "torch's sort")])
+def test_compiled_backward_holds_the_triton_kernels_and_copies_no_input(batch, seq_len, sort):
+    # The dense backward as the forward: the graph holds each Triton kernel (and torch's sort
+    # past the tile sort's 2^14 tokens) -- what Inductor can schedule and fuse -- not an
+    # opaque pyembed op, and each kernel is found to write only its outputs (the output
+    # gradient and the ids are never copied; a kernel helper that took the ids' pointer and
+    # fed a store would make Inductor copy them, kernels/embedding.py _sorted_key). The
+    # sort (the tile sort's words and bounds, then keys and tokens; or the sort's inputs and
+    # bounds), the chunks (segment bounds and first tokens, long segments' pieces), the
+    # table's rows and the positions' (one kernel): no input (dout, ids, the sorted keys) is
+    # written. Every position is in the table, so the chunks also mark the tokens used once,
+    # whose rows the positions' programs write: the finish kernel only reads those marks.
+    # (~45 s of tracing each; the forms with the dropout key, which only load more, are
+    # traced in the short batch's single kernel below.)
+    sorts = ([["words_ptr", "bounds_ptr"], ["sorted_ptr", "order_ptr"]] if sort == "tile sort" else
+             [["out_ptr", "bounds_ptr"]])
+    assert _traced_backward(batch, seq_len, seq_len + 88) == (f"traced {sort != 'tile sort'}", [
+        *sorts, ["bounds_ptr", "partials_ptr"], ["out_ptr", "pos_out_ptr"]])
 
 
 @pytest.mark.parametrize("dropout", [False, True])

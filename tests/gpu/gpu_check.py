@@ -297,7 +297,8 @@ def main() -> int:
             if os.path.exists(ncu):
                 check.run("ncu on the forward and backward kernels",
                           [ncu, "--clock-control", "none", "--kernel-name",
-                           "regex:forward|sort_inputs|chunk_kernel|finish_segments|batch_sum|few_tokens|optimizer_update",
+                           "regex:forward|sort_inputs|one_block_sort|tile_rank|merge_tiles|chunk_kernel|finish_segments|"
+                           "batch_sum|few_tokens|optimizer_update",
                            "--launch-count", "24",
                            "--section", "SpeedOfLight", "--section", "Occupancy", "--section", "LaunchStats",
                            args.python, profiler, "--ncu"], "ncu.log", deadline.timeout(300, after_profile),

@@ -196,7 +196,7 @@ def host_only_costs(backends, calls=40, rounds=3):
     autograd.Function (what a Python node costs there, whatever it runs), for each backend
     with dropout, and for each C++ backend with AdamW inside its backward (a Python node on
     every backend). Then the parts of pyembed's backward: the dense backward op and
-    `triton`'s torch.sort."""
+    torch.sort, which `triton` takes without its tile sort (PYEMBED_TRITON_TILE_SORT=0)."""
     weight, pos_weight, ids, dout = tensors(*GPT2, 8, 2048, torch.float32)
     scale = GPT2[1] ** 0.5
 
@@ -256,7 +256,8 @@ def host_only_costs(backends, calls=40, rounds=3):
 
         keys = ids.reshape(-1).to(kernels.sort_key_dtype(GPT2[0]))
         us = min(host_only(lambda: keys.sort(stable=True)) for _ in range(rounds))
-        print(f"host 8x2048 GPU busy: torch.sort of the {keys.dtype} keys (triton's backward): {us:.1f} us/call",
+        print(f"host 8x2048 GPU busy: torch.sort of the {keys.dtype} keys (triton's backward without its tile sort): "
+              f"{us:.1f} us/call",
               flush=True)
 
 
@@ -343,7 +344,7 @@ def ncu_kernels(backends):
                 pyembed.fused_embedding(ids, weight, pos_weight, scale=64.0, validate=False, backend=backend)
     weight, pos_weight, ids, dout = tensors(*GPT2, 8, 2048, torch.float32)
     ids[:, :1500] = 17  # a hot row: the chunk kernel's long-segment pieces run too
-    for backend in backends:  # the backward's kernels: sort inputs, chunks, the table's rows, batch sum
+    for backend in backends:  # the backward's kernels: the sort's, chunks, the table's rows, batch sum
         dispatch.get(backend).backward(dout, ids, None, 0, GPT2[0], pos_weight.shape[0], 2.0, None, False, True, True)
     for backend in backends:  # a one-token backward: the few-token kernel writes the whole table alone
         dispatch.get(backend).backward(dout[:1, :1], ids[:1, :1], None, 0, GPT2[0], pos_weight.shape[0], 2.0, None,
@@ -393,27 +394,39 @@ def step_profile(backends, batch=8, seq_len=2048):
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
 
 
-def sort_comparison(batch=8, seq_len=2048, calls=40):
+# Each GPU backend's own sort and the library sort it falls back to, by the variable that
+# asks for the latter (read by every call): (backend, variable, own, library).
+SORTS = (("cuda", "PYEMBED_CUDA_BLOCK_SORT", "one-block sort", "CUB device sort"),
+         ("triton", "PYEMBED_TRITON_TILE_SORT", "tile sort", "torch's sort"))
+
+
+def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
     """The dense backward op at GPT-2 and Llama-3 8x2048 (fp32, bf16, learned positions),
-    with the `cuda` backend's one-block sort and with CUB's device sort
-    (PYEMBED_CUDA_BLOCK_SORT=0, read by each call): GPU time (do_bench, and a CUDA graph's
-    replay: the kernels alone), host time with the GPU held by a sleep kernel, GPU ops per
-    call. At 79bdffb (H200) CUB's sort was 7 of the 10 GPU ops, ~23 us."""
+    per GPU backend with its own sort and with the library sort (SORTS): GPU time
+    (do_bench, and a CUDA graph's replay: the kernels alone), host time with the GPU held
+    by a sleep kernel, GPU ops per call. At 79bdffb (H200) CUB's sort was 7 of `cuda`'s 10
+    GPU ops, ~23 us; torch's, 7 of `triton`'s 10 (its host time 41 us)."""
     import os
 
-    op = dispatch.get("cuda").backward
-    for which, env_value in (("one-block sort", "1"), ("CUB device sort", "0")):
-        os.environ["PYEMBED_CUDA_BLOCK_SORT"] = env_value
-        for table in (GPT2, LLAMA3):
-            for dtype in (torch.float32, torch.bfloat16):
-                sort_case(op, which, table, dtype, batch, seq_len, calls)
-    del os.environ["PYEMBED_CUDA_BLOCK_SORT"]
+    from pyembed import _triton
+
+    for backend, variable, own, library in SORTS:
+        if backend not in backends:
+            continue
+        for which, env_value in ((own, "1"), (library, "0")):
+            os.environ[variable] = env_value
+            _triton._backward_plans.clear()  # a plan replays the launches of the sort it was bound with
+            for table in (GPT2, LLAMA3):
+                for dtype in (torch.float32, torch.bfloat16):
+                    sort_case(backend, which, table, dtype, batch, seq_len, calls)
+        del os.environ[variable]
 
 
-def sort_case(op, which, table, dtype, batch, seq_len, calls):
+def sort_case(backend, which, table, dtype, batch, seq_len, calls):
     weight, pos_weight, ids, dout = tensors(*table, batch, seq_len, dtype)
     num_positions, (vocab, dim) = pos_weight.shape[0], table
     del weight, pos_weight
+    op = dispatch.get(backend).backward
 
     def call():
         return op(dout, ids, None, 0, vocab, num_positions, dim ** 0.5, None, False, True, True)
@@ -425,7 +438,7 @@ def sort_case(op, which, table, dtype, batch, seq_len, calls):
         call()
         torch.cuda.synchronize()
     ops = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
-    print(f"sort {which}: the `cuda` dense backward op, {vocab}x{dim} {str(dtype)[6:]} {batch}x{seq_len}: "
+    print(f"sort {which}: the `{backend}` dense backward op, {vocab}x{dim} {str(dtype)[6:]} {batch}x{seq_len}: "
           f"{wall * 1e3:.1f} us, graphed {graphed * 1e3:.1f} us, host {host:.1f} us (GPU busy), {ops} GPU ops",
           flush=True)
 
@@ -433,16 +446,16 @@ def sort_case(op, which, table, dtype, batch, seq_len, calls):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ncu", action="store_true", help="one forward per backend and dtype and one backward, for ncu")
-    ap.add_argument("--sort", action="store_true", help="only the `cuda` dense backward op's times (sort_comparison)")
+    ap.add_argument("--sort", action="store_true", help="only the dense backward ops' times with each sort "
+                                                        "(sort_comparison)")
     args = ap.parse_args()
     backends = [b for b in dispatch.backends_for("cuda") if b != "reference"]
     if args.ncu:
         ncu_kernels(backends)
     elif args.sort:
-        sort_comparison()
+        sort_comparison(backends)
     else:
-        if "cuda" in backends:
-            sort_comparison()
+        sort_comparison(backends)
         host_costs(backends)
         host_only_costs(backends)
         python_profile(backends)
