@@ -447,7 +447,7 @@ def _segment_starts_kernel(
 @triton.jit
 def _lower_bound(sorted_ptr, lo, hi, key, CHUNK: tl.constexpr):
     """The first position in [lo, hi) (at most CHUNK of them) whose sorted key is >= key, else hi."""
-    for _ in tl.static_range(CHUNK.bit_length()):
+    for _ in range(CHUNK.bit_length()):  # a loop: _merge_tiles_kernel says why
         mid = (lo + hi) // 2
         active = lo < hi
         below = active & (_sorted_key(tl.load(sorted_ptr + mid, mask=active)) < key)

@@ -84,7 +84,7 @@ def _traced_backward(batch: int, seq_len: int, num_positions: int, dropout: bool
         f"    dout = torch.empty({batch}, {seq_len}, 64, device='cuda')\n"
         "    key = torch.empty(2, dtype=torch.long, device='cuda')\n"
         "    aot_function(f, fw_compiler=keep)(dout, ids, key)\n"
-        "print('opaque' if 'pyembed.triton_backward' in graphs[0] else 'traced', 'sort' in graphs[0])\n"
+        "print('opaque' if 'pyembed.triton_backward' in graphs[0] else 'traced', 'aten.sort' in graphs[0])\n"
         "print(re.findall(r'tensors_to_clone = (\\[[^\\]]*\\])', graphs[0]))\n")
     first, clones = out.strip().splitlines()
     return first, [eval(names) for names in eval(clones)]
@@ -102,8 +102,9 @@ def test_compiled_backward_holds_the_triton_kernels_and_copies_no_input(batch, s
     # table's rows and the positions' (one kernel): no input (dout, ids, the sorted keys) is
     # written. Every position is in the table, so the chunks also mark the tokens used once,
     # whose rows the positions' programs write: the finish kernel only reads those marks.
-    # (~45 s of tracing each; the forms with the dropout key, which only load more, are
-    # traced in the short batch's single kernel below.)
+    # (~4 s of tracing each since the binary searches are loops, not unrolled steps: ~45 s
+    # before; the forms with the dropout key, which only load more, are traced in the short
+    # batch's single kernel below.)
     sorts = ([["words_ptr", "bounds_ptr"], ["sorted_ptr", "order_ptr"]] if sort == "tile sort" else
              [["out_ptr", "bounds_ptr"]])
     assert _traced_backward(batch, seq_len, seq_len + 88) == (f"traced {sort != 'tile sort'}", [
