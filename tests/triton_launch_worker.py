@@ -282,6 +282,10 @@ def check_planned_backward():
              ("few tokens", dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous())),
              ("few tokens again", dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous())),
              ("few tokens, third", dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous()))]
+    # Past one tile of the tile sort (512 tokens): its merge kernel too.
+    tiles = dict(dout=torch.randn(4, 200, 32, generator=gen), ids=torch.randint(0, 300, (4, 200), generator=gen),
+                 positions=200)
+    calls += [("two tiles", tiles), ("two tiles again", tiles), ("two tiles, third", tiles)]
     # With dropout: the forward's key, a new tensor every call, is one more replaced tensor.
     keys = [torch.randint(0, 2**62, (2,), generator=gen) for _ in range(6)]
     few = dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous())
