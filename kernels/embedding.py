@@ -402,18 +402,17 @@ def _merge_tiles_kernel(
     word = tl.load(words_ptr + i, mask=ok, other=0).to(tl.uint32, bitcast=True)
     tile_start = tl.arange(0, MAX_TILES) * TILE
     searched = ok[:, None] & (tile_start < n)[None, :]
+    # Each tile's words (its length: the last one may be short), searched with one bound
+    # that steps past smaller words (_lower_bound), in a loop, not unrolled: Inductor's
+    # mutation analysis walks every path through a kernel's ops, and unrolled steps multiply
+    # them (a two-bound search, unrolled, took tracing a backward past five minutes).
+    length = tl.minimum(n - tile_start, TILE)[None, :]
     lo = tl.zeros([BLOCK, MAX_TILES], dtype=tl.int32)
-    hi = tl.broadcast_to(tl.minimum(n - tile_start, TILE)[None, :], [BLOCK, MAX_TILES])
-    # A loop, not unrolled: Inductor's mutation analysis (torch.compile through wrap_triton)
-    # walks every path through a kernel's ops, and each unrolled step here multiplies them by
-    # the uses of lo and hi (unrolled, tracing a backward took over five minutes).
-    for _ in range(TILE.bit_length()):
-        mid = (lo + hi) >> 1  # both >= 0: a shift, not a signed division's fix-ups
-        active = searched & (lo < hi)
-        probe = tl.load(words_ptr + tile_start[None, :] + mid, mask=active, other=0).to(tl.uint32, bitcast=True)
-        below = active & (probe < word[:, None])
-        lo = tl.where(below, mid + 1, lo)
-        hi = tl.where(active & ~below, mid, hi)
+    for s in range(TILE.bit_length() - 1, -1, -1):
+        step = lo + (1 << s)
+        inside = searched & (step <= length)
+        probe = tl.load(words_ptr + tile_start[None, :] + step - 1, mask=inside, other=0).to(tl.uint32, bitcast=True)
+        lo = tl.where(inside & (probe < word[:, None]), step, lo)
     _store_sorted_words(sorted_ptr, order_ptr, tl.sum(tl.where(searched, lo, 0), axis=1), word, ok)
 
 
