@@ -408,14 +408,15 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
     GPU ops, ~23 us; torch's, 7 of `triton`'s 10 (its host time 41 us)."""
     import os
 
-    from pyembed import _triton
-
     for backend, variable, own, library in SORTS:
         if backend not in backends:
             continue
         for which, env_value in ((own, "1"), (library, "0")):
             os.environ[variable] = env_value
-            _triton._backward_plans.clear()  # a plan replays the launches of the sort it was bound with
+            if backend == "triton":
+                from pyembed import _triton
+
+                _triton._backward_plans.clear()  # a plan replays the launches of the sort it was bound with
             for table in (GPT2, LLAMA3):
                 for dtype in (torch.float32, torch.bfloat16):
                     sort_case(backend, which, table, dtype, batch, seq_len, calls)
