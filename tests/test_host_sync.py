@@ -288,7 +288,7 @@ def test_short_batch_gradient_is_one_kernel_with_the_sorted_paths_sums(request, 
         dw_sorted, dp_sorted, kernels, sorts = _short_batch_backward(
             backend, emulated, torch.cat([unused, dout]), torch.cat([torch.full((40,), -1), ids]),
             torch.cat([torch.full((40,), -1), positions]), by_freq)
-        # Per gradient: three kernels around a sort (cuda), or the tile sort's one and two (triton)
+        # Per gradient: three kernels around a sort (cuda); on triton the tile sort (one tile here), no torch sort
         assert (sorts, kernels) == (2, 6) if backend == "cuda" else (
             sorts == 0 and interpreted_launches.count("_tile_rank_kernel") == 2), (kernels, sorts)
         assert torch.equal(dw, dw_sorted) and torch.equal(dp, dp_sorted)
@@ -345,7 +345,7 @@ def test_short_batch_touched_rows_are_one_kernel_with_the_sorted_paths_sums(requ
         sorted_rows, sorted_values, _, _, kernels, sorts = _short_batch_rows(
             backend, emulated, torch.cat([torch.randn(40, dim, dtype=torch.float64).to(dtype), dout]),
             torch.cat([torch.full((40,), -1), ids]), by_freq)
-        # Per call: starts, chunks, finish and the sort's inputs around a sort (cuda), or the tile sort (triton)
+        # Per call: the sort's inputs, starts, chunks, finish around a sort (cuda); on triton the tile sort, no torch sort
         assert (sorts, kernels) == (1, 4) if backend == "cuda" else (
             sorts == 0 and interpreted_launches.count("_tile_rank_kernel") == 2), (kernels, sorts)
         # min(tokens, V) slots, those past the used rows marked -1 (as the sort's inputs start them)
