@@ -345,7 +345,7 @@ def test_short_batch_touched_rows_are_one_kernel_with_the_sorted_paths_sums(requ
         sorted_rows, sorted_values, _, _, kernels, sorts = _short_batch_rows(
             backend, emulated, torch.cat([torch.randn(40, dim, dtype=torch.float64).to(dtype), dout]),
             torch.cat([torch.full((40,), -1), ids]), by_freq)
-        # Per call: the sort's inputs, starts, chunks, finish around a sort (cuda); on triton the tile sort, no torch sort
+        # Per call: the sort's inputs, starts, chunks, finish around a sort (cuda); triton: the tile sort
         assert (sorts, kernels) == (1, 4) if backend == "cuda" else (
             sorts == 0 and interpreted_launches.count("_tile_rank_kernel") == 2), (kernels, sorts)
         # min(tokens, V) slots, those past the used rows marked -1 (as the sort's inputs start them)
