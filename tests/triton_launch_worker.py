@@ -281,7 +281,14 @@ def check_planned_backward():
              ("one chunk, third", dict(dout=dout[:1, :40].contiguous(), ids=ids[:1, :40].contiguous())),
              ("few tokens", dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous())),
              ("few tokens again", dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous())),
-             ("few tokens, third", dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous()))]
+             ("few tokens, third", dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous())),
+             ("few tokens, fourth", dict(dout=dout[1:2, :8].contiguous(), ids=ids[1:2, :8].contiguous())),
+             ("few tokens, misaligned dout", dict(dout=torch.randn(257)[1:].view(1, 8, 32), ids=ids[:1, :8].contiguous())),
+             ("few tokens, table alone", dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous(), pos=False)),
+             ("few tokens, table alone again", dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous(),
+                                                    pos=False)),
+             ("few tokens, table alone, third", dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous(),
+                                                     pos=False))]
     # Past one tile of the tile sort (512 tokens): its merge kernel too.
     tiles = dict(dout=torch.randn(4, 200, 32, generator=gen), ids=torch.randint(0, 300, (4, 200), generator=gen),
                  positions=200)
@@ -321,11 +328,14 @@ def check_planned_backward():
         if len(got) != len(launches) or not all(map(_same_kind, got, launches)):
             mismatches.append(name)
     # A plan holds none of the tensors it was bound with.
+    # (A batch of the sorted path, and one of a few tokens: their plans replay a launch at a time and whole.)
     held_dout, held_ids = torch.randn(2, 40, 16), torch.randint(0, 50, (2, 40))
-    held = [weakref.ref(held_dout), weakref.ref(held_ids)]
-    for _ in range(3):
+    few_dout, few_ids = torch.randn(2, 4, 16), torch.randint(0, 50, (2, 4))
+    held = [weakref.ref(held_dout), weakref.ref(held_ids), weakref.ref(few_dout), weakref.ref(few_ids)]
+    for _ in range(4):
         held += map(weakref.ref, _triton.backward(held_dout, held_ids, None, 0, 50, 40, 1.0, None, False, True, True))
-    del held_dout, held_ids
+        held += map(weakref.ref, _triton.backward(few_dout, few_ids, None, 0, 50, 40, 1.0, None, False, True, True))
+    del held_dout, held_ids, few_dout, few_ids
     launches.clear()
     gc.collect()
     print(json.dumps({"check": "planned backward", "mismatches": mismatches, "replayed": replayed,
