@@ -70,7 +70,8 @@ test-compat: $(INSTALL_STAMP)
 	cd $(COMPAT_VENV) && bin/python -m pyembed.info && bin/python -m pytest -q -p no:cacheprovider \
 		--rootdir=$(CURDIR) $(CURDIR)/tests/test_parity.py $(CURDIR)/tests/test_dropin.py $(CURDIR)/tests/test_errors.py \
 		$(CURDIR)/tests/test_dropout.py $(CURDIR)/tests/test_dtensor.py \
-		"$(CURDIR)/tests/test_packaging.py::test_readme_python_blocks_run_as_written"
+		"$(CURDIR)/tests/test_packaging.py::test_readme_python_blocks_run_as_written" \
+		"$(CURDIR)/tests/test_dispatch.py::test_eager_apply_is_torchs_function_apply"
 	$(COMPAT_VENV)/bin/pip install --no-deps --target $(COMPAT_VENV)/gpu-triton "triton==$(GPU_TRITON)"
 	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_aot.py --quick \
 		| bin/python -c "$$NO_SPILLS"

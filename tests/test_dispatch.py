@@ -161,6 +161,44 @@ def test_plain_eager_calls_take_the_cpp_node_and_the_rest_the_python_function():
         torch.testing.assert_close(out, plain.detach(), rtol=0, atol=0)
 
 
+class _Doubling(torch.autograd.Function):
+    seen_wrapped = []  # whether forward got a functorch wrapper, call by call
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        _Doubling.seen_wrapped.append(torch._C._functorch.is_functorch_wrapped_tensor(x))
+        return x * factor
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 3, None
+
+
+def test_eager_apply_is_torchs_function_apply():
+    # pyembed's plain eager routes call a Function through _autograd.eager_apply (before
+    # torch 2.14 the C apply beneath Function.apply's Python): the same output, node and
+    # gradient as torch's own apply, and a dead functorch wrapper (a tensor leaked out of a
+    # torch.func transform) unwrapped before forward sees it, as torch's apply does.
+    from pyembed._autograd import eager_apply
+
+    x = torch.randn(5, requires_grad=True)
+    results = []
+    for apply in (_Doubling.apply, lambda *args: eager_apply(_Doubling, *args)):
+        out = apply(x, 2.0)
+        (grad,) = torch.autograd.grad(out.sum(), x)
+        results.append((out.detach(), type(out.grad_fn), grad))
+    assert results[0][1] is results[1][1] and "Doubling" in results[0][1].__name__
+    for got, want in zip(results[1][::2], results[0][::2]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    leaked = []
+    torch.func.grad(lambda t: leaked.append(t * 1) or t.sum())(torch.randn(5))
+    assert torch._C._functorch.is_functorch_wrapped_tensor(leaked[0])
+    _Doubling.seen_wrapped.clear()
+    outs = [_Doubling.apply(leaked[0], 2.0), eager_apply(_Doubling, leaked[0], 2.0)]
+    assert _Doubling.seen_wrapped == [False, False]
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+
+
 @pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpp_node_gradient_with_create_graph_keeps_fp32_sums(dtype):
