@@ -939,14 +939,6 @@ CHUNK_ROWS = 128  # sorted positions per chunk: the longest segment summed direc
 # program reads every key per tile of rows it writes (csrc/cuda's kFewTokens). The sorted
 # path is three or four launches -- all host cost for a one-token step.
 FEW_TOKENS = 32
-# The tensors of a few-token dense backward's launch that its plan replaces call by call
-# (pyembed/_triton.py; everything else fixed by the plan's metadata), by whether the launch
-# writes the learned positions' gradient too: the ids, the output gradient (also the unused
-# positions' pointer), the table's gradient (also the unused dropout key's), [the positions'].
-FEW_TOKENS_REPLAYED = {
-    True: dict(tensors=("keys_ptr", "dout_ptr", ("out_ptr", "dropout_key_ptr"), "pos_out_ptr")),
-    False: dict(tensors=("keys_ptr", ("dout_ptr", "pos_out_ptr"), ("out_ptr", "dropout_key_ptr"))),
-}
 
 
 class Segments(NamedTuple):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import Callable, NamedTuple, Optional
+from typing import Optional
 
 import torch
 
@@ -221,70 +221,39 @@ def backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[t
 
     Eagerly, from a metadata's third call on, the launches replay a plan bound at its
     second (kernels.launch.LaunchPlan): the kernels Triton compiled for this metadata,
-    launched with the call's tensors without the launch key over their ~20 arguments each.
-    The key holds everything the launches' other arguments, grids and constexprs follow from."""
-    launch, binding, few = _direct, None, None
+    launched with the call's tensors without the launch key over their ~20 arguments each;
+    where the bound call was allocations and launches alone (every backward but those past
+    the tile sort, which take torch's sort), the whole call is: its allocations made and
+    its launches replayed, none of this module's or the kernels' Python run. The key holds
+    everything the launches' other arguments, grids and constexprs follow from."""
+    launch = _direct
     if type(scale) is float and type(offset) is int:
         key = (grad_out.shape, grad_out.dtype, grad_out.device, ids.shape, ids.dtype,
                None if position_ids is None else (position_ids.shape, position_ids.dtype), offset, num_embeddings,
                num_positions, scale, padding_idx, scale_grad_by_freq, need_weight_grad, need_pos_grad,
                None if dropout_key is None else float(dropout_p))
         plan = _backward_plans.get(key)
-        if type(plan) is _OneLaunch:
-            if ids.is_contiguous():
-                grads = plan.replay_into(grad_out.contiguous(), ids, num_embeddings, num_positions, need_pos_grad)
-                if grads is not None:
-                    return grads
-        elif plan is None:
+        if plan is None:
             _note_first_call(_backward_plans, key)
-        elif plan is _SEEN:  # this metadata's second call: bound as it launches
-            few = _few_tokens_positions(grad_out, ids, position_ids, num_positions, need_weight_grad, need_pos_grad,
-                                        dropout_key)
-            binding = _kernels().LaunchPlan() if few is None else _kernels().Binding(
-                **_kernels().FEW_TOKENS_REPLAYED[few])
-            launch = binding.binding() if few is None else binding
         elif plan is not _UNPLANNED:
+            # The tensors as the bound call had them (its own .contiguous() calls are no-ops then).
+            grad_out, ids = grad_out.contiguous(), ids.contiguous()
+            position_ids = None if position_ids is None else position_ids.contiguous()
+            inputs = (grad_out, ids, position_ids, dropout_key)
+            if plan is _SEEN:  # this metadata's second call: bound as it launches
+                plan = _kernels().LaunchPlan()
+                grads = plan.bind_call(lambda launch: _backward(
+                    grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
+                    scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p, launch=launch), inputs)
+                _backward_plans[key] = plan if plan.complete else _UNPLANNED
+                return grads
+            with _on_device(grad_out):
+                grads = plan.replay_whole(inputs)
+            if grads is not None:
+                return grads
             launch = plan.replaying()
-    grads = _backward(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
-                      scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p, launch=launch)
-    if binding is not None:
-        if few is not None:
-            _backward_plans[key] = _OneLaunch(binding.replay, few) if binding.replay is not None else _UNPLANNED
-        else:
-            _backward_plans[key] = binding if binding.complete else _UNPLANNED
-    return grads
-
-
-def _few_tokens_positions(grad_out, ids, position_ids, num_positions: int, need_weight_grad: bool,
-                          need_pos_grad: bool, dropout_key) -> Optional[bool]:
-    """For a dense backward that is one launch of the few-token kernel which a plan can
-    replay whole (the table's gradient, positions p = offset + t, no dropout, contiguous
-    ids): whether that launch also writes the positions' gradient; else None."""
-    if (ids.numel() > _kernels().FEW_TOKENS or not need_weight_grad or position_ids is not None
-            or dropout_key is not None or not ids.is_contiguous() or not grad_out.shape[-1]):
-        return None
-    return bool(need_pos_grad and num_positions)
-
-
-class _OneLaunch(NamedTuple):
-    """A few-token dense backward's plan: its one launch, replayed with the call's output
-    gradient, ids and new gradients (kernels.FEW_TOKENS_REPLAYED), as the forward replays
-    its own. What lies between the op and its launch otherwise -- the launch arguments,
-    the plan's launch by launch replay -- was ~9 of the ~13 us a one-token backward op
-    cost the host (development VM, stand-in driver, ``python -m bench.triton_host``)."""
-
-    replay: Callable
-    with_positions: bool
-
-    def replay_into(self, dout, ids, num_embeddings: int, num_positions: int, need_pos_grad: bool):
-        """(weight gradient, positions' gradient), or None where the replay declines (a
-        tensor not 16-byte aligned, another device, a hook: the caller launches as usual)."""
-        weight_grad = dout.new_empty(num_embeddings, dout.shape[-1])
-        pos_grad = dout.new_empty(num_positions if need_pos_grad else 0, dout.shape[-1])
-        with _on_device(dout):
-            launched = (self.replay(ids, dout, weight_grad, pos_grad) if self.with_positions
-                        else self.replay(ids, dout, weight_grad))
-        return (weight_grad, pos_grad) if launched else None
+    return _backward(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
+                     scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p, launch=launch)
 
 
 triton_backward = torch.library.custom_op("pyembed::triton_backward", mutates_args=())(backward)

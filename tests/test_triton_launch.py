@@ -81,14 +81,18 @@ def test_the_eager_backward_replays_its_plan_and_launches_what_triton_would():
     assert result["mismatches"] == []  # every call's launches, in order, are Triton's binaries and arguments
     # From a metadata's third call on, every launch replays (offsets, scale_grad_by_freq with
     # a padding row, position_ids, either table's gradient alone, a batch of one chunk -- no
-    # long segment's pieces --, a short batch's one kernel -- replayed whole, with or without
-    # the positions --, a batch past one tile of the tile sort -- its merge too), with the
-    # call's own output gradient and ids (and dropout key), into the gradients it returns; a
-    # misaligned output gradient (also a short batch's) and a profiler hook take the cached launcher.
+    # long segment's pieces --, a short batch's one kernel, a batch past one tile of the
+    # tile sort -- its merge too --, dropout, torch's sort between launches), with the call's
+    # own output gradient and ids (and dropout key), into the gradients it returns; a
+    # misaligned output gradient and a profiler hook take the cached launcher.
     assert result["replayed"] == ["third", "new tensors", "offset 3, third", "by freq, padding, third",
                                   "position ids, third", "positions alone, third", "table alone, third",
                                   "one chunk, third", "few tokens, third", "few tokens, fourth",
                                   "few tokens, table alone, third", "two tiles, third", "dropout, third",
-                                  "few tokens, dropout, third"]
+                                  "few tokens, dropout, third", "torch's sort, third"]
+    # Replayed whole (allocations and launches, no Python of the helpers) but where torch's
+    # sort runs between the launches, and where a replay refuses (misaligned, a hook).
+    assert result["by_launch"] == ["misaligned dout", "profiler hook", "few tokens, misaligned dout",
+                                   "torch's sort, third"]
     assert all(result["own_tensors"])
     assert result["held_after_release"] == 0  # a plan keeps no output gradient, ids or gradient alive

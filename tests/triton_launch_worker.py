@@ -16,6 +16,7 @@ replayed or not.
 import gc
 import itertools
 import json
+import os
 import pathlib
 import sys
 import weakref
@@ -155,6 +156,18 @@ def _same_kind(a, b) -> bool:
             return x.dtype, x.numel(), x.data_ptr() & 15 == 0
         return type(x), x
     return a[:3] == b[:3] and list(map(kind, a[3])) == list(map(kind, b[3]))
+
+
+def _wiring(recorded: list) -> list:
+    """Which tensor arguments of a call's launches are the same memory: for each, in order,
+    the index of the first argument at its address (a replay that hands a launch another
+    launch's buffer, or a fresh one where it should share, differs from Triton's run)."""
+    first, wiring = {}, []
+    for *_, arguments in recorded:
+        for a in arguments:
+            if isinstance(a, torch.Tensor):
+                wiring.append(first.setdefault(a.data_ptr(), len(first)))
+    return wiring
 
 
 def _count_cached_launches() -> list:
@@ -300,6 +313,15 @@ def check_planned_backward():
               ("dropout, third", dict(key=keys[2])), ("few tokens, dropout", dict(few, key=keys[3])),
               ("few tokens, dropout again", dict(few, key=keys[4])),
               ("few tokens, dropout, third", dict(few, key=keys[5]))]
+    # torch's sort (the tile sort switched off): a torch op between launches, so the plan
+    # replays launch by launch, never whole (its allocations and launches alone would skip the sort).
+    sorted_by_torch = dict(dout=torch.randn(2, 48, 32, generator=gen), ids=torch.randint(0, 300, (2, 48), generator=gen),
+                           torch_sort=True)
+    calls += [("torch's sort", sorted_by_torch), ("torch's sort again", sorted_by_torch),
+              ("torch's sort, third", sorted_by_torch)]
+    by_launch = []  # calls of a planned metadata not replayed whole (LaunchPlan.replaying)
+    replaying = k.LaunchPlan.replaying
+    k.LaunchPlan.replaying = lambda plan: by_launch.append(name) or replaying(plan)
     mismatches, replayed, own_tensors = [], [], []
     for name, change in calls:
         call = {**base, **change}
@@ -309,6 +331,8 @@ def check_planned_backward():
                 0.0 if key is None else 0.1)
         if call.get("hook"):
             knobs.runtime.launch_enter_hook.add(hook)
+        if call.get("torch_sort"):
+            os.environ["PYEMBED_TRITON_TILE_SORT"] = "0"
         launches.clear()
         through_cached.append(0)
         try:
@@ -325,10 +349,12 @@ def check_planned_backward():
             own_tensors.append({t.data_ptr() for t in own} <= pointers)
         launches.clear()  # what Triton's own run launches for the same call
         _triton._backward(*args, launch=lambda kernel: kernel)
-        if len(got) != len(launches) or not all(map(_same_kind, got, launches)):
+        os.environ.pop("PYEMBED_TRITON_TILE_SORT", None)
+        if (len(got) != len(launches) or not all(map(_same_kind, got, launches))
+                or _wiring(got) != _wiring(launches)):
             mismatches.append(name)
     # A plan holds none of the tensors it was bound with.
-    # (A batch of the sorted path, and one of a few tokens: their plans replay a launch at a time and whole.)
+    # (A batch of the sorted path and one of a few tokens, both replayed whole from their third call.)
     held_dout, held_ids = torch.randn(2, 40, 16), torch.randint(0, 50, (2, 40))
     few_dout, few_ids = torch.randn(2, 4, 16), torch.randint(0, 50, (2, 4))
     held = [weakref.ref(held_dout), weakref.ref(held_ids), weakref.ref(few_dout), weakref.ref(few_ids)]
@@ -338,8 +364,10 @@ def check_planned_backward():
     del held_dout, held_ids, few_dout, few_ids
     launches.clear()
     gc.collect()
+    k.LaunchPlan.replaying = replaying
     print(json.dumps({"check": "planned backward", "mismatches": mismatches, "replayed": replayed,
-                      "own_tensors": own_tensors, "held_after_release": sum(ref() is not None for ref in held)}))
+                      "by_launch": by_launch, "own_tensors": own_tensors,
+                      "held_after_release": sum(ref() is not None for ref in held)}))
 
 
 def check_profiler_hooks():
