@@ -24,7 +24,8 @@ the named tensors and ints, checking only what could make Triton choose another 
 (their alignment and specialisation, the device and options, the hooks). The eager
 `triton` forward keeps one per metadata (pyembed/_triton.py): 0.4 us per launch instead of
 4.2 us through ``cached``. ``LaunchPlan`` binds a helper's launches in order and replays
-them, every tensor argument new: the dense backward's three.
+them, every tensor argument new: the dense backward's one to four, and where the helper
+ran nothing but allocations, views and those launches, the whole call at once.
 
 Under the interpreter (TRITON_INTERPRET=1) and on Triton releases before 3.3 (whose
 launcher took other arguments), ``cached`` returns the kernel itself and ``bind`` binds
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 
 import torch
 import triton
@@ -297,15 +299,18 @@ class LaunchPlan:
     8x2048 one ~32 -> ~15 us on the development VM, stand-in driver)."""
 
     def __init__(self):
-        self.launches = []  # (kernel, tensor positions, replay or None, the bound tensors' addresses)
+        # (kernel, tensor positions, replay or None, [while bound: the tensors' addresses,
+        # the allocations made before the launch])
+        self.launches = []
         self.whole = None  # the call replayed whole: a function of its inputs, or None
+        self._recorded = None  # while bind_call runs: its _RecordedOps
 
     @property
     def complete(self) -> bool:
-        return bool(self.launches) and all(replay is not None for _, _, replay, _ in self.launches)
+        return bool(self.launches) and all(replay is not None for _, _, replay, *_ in self.launches)
 
     def binding(self):
-        return _PlanBinder(self.launches)
+        return _PlanBinder(self)
 
     def replaying(self):
         return _PlanReplayer(self.launches)
@@ -315,10 +320,13 @@ class LaunchPlan:
         runs recorded, and planned whole where it can be (``whole``); returns its result, a
         tuple of tensors. ``inputs``: the tensors it was given (None allowed), the same
         ``replay_whole`` gets."""
-        ops = _RecordedOps()
-        with ops:
-            result = call(self.binding())
-        self.whole = _whole_call(self.launches, ops, inputs, result) if self.complete else None
+        self._recorded = _RecordedOps()
+        try:
+            with self._recorded:
+                result = call(self.binding())
+            self.whole = _whole_call(self.launches, self._recorded, inputs, result) if self.complete else None
+        finally:
+            self._recorded = None
         return result
 
     def replay_whole(self, inputs: tuple):
@@ -330,9 +338,11 @@ class LaunchPlan:
 
 
 class _RecordedOps(TorchDispatchMode):
-    """The allocations a call makes (their tensors, in order) and whether it ran any other
-    torch op than an allocation or a view (a sort, a fill, a copy: a whole replay would
-    skip it)."""
+    """What a call's torch ops were: its allocations in order (a weak reference to each --
+    holding the tensor itself would make the dispatcher hand an outer mode a detach of it
+    -- and its address, shape, dtype, device, contiguity, read as it is made: a temporary
+    may be freed before the call ends), and whether it ran any other op than an allocation
+    or a view (a sort, a fill, a copy: a whole replay would skip it)."""
 
     ALLOCATING = frozenset((torch.ops.aten.empty.memory_format, torch.ops.aten.new_empty.default))
 
@@ -343,7 +353,8 @@ class _RecordedOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in self.ALLOCATING:
-            self.allocated.append(out)
+            self.allocated.append((weakref.ref(out), out.data_ptr(), tuple(out.shape), out.dtype, out.device,
+                                   out.is_contiguous()))
         elif not func.is_view:
             self.computed = True
         return out
@@ -351,55 +362,59 @@ class _RecordedOps(TorchDispatchMode):
 
 def _whole_call(launches: list, ops: _RecordedOps, inputs: tuple, outputs: tuple):
     """LaunchPlan.whole for a bound call, or None: where it ran another op than
-    allocations and views, or a launch took a tensor that is neither an input nor a whole
-    allocation (a view at an offset), or two candidates share an address (empty tensors).
-    Written out as bind's replays are: a function of the inputs that makes the allocations
-    (on the first input's device) and calls each launch's replay with its tensors."""
-    allocated = ops.allocated
+    allocations and views, or a launch took a tensor that is neither an input nor the
+    latest allocation at its address (a view at an offset), or an input shares the address
+    (empty tensors). Written out as bind's replays are: a function of the inputs that makes
+    the allocations (on the first input's device) and calls each launch's replay with its
+    tensors."""
     template = inputs[0]
-    if (ops.computed or any(not t.is_contiguous() or t.device != template.device for t in allocated)
-            or any(not any(t is a for a in allocated) for t in outputs)):
+    if ops.computed or any(not contiguous or device != template.device
+                           for *_, device, contiguous in ops.allocated):
         return None
-    names = [None if t is None else f"i{k}" for k, t in enumerate(inputs)] + [f"a{k}" for k in range(len(allocated))]
-    by_address = {}
-    for name, t in zip(names, [*inputs, *allocated]):
-        if t is not None:
-            by_address.setdefault(t.data_ptr(), []).append(name)
-    namespace = {"DTYPES": tuple(t.dtype for t in allocated)}
+    input_names = {t.data_ptr(): f"i{k}" for k, t in enumerate(inputs) if t is not None}
+    if len(input_names) != sum(t is not None for t in inputs):
+        return None
+    namespace = {"DTYPES": tuple(dtype for _, _, _, dtype, *_ in ops.allocated)}
     lines = [f"def replay_whole({', '.join(f'i{k}' for k in range(len(inputs)))}):",
              # A misaligned input would make a later launch refuse, after earlier ones ran.
-             f"    if ({' | '.join(f'i{k}.data_ptr()' for k, t in enumerate(inputs) if t is not None)}) & 15:",
+             f"    if ({' | '.join(f'{name}.data_ptr()' for name in input_names.values())}) & 15:",
              "        return None"]
-    for k, t in enumerate(allocated):
-        shape = "".join(f"{size}, " for size in t.shape)
-        dtype = "" if t.dtype == template.dtype else f"dtype=DTYPES[{k}]"
-        lines.append(f"    a{k} = i0.new_empty({shape}{dtype})")
-    for k, (_, _, replay, addresses) in enumerate(launches):
-        found = [by_address.get(address, ()) for address in addresses]
-        if any(len(f) != 1 for f in found):
-            return None
+    for k, (_, _, shape, dtype, *_) in enumerate(ops.allocated):
+        sizes = "".join(f"{size}, " for size in shape)
+        lines.append(f"    a{k} = i0.new_empty({sizes}{'' if dtype == template.dtype else f'dtype=DTYPES[{k}]'})")
+    for k, (_, _, replay, addresses, made) in enumerate(launches):
+        names = []
+        for address in addresses:
+            latest = next((f"a{j}" for j in range(made - 1, -1, -1) if ops.allocated[j][1] == address), None)
+            if (latest is None) == (address not in input_names):  # neither, or both
+                return None
+            names.append(latest or input_names[address])
         namespace[f"R{k}"] = replay
-        lines += [f"    if not R{k}({', '.join(f[0] for f in found)}):", "        return None"]
-    returned = [f"a{next(k for k, a in enumerate(allocated) if a is t)}, " for t in outputs]
-    lines.append(f"    return ({''.join(returned)})")
+        lines += [f"    if not R{k}({', '.join(names)}):", "        return None"]
+    returned = [next((f"a{j}" for j, (ref, *_) in enumerate(ops.allocated) if ref() is t), None) for t in outputs]
+    if None in returned:
+        return None
+    lines.append(f"    return ({''.join(name + ', ' for name in returned)})")
     exec("\n".join(lines), namespace)
     return namespace["replay_whole"]
 
 
 class _PlanBinder(_LaunchSeam):
-    def __init__(self, launches: list):
-        self.launches = launches
+    def __init__(self, plan: LaunchPlan):
+        self.plan = plan
 
     def __getitem__(self, grid):
         def launch(*args, **constexprs):
-            launcher = cached(self.kernel)
+            launcher, launches = cached(self.kernel), self.plan.launches
             if not isinstance(launcher, CachedLauncher):
                 launcher[grid](*args, **constexprs)
-                self.launches.append((self.kernel, (), None, ()))
+                launches.append((self.kernel, (), None))
                 return
             positions = tuple(p for p, arg in enumerate(args) if isinstance(arg, torch.Tensor))
             replay = _bind(launcher, grid, args, constexprs, [(p,) for p in positions], [])
-            self.launches.append((self.kernel, positions, replay, tuple(args[p].data_ptr() for p in positions)))
+            recorded = self.plan._recorded
+            launches.append((self.kernel, positions, replay, tuple(args[p].data_ptr() for p in positions),
+                             0 if recorded is None else len(recorded.allocated)))
         return launch
 
 
@@ -412,7 +427,7 @@ class _PlanReplayer(_LaunchSeam):
             k = self.next
             self.next = k + 1
             if k < len(self.launches):
-                kernel, positions, replay, _ = self.launches[k]
+                kernel, positions, replay, *_ = self.launches[k]
                 if kernel is self.kernel and replay(*[args[p] for p in positions]):
                     return
             cached(self.kernel)[grid](*args, **constexprs)
