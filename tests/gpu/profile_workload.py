@@ -304,7 +304,8 @@ def host_cost_targets(backends, weight, ids, per_call, rounds=5):
     """Issue #29's host-cost targets, side by side in one process: a one-token lookup
     (default arguments, a table that wants a gradient, and under no_grad) against
     F.embedding's host cost (`cuda`: <= 1.3x) and a raw Triton launch's (`triton`: <= 2x);
-    also the same raw kernel through pyembed's cached launcher, the floor of a `triton` launch.
+    also the same raw kernel through pyembed's cached launcher, the floor of a `triton` launch;
+    then #30's: a one-token forward + backward against eager nn ops' (<= 1x).
     The calls take turns, round after round; each figure is its best round."""
     import triton
     import triton.language as tl
@@ -334,6 +335,30 @@ def host_cost_targets(backends, weight, ids, per_call, rounds=5):
                 ratio = best[f"pyembed {backend}"] / best[base]
                 print(f"host 1x1 target ({mode}) {backend}: {ratio:.2f}x {base} (target <= {target}x: "
                       f"{'met' if ratio <= target else 'NOT met'})", flush=True)
+    # Issue #30: a one-token forward + backward no slower than eager nn ops' (wall clock, GPU
+    # work included: each writes the table's whole dense gradient; eager's embedding backward
+    # also reads a count back to the host).
+    pos_weight = torch.randn(1024, weight.shape[1], device=weight.device, requires_grad=True)
+    dout = torch.ones(1, 1, weight.shape[1], device=weight.device)
+
+    def fwd_bwd(layer):
+        def run():
+            layer().backward(dout)
+            weight.grad = pos_weight.grad = None
+        return run
+    steps = {"eager nn ops": fwd_bwd(lambda: torch.nn.functional.embedding(ids, weight) * 2.0 + pos_weight[:1])}
+    steps.update({f"pyembed {b}": fwd_bwd(lambda b=b: pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0,
+                                                                             backend=b)) for b in backends})
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            best[name] = min(best[name], per_call(fn))
+    for name, us in best.items():
+        print(f"host 1x1 fwd+bwd target {name}: {us:.1f} us/call", flush=True)
+    for backend in backends:
+        ratio = best[f"pyembed {backend}"] / best["eager nn ops"]
+        print(f"host 1x1 fwd+bwd target {backend}: {ratio:.2f}x eager nn ops (target <= 1.0x: "
+              f"{'met' if ratio <= 1.0 else 'NOT met'})", flush=True)
 
 
 def ncu_kernels(backends):
