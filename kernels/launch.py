@@ -299,8 +299,8 @@ class LaunchPlan:
     8x2048 one ~32 -> ~15 us on the development VM, stand-in driver)."""
 
     def __init__(self):
-        # (kernel, tensor positions, replay or None, [while bound: the tensors' addresses,
-        # the allocations made before the launch])
+        # (kernel, tensor positions, replay or None, [while bound: the tensors' (address,
+        # starts its storage), the allocations made before the launch])
         self.launches = []
         self.whole = None  # the call replayed whole: a function of its inputs, or None
         self._recorded = None  # while bind_call runs: its _RecordedOps
@@ -344,7 +344,9 @@ class _RecordedOps(TorchDispatchMode):
     may be freed before the call ends), and whether it ran any other op than an allocation
     or a view (a sort, a fill, a copy: a whole replay would skip it)."""
 
-    ALLOCATING = frozenset((torch.ops.aten.empty.memory_format, torch.ops.aten.new_empty.default))
+    ALLOCATING = frozenset((torch.ops.aten.empty.memory_format, torch.ops.aten.new_empty.default,
+                            torch.ops.aten.empty_like.default, torch.ops.aten.empty_strided.default,
+                            torch.ops.aten.new_empty_strided.default))
 
     def __init__(self):
         super().__init__()
@@ -384,8 +386,10 @@ def _whole_call(launches: list, ops: _RecordedOps, inputs: tuple, outputs: tuple
         lines.append(f"    a{k} = i0.new_empty({sizes}{'' if dtype == template.dtype else f'dtype=DTYPES[{k}]'})")
     for k, (_, _, replay, addresses, made) in enumerate(launches):
         names = []
-        for address in addresses:
+        for address, starts_storage in addresses:
             latest = next((f"a{j}" for j in range(made - 1, -1, -1) if ops.allocated[j][1] == address), None)
+            if not starts_storage:
+                latest = None  # an input's view (by its address), or nothing this can replay
             if (latest is None) == (address not in input_names):  # neither, or both
                 return None
             names.append(latest or input_names[address])
@@ -413,7 +417,10 @@ class _PlanBinder(_LaunchSeam):
             positions = tuple(p for p, arg in enumerate(args) if isinstance(arg, torch.Tensor))
             replay = _bind(launcher, grid, args, constexprs, [(p,) for p in positions], [])
             recorded = self.plan._recorded
-            launches.append((self.kernel, positions, replay, tuple(args[p].data_ptr() for p in positions),
+            # Each tensor's address and whether it starts its storage (a view inside an
+            # allocation could share the address of one freed before: never taken for it).
+            launches.append((self.kernel, positions, replay,
+                             tuple((args[p].data_ptr(), args[p].storage_offset() == 0) for p in positions),
                              0 if recorded is None else len(recorded.allocated)))
         return launch
 

@@ -96,3 +96,15 @@ def test_the_eager_backward_replays_its_plan_and_launches_what_triton_would():
                                    "torch's sort, third"]
     assert all(result["own_tensors"])
     assert result["held_after_release"] == 0  # a plan keeps no output gradient, ids or gradient alive
+
+
+def test_a_plan_replays_whole_only_a_call_of_allocations_views_and_launches():
+    # kernels.launch.LaunchPlan.bind_call, on small helpers: whole where the helper only
+    # allocates, views and launches; not where a torch op runs between the launches (the
+    # replay would skip it), a launch gets a view past an allocation's start, or the call
+    # returns what it did not allocate. A whole replay launches what Triton's run launches for
+    # the new input, into new allocations shared between the launches as in that run.
+    result = _worker("whole")
+    assert result.pop("replay") == {"same_launches": True, "same_wiring": True, "reads_the_input": True,
+                                    "writes_its_output": True, "output_shape": True}
+    assert result == {"copies": True, "sorts": False, "offset view": False, "returns input": False}

@@ -23,6 +23,7 @@ import weakref
 
 import torch
 import triton
+import triton.language as tl
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import stand_in_driver  # noqa: E402  (standalone: an installed copy's venv runs this file too)
@@ -393,6 +394,61 @@ def check_profiler_hooks():
                       "same_launches": all(map(_same, launched, expected))}))
 
 
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):  # a launch that reads one tensor, writes another
+    offsets = tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets, mask=offsets < n), mask=offsets < n)
+
+
+def check_whole_plans():
+    """kernels.launch.LaunchPlan planned whole -- or not -- for helpers of each kind: only
+    allocations, views and launches (whole: a replay launches with the call's input and new
+    allocations, wired as bound, and returns the new output); a torch op between launches,
+    a launch given a view past an allocation's start, an output that is no allocation (not
+    whole: the replay would skip the op or misname the memory)."""
+    def copies(x, launch):  # x -> a temporary -> the output
+        tmp, out = torch.empty_like(x), x.new_empty(x.shape)
+        launch(_copy_kernel)[(1,)](x, tmp, x.numel(), BLOCK=64)
+        launch(_copy_kernel)[(1,)](tmp, out, x.numel(), BLOCK=64)
+        return (out,)
+
+    def sorts(x, launch):
+        out = x.new_empty(x.shape)
+        launch(_copy_kernel)[(1,)](x.sort().values, out, x.numel(), BLOCK=64)
+        return (out,)
+
+    def offset_view(x, launch):
+        buf = x.new_empty(2 * x.numel())
+        launch(_copy_kernel)[(1,)](x, buf[16:], x.numel(), BLOCK=64)
+        return (buf,)
+
+    def returns_input(x, launch):
+        launch(_copy_kernel)[(1,)](x, x.new_empty(x.shape), x.numel(), BLOCK=64)
+        return (x,)
+
+    x = torch.randn(40)
+    result = {}
+    for name, helper in {"copies": copies, "sorts": sorts, "offset view": offset_view,
+                         "returns input": returns_input}.items():
+        plan = k.LaunchPlan()
+        plan.bind_call(lambda launch: helper(x, launch), (x,))
+        result[name] = plan.whole is not None
+    plan = k.LaunchPlan()
+    plan.bind_call(lambda launch: copies(x, launch), (x,))
+    y = torch.randn(40)
+    launches.clear()
+    replayed = plan.replay_whole((y,))
+    got = list(launches)
+    launches.clear()
+    reference = copies(y, lambda kernel: kernel)
+    result["replay"] = {"same_launches": len(got) == 2 and all(map(_same_kind, got, launches)),
+                        "same_wiring": _wiring(got) == _wiring(launches),
+                        "reads_the_input": got[0][3][0] is y, "writes_its_output": got[1][3][1] is replayed[0],
+                        "output_shape": list(replayed[0].shape) == list(reference[0].shape)}
+    print(json.dumps(result))
+
+
 if __name__ == "__main__":
     {"forward": check_forward_variants, "eager": check_eager_calls, "hooks": check_profiler_hooks,
-     "planned": check_planned_forward, "planned-backward": check_planned_backward}[sys.argv[1]]()
+     "planned": check_planned_forward, "planned-backward": check_planned_backward,
+     "whole": check_whole_plans}[sys.argv[1]]()
