@@ -79,6 +79,9 @@ test-compat: $(INSTALL_STAMP)
 	for check in planned planned-backward; do (cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton \
 		bin/python $(CURDIR)/tests/triton_launch_worker.py $$check | bin/python -c "import json, sys; \
 		r = json.loads(sys.stdin.read().splitlines()[-1]); print(r); sys.exit(bool(r['mismatches']))") || exit 1; done
+	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_launch_worker.py \
+		whole | bin/python -c "import json, sys; r = json.loads(sys.stdin.read().splitlines()[-1]); print(r); \
+		sys.exit(not (r['copies'] and all(r['replay'].values())) or r['sorts'] or r['offset view'] or r['returns input'])"
 	$(PY) tests/triton_specs.py record $(CURDIR)/build/triton_specs.json
 	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_specs.py \
 		compile $(CURDIR)/build/triton_specs.json
