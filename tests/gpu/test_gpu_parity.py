@@ -341,3 +341,37 @@ def test_dropout_backward_masks_in_its_loads_as_masking_first_does(backend, dtyp
     got = ops.backward(dout, *args, dropout_key=key, dropout_p=0.1)
     for a, b in zip(got, expected):
         assert a.shape == b.shape and torch.equal(a, b), layout
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("batch, seq_len", [(1, 1), (4, 300), (8, 2048)], ids=["one token", "two tiles", "8x2048"])
+def test_dense_backward_from_its_plan_is_its_first_call_bit_for_bit(backend, batch, seq_len):
+    """An eager dense backward called again and again with one metadata: from the third call
+    the `triton` op replays its plan, the whole call where it is only allocations and launches
+    (kernels.launch.LaunchPlan: checked here to be so on CUDA tensors, whose ops the development
+    VM cannot see); every call's gradients are the first call's for its inputs, bit for bit,
+    and the first is the float64 reference's within fp32 rounding."""
+    ops = _kernel_ops(backend)
+    g = torch.Generator().manual_seed(5)
+    vocab, dim, num_positions = 50257, 768, 2048
+    calls = []
+    for _ in range(4):
+        ids = torch.randint(0, vocab, (batch, seq_len), generator=g)
+        ids[:, : seq_len // 3] = 6  # a hot row
+        calls.append((torch.randn(batch, seq_len, dim, generator=g).cuda(), ids.cuda()))
+    op = ops.backward_op(calls[0][0])
+    first = [op(dout, ids, None, 0, vocab, num_positions, 2.0, None, False, True, True) for dout, ids in calls]
+    again = [op(dout, ids, None, 0, vocab, num_positions, 2.0, None, False, True, True) for dout, ids in calls]
+    for (dw, dp), (dw2, dp2) in zip(first, again):
+        assert torch.equal(dw, dw2) and torch.equal(dp, dp2)
+    dout, ids = calls[0]
+    flat, rows = ids.reshape(-1).cpu(), dout.reshape(-1, dim).cpu().double()
+    exact_w = torch.zeros(vocab, dim, dtype=torch.float64).index_add_(0, flat, rows) * 2.0
+    exact_p = torch.zeros(num_positions, dim, dtype=torch.float64)
+    exact_p[:seq_len] = dout.cpu().double().sum(0)
+    torch.testing.assert_close(first[0][0].cpu().double(), exact_w, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(first[0][1].cpu().double(), exact_p, rtol=1e-5, atol=1e-4)
+    if backend == "triton":
+        from pyembed import _triton
+        key = next(k for k in _triton._backward_plans if k[0] == calls[0][0].shape and k[3] == ids.shape)
+        assert _triton._backward_plans[key].whole is not None
