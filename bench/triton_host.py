@@ -10,7 +10,7 @@ the first call of its metadata, which launches without the plan later calls repl
 pyembed/_triton.py; with a gradient), forward + backward (also with dropout) -- the
 default checks as on a GPU (inside the kernel) --, the dense backward op of a batch of
 8x2048 tokens (four launches, the tile sort's two first), as the autograd path calls it
-(its launches replayed from a plan) and through the cached launcher, and last, after the
+(replayed whole from its plan: allocations and launches) and through the cached launcher, and last, after the
 others (fused_step_call says why), a training step with AdamW inside the backward
 (``apply_optimizer_in_backward``). The calls take turns, round after round; each figure
 is its best round.
