@@ -299,15 +299,15 @@ class LaunchPlan:
     8x2048 one ~32 -> ~15 us on the development VM, stand-in driver)."""
 
     def __init__(self):
-        # (kernel, tensor positions, replay or None, [while bound: the tensors' (address,
-        # starts its storage), the allocations made before the launch])
+        # (kernel, tensor positions, replay or None, the bound tensors' (address, starts its
+        # storage), the allocations bind_call had recorded before the launch)
         self.launches = []
         self.whole = None  # the call replayed whole: a function of its inputs, or None
         self._recorded = None  # while bind_call runs: its _RecordedOps
 
     @property
     def complete(self) -> bool:
-        return bool(self.launches) and all(replay is not None for _, _, replay, *_ in self.launches)
+        return bool(self.launches) and all(replay is not None for _, _, replay, _, _ in self.launches)
 
     def binding(self):
         return _PlanBinder(self)
@@ -412,7 +412,7 @@ class _PlanBinder(_LaunchSeam):
             launcher, launches = cached(self.kernel), self.plan.launches
             if not isinstance(launcher, CachedLauncher):
                 launcher[grid](*args, **constexprs)
-                launches.append((self.kernel, (), None))
+                launches.append((self.kernel, (), None, (), 0))
                 return
             positions = tuple(p for p, arg in enumerate(args) if isinstance(arg, torch.Tensor))
             replay = _bind(launcher, grid, args, constexprs, [(p,) for p in positions], [])
@@ -434,7 +434,7 @@ class _PlanReplayer(_LaunchSeam):
             k = self.next
             self.next = k + 1
             if k < len(self.launches):
-                kernel, positions, replay, *_ = self.launches[k]
+                kernel, positions, replay, _, _ = self.launches[k]
                 if kernel is self.kernel and replay(*[args[p] for p in positions]):
                     return
             cached(self.kernel)[grid](*args, **constexprs)

@@ -78,7 +78,9 @@ def apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config: Fuse
                                    config.offset, config.padding_idx, config.scale_grad_by_freq, False,
                                    config.error_record)
     if not cpp_autograd or plain_eager:  # (not cpp_autograd: a fused optimizer's update runs in this backward)
-        return eager_apply(FusedEmbeddingFunctionWithJvp, *tensors, config)
+        if no_transform:  # (what eager_apply needs; not cpp_autograd alone does not say so)
+            return eager_apply(FusedEmbeddingFunctionWithJvp, *tensors, config)
+        return FusedEmbeddingFunctionWithJvp.apply(*tensors, config)
     if not torch.compiler.is_compiling():  # eager with forward AD or torch.func (the setup_context form)
         function = FusedEmbeddingFunctorch if functorch_active() else FusedEmbeddingFunctionWithJvp
         return function.apply(*tensors, config)
