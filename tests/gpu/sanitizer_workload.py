@@ -55,18 +55,41 @@ def run_backend(backend: str, device: torch.device) -> int:
             calls += 2
     if device.type == "cuda":
         torch.cuda.synchronize()
+    return calls + run_sorts(backend, device)
+
+
+def run_sorts(backend: str, device: torch.device) -> int:
+    """The dense and sparse backward at the batch sizes of the sorts the small batches above
+    never reach: `cuda`'s one-block radix sort (4096 < n <= 16384 tokens: shared memory and
+    block barriers, racecheck's subject) and `triton`'s tile sort across several tiles (its
+    merge launch), a hot row among them; CUB's and torch's sorts above and below."""
+    g = torch.Generator().manual_seed(1)
+    calls = 0
+    for n in (600, 5000, 16384, 16385):
+        ids = torch.randint(0, 50257, (n,), generator=g)
+        ids[::3] = 7  # a third of the tokens on one row: segments span sort tiles and blocks
+        ids = ids.to(device)
+        weight = torch.randn(50257, 16, generator=g).to(device)
+        for sparse in (False, True):
+            w = weight.detach().clone().requires_grad_()
+            pyembed.fused_embedding(ids, w, sparse=sparse, backend=backend).sum().backward()
+            calls += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return calls
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--sorts-only", action="store_true", help="only the sort-sized backward (run_sorts)")
     args = ap.parse_args()
     device = torch.device(args.device)
     for backend in dispatch.backends_for(device):
         if backend == "reference" and device.type == "cuda":
             continue  # plain torch: its kernels are PyTorch's, not ours
-        print(f"{backend}: {run_backend(backend, device)} calls on {device}", flush=True)
+        calls = run_sorts(backend, device) if args.sorts_only else run_backend(backend, device)
+        print(f"{backend}: {calls} calls on {device}", flush=True)
 
 
 if __name__ == "__main__":
