@@ -255,6 +255,54 @@ def token_order_ids_and_grad(num_tokens, vocab, dim=4, seed=0):
     return ids, dout, expected, padding_idx
 
 
+
+def long_segment_ids_and_grad(dim, chunk=128, seed=0):
+    """(ids (1000,), dout float32, the float32 dense gradient as the GPU backends sum it):
+    a row used 600 times among rows used 1-90 times, so its segment of sorted positions
+    spans five chunks of `chunk`; dout of mixed magnitudes, so every order of addition
+    gives other bits. The contract of the chunked sum (csrc/cuda/embedding_kernels.cuh,
+    kernels/embedding.py): each piece of a long segment -- its positions within one chunk
+    of the sorted positions -- summed from zero in token order, then the row the pieces'
+    sums added in order, the first as the start; a short segment summed from zero in token
+    order. The expected sums are float32 additions done here one at a time."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab, hot = 50, 17
+    others = torch.randint(0, vocab - 1, (400,), generator=gen)
+    ids = torch.cat([torch.full((600,), hot), others + (others >= hot).long()])
+    ids = ids[torch.randperm(ids.numel(), generator=gen)]
+    dout = torch.randn(ids.numel(), dim, generator=gen) * torch.exp2(
+        torch.randint(-20, 21, (ids.numel(), 1), generator=gen).float())
+    order = torch.sort(ids, stable=True).indices
+    sorted_ids = ids[order]
+    expected = torch.zeros(vocab, dim)
+    for row in sorted_ids.unique().tolist():
+        positions = torch.nonzero(sorted_ids == row).reshape(-1).tolist()
+        pieces = {}
+        for position in positions:  # by chunk, in token order within each
+            pieces.setdefault(position // chunk, []).append(dout[order[position]])
+        sums = []
+        for piece in pieces.values():
+            total = torch.zeros(dim)
+            for x in piece:
+                total = total + x
+            sums.append(total)
+        if len(positions) <= chunk:  # summed directly, from zero, in token order
+            total = torch.zeros(dim)
+            for position in positions:
+                total = total + dout[order[position]]
+            expected[row] = total
+        else:
+            total = sums[0]
+            for piece_sum in sums[1:]:
+                total = total + piece_sum
+            expected[row] = total
+    direct = torch.zeros(dim)
+    for position in torch.nonzero(sorted_ids == hot).reshape(-1).tolist():
+        direct = direct + dout[order[position]]
+    assert not torch.equal(direct, expected[hot]), "the case must tell the chunked sum from one pass"
+    return ids, dout, expected
+
+
 RANKS_TIMEOUT_S = 120
 
 

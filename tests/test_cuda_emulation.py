@@ -10,8 +10,8 @@ import torch
 
 from helpers import (
     BOUNDARY_VOCAB, ID_DTYPES, KEY_WIDTH_VOCABS, WEIGHT_DTYPES, accumulation_bound, assert_within,
-    boundary_ids_and_grad, eager_embedding, exact_row_sums, key_width_ids_and_grad, make_inputs, max_abs_err,
-    sinusoid_atol, token_order_ids_and_grad,
+    boundary_ids_and_grad, eager_embedding, exact_row_sums, key_width_ids_and_grad, long_segment_ids_and_grad,
+    make_inputs, max_abs_err, sinusoid_atol, token_order_ids_and_grad,
 )
 
 
@@ -110,6 +110,19 @@ def test_emulated_segments_across_chunk_boundaries_sum_exactly(emulated, dtype):
     rows, values = emulated.embedding_touched_rows(dout, ids, BOUNDARY_VOCAB, 1.0, 11, False)
     assert rows.tolist() == used + [-1] * (BOUNDARY_VOCAB - len(used))
     assert torch.equal(values[:len(used)].double(), exact[used])
+
+
+@pytest.mark.parametrize("dim", [8, 6], ids=str)
+def test_emulated_long_segments_sum_by_chunk_pieces_in_token_order(emulated, dim):
+    """chunk_kernel's pieces (several rows loaded ahead of their adds) and finish_segments'
+    sum of them add in the documented order, bit for bit: dense, sparse, touched rows."""
+    ids, dout, expected = long_segment_ids_and_grad(dim)
+    vocab = expected.shape[0]
+    dw, _ = backward(emulated, dout, ids, num_embeddings=vocab)
+    assert torch.equal(dw, expected)
+    used = sorted(set(ids.tolist()))
+    rows, values = emulated.embedding_sparse_backward(dout, ids, vocab, 1.0, None, False)
+    assert rows.tolist() == used and torch.equal(values, expected[used])
 
 
 @pytest.mark.parametrize("dim", [8, 60, 768], ids=str)  # 16-byte accesses or one element; GPT-2's row

@@ -11,8 +11,8 @@ import torch
 import pyembed
 from helpers import (
     BACKENDS, BOUNDARY_VOCAB, CPU_BACKENDS, ID_DTYPES, KEY_WIDTH_VOCABS, WEIGHT_DTYPES, accumulation_bound,
-    assert_within, boundary_ids_and_grad, eager_embedding, exact_row_sums, fused, key_width_ids_and_grad, make_inputs,
-    max_abs_err, run_with_grads, sinusoid_atol,
+    assert_within, boundary_ids_and_grad, eager_embedding, exact_row_sums, fused, key_width_ids_and_grad,
+    long_segment_ids_and_grad, make_inputs, max_abs_err, run_with_grads, sinusoid_atol,
 )
 
 # (B, T, V, d): a single token and a single-row table; 97 tokens with d=60; tiny vocab
@@ -224,6 +224,21 @@ def test_one_hot_row_keeps_fp32_accumulation(backend, dtype):
     out.backward(torch.ones_like(out))
     torch.testing.assert_close(w.grad[3].double(), torch.full((64,), 4096.0, dtype=torch.float64), rtol=0.01, atol=0)
     assert torch.all(w.grad[torch.arange(10) != 3] == 0)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.partition("@")[0] in ("cuda", "triton")])
+@pytest.mark.parametrize("dim", [8, 6], ids=str)  # 16-byte rows, and rows of single elements
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_long_segments_sum_by_chunk_pieces_in_token_order(backend, dim, sparse):
+    """The GPU backends' order of addition for a row used more than a chunk's 128 times:
+    each piece in token order, then the pieces in order (tests/helpers.py), bit for bit,
+    with mixed magnitudes that give other bits in any other order. The chunk kernels load
+    several rows ahead of their adds; the adds keep this order."""
+    ids, dout, expected = long_segment_ids_and_grad(dim)
+    weight = torch.randn(expected.shape, requires_grad=True)
+    fused(backend)(ids, weight, sparse=sparse).backward(dout)
+    grad = weight.grad.to_dense() if sparse else weight.grad
+    assert torch.equal(grad, expected)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

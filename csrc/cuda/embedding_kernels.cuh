@@ -384,6 +384,48 @@ __device__ __forceinline__ void sum_rows(const Dout<T, kDropout>& dout, const in
   }
 }
 
+// A long segment's piece (chunk_kernel): sum_rows, with the loads of kPieceRowsInFlight rows
+// issued before any of them is added. The adds keep their order, so the sum is sum_rows'
+// bit for bit. One row at a time, a piece of kChunkRows rows was as many dependent round
+// trips to memory: the H200 at e204d9e (ncu, GPT-2 8x2048 fp32, a 12000-use row) ran
+// chunk_kernel in 61 us at 13% of DRAM bandwidth -- one block per chunk, 9% occupancy, so
+// only more loads in flight per thread could help. Rows are held as loaded (Pack<T>), 8 at
+// a time: 16 took sm_90's bf16 kernels to 228 registers (one block per SM for the whole
+// kernel, whose first part is a pass over every sorted position) and past 255 with dropout
+// (spills). finish_segments, whose occupancy counts more, keeps sum_rows.
+constexpr int kPieceRowsInFlight = 8;
+
+template <int VEC, typename T, bool kDropout, typename A>
+__device__ __forceinline__ void sum_piece(const Dout<T, kDropout>& dout, const int64_t* __restrict__ src_rows,
+                                          int64_t r0, int64_t r1, A* __restrict__ d_row, int64_t dim) {
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
+    A acc[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] = A(0);
+    for (int64_t r = r0; r < r1; r += kPieceRowsInFlight) {
+      int64_t token[kPieceRowsInFlight];
+#pragma unroll
+      for (int k = 0; k < kPieceRowsInFlight; ++k) token[k] = r + k < r1 ? src_rows[r + k] : -1;
+      Pack<T, VEC> row[kPieceRowsInFlight];
+#pragma unroll
+      for (int k = 0; k < kPieceRowsInFlight; ++k) {
+        if (token[k] >= 0) row[k] = *reinterpret_cast<const Pack<T, VEC>*>(dout.rows + token[k] * dim + j);
+      }
+#pragma unroll
+      for (int k = 0; k < kPieceRowsInFlight; ++k) {
+        if (token[k] < 0) continue;
+        A x[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) x[i] = static_cast<A>(row[k].val[i]);
+        if constexpr (kDropout) dout.template apply<VEC>(dout.template keep_bits<VEC>(token[k], j), x);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] += x[i];
+      }
+    }
+    store_pack<VEC>(d_row + j, acc);
+  }
+}
+
 // The sorted positions are cut into chunks of kChunkRows. A segment longer than a chunk
 // (a hot row: 12000 uses must not be summed by one thread group) is summed in pieces, one
 // per chunk it touches, and its row then adds the pieces' partial sums, in order. A
@@ -434,13 +476,13 @@ __global__ void chunk_kernel(const K* __restrict__ sorted, const int64_t* __rest
     const int64_t stop = c0 + lower_bound(sorted + c0, c1 - c0, head + 1);
     const bool continues = stop == c1 && c1 < n && sorted[c1] == head;
     if (continues || (stop > kChunkRows && sorted[stop - kChunkRows - 1] == head)) {
-      sum_rows<VEC>(dout, order, c0, stop, partials + 2 * c * dim, A(1), dim);
+      sum_piece<VEC>(dout, order, c0, stop, partials + 2 * c * dim, dim);
     }
   }
   if (tail != head && tail < num_rows) {
     const int64_t start = c0 + lower_bound(sorted + c0, c1 - c0, tail);
     if (start + kChunkRows < n && sorted[start + kChunkRows] == tail) {
-      sum_rows<VEC>(dout, order, start, c1, partials + (2 * c + 1) * dim, A(1), dim);
+      sum_piece<VEC>(dout, order, start, c1, partials + (2 * c + 1) * dim, dim);
     }
   }
 }
