@@ -445,13 +445,23 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
             for table in (GPT2, LLAMA3):
                 for dtype in (torch.float32, torch.bfloat16):
                     sort_case(backend, which, table, dtype, batch, seq_len, calls)
+            if env_value == "1":
+                # Rows used more than a chunk's 128 times, which real text always has: the
+                # chunk kernels' pieces (at e204d9e ~61-64 us each with a 12000-use row,
+                # ncu; since loaded several rows ahead of their adds).
+                for dist in ("zipf", "onehot"):
+                    sort_case(backend, which, GPT2, torch.float32, batch, seq_len, calls, dist)
         del os.environ[variable]
 
 
-def sort_case(backend, which, table, dtype, batch, seq_len, calls):
+def sort_case(backend, which, table, dtype, batch, seq_len, calls, dist="uniform"):
     weight, pos_weight, ids, dout = tensors(*table, batch, seq_len, dtype)
     num_positions, (vocab, dim) = pos_weight.shape[0], table
     del weight, pos_weight
+    if dist != "uniform":
+        from bench.cases import Case, make_ids
+
+        ids = make_ids(Case("gpt2", batch, seq_len, "bwd", dist=dist), ids.device, torch.Generator().manual_seed(0))
     op = dispatch.get(backend).backward
 
     def call():
@@ -464,7 +474,8 @@ def sort_case(backend, which, table, dtype, batch, seq_len, calls):
         call()
         torch.cuda.synchronize()
     ops = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
-    print(f"sort {which}: the `{backend}` dense backward op, {vocab}x{dim} {str(dtype)[6:]} {batch}x{seq_len}: "
+    print(f"sort {which}: the `{backend}` dense backward op, {vocab}x{dim} {str(dtype)[6:]} {batch}x{seq_len}"
+          f"{'' if dist == 'uniform' else ', ' + dist + ' ids'}: "
           f"{wall * 1e3:.1f} us, graphed {graphed * 1e3:.1f} us, host {host:.1f} us (GPU busy), {ops} GPU ops",
           flush=True)
 
