@@ -275,31 +275,25 @@ def long_segment_ids_and_grad(dim, chunk=128, seed=0):
     order = torch.sort(ids, stable=True).indices
     sorted_ids = ids[order]
     expected = torch.zeros(vocab, dim)
+    def in_order(positions):  # float32, from zero, one token at a time
+        total = torch.zeros(dim)
+        for position in positions:
+            total = total + dout[order[position]]
+        return total
+
+    direct = {}
     for row in sorted_ids.unique().tolist():
         positions = torch.nonzero(sorted_ids == row).reshape(-1).tolist()
-        pieces = {}
-        for position in positions:  # by chunk, in token order within each
-            pieces.setdefault(position // chunk, []).append(dout[order[position]])
-        sums = []
-        for piece in pieces.values():
-            total = torch.zeros(dim)
-            for x in piece:
-                total = total + x
-            sums.append(total)
-        if len(positions) <= chunk:  # summed directly, from zero, in token order
-            total = torch.zeros(dim)
+        direct[row] = expected[row] = in_order(positions)
+        if len(positions) > chunk:  # in pieces: its positions within each chunk, then the pieces
+            pieces = {}
             for position in positions:
-                total = total + dout[order[position]]
-            expected[row] = total
-        else:
-            total = sums[0]
+                pieces.setdefault(position // chunk, []).append(position)
+            sums = [in_order(piece) for piece in pieces.values()]
+            expected[row] = sums[0]
             for piece_sum in sums[1:]:
-                total = total + piece_sum
-            expected[row] = total
-    direct = torch.zeros(dim)
-    for position in torch.nonzero(sorted_ids == hot).reshape(-1).tolist():
-        direct = direct + dout[order[position]]
-    assert not torch.equal(direct, expected[hot]), "the case must tell the chunked sum from one pass"
+                expected[row] = expected[row] + piece_sum
+    assert not torch.equal(direct[hot], expected[hot]), "the case must tell the chunked sum from one pass"
     return ids, dout, expected
 
 

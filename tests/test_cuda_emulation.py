@@ -115,7 +115,7 @@ def test_emulated_segments_across_chunk_boundaries_sum_exactly(emulated, dtype):
 @pytest.mark.parametrize("dim", [8, 6], ids=str)
 def test_emulated_long_segments_sum_by_chunk_pieces_in_token_order(emulated, dim):
     """chunk_kernel's pieces (several rows loaded ahead of their adds) and finish_segments'
-    sum of them add in the documented order, bit for bit: dense, sparse, touched rows."""
+    sum of them add in the documented order, bit for bit: dense and sparse."""
     ids, dout, expected = long_segment_ids_and_grad(dim)
     vocab = expected.shape[0]
     dw, _ = backward(emulated, dout, ids, num_embeddings=vocab)
