@@ -226,6 +226,10 @@ def backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[t
     the tile sort, which take torch's sort), the whole call is: its allocations made and
     its launches replayed, none of this module's or the kernels' Python run. The key holds
     everything the launches' other arguments, grids and constexprs follow from."""
+    def run(launch):  # the tensors as they are when it runs (made contiguous below for a plan)
+        return _backward(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
+                         scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p, launch=launch)
+
     launch = _direct
     if type(scale) is float and type(offset) is int:
         key = (grad_out.shape, grad_out.dtype, grad_out.device, ids.shape, ids.dtype,
@@ -242,9 +246,7 @@ def backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[t
             inputs = (grad_out, ids, position_ids, dropout_key)
             if plan is _SEEN:  # this metadata's second call: bound as it launches
                 plan = _kernels().LaunchPlan()
-                grads = plan.bind_call(lambda launch: _backward(
-                    grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
-                    scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p, launch=launch), inputs)
+                grads = plan.bind_call(run, inputs)
                 _backward_plans[key] = plan if plan.complete else _UNPLANNED
                 return grads
             with _on_device(grad_out):
@@ -252,8 +254,7 @@ def backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[t
             if grads is not None:
                 return grads
             launch = plan.replaying()
-    return _backward(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
-                     scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p, launch=launch)
+    return run(launch)
 
 
 triton_backward = torch.library.custom_op("pyembed::triton_backward", mutates_args=())(backward)
