@@ -167,11 +167,15 @@ def test_sorted_paths_sum_each_row_in_token_order(num_tokens, vocab, backend):
     """The sort is stable, so each row's float32 sum adds its tokens in token order, bit
     for bit, in the dense, sparse and touched-rows backwards, int64 and int32 ids, a
     padding row and two out-of-range ids among them (tokens of mixed magnitudes: another
-    order gives other bits, tests/helpers.py)."""
+    order gives other bits, tests/helpers.py). The dense gradient gets memory that held NaNs
+    (the caching allocator's last block of its size): a row no kernel wrote would show -- at
+    `cuda`'s one-block sizes the sort's launch writes the untouched rows, the last kernel the
+    touched ones."""
     ids_cpu, dout, expected, pad = token_order_ids_and_grad(num_tokens, vocab)
     ops = _kernel_ops(backend)
     dout, used = dout.cuda(), torch.unique(ids_cpu[(ids_cpu >= 0) & (ids_cpu < vocab) & (ids_cpu != pad)])
     for ids in (ids_cpu.cuda(), ids_cpu.int().cuda()):
+        torch.full(expected.shape, float("nan"), device="cuda")  # freed at once, its block cached
         dw, _ = ops.backward_op(dout)(dout, ids, None, 0, vocab, 0, 1.0, pad, False, True, False)
         assert torch.equal(dw.cpu(), expected), ids.dtype
         rows, values = ops.sparse_backward(dout, ids, vocab, 1.0, pad, False)
