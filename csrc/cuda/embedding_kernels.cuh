@@ -681,12 +681,18 @@ constexpr int kSegmentsPerGroup = 4;
 // positions' gradient instead (PositionSums; add_position_blocks with positions_first),
 // and with positions.solo the one-token rows too, which the table's blocks leave alone.
 //
-// Each thread group takes kSegmentsPerGroup consecutive segments. Those of at most one
-// token -- the common case: 8x2048 uniform ids over GPT-2's 50257 rows leave 72% of the
-// rows untouched and touch 85% of the others once -- are written by one pass over the
-// group, its loads issued for every segment at once; longer ones, one after another, by
-// the loop after it. Kept apart, the common pass holds a few registers per segment: with
-// the longer segments' loops unrolled into it per segment the kernel took 118-174.
+// Each thread group takes kSegmentsPerGroup segments, `groups` apart (segment group +
+// k * groups). Those of at most one token -- the common case: 8x2048 uniform ids over
+// GPT-2's 50257 rows leave 72% of the rows untouched and touch 85% of the others once --
+// are written by one pass over the group, its loads issued for every segment at once;
+// longer ones, one after another, by the loop after it. Kept apart, the common pass holds
+// a few registers per segment: with the longer segments' loops unrolled into it per
+// segment the kernel took 118-174. Not consecutive segments: real text's frequent tokens
+// are neighbouring ids (a tokenizer numbers them by frequency; Zipf ids at GPT-2 8x2048 give
+// rows 12-15 145, 123, 119 and 102 uses), and a group of such rows summed them one after
+// another, each a chain of dependent loads: the H200 at de2aee7 ran the dense backward op in
+// 173 us with Zipf ids against 107 with uniform ones. Spread apart, each lands in another
+// group, summed side by side. A segment's sum is the same either way, bit for bit.
 template <typename T, typename A, int VEC, bool kDropout>
 __device__ __forceinline__ void finish_segments_body(Dout<T, kDropout> dout, const int64_t* __restrict__ order,
                                                      const A* __restrict__ partials, const int64_t* __restrict__ begin,
@@ -701,21 +707,27 @@ __device__ __forceinline__ void finish_segments_body(Dout<T, kDropout> dout, con
   // position blocks write (PositionSums::solo)
   constexpr int64_t kEmpty = -1, kLonger = -2, kByPositions = -3;
   const bool solo_by_positions = positions.solo != nullptr;
-  const int64_t g0 = ((static_cast<int64_t>(blockIdx.x) - positions.blocks) * blockDim.y + threadIdx.y) * kRows;
-  if (g0 >= num_segments) return;
+  const int64_t groups = (num_segments + kRows - 1) / kRows;
+  const int64_t group = (static_cast<int64_t>(blockIdx.x) - positions.blocks) * blockDim.y + threadIdx.y;
+  if (group >= groups) return;
   // Every segment's bounds and first token, all loads together, not a chain per segment
   // (the rows past num_segments read the last row's).
   int64_t length[kRows], token[kRows];  // token: of a one-token segment, else kEmpty / kLonger
+  unsigned stores = 0;  // bit k: the pass below writes segment k's row (registers: a word, not a test per k)
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
-    const int64_t g = g0 + k < num_segments ? g0 + k : num_segments - 1;
+    const bool past = group + k * groups >= num_segments;
+    const int64_t g = past ? num_segments - 1 : group + k * groups;
     token[k] = first_token[g];
-    length[k] = g0 + k < num_segments ? end[g] - begin[g] : 0;
+    length[k] = past ? 0 : end[g] - begin[g];
+    if (!past && (length[k] == 1 ? !solo_by_positions : length[k] == 0 && zero_empty)) stores |= 1u << k;
   }
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
     token[k] = length[k] == 1 ? (solo_by_positions ? kByPositions : token[k]) : length[k] == 0 ? kEmpty : kLonger;
   }
+  T* const group_out = out + group * dim;  // segment k's row: group_out + k * segment_stride
+  const int64_t segment_stride = groups * dim;
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
     // With dropout, the rows' keep bits first, one row's Philox calls at a time: computed
     // beside the rows' loads, or unrolled, the kernel held Philox states and loaded rows at
@@ -738,10 +750,7 @@ __device__ __forceinline__ void finish_segments_body(Dout<T, kDropout> dout, con
     }
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
-      if (g0 + k >= num_segments || token[k] == kLonger || token[k] == kByPositions ||
-          (token[k] == kEmpty && !zero_empty)) {
-        continue;
-      }
+      if (!(stores >> k & 1u)) continue;
       A x[VEC];
 #pragma unroll
       for (int i = 0; i < VEC; ++i) x[i] = static_cast<A>(row[k].val[i]);
@@ -749,17 +758,18 @@ __device__ __forceinline__ void finish_segments_body(Dout<T, kDropout> dout, con
       A sum[VEC];
 #pragma unroll  // 0 + x: a sum from zero (+0, never -0); an untouched row: +0, as a fill; scale / 1 = scale
       for (int i = 0; i < VEC; ++i) sum[i] = token[k] >= 0 ? (A(0) + x[i]) * scale : A(0);
-      store_pack<VEC>(out + (g0 + k) * dim + j, sum);
+      store_pack<VEC>(group_out + k * segment_stride + j, sum);
     }
   }
   // Segments of two or more tokens. A loop, not unrolled, so its bounds are read again
   // (from cache): first[k] with k known at run time only would live in local memory.
 #pragma unroll 1
   for (int k = 0; k < kRows; ++k) {
-    if (g0 + k >= num_segments) break;
-    const int64_t b = begin[g0 + k], e = end[g0 + k];
+    const int64_t g = group + k * groups;
+    if (g >= num_segments) break;
+    const int64_t b = begin[g], e = end[g];
     if (e - b < 2) continue;
-    T* d_row = out + (g0 + k) * dim;
+    T* d_row = out + g * dim;
     const A factor = divide_by_count ? scale / static_cast<A>(e - b) : scale;
     if (e - b <= kChunkRows) {
       sum_rows<VEC>(dout, order, b, e, d_row, factor, dim);
