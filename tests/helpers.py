@@ -255,7 +255,6 @@ def token_order_ids_and_grad(num_tokens, vocab, dim=4, seed=0):
     return ids, dout, expected, padding_idx
 
 
-
 def long_segment_ids_and_grad(dim, chunk=128, seed=0):
     """(ids (1000,), dout float32, the float32 dense gradient as the GPU backends sum it):
     a row used 600 times among rows used 1-90 times, so its segment of sorted positions
@@ -275,6 +274,7 @@ def long_segment_ids_and_grad(dim, chunk=128, seed=0):
     order = torch.sort(ids, stable=True).indices
     sorted_ids = ids[order]
     expected = torch.zeros(vocab, dim)
+
     def in_order(positions):  # float32, from zero, one token at a time
         total = torch.zeros(dim)
         for position in positions:

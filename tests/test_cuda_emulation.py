@@ -207,9 +207,8 @@ def test_emulated_one_block_sort_launch_zeroes_exactly_the_rows_no_id_uses(emula
     assert table[used].isnan().all()
     assert torch.equal(table[~used], torch.zeros(int((~used).sum()), dim, dtype=dtype))
     assert not table[~used].signbit().any()  # +0, as a fill writes
-    keys = torch.where(valid, ids, vocab)  # the sort itself, as before: stable, unused keys last
-    assert torch.equal(sorted_keys.long(), keys.sort(stable=True).values)
-    assert torch.equal(order, keys.sort(stable=True).indices)
+    expected = torch.where(valid, ids, vocab).sort(stable=True)  # the sort itself, as before: unused keys last
+    assert torch.equal(sorted_keys.long(), expected.values) and torch.equal(order, expected.indices)
 
 
 def test_emulated_dense_gradient_at_a_one_block_sort_is_whole_in_reused_memory(emulated):

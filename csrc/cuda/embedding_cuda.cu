@@ -125,18 +125,18 @@ struct CudaLaunch {
   static bool one_block_sort_runs(const at::Tensor& ids) { return one_block_sort_available(ids.get_device()); }
 
   // sorted (n,) int32 and order (n,) int64 from the ids; bounds as sort_inputs_kernel sets them;
-  // with `table` defined (a dense gradient, (num_rows, d)), its rows no id uses, as zeros.
+  // with `table` defined (a dense gradient, (num_rows, d), not empty), its rows no id uses, as zeros.
   static void one_block_sort(const at::Tensor& ids, int64_t num_rows, int64_t skip, int64_t bits,
                              const at::Tensor& sorted, const at::Tensor& order, const at::Tensor& bounds,
                              int64_t num_zeros, const at::Tensor& table) {
     const int64_t bounds_blocks = block_sort_other_blocks(bounds.numel());
-    const bool zeroes = table.defined() && table.numel() > 0;
     AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "pyembed_one_block_sort", [&] {
       one_block_sort_kernel<index_t><<<1 + bounds_blocks, kBlockSortThreads, kBlockSortSharedBytes,
                                        c10::cuda::getCurrentCUDAStream()>>>(
           ids.data_ptr<index_t>(), static_cast<int>(ids.numel()), num_rows, skip, static_cast<int>(bits),
           sorted.data_ptr<int32_t>(), order.data_ptr<int64_t>(), bounds.data_ptr<int64_t>(), num_zeros,
-          bounds.numel(), zeroes ? table.data_ptr() : nullptr, zeroes ? table.size(1) * table.element_size() : 0);
+          bounds.numel(), table.defined() ? table.data_ptr() : nullptr,
+          table.defined() ? table.size(1) * table.element_size() : 0);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

@@ -29,8 +29,9 @@
 // last kernel only the touched rows. That kernel alone uses shared memory and block
 // barriers (CUB's block radix sort, the blocks' bitmaps of used rows), as the device-wide
 // sort it replaces did; the emulation runs the words and stores around it, a stable sort
-// in its place, and the bitmaps' phases one after the other. A batch of at most kFewTokens tokens skips the sort: one kernel reads every key
-// per group of rows (few_tokens_gradient_kernel), same sums.
+// in its place, and the bitmaps' phases one after the other. A batch of at most
+// kFewTokens tokens skips the sort: one kernel reads every key per group of rows
+// (few_tokens_gradient_kernel), same sums.
 // Learned positions (p = offset + t) are summed over the batch by extra blocks of the
 // table's last kernel (PositionSums): no launch of their own; they also write the table
 // rows used by one token, so dout is read once for those, not twice.
@@ -1088,8 +1089,9 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
   at::Tensor sorted;
   if (narrow && fits_one_block_sort(n, bits) && Launch::one_block_sort_runs(keys)) {
     sorted = at::empty({n}, keys.options().dtype(at::kInt));  // the sort's inputs and the sort in one launch
-    Launch::one_block_sort(keys, num_rows, skip, bits, sorted, seg.order, bounds, 3 * entries, zero_table);
-    seg.zeroed_unused = zero_table.defined();
+    seg.zeroed_unused = zero_table.defined() && zero_table.numel() > 0;
+    Launch::one_block_sort(keys, num_rows, skip, bits, sorted, seg.order, bounds, 3 * entries,
+                           seg.zeroed_unused ? zero_table : at::Tensor());
   } else {
     const at::Tensor compact = at::empty({n}, keys.options().dtype(narrow ? at::kInt : at::kLong));
     if (n + bounds.numel() > 0) {

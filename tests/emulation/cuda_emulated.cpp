@@ -20,7 +20,7 @@ void EmulatedLaunch::one_block_sort(const at::Tensor& ids, int64_t num_rows, int
   int64_t* b = bounds.data_ptr<int64_t>();  // the other blocks' work
   for (int64_t r = 0; r < bounds.numel(); ++r) b[r] = first_bound(r, num_zeros);
   const int n = static_cast<int>(ids.numel());
-  if (table.defined() && table.numel() > 0) {  // each other block's rows: its bitmap's phases, all threads each
+  if (table.defined()) {  // each other block's rows: its bitmap's phases, all threads each
     const int64_t blocks = block_sort_other_blocks(bounds.numel()), rows = zero_rows_per_block(num_rows, blocks);
     for (int64_t r0 = 0; r0 < num_rows; r0 += rows) {
       const int64_t r1 = std::min(r0 + rows, num_rows);
