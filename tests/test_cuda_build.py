@@ -121,6 +121,23 @@ def test_optimizer_update_moves_the_table_with_128_bit_accesses(ptxas_report, ar
         assert len(re.findall(r"st\.global\.v4\.", body)) >= 3, f"{fragment}: p, m, v not written 16 bytes wide"
 
 
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_optimizer_update_divides_and_roots_without_a_slow_path_in_float(ptxas_report, arch):
+    """csrc/optim.h's quotient and root: in float the instructions Triton uses for `/` and
+    tl.sqrt, not the IEEE div.rn / sqrt.rn, whose per-element slow-path branch serialised
+    the elements and left the AdamW update instruction-bound (H200 at de2aee7: 47% of DRAM
+    bandwidth). float64 tables keep the IEEE forms (their reference is float64 torch)."""
+    ptx = ptxas_report[1][arch]
+    for rule in (1, 2, 3):  # Adam(W), Adagrad, SparseAdam: the rules that divide and take roots
+        for fragment in (f"optimizer_update_kernelIfLi{rule}ELi4E", f"optimizer_update_kernelIN3c108BFloat16ELi{rule}ELi8E",
+                         f"optimizer_update_kernelIN3c104HalfELi{rule}ELi1E"):
+            body = _entry_body(ptx, fragment)
+            assert re.search(r"div\.full\.f32", body) and re.search(r"sqrt\.approx\.f32", body), fragment
+            assert not re.search(r"(div|sqrt)\.rn\.f32", body), f"{fragment}: an IEEE division or root"
+        double = _entry_body(ptx, f"optimizer_update_kernelIdLi{rule}ELi2E")
+        assert re.search(r"div\.rn\.f64", double) and re.search(r"sqrt\.rn\.f64", double)
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_few_tokens_gradient_writes_rows_with_128_bit_accesses(ptxas_report, arch):
     """The one-kernel backward of a short batch writes the whole (V, d) table: it must
