@@ -76,6 +76,19 @@ def test_few_tokens_gradient_writes_the_table_in_128_bit_stores(report, arch):
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_finish_segments_writes_the_table_with_wide_streaming_stores(report, arch):
+    # The dense gradient's last pass writes the (V, d) table once and reads its bounds
+    # first: evict-first stores keep those bounds in L2 (kernels' _finish_segments_kernel).
+    finishes = [k for k in report if k.startswith("finish_segments") and k.endswith(arch)]
+    assert len(finishes) >= 20
+    plain = [k for k in finishes if not report[k]["cs_stores"]]
+    assert not plain, plain
+    wide = [k for k in finishes if "fp64" not in k and re.search(r"d=(768|4096) ", k)]
+    narrow = [k for k in wide if not report[k]["cs_v4_stores"]]
+    assert wide and not narrow, narrow
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_optimizer_update_reads_and_writes_the_table_in_128_bit_accesses(report, arch):
     # The update is one pass over p and its state: at d = 768 / 4096 every row is 16-byte aligned.
     wide = [k for k in report if k.startswith("optimizer_update") and k.endswith(arch) and "fp64" not in k

@@ -328,6 +328,9 @@ def compile_one(job):
         "shared": compiled.metadata.shared, **ptxas_report(ptx),
         "v4_loads": len(re.findall(r"ld\.global[\.\w]*\.v4\.", ptx)),
         "v4_stores": len(re.findall(r"st\.global[\.\w]*\.v4\.", ptx)),
+        # Streaming (evict-first) stores: st.global.cs, and those 128 bits wide.
+        "cs_stores": len(re.findall(r"st\.global\.cs\.", ptx)),
+        "cs_v4_stores": len(re.findall(r"st\.global\.cs\.v4\.", ptx)),
         "float_params": re.findall(r"\.param \.(f32|f64)", params),
         # A 64-bit division or remainder: a ~70-instruction subroutine per value in SASS.
         "div64": len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx)),
