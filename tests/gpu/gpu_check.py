@@ -299,8 +299,10 @@ def main() -> int:
                           [ncu, "--clock-control", "none", "--kernel-name",
                            "regex:forward|sort_inputs|one_block_sort|tile_rank|merge_tiles|chunk_kernel|finish_segments|"
                            "batch_sum|few_tokens|optimizer_update",
-                           "--launch-count", "24",
+                           "--launch-count", "32",
                            "--section", "SpeedOfLight", "--section", "Occupancy", "--section", "LaunchStats",
+                           # L1 / L2 hit rates: whether streaming stores keep the backward's bounds in L2
+                           "--section", "MemoryWorkloadAnalysis",
                            args.python, profiler, "--ncu"], "ncu.log", deadline.timeout(300, after_profile),
                           cwd=stage)
         if not args.rehearse and not args.skip_bench:

@@ -374,6 +374,14 @@ def ncu_kernels(backends):
     for backend in backends:  # a one-token backward: the few-token kernel writes the whole table alone
         dispatch.get(backend).backward(dout[:1, :1], ids[:1, :1], None, 0, GPT2[0], pos_weight.shape[0], 2.0, None,
                                        False, True, True)
+    # Llama-3 bf16, uniform ids: a 1 GB table mostly of zeros. At de2aee7 `triton`'s op took 565
+    # us here against `cuda`'s 403 and the one-token kernel's 246 for the same table; since,
+    # both write its zeros with streaming stores (MemoryWorkloadAnalysis: L2's hit rate).
+    weight, pos_weight, ids, dout = tensors(*LLAMA3, 8, 2048, torch.bfloat16)
+    del weight
+    for backend in backends:
+        dispatch.get(backend).backward(dout, ids, None, 0, LLAMA3[0], pos_weight.shape[0], 64.0, None, False, True,
+                                       True)
     # The optimizer inside the backward: AdamW over every row of a Llama-2 bf16 table (p, m
     # and v each read and written once), 2048 rows with a gradient.
     table = torch.randn(32000, 4096, device="cuda", dtype=torch.bfloat16)
