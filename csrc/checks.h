@@ -304,12 +304,10 @@ inline LookupArgs check_lookup(const at::Tensor& ids, const at::Tensor& weight,
   return args;
 }
 
-// optimizer_update (pyembed/optim.py): the table and its state are updated in place, so
-// every shape is checked; the rows are checked to be ascending and inside the table on
-// the CPU (a CUDA caller passes the rows its own backward made; the kernel masks them).
-inline void check_optimizer_update(const at::Tensor& param, const at::Tensor& state1, const at::Tensor& state2,
-                                   const at::Tensor& rows, const at::Tensor& values, int64_t rule,
-                                   c10::ArrayRef<double> hyper) {
+// The table, its optimizer state and the rule's scalars, as every optimizer op takes them:
+// the table and its state are updated in place, so every shape is checked.
+inline void check_optimizer_state(const at::Tensor& param, const at::Tensor& state1, const at::Tensor& state2,
+                                  int64_t rule, c10::ArrayRef<double> hyper) {
   TORCH_CHECK_VALUE(rule >= optim::kSGD && rule <= optim::kSparseAdam, "pyembed: unknown optimizer rule ", rule);
   TORCH_CHECK_VALUE(static_cast<int64_t>(hyper.size()) >= optim::Scalars<float>::count(static_cast<int>(rule)),
                     "pyembed: optimizer rule ", rule, " needs ", optim::Scalars<float>::count(static_cast<int>(rule)),
@@ -323,11 +321,21 @@ inline void check_optimizer_update(const at::Tensor& param, const at::Tensor& st
   const bool needs1 = rule != optim::kSGD, needs2 = rule == optim::kAdam || rule == optim::kSparseAdam;
   TORCH_CHECK_VALUE((!needs1 || state1.numel() == param.numel()) && (!needs2 || state2.numel() == param.numel()),
                     "pyembed: optimizer rule ", rule, " needs its state tensors");
+  check_same_device(param.device(), {&state1, &state2});
+}
+
+// optimizer_update (pyembed/optim.py): also its gradient rows; the rows are checked to be
+// ascending and inside the table on the CPU (a CUDA caller passes the rows its own
+// backward made; the kernel masks them).
+inline void check_optimizer_update(const at::Tensor& param, const at::Tensor& state1, const at::Tensor& state2,
+                                   const at::Tensor& rows, const at::Tensor& values, int64_t rule,
+                                   c10::ArrayRef<double> hyper) {
+  check_optimizer_state(param, state1, state2, rule, hyper);
   TORCH_CHECK_TYPE(rows.scalar_type() == at::kLong && rows.dim() == 1, "pyembed: rows must be 1-D int64");
   TORCH_CHECK_VALUE(values.dim() == 2 && values.size(0) == rows.numel() && values.size(1) == param.size(1) &&
                         values.scalar_type() == param.scalar_type(),
                     "pyembed: values must be (rows, d) of the table's dtype");
-  check_same_device(param.device(), {&state1, &state2, &rows, &values});
+  check_same_device(param.device(), {&rows, &values});
 }
 
 }  // namespace pyembed

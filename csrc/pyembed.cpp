@@ -71,6 +71,13 @@ TORCH_LIBRARY(pyembed, m) {
   m.def(
       "optimizer_update(Tensor(a!) param, Tensor(b!) state1, Tensor(c!) state2, Tensor rows, Tensor values, "
       "int rule, float[] hyper, bool all_rows) -> ()");
+  // optimizer_backward (CUDA only): the dense token table's backward as its update, the
+  // gradient never in memory -- optimizer_update by the rows embedding_backward would give
+  // (csrc/cuda/optim_kernels.cuh); not SparseAdam.
+  m.def(
+      "optimizer_backward(Tensor grad_out, Tensor ids, float scale, int? padding_idx, bool scale_grad_by_freq, "
+      "Tensor? dropout_key, float dropout_p, Tensor(a!) param, Tensor(b!) state1, Tensor(c!) state2, int rule, "
+      "float[] hyper, bool all_rows) -> ()");
 }
 
 // pyembed::check_ranges is defined in pyembed/checks.py, with its fake, vmap rule and a

@@ -103,6 +103,8 @@ if _C is not None:
                                                auto_rank={"cpu": 0}))
     if _C.cuda_built:
         dispatch.register_backend(dispatch.Backend("cuda", *_backend_ops, _why_cuda_unavailable, **_lookup,
-                                                   checks_in_kernel=True, **_optimizer_ops, auto_rank={"cuda": 0}))
+                                                   checks_in_kernel=True, **_optimizer_ops,
+                                                   optimizer_backward=torch.ops.pyembed.optimizer_backward.default,
+                                                   auto_rank={"cuda": 0}))
     else:
         dispatch.mark_missing("cuda", "pyembed._C was built without CUDA kernels (no CUDA toolkit at build time)")

@@ -61,6 +61,9 @@ class Backend:
     # optimizer_update (None: the reference, torch's functional optimizers).
     touched_rows: Optional[Callable] = None
     optimizer_update: Optional[Callable] = None
+    # torch.ops.pyembed.optimizer_backward's schema: a dense table's whole update from dout
+    # and ids, its gradient rows never in memory (None: touched_rows, then optimizer_update).
+    optimizer_backward: Optional[Callable] = None
     # "auto"'s preference per device type, lower first ("*": any device type); a device type
     # not listed: auto never picks it there (it can still be asked for by name).
     auto_rank: Mapping[str, int] = field(default_factory=dict)

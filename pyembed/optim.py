@@ -174,16 +174,25 @@ def step_tables(backend, config, grad_out: torch.Tensor, ids: torch.Tensor, posi
     needed is updated from its gradient rows -- the token table's touched rows (the
     backend's touched_rows: the sparse backward's sorted unique rows, summed, padding and
     out-of-range ids left out, scale and scale_grad_by_freq applied; on a GPU with no host
-    sync) and the learned positions' dense gradient -- and needs no gradient any more.
+    sync) and the learned positions' dense gradient -- and needs no gradient any more. A
+    dense token table on a backend with optimizer_backward (cuda) is updated by that op
+    from grad_out and ids directly: the same update, its gradient rows never in memory.
     dropout_key: the forward's, which the ops apply to grad_out as they read it. Returns
     what still does."""
     weight, pos_weight = tables
     need_weight_grad, need_pos_grad = needs
     if weight is not None and need_weight_grad:
-        rows, values = (backend.touched_rows or backend.sparse_backward)(
-            grad_out, ids, weight.shape[0], config.scale, config.padding_idx, config.scale_grad_by_freq, dropout_key,
-            config.dropout_p)
-        _update(backend, weight, rows, values, config.sparse)
+        if backend.optimizer_backward is not None and not config.sparse and grad_out.dtype == weight.dtype:
+            _, state, update = prepare(weight)
+            state1, state2 = state_tensors(update.rule, state, weight)
+            backend.optimizer_backward(grad_out, ids, config.scale, config.padding_idx, config.scale_grad_by_freq,
+                                       dropout_key, config.dropout_p, weight.detach(), state1, state2, update.rule,
+                                       list(update.hyper), update.all_rows)
+        else:
+            rows, values = (backend.touched_rows or backend.sparse_backward)(
+                grad_out, ids, weight.shape[0], config.scale, config.padding_idx, config.scale_grad_by_freq,
+                dropout_key, config.dropout_p)
+            _update(backend, weight, rows, values, config.sparse)
         need_weight_grad = False
     if pos_weight is not None and need_pos_grad:
         _, pos_grad = backend.backward_op(grad_out)(grad_out, ids, position_ids, config.offset, 0,

@@ -60,7 +60,8 @@ def backend(request, monkeypatch):
 def install_emulated_cuda(emulated, monkeypatch) -> None:
     monkeypatch.setitem(dispatch._registry, "cuda", dispatch.Backend(
         "cuda", emulated.embedding_forward, emulated.embedding_backward, emulated.embedding_sparse_backward,
-        lambda device: None, touched_rows=emulated.embedding_touched_rows, optimizer_update=emulated.optimizer_update))
+        lambda device: None, touched_rows=emulated.embedding_touched_rows, optimizer_update=emulated.optimizer_update,
+        optimizer_backward=emulated.optimizer_backward))
     monkeypatch.setattr(dispatch, "_resolved", {})
 
 
@@ -351,6 +352,51 @@ def test_gpu_touched_rows_need_no_sync_and_the_update_skips_their_unused_slots(k
             update(table.detach(), state1, state2, r, v, upd.rule, list(upd.hyper), upd.all_rows)
             results.append(torch.cat([table.detach(), state1, state2]))
         assert upd.all_rows == all_rows and torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("tokens", [24, 300])  # 24: at most kFewTokens, no sort; 300: a 150-use row's pieces
+@pytest.mark.parametrize("dim", [10, 24])  # 24: 16-byte rows in both dtypes (vector accesses)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [0, 2, 4, 5])  # SGD momentum, SGD (touched rows only), AdamW, Adagrad
+@pytest.mark.parametrize("variant", ["plain", "by_freq+dropout"])
+@pytest.mark.parametrize("kernel", ["cuda-emulated"] + (["cuda@cuda"] if "cuda@cuda" in GPU_BACKENDS else []))
+def test_cuda_optimizer_backward_equals_touched_rows_then_update(kernel, variant, case, dtype, dim, tokens, request):
+    """optimizer_backward (a dense table's update straight from dout and ids, the segments
+    summed in the update's kernel) gives the bits of the two-op form it replaces: the
+    touched rows' sums, then optimizer_update -- padding, out-of-range ids, a hot row longer
+    than a chunk, scale_grad_by_freq and the forward's dropout as that form has them."""
+    if kernel == "cuda-emulated":
+        ops, device = request.getfixturevalue("emulated"), torch.device("cpu")
+    else:
+        ops, device = torch.ops.pyembed, torch.device("cuda")
+    cls, kwargs, all_rows = RULE_CASES[case]
+    g = torch.Generator().manual_seed(case * 7 + tokens)
+    num_rows, padding_idx = 50, 3
+    ids = torch.randint(0, num_rows, (tokens,), generator=g)
+    ids[: tokens // 2] = 11  # hot: at 300 tokens longer than a chunk (128)
+    ids[1], ids[-1], ids[-2] = padding_idx, num_rows + 4, num_rows  # the padding row; out of range (validate=False)
+    ids = ids[torch.randperm(tokens, generator=g)].view(2, tokens // 2).to(device)
+    dout = torch.randn(2, tokens // 2, dim, generator=g).to(device=device, dtype=dtype)
+    by_freq, dropout = variant != "plain", variant != "plain"
+    key = torch.tensor([1234, 8], dtype=torch.long, device=device) if dropout else None
+    p = 0.25 if dropout else 0.0
+    results = []
+    for fused in (True, False):
+        table, state, update, _, _ = _random_update(cls, kwargs, dtype, num_rows=num_rows, dim=dim, seed=case)
+        assert update.all_rows == all_rows
+        table = table.detach().to(device)
+        state1, state2 = (s.to(device) for s in optim.state_tensors(update.rule, state, table))
+        if fused:
+            ops.optimizer_backward(dout, ids, 2.5, padding_idx, by_freq, key, p, table, state1, state2,
+                                   update.rule, list(update.hyper), update.all_rows)
+        else:
+            rows, values = ops.embedding_touched_rows(dout, ids, num_rows, 2.5, padding_idx, by_freq, key, p)
+            ops.optimizer_update(table, state1, state2, rows, values, update.rule, list(update.hyper), update.all_rows)
+        results.append([table.cpu(), state1.cpu(), state2.cpu()])
+    for name, fused, two_ops in zip(("table", "state1", "state2"), *results):
+        assert torch.equal(fused, two_ops), name
+    before = _random_update(cls, kwargs, dtype, num_rows=num_rows, dim=dim, seed=case)[0]
+    assert not torch.equal(results[0][0], before)  # it did update
 
 
 @pytest.mark.parametrize("kernel", ["triton", "cuda-emulated"])

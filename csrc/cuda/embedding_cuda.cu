@@ -189,10 +189,21 @@ void optimizer_update_cuda(const at::Tensor& param, const at::Tensor& state1, co
   optimizer_update_op<CudaLaunch>(param, state1, state2, rows, values, rule, hyper, all_rows);
 }
 
+void optimizer_backward_cuda(const at::Tensor& grad_out, const at::Tensor& ids, double scale,
+                             std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
+                             const std::optional<at::Tensor>& dropout_key, double dropout_p, const at::Tensor& param,
+                             const at::Tensor& state1, const at::Tensor& state2, int64_t rule,
+                             c10::ArrayRef<double> hyper, bool all_rows) {
+  const c10::cuda::CUDAGuard guard(param.device());
+  optimizer_backward_op<CudaLaunch>(grad_out, ids, scale, padding_idx, scale_grad_by_freq, dropout_key, dropout_p,
+                                    param, state1, state2, rule, hyper, all_rows);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pyembed, CUDA, m) {
   m.impl("optimizer_update", &optimizer_update_cuda);
+  m.impl("optimizer_backward", &optimizer_backward_cuda);
   m.impl("embedding_touched_rows", &embedding_touched_rows_cuda);
   m.impl("embedding_forward", &embedding_forward_cuda);
   m.impl("embedding_backward", &embedding_backward_cuda);

@@ -103,4 +103,131 @@ void optimizer_update_op(const at::Tensor& param, const at::Tensor& state1, cons
   });
 }
 
+// The optimizer inside the backward for a dense token table, its gradient never in memory
+// (FBGEMM's fused backward): row r's gradient is its segment's sum, factor * (the dout rows
+// of its tokens, in sorted order), read from the dense-by-row segments (sorted_segments,
+// by_row) as finish_segments_kernel would write it -- the same sum, rounded to T as the
+// gradient would be, bit for bit -- and the rule applied to row r at once. Every row when
+// all_rows (g = 0 where untouched: dense semantics), else only the touched ones. Rows on
+// the grid as optimizer_update_kernel. Against touched_rows_op + optimizer_update_op: no
+// by-slot numbering (its starts, their scan), no (touched, d) values written and read
+// back, no row map (a fill and a scatter): 3 launches, not ~9.
+template <typename T, typename A, int RULE, int VEC, bool kDropout>
+__global__ void segment_update_kernel(Dout<T, kDropout> dout, const int64_t* __restrict__ order,
+                                      const A* __restrict__ partials, const int64_t* __restrict__ begin,
+                                      const int64_t* __restrict__ end, T* param, T* state1, T* state2,
+                                      int64_t num_rows, int64_t dim, A scale, bool divide_by_count,
+                                      optim::Scalars<A> h, bool all_rows) {
+  dout.start();
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (row >= num_rows) return;
+  const int64_t b = begin[row], e = end[row];
+  if (e == b && !all_rows) return;
+  const A factor = divide_by_count && e > b ? scale / static_cast<A>(e - b) : scale;
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
+    const int64_t at = row * dim + j;
+    A g[VEC] = {};  // from +0, as finish_segments sums
+    if (e - b > kChunkRows) {  // a long segment: its pieces' partial sums (sum_pieces)
+      const int64_t first = first_piece_slot(b), last = 2 * ((e - 1) / kChunkRows);
+      load_pack<VEC>(partials + first * dim + j, g);
+      for (int64_t slot = first - first % 2 + 2; slot <= last; slot += 2) {
+        A x[VEC];
+        load_pack<VEC>(partials + slot * dim + j, x);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) g[i] += x[i];
+      }
+    } else {  // sum_rows
+#pragma unroll 4
+      for (int64_t r = b; r < e; ++r) {
+        A x[VEC];
+        dout.template load<VEC>(order[r], j, x);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) g[i] += x[i];
+      }
+    }
+    // The row and its state after the sum, not in flight beside it: so the bf16 kernel holds
+    // 64 registers at sm_90 (four blocks per SM), not 96-104 (two). Most rows (untouched,
+    // or one token) have no sum to wait for.
+    A p[VEC], s1[VEC] = {}, s2[VEC] = {};
+    load_pack<VEC>(param + at, p);
+    if (state1) load_pack<VEC>(state1 + at, s1);
+    if (state2) load_pack<VEC>(state2 + at, s2);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      if (e > b) g[k] = static_cast<A>(static_cast<T>(g[k] * factor));  // the gradient as stored, in T
+      optim::update<RULE>(p[k], s1[k], s2[k], g[k], h);
+    }
+    store_pack<VEC>(param + at, p);
+    if (state1) store_pack<VEC>(state1 + at, s1);
+    if (state2) store_pack<VEC>(state2 + at, s2);
+  }
+}
+
+// torch.ops.pyembed.optimizer_backward: the token table's backward as its optimizer's
+// update (pyembed/optim.py, step_tables), for a dense gradient: the rule's update of
+// `param` by the gradient that backward_op would give it (scale, padding_idx,
+// scale_grad_by_freq and the forward's dropout as there), without that gradient. No
+// device->host sync. Up to kFewTokens tokens, the touched rows' sums and optimizer_update
+// (no sort: fewer launches there); SparseAdam (sparse gradients only) is not taken.
+template <class Launch>
+void optimizer_backward_op(const at::Tensor& grad_out_in, const at::Tensor& ids_in, double scale,
+                           std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
+                           const std::optional<at::Tensor>& dropout_key, double dropout_p, const at::Tensor& param,
+                           const at::Tensor& state1, const at::Tensor& state2, int64_t rule,
+                           c10::ArrayRef<double> hyper, bool all_rows) {
+  check_optimizer_state(param, state1, state2, rule, hyper);
+  TORCH_CHECK_VALUE(rule != optim::kSparseAdam, "pyembed: SparseAdam takes sparse gradients, not this op");
+  check_same_device(param.device(), {&grad_out_in, &ids_in, opt(dropout_key)});
+  const int64_t num_rows = param.size(0), dim = param.size(1), num_tokens = ids_in.numel();
+  TORCH_CHECK_VALUE(grad_out_in.size(-1) == dim && grad_out_in.numel() == num_tokens * dim &&
+                        grad_out_in.scalar_type() == param.scalar_type(),
+                    "pyembed: grad_out must be (ids.shape, d) of the table's dtype");
+  if (num_tokens <= kFewTokens) {
+    const auto [rows, values] = touched_rows_op<Launch>(grad_out_in, ids_in, num_rows, scale, padding_idx,
+                                                        scale_grad_by_freq, dropout_key, dropout_p);
+    optimizer_update_op<Launch>(param, state1, state2, rows, values, rule, hyper, all_rows);
+    return;
+  }
+  if (num_rows == 0 || dim == 0) return;
+  const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
+  at::Tensor key;  // the forward's dropout, applied to dout as the kernels read it (Dout)
+  const Dropout dropout = dropout_of(dropout_key, dropout_p, key);
+  const int rule32 = static_cast<int>(rule);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, param.scalar_type(), "pyembed_optimizer_backward_cuda", [&] {
+    using T = scalar_t;
+    using A = acc_t<T>;
+    const SortedSegments seg = sorted_segments<Launch, T>(dout, ids_in, num_rows, padding_idx.value_or(-1),
+                                                          /*by_row=*/true, /*with_solo=*/false, dropout);
+    const auto h = optim::Scalars<A>::from(rule32, hyper.data());
+    auto* p = param.data_ptr<T>();
+    auto* s1 = state1.numel() ? state1.data_ptr<T>() : nullptr;
+    auto* s2 = state2.numel() ? state2.data_ptr<T>() : nullptr;
+    const A* partials = seg.partials.defined() ? seg.partials.data_ptr<A>() : nullptr;
+    const int vec = vector_width<T>(dim, {p, s1, s2, dout.data_ptr()});
+    const RowGrid g = row_grid(num_rows, dim, vec);
+    with_dout<T>(dout, dropout, [&](auto dout_rows) {
+      constexpr bool kDropout = decltype(dout_rows)::kMasked;
+      auto launch = [&](auto rule_constant, auto v) {
+        Launch::run(g.grid, g.block, segment_update_kernel<T, A, decltype(rule_constant)::value, decltype(v)::value,
+                                                           kDropout>,
+                    dout_rows, seg.order.data_ptr<int64_t>(), partials, seg.begin.data_ptr<int64_t>(),
+                    seg.end.data_ptr<int64_t>(), p, s1, s2, num_rows, dim, static_cast<A>(scale), scale_grad_by_freq,
+                    h, all_rows);
+      };
+      auto by_width = [&](auto rule_constant) {
+        if (vec > 1) {
+          launch(rule_constant, std::integral_constant<int, 16 / sizeof(T)>{});
+        } else {
+          launch(rule_constant, std::integral_constant<int, 1>{});
+        }
+      };
+      switch (rule32) {
+        case optim::kSGD: return by_width(std::integral_constant<int, optim::kSGD>{});
+        case optim::kAdam: return by_width(std::integral_constant<int, optim::kAdam>{});
+        default: return by_width(std::integral_constant<int, optim::kAdagrad>{});
+      }
+    });
+  });
+}
+
 }  // namespace pyembed::cuda

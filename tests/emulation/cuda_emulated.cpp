@@ -77,6 +77,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                              all_rows);
         },
         "the CUDA optimizer update, emulated on CPU tensors (same arguments as torch.ops.pyembed.optimizer_update)");
+  m.def("optimizer_backward",
+        [](const at::Tensor& grad_out, const at::Tensor& ids, double scale, std::optional<int64_t> padding_idx,
+           bool scale_grad_by_freq, const std::optional<at::Tensor>& dropout_key, double dropout_p,
+           const at::Tensor& param, const at::Tensor& state1, const at::Tensor& state2, int64_t rule,
+           const std::vector<double>& hyper, bool all_rows) {
+          pyembed::cuda::optimizer_backward_op<EmulatedLaunch>(grad_out, ids, scale, padding_idx, scale_grad_by_freq,
+                                                               dropout_key, dropout_p, param, state1, state2, rule,
+                                                               hyper, all_rows);
+        },
+        "the CUDA token table's backward as its optimizer update, emulated on CPU tensors (same arguments as "
+        "torch.ops.pyembed.optimizer_backward)");
   m.def("one_block_sort",
         [](const at::Tensor& ids, int64_t num_rows, int64_t skip, const at::Tensor& table) {
           const int64_t n = ids.numel(), bits = pyembed::cuda::key_bits(num_rows);

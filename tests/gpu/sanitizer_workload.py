@@ -3,7 +3,7 @@ forward in every positional mode with and without position_ids, fp32 / fp16 / bf
 16-byte-aligned and misaligned views, unchecked out-of-range ids; backward dense and
 sparse with a hot row (summed in pieces across 128-position chunks), learned positions by batch sum and by
 position_ids, frequency scaling and padding; dropout (d a multiple of 4 or not) forward
-and backward. Every backend that runs on the device.
+and backward; optimizers inside the backward. Every backend that runs on the device.
 
 Run by tests/gpu/gpu_check.py as ``compute-sanitizer --tool X python3 this.py`` with
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 (each tensor its own allocation, so an access past a
@@ -55,7 +55,7 @@ def run_backend(backend: str, device: torch.device) -> int:
             calls += 2
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return calls + run_sorts(backend, device)
+    return calls + run_sorts(backend, device) + run_optimizers(backend, device)
 
 
 def run_sorts(backend: str, device: torch.device) -> int:
@@ -74,6 +74,33 @@ def run_sorts(backend: str, device: torch.device) -> int:
             w = weight.detach().clone().requires_grad_()
             pyembed.fused_embedding(ids, w, sparse=sparse, backend=backend).sum().backward()
             calls += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return calls
+
+
+def run_optimizers(backend: str, device: torch.device) -> int:
+    """The optimizer inside the backward (apply_optimizer_in_backward), whose update reads
+    and writes the table in place: `cuda`'s optimizer_backward (each row's segment summed in
+    the update's own kernel) and every backend's update kernels, with a hot row summed in
+    pieces, the padding row and dropout; fp32 and bf16, 16-byte rows and not."""
+    g = torch.Generator().manual_seed(2)
+    calls = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        for dim in (64, 10):
+            for cls, kwargs in ((torch.optim.AdamW, {"lr": 1e-3}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+                                (torch.optim.Adagrad, {"lr": 0.1, "weight_decay": 0.01})):
+                ids = torch.randint(0, 40, (2, 200), generator=g)
+                ids[:, :110] = 3  # 220 uses: longer than a chunk
+                ids = ids.to(device)
+                weight = torch.nn.Parameter(torch.randn(40, dim, generator=g).to(device=device, dtype=dtype))
+                pos_weight = torch.nn.Parameter(torch.randn(204, dim, generator=g).to(device=device, dtype=dtype))
+                pyembed.apply_optimizer_in_backward(cls, [weight, pos_weight], kwargs)
+                dout = torch.randn(2, 200, dim, generator=g).to(device=device, dtype=dtype)
+                for dropout_p in (0.0, 0.3):
+                    pyembed.fused_embedding(ids, weight, pos_weight, scale=1.5, padding_idx=5, dropout_p=dropout_p,
+                                            backend=backend).backward(dout)
+                    calls += 1
     if device.type == "cuda":
         torch.cuda.synchronize()
     return calls
