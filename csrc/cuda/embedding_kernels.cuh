@@ -457,8 +457,21 @@ __device__ __forceinline__ int64_t lower_bound(const K* __restrict__ sorted, int
   return lo;
 }
 
-// d_row = factor * (sum of dout rows src_row(r), r in [r0, r1)), summed in order in the
-// compute dtype A: the result does not depend on scheduling. This thread's columns only.
+// acc += the dout rows src_rows[r], r in [r0, r1), added in order in the compute dtype A
+// (the result does not depend on scheduling), at this thread's columns j .. j + VEC - 1.
+template <int VEC, typename T, bool kDropout, typename A>
+__device__ __forceinline__ void add_rows(const Dout<T, kDropout>& dout, const int64_t* __restrict__ src_rows,
+                                         int64_t r0, int64_t r1, int64_t j, A (&acc)[VEC]) {
+#pragma unroll 4
+  for (int64_t r = r0; r < r1; ++r) {
+    A x[VEC];
+    dout.template load<VEC>(src_rows[r], j, x);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] += x[i];
+  }
+}
+
+// d_row = factor * (sum of dout rows src_row(r), r in [r0, r1)), from +0. This thread's columns only.
 template <int VEC, typename T, bool kDropout, typename D, typename A>
 __device__ __forceinline__ void sum_rows(const Dout<T, kDropout>& dout, const int64_t* __restrict__ src_rows,
                                          int64_t r0, int64_t r1, D* __restrict__ d_row, A factor, int64_t dim) {
@@ -466,13 +479,7 @@ __device__ __forceinline__ void sum_rows(const Dout<T, kDropout>& dout, const in
     A acc[VEC];
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] = A(0);
-#pragma unroll 4
-    for (int64_t r = r0; r < r1; ++r) {
-      A x[VEC];
-      dout.template load<VEC>(src_rows[r], j, x);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[i] += x[i];
-    }
+    add_rows<VEC>(dout, src_rows, r0, r1, j, acc);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] *= factor;
     store_pack<VEC>(d_row + j, acc);
@@ -659,22 +666,29 @@ __device__ __forceinline__ bool position_block(const Dout<T, kDropout>& dout, co
   return true;
 }
 
-// d_row = factor * (the sum of long segment [b, e)'s pieces' partial sums (chunk_kernel),
-// in order): sum_rows for a segment longer than a chunk. This thread's columns only.
+// acc = long segment [b, e)'s pieces' partial sums (chunk_kernel), added in order, at this
+// thread's columns j .. j + VEC - 1: its sum, for a segment longer than a chunk.
+template <int VEC, typename A>
+__device__ __forceinline__ void add_pieces(const A* __restrict__ partials, int64_t b, int64_t e, int64_t j,
+                                           int64_t dim, A (&acc)[VEC]) {
+  const int64_t first = first_piece_slot(b), last = 2 * ((e - 1) / kChunkRows);
+  load_pack<VEC>(partials + first * dim + j, acc);
+#pragma unroll 4
+  for (int64_t slot = first - first % 2 + 2; slot <= last; slot += 2) {
+    A x[VEC];
+    load_pack<VEC>(partials + slot * dim + j, x);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] += x[i];
+  }
+}
+
+// d_row = factor * add_pieces: sum_rows for a segment longer than a chunk. This thread's columns only.
 template <int VEC, typename A, typename D>
 __device__ __forceinline__ void sum_pieces(const A* __restrict__ partials, int64_t b, int64_t e,
                                            D* __restrict__ d_row, A factor, int64_t dim) {
-  const int64_t first = first_piece_slot(b), last = 2 * ((e - 1) / kChunkRows);
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
     A acc[VEC];
-    load_pack<VEC>(partials + first * dim + j, acc);
-#pragma unroll 4
-    for (int64_t slot = first - first % 2 + 2; slot <= last; slot += 2) {
-      A x[VEC];
-      load_pack<VEC>(partials + slot * dim + j, x);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[i] += x[i];
-    }
+    add_pieces<VEC>(partials, b, e, j, dim, acc);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] *= factor;
     store_pack<VEC>(d_row + j, acc);

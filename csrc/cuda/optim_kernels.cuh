@@ -126,24 +126,11 @@ __global__ void segment_update_kernel(Dout<T, kDropout> dout, const int64_t* __r
   const A factor = divide_by_count && e > b ? scale / static_cast<A>(e - b) : scale;
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
     const int64_t at = row * dim + j;
-    A g[VEC] = {};  // from +0, as finish_segments sums
-    if (e - b > kChunkRows) {  // a long segment: its pieces' partial sums (sum_pieces)
-      const int64_t first = first_piece_slot(b), last = 2 * ((e - 1) / kChunkRows);
-      load_pack<VEC>(partials + first * dim + j, g);
-      for (int64_t slot = first - first % 2 + 2; slot <= last; slot += 2) {
-        A x[VEC];
-        load_pack<VEC>(partials + slot * dim + j, x);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) g[i] += x[i];
-      }
-    } else {  // sum_rows
-#pragma unroll 4
-      for (int64_t r = b; r < e; ++r) {
-        A x[VEC];
-        dout.template load<VEC>(order[r], j, x);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) g[i] += x[i];
-      }
+    A g[VEC] = {};  // from +0, as finish_segments sums (sum_rows; sum_pieces for a long segment)
+    if (e - b > kChunkRows) {
+      add_pieces<VEC>(partials, b, e, j, dim, g);
+    } else {
+      add_rows<VEC>(dout, order, b, e, j, g);
     }
     // The row and its state after the sum, not in flight beside it: so the bf16 kernel holds
     // 64 registers at sm_90 (four blocks per SM), not 96-104 (two). Most rows (untouched,
