@@ -11,7 +11,7 @@ pyembed/_triton.py; with a gradient), forward + backward (also with dropout) -- 
 default checks as on a GPU (inside the kernel) --, the dense backward op of a batch of
 8x2048 tokens (four launches, the tile sort's two first), as the autograd path calls it
 (replayed whole from its plan: allocations and launches) and through the cached launcher, and last, after the
-others (fused_step_call says why), a training step with AdamW inside the backward
+others (fused_step_call says why), training steps (one token, 8x2048) with AdamW inside the backward
 (``apply_optimizer_in_backward``). The calls take turns, round after round; each figure
 is its best round.
 Issue #29's target compares a one-token forward with a raw Triton launch (<= 2x); on a GPU
@@ -88,19 +88,20 @@ def calls(vocab: int, dim: int) -> dict:
     }
 
 
-def fused_step_call(vocab: int, dim: int):
-    """A one-token training step with AdamW inside the backward. Made after the other calls
-    are timed, so that they run as in a process without such a table: from the first one
-    on, every lookup checks its tables for an optimizer (pyembed.optim.tables_are_fused;
-    timed before this call was moved last: no difference within the noise, 16.7 us a
-    one-token forward with a gradient)."""
-    ids = torch.tensor([[3]])
-    fused_step = pyembed.EmbeddingLayer(vocab, dim, max_seq_len=1024, backend="triton")
+def fused_step_call(vocab: int, dim: int, batch: int = 1, seq_len: int = 1):
+    """A training step with AdamW inside the backward, of one token or a batch (whose
+    token table is updated by the optimizer_backward op: sort, chunks, one kernel). Made
+    after the other calls are timed, so that they run as in a process without such a
+    table: from the first one on, every lookup checks its tables for an optimizer
+    (pyembed.optim.tables_are_fused; timed before this call was moved last: no difference
+    within the noise, 16.7 us a one-token forward with a gradient)."""
+    ids = torch.randint(0, vocab, (batch, seq_len))
+    fused_step = pyembed.EmbeddingLayer(vocab, dim, max_seq_len=max(seq_len, 1024), backend="triton")
     pyembed.apply_optimizer_in_backward(torch.optim.AdamW, fused_step.parameters())
+    dout = torch.ones(batch, seq_len, dim)
 
     def step_in_backward():  # forward, backward, AdamW on both tables inside the backward
-        out = fused_step(ids)
-        out.backward(torch.ones_like(out))
+        fused_step(ids).backward(dout)
     return step_in_backward
 
 
@@ -126,8 +127,9 @@ def main(argv=None) -> None:
     checks.KERNEL_CHECKED_DEVICES = (*checks.KERNEL_CHECKED_DEVICES, "cpu")  # the default check, as on a GPU
     torch.set_num_threads(1)
     best = best_times(calls(args.vocab, args.dim), args.rounds, args.number)
-    best.update(best_times({"triton 1x1 fused AdamW step": fused_step_call(args.vocab, args.dim)}, args.rounds,
-                           args.number))
+    best.update(best_times({"triton 1x1 fused AdamW step": fused_step_call(args.vocab, args.dim),
+                            "triton 8x2048 fused AdamW step": fused_step_call(args.vocab, args.dim, 8, 2048)},
+                           args.rounds, args.number))
     raw = best["raw Triton launch"]
     print(f"host time per call, Triton {triton.__version__}, stand-in sm_90 driver (launches not run), "
           f"best of {args.rounds} rounds x {args.number} calls")

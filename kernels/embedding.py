@@ -573,6 +573,47 @@ def _position_sums(dout_ptr, out_ptr, program, rows, batch, seq_len, steps, offs
 
 
 @triton.jit
+def _segment_sums(dout_ptr, order_ptr, partials_ptr, bounds_ptr, g, g_ok, cols, col_ok, entries, dim,
+                  dropout_key_ptr, dropout_threshold, dropout_scale, HAS_PARTIALS: tl.constexpr,
+                  HAS_SOLO: tl.constexpr, HAS_DROPOUT: tl.constexpr, COMPUTE_F64: tl.constexpr,
+                  CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(the sums of the dout rows of segments ``g`` (a (BLOCK_R, 1) column) at ``cols``,
+    their token counts): each summed from +0 in sorted (= token) order, a segment longer
+    than CHUNK from its pieces' partial sums (_chunk_kernel). HAS_SOLO: one-token segments
+    are left at 0 (the position programs write their rows, _position_sums). Shared by the
+    dense gradient's last pass and the optimizer's (_segment_update_kernel): the same
+    sums, so the same bits.
+
+    Every per-segment value is a (BLOCK_R, 1) column of the tile, not a vector broadcast
+    into it: with vectors, Triton 3.6's layout pass fails to compile the direct loop for
+    BLOCK_D 16-64 (the mask and the load it guards end up in different layouts)."""
+    acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
+    begin = tl.load(bounds_ptr + g, mask=g_ok, other=0)
+    length = tl.load(bounds_ptr + entries + g, mask=g_ok, other=0) - begin
+    direct = tl.where(length <= CHUNK, length, 0)
+    if HAS_SOLO:  # rows of one token: written by the position programs (_position_sums)
+        direct = tl.where(length == 1, 0, direct)
+    # The first token comes with the bounds (_chunk_kernel): a row of one token -- most
+    # touched rows -- is two dependent loads away, not three (its order entry first).
+    lead = tl.load(bounds_ptr + entries + entries + g, mask=g_ok, other=0)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype)  # + x: a sum from +0, as every backend's
+    acc += _dout_rows(dout_ptr, lead, cols, (direct > 0) & col_ok, dim, dropout_key_ptr, dropout_threshold,
+                      dropout_scale, HAS_DROPOUT, COMPUTE_F64, BLOCK_R, BLOCK_D)
+    for k in range(1, tl.max(tl.max(direct, 1), 0)):
+        take = k < direct
+        token = tl.load(order_ptr + begin + k, mask=take, other=0)
+        acc += _dout_rows(dout_ptr, token, cols, take & col_ok, dim, dropout_key_ptr, dropout_threshold,
+                          dropout_scale, HAS_DROPOUT, COMPUTE_F64, BLOCK_R, BLOCK_D)
+    if HAS_PARTIALS:
+        first_chunk = begin // CHUNK
+        pieces = tl.where(length > CHUNK, (begin + length - 1) // CHUNK - first_chunk + 1, 0)
+        for k in range(0, tl.max(tl.max(pieces, 1), 0)):
+            slot = 2 * (first_chunk + k) + ((k == 0) & (begin % CHUNK != 0)).to(tl.int64)
+            acc += tl.load(partials_ptr + slot * dim + cols, mask=(k < pieces) & col_ok, other=0.0)
+    return acc, length
+
+
+@triton.jit
 def _finish_segments_kernel(
     dout_ptr,  # (n, dim) the output gradient
     order_ptr,  # (n,) int64 its row for sorted position r
@@ -602,35 +643,13 @@ def _finish_segments_kernel(
                            dropout_threshold, dropout_scale, HAS_SOLO, HAS_DROPOUT, COMPUTE_F64, BLOCK_R, BLOCK_D)
     else:
         acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
-        # Every per-segment value is a (BLOCK_R, 1) column of the tile, not a vector broadcast
-        # into it: with vectors, Triton 3.6's layout pass fails to compile the direct loop for
-        # BLOCK_D 16-64 (the mask and the load it guards end up in different layouts).
         g = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
         cols = (tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
         g_ok = g < num_segments
         col_ok = cols < dim
-        begin = tl.load(bounds_ptr + g, mask=g_ok, other=0)
-        length = tl.load(bounds_ptr + entries + g, mask=g_ok, other=0) - begin
-        direct = tl.where(length <= CHUNK, length, 0)
-        if HAS_SOLO:  # rows of one token: written by the position programs (_position_sums)
-            direct = tl.where(length == 1, 0, direct)
-        # The first token comes with the bounds (_chunk_kernel): a row of one token -- most
-        # touched rows -- is two dependent loads away, not three (its order entry first).
-        lead = tl.load(bounds_ptr + entries + entries + g, mask=g_ok, other=0)
-        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype)  # + x: a sum from +0, as every backend's
-        acc += _dout_rows(dout_ptr, lead, cols, (direct > 0) & col_ok, dim, dropout_key_ptr, dropout_threshold,
-                          dropout_scale, HAS_DROPOUT, COMPUTE_F64, BLOCK_R, BLOCK_D)
-        for k in range(1, tl.max(tl.max(direct, 1), 0)):
-            take = k < direct
-            token = tl.load(order_ptr + begin + k, mask=take, other=0)
-            acc += _dout_rows(dout_ptr, token, cols, take & col_ok, dim, dropout_key_ptr, dropout_threshold,
-                              dropout_scale, HAS_DROPOUT, COMPUTE_F64, BLOCK_R, BLOCK_D)
-        if HAS_PARTIALS:
-            first_chunk = begin // CHUNK
-            pieces = tl.where(length > CHUNK, (begin + length - 1) // CHUNK - first_chunk + 1, 0)
-            for k in range(0, tl.max(tl.max(pieces, 1), 0)):
-                slot = 2 * (first_chunk + k) + ((k == 0) & (begin % CHUNK != 0)).to(tl.int64)
-                acc += tl.load(partials_ptr + slot * dim + cols, mask=(k < pieces) & col_ok, other=0.0)
+        acc, length = _segment_sums(dout_ptr, order_ptr, partials_ptr, bounds_ptr, g, g_ok, cols, col_ok, entries, dim,
+                                    dropout_key_ptr, dropout_threshold, dropout_scale, HAS_PARTIALS, HAS_SOLO,
+                                    HAS_DROPOUT, COMPUTE_F64, CHUNK, BLOCK_R, BLOCK_D)
         if DIVIDE_BY_COUNT:
             acc = acc * (tl.full([], scale, acc_dtype) / tl.maximum(length, 1).to(acc_dtype))
         else:
@@ -772,38 +791,13 @@ def _scatter_row_slots_kernel(rows_ptr, row_slot_ptr, touched, num_rows, BLOCK: 
 
 
 @triton.jit
-def _optimizer_update_kernel(
-    param_ptr,  # (num_rows, dim) the table, updated in place
-    state1_ptr, state2_ptr,  # (num_rows, dim) its optimizer state, when HAS_STATE1 / HAS_STATE2
-    rows_ptr,  # (touched,) int64: the table row of gradient row k (not ALL_ROWS)
-    row_slot_ptr,  # (num_rows,) int64: the gradient row of table row r, -1 if none (ALL_ROWS)
-    values_ptr,  # (touched, dim) the gradient rows
-    num_rows, touched, dim,
-    lr: tl.float64, beta1: tl.float64, beta2: tl.float64, eps: tl.float64, weight_decay: tl.float64,
-    momentum: tl.float64, dampening: tl.float64, bias_correction1: tl.float64, bias_correction2_sqrt: tl.float64,
-    RULE: tl.constexpr, DECOUPLED: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
-    FIRST: tl.constexpr, ALL_ROWS: tl.constexpr, HAS_STATE1: tl.constexpr, HAS_STATE2: tl.constexpr,
-    COMPUTE_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """The optimizer inside the backward: csrc/optim.h's rules (RULE 0 SGD, 1 Adam/AdamW,
-    2 Adagrad, 3 SparseAdam) on a (BLOCK_R rows x BLOCK_D) tile -- every table row when
-    ALL_ROWS (g = 0 where untouched: dense semantics), else the touched rows; p and each
-    state read and written once, rounded once. A row outside the table is masked."""
+def _apply_rule(p, g, s1, s2, lr, beta1, beta2, eps, weight_decay, momentum, dampening, bias_correction1,
+                bias_correction2_sqrt, RULE: tl.constexpr, DECOUPLED: tl.constexpr, NESTEROV: tl.constexpr,
+                MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, HAS_STATE1: tl.constexpr, COMPUTE_F64: tl.constexpr):
+    """(p, state1, state2) after one step of csrc/optim.h's rule RULE (0 SGD, 1 Adam/AdamW,
+    2 Adagrad, 3 SparseAdam) on gradient g, in the compute dtype; the scalars as the host
+    gives them (pyembed/optim.py). Shared by both update kernels."""
     acc = tl.float64 if COMPUTE_F64 else tl.float32
-    i = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
-    if ALL_ROWS:
-        row = i
-        slot = tl.load(row_slot_ptr + i, mask=i < num_rows, other=-1)
-    else:
-        slot = i
-        row = tl.load(rows_ptr + i, mask=i < touched, other=-1)
-    ok = ((row >= 0) & (row < num_rows))[:, None] & (cols < dim)[None, :]
-    at = row[:, None] * dim + cols[None, :]
-    p = tl.load(param_ptr + at, mask=ok, other=0.0).to(acc)
-    g = tl.load(values_ptr + slot[:, None] * dim + cols[None, :], mask=ok & (slot >= 0)[:, None], other=0.0).to(acc)
-    s1 = tl.load(state1_ptr + at, mask=ok, other=0.0).to(acc) if HAS_STATE1 else tl.zeros_like(p)
-    s2 = tl.load(state2_ptr + at, mask=ok, other=0.0).to(acc) if HAS_STATE2 else tl.zeros_like(p)
     lr, beta1, beta2 = tl.full([], lr, acc), tl.full([], beta1, acc), tl.full([], beta2, acc)
     eps, wd = tl.full([], eps, acc), tl.full([], weight_decay, acc)
     if MAXIMIZE:
@@ -842,6 +836,93 @@ def _optimizer_update_kernel(
         s1 = s1 + (1 - beta1) * (g - s1)
         s2 = s2 + (1 - beta2) * (g * g - s2)
         p = p - lr * (s1 / (tl.sqrt(s2) + eps))
+    return p, s1, s2
+
+
+@triton.jit
+def _optimizer_update_kernel(
+    param_ptr,  # (num_rows, dim) the table, updated in place
+    state1_ptr, state2_ptr,  # (num_rows, dim) its optimizer state, when HAS_STATE1 / HAS_STATE2
+    rows_ptr,  # (touched,) int64: the table row of gradient row k (not ALL_ROWS)
+    row_slot_ptr,  # (num_rows,) int64: the gradient row of table row r, -1 if none (ALL_ROWS)
+    values_ptr,  # (touched, dim) the gradient rows
+    num_rows, touched, dim,
+    lr: tl.float64, beta1: tl.float64, beta2: tl.float64, eps: tl.float64, weight_decay: tl.float64,
+    momentum: tl.float64, dampening: tl.float64, bias_correction1: tl.float64, bias_correction2_sqrt: tl.float64,
+    RULE: tl.constexpr, DECOUPLED: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
+    FIRST: tl.constexpr, HAS_STATE1: tl.constexpr, HAS_STATE2: tl.constexpr, ALL_ROWS: tl.constexpr,
+    COMPUTE_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The optimizer inside the backward: csrc/optim.h's rules (RULE 0 SGD, 1 Adam/AdamW,
+    2 Adagrad, 3 SparseAdam) on a (BLOCK_R rows x BLOCK_D) tile -- every table row when
+    ALL_ROWS (g = 0 where untouched: dense semantics), else the touched rows; p and each
+    state read and written once, rounded once. A row outside the table is masked."""
+    acc = tl.float64 if COMPUTE_F64 else tl.float32
+    i = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    if ALL_ROWS:
+        row = i
+        slot = tl.load(row_slot_ptr + i, mask=i < num_rows, other=-1)
+    else:
+        slot = i
+        row = tl.load(rows_ptr + i, mask=i < touched, other=-1)
+    ok = ((row >= 0) & (row < num_rows))[:, None] & (cols < dim)[None, :]
+    at = row[:, None] * dim + cols[None, :]
+    p = tl.load(param_ptr + at, mask=ok, other=0.0).to(acc)
+    g = tl.load(values_ptr + slot[:, None] * dim + cols[None, :], mask=ok & (slot >= 0)[:, None], other=0.0).to(acc)
+    s1 = tl.load(state1_ptr + at, mask=ok, other=0.0).to(acc) if HAS_STATE1 else tl.zeros_like(p)
+    s2 = tl.load(state2_ptr + at, mask=ok, other=0.0).to(acc) if HAS_STATE2 else tl.zeros_like(p)
+    p, s1, s2 = _apply_rule(p, g, s1, s2, lr, beta1, beta2, eps, weight_decay, momentum, dampening, bias_correction1,
+                            bias_correction2_sqrt, RULE, DECOUPLED, NESTEROV, MAXIMIZE, FIRST, HAS_STATE1, COMPUTE_F64)
+    tl.store(param_ptr + at, _rounded(p, param_ptr), mask=ok)
+    if HAS_STATE1:
+        tl.store(state1_ptr + at, _rounded(s1, state1_ptr), mask=ok)
+    if HAS_STATE2:
+        tl.store(state2_ptr + at, _rounded(s2, state2_ptr), mask=ok)
+
+
+@triton.jit
+def _segment_update_kernel(
+    dout_ptr, order_ptr, partials_ptr, bounds_ptr,  # as _finish_segments_kernel's; the segments by table row
+    param_ptr,  # (num_rows, dim) the table, updated in place
+    state1_ptr, state2_ptr,  # (num_rows, dim) its optimizer state, when HAS_STATE1 / HAS_STATE2
+    scale: tl.float64, num_rows, dim,
+    dropout_key_ptr, dropout_threshold, dropout_scale: tl.float64,  # the forward's dropout (_dout_rows)
+    lr: tl.float64, beta1: tl.float64, beta2: tl.float64, eps: tl.float64, weight_decay: tl.float64,
+    momentum: tl.float64, dampening: tl.float64, bias_correction1: tl.float64, bias_correction2_sqrt: tl.float64,
+    DIVIDE_BY_COUNT: tl.constexpr, HAS_PARTIALS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    RULE: tl.constexpr, DECOUPLED: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
+    FIRST: tl.constexpr, HAS_STATE1: tl.constexpr, HAS_STATE2: tl.constexpr, ALL_ROWS: tl.constexpr,
+    COMPUTE_F64: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The optimizer inside the backward for a dense token table, its gradient never in
+    memory (FBGEMM's fused backward; csrc/cuda's segment_update_kernel): row r's gradient
+    is its segment's sum (_segment_sums, as _finish_segments_kernel sums it), times the
+    factor, rounded to the table's dtype as the stored gradient would be -- the same bits
+    -- and the rule applied to the row at once (_apply_rule). Every row when ALL_ROWS
+    (g = 0 where untouched: dense semantics), else only the touched ones."""
+    acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
+    row = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
+    cols = (tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
+    row_ok = row < num_rows
+    col_ok = cols < dim
+    acc, length = _segment_sums(dout_ptr, order_ptr, partials_ptr, bounds_ptr, row, row_ok, cols, col_ok, num_rows,
+                                dim, dropout_key_ptr, dropout_threshold, dropout_scale, HAS_PARTIALS, False,
+                                HAS_DROPOUT, COMPUTE_F64, CHUNK, BLOCK_R, BLOCK_D)
+    if DIVIDE_BY_COUNT:
+        acc = acc * (tl.full([], scale, acc_dtype) / tl.maximum(length, 1).to(acc_dtype))
+    else:
+        acc = acc * tl.full([], scale, acc_dtype)
+    g = tl.where(length > 0, _rounded(acc, param_ptr).to(acc_dtype), 0.0)  # the gradient as stored
+    ok = row_ok & col_ok
+    if not ALL_ROWS:
+        ok = ok & (length > 0)
+    at = row * dim + cols
+    p = tl.load(param_ptr + at, mask=ok, other=0.0).to(acc_dtype)
+    s1 = tl.load(state1_ptr + at, mask=ok, other=0.0).to(acc_dtype) if HAS_STATE1 else tl.zeros_like(p)
+    s2 = tl.load(state2_ptr + at, mask=ok, other=0.0).to(acc_dtype) if HAS_STATE2 else tl.zeros_like(p)
+    p, s1, s2 = _apply_rule(p, g, s1, s2, lr, beta1, beta2, eps, weight_decay, momentum, dampening, bias_correction1,
+                            bias_correction2_sqrt, RULE, DECOUPLED, NESTEROV, MAXIMIZE, FIRST, HAS_STATE1, COMPUTE_F64)
     tl.store(param_ptr + at, _rounded(p, param_ptr), mask=ok)
     if HAS_STATE1:
         tl.store(state1_ptr + at, _rounded(s1, state1_ptr), mask=ok)
@@ -854,6 +935,26 @@ def _direct(kernel):
     """The default ``launch``: the kernel's cached launcher (kernels/launch.py), or
     torch.library.wrap_triton when a compiled graph is being traced (pyembed/_triton.py)."""
     return cached(kernel)
+
+
+def _rule_args(rule: int, hyper, state1, state2) -> tuple[tuple, dict]:
+    """(the update kernels' nine scalars, their rule constexprs) from the rule's tuple as
+    pyembed/optim.py builds it (csrc/optim.h, Scalars::from); the scalars a rule does not
+    use are 0 (1 for the bias corrections)."""
+    lr = beta1 = beta2 = eps = wd = momentum = dampening = 0.0
+    bc1 = bc2_sqrt = 1.0
+    decoupled = nesterov = maximize = first = False
+    if rule == 0:
+        lr, momentum, dampening, wd, nesterov, maximize, first = hyper[:7]
+    elif rule == 1:
+        lr, beta1, beta2, eps, wd, decoupled, maximize, bc1, bc2_sqrt = hyper[:9]
+    elif rule == 2:
+        lr, wd, eps, maximize = hyper[:4]
+    else:
+        lr, beta1, beta2, eps, maximize = hyper[:5]
+    return ((lr, beta1, beta2, eps, wd, momentum, dampening, bc1, bc2_sqrt),
+            dict(RULE=rule, DECOUPLED=bool(decoupled), NESTEROV=bool(nesterov), MAXIMIZE=bool(maximize),
+                 FIRST=bool(first), HAS_STATE1=state1.numel() > 0, HAS_STATE2=state2.numel() > 0))
 
 
 def optimizer_update(param, state1, state2, rows, values, rule: int, hyper, all_rows: bool):
@@ -873,28 +974,15 @@ def optimizer_update(param, state1, state2, rows, values, rule: int, hyper, all_
         if touched:
             _direct(_scatter_row_slots_kernel)[(_cdiv(touched, BOUNDS_BLOCK),)](
                 rows, row_slot, touched, num_rows, BLOCK=BOUNDS_BLOCK)
-    # Named scalars from the rule's tuple (csrc/optim.h, Scalars::from); the rest unused.
-    lr = beta1 = beta2 = eps = wd = momentum = dampening = 0.0
-    bc1 = bc2_sqrt = 1.0
-    decoupled = nesterov = maximize = first = False
-    if rule == 0:
-        lr, momentum, dampening, wd, nesterov, maximize, first = hyper[:7]
-    elif rule == 1:
-        lr, beta1, beta2, eps, wd, decoupled, maximize, bc1, bc2_sqrt = hyper[:9]
-    elif rule == 2:
-        lr, wd, eps, maximize = hyper[:4]
-    else:
-        lr, beta1, beta2, eps, maximize = hyper[:5]
+    scalars, rule_flags = _rule_args(rule, hyper, state1, state2)
     _, block_d = _blocks(dim)
     block_r = max(1, TILE_ELEMENTS // 2 // block_d)  # five tiles live: p, g, two states, a temporary
-    has1, has2 = state1.numel() > 0, state2.numel() > 0
     _direct(_optimizer_update_kernel)[(_cdiv(count, block_r), _cdiv(dim, block_d))](
-        param, state1 if has1 else param, state2 if has2 else param, rows, row_slot, values, num_rows, touched, dim,
-        lr, beta1, beta2, eps, wd, momentum, dampening, bc1, bc2_sqrt,
-        RULE=rule, DECOUPLED=bool(decoupled), NESTEROV=bool(nesterov), MAXIMIZE=bool(maximize), FIRST=bool(first),
-        ALL_ROWS=all_rows, HAS_STATE1=has1, HAS_STATE2=has2, COMPUTE_F64=param.dtype == torch.float64,
-        BLOCK_R=block_r, BLOCK_D=block_d,
+        param, state1 if rule_flags["HAS_STATE1"] else param, state2 if rule_flags["HAS_STATE2"] else param, rows,
+        row_slot, values, num_rows, touched, dim, *scalars, **rule_flags, ALL_ROWS=all_rows,
+        COMPUTE_F64=param.dtype == torch.float64, BLOCK_R=block_r, BLOCK_D=block_d,
     )
+
 
 def error_record_parts(address: int) -> tuple[int, int]:
     """The error record's address as the forward kernel takes it: the bits above the low 31
@@ -1211,4 +1299,38 @@ def batch_sum(dout2d, positions: PositionSums, launch=_direct, dropout: Optional
     launch(_batch_sum_kernel)[(positions.out.shape[0], _cdiv(dout2d.shape[1], block_d))](
         dout2d, *positions.launch_args(), dout2d.shape[1], *DoutDropout.launch_args(dropout, positions.out),
         HAS_DROPOUT=dropout is not None, COMPUTE_F64=dout2d.dtype == torch.float64, BLOCK_R=1, BLOCK_D=block_d,
+    )
+
+
+def segment_update_blocks(dim: int, dtype: torch.dtype, dropout: bool) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_D) of _segment_update_kernel: half the rows of _finish_segments_kernel's
+    tile without dropout (the update's tiles live beside the sum's: p, two states, a
+    temporary), as many as its tile with dropout, which is half as tall already (a bf16 row
+    of a quarter tile, 4 elements a thread at d = 768, loses its 16-byte accesses)."""
+    block_r, block_d = _segment_blocks(dim, dtype, dropout)
+    return (block_r if dropout else max(1, block_r // 2)), block_d
+
+
+def optimizer_backward(dout2d, keys, skip: int, scale: float, divide_by_count: bool, param, state1, state2, rule: int,
+                       hyper, all_rows: bool, dropout: Optional[DoutDropout] = None, launch=_direct):
+    """A dense token table's update by the gradient dense_gradient would give it, without
+    that gradient (torch.ops.pyembed.optimizer_backward's work, past FEW_TOKENS tokens):
+    the sort and the chunks' pass (sorted_segments, by table row), then one pass over the
+    table's rows that sums each row's segment and updates the row (_segment_update_kernel).
+    Three or four launches, no host sync, no (tokens, d) gradient rows in memory: the same
+    bits as used_row_sums then optimizer_update (five to six launches, then three)."""
+    num_rows, dim = param.shape
+    if num_rows == 0 or dim == 0:
+        return
+    segments = sorted_segments(dout2d, keys, num_rows, skip, by_row=True, launch=launch, dropout=dropout)
+    scalars, rule_flags = _rule_args(rule, hyper, state1, state2)
+    block_r, block_d = segment_update_blocks(dim, param.dtype, dropout is not None)
+    partials = segments.partials
+    launch(_segment_update_kernel)[(_cdiv(num_rows, block_r), _cdiv(dim, block_d))](
+        dout2d, segments.order, partials if partials is not None else dout2d, segments.bounds, param,
+        state1 if rule_flags["HAS_STATE1"] else param, state2 if rule_flags["HAS_STATE2"] else param, scale,
+        num_rows, dim, *DoutDropout.launch_args(dropout, segments.order), *scalars,
+        DIVIDE_BY_COUNT=divide_by_count, HAS_PARTIALS=partials is not None, HAS_DROPOUT=dropout is not None,
+        **rule_flags, ALL_ROWS=all_rows, COMPUTE_F64=param.dtype == torch.float64, CHUNK=CHUNK_ROWS,
+        BLOCK_R=block_r, BLOCK_D=block_d,
     )

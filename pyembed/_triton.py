@@ -346,6 +346,27 @@ def optimizer_update(param, state1, state2, rows, values, rule: int, hyper: list
         _kernels().optimizer_update(param, state1, state2, rows, values, rule, hyper, all_rows)
 
 
+def optimizer_backward(grad_out, ids, scale: float, padding_idx: Optional[int], scale_grad_by_freq: bool,
+                       dropout_key: Optional[torch.Tensor], dropout_p: float, param, state1, state2, rule: int,
+                       hyper: list, all_rows: bool) -> None:
+    """A dense token table's backward as its optimizer's update (schema of
+    torch.ops.pyembed.optimizer_backward, pyembed/optim.py's step_tables): the update by the
+    gradient ``backward`` would give, that gradient never in memory. Up to FEW_TOKENS
+    tokens, the touched rows' sums and optimizer_update (no sort: fewer launches there).
+    Only ever called eagerly, as optimizer_update."""
+    num_tokens, (num_rows, dim) = ids.numel(), param.shape
+    if num_tokens <= _kernels().FEW_TOKENS:
+        rows, values = touched_rows(grad_out, ids, num_rows, scale, padding_idx, scale_grad_by_freq, dropout_key,
+                                    dropout_p)
+        optimizer_update(param, state1, state2, rows, values, rule, hyper, all_rows)
+        return
+    with _on_device(param):
+        _kernels().optimizer_backward(
+            grad_out.contiguous().reshape(num_tokens, dim), ids, -1 if padding_idx is None else padding_idx, scale,
+            scale_grad_by_freq, param, state1, state2, rule, hyper, all_rows,
+            dropout=_dout_dropout(dropout_key, dropout_p))
+
+
 _ops.register_fakes("pyembed::triton_forward", "pyembed::triton_backward", "pyembed::triton_sparse_backward")
 
 dispatch.register_backend(dispatch.Backend(
@@ -353,4 +374,4 @@ dispatch.register_backend(dispatch.Backend(
     torch.ops.pyembed.triton_sparse_backward, _why_unavailable, autograd_op=_autograd.python_lookup("triton", forward),
     compiled_op=torch.ops.pyembed.triton_lookup.default, checks_in_kernel=True,
     eager_forward=forward, eager_backward=backward, touched_rows=touched_rows, optimizer_update=optimizer_update,
-    auto_rank={"cuda": 1}))  # after the cuda backend, where both are built
+    optimizer_backward=optimizer_backward, auto_rank={"cuda": 1}))  # after the cuda backend, where both are built

@@ -175,7 +175,7 @@ def step_tables(backend, config, grad_out: torch.Tensor, ids: torch.Tensor, posi
     backend's touched_rows: the sparse backward's sorted unique rows, summed, padding and
     out-of-range ids left out, scale and scale_grad_by_freq applied; on a GPU with no host
     sync) and the learned positions' dense gradient -- and needs no gradient any more. A
-    dense token table on a backend with optimizer_backward (cuda) is updated by that op
+    dense token table on a backend with optimizer_backward (cuda, triton) is updated by that op
     from grad_out and ids directly: the same update, its gradient rows never in memory.
     dropout_key: the forward's, which the ops apply to grad_out as they read it. Returns
     what still does."""

@@ -10,9 +10,11 @@
 """
 
 import io
+import itertools
 import math
 import pathlib
 import re
+import types
 
 import pytest
 import torch
@@ -354,21 +356,42 @@ def test_gpu_touched_rows_need_no_sync_and_the_update_skips_their_unused_slots(k
         assert upd.all_rows == all_rows and torch.equal(results[0], results[1])
 
 
-@pytest.mark.parametrize("tokens", [24, 300])  # 24: at most kFewTokens, no sort; 300: a 150-use row's pieces
-@pytest.mark.parametrize("dim", [10, 24])  # 24: 16-byte rows in both dtypes (vector accesses)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", [0, 2, 4, 5])  # SGD momentum, SGD (touched rows only), AdamW, Adagrad
-@pytest.mark.parametrize("variant", ["plain", "by_freq+dropout"])
-@pytest.mark.parametrize("kernel", ["cuda-emulated"] + (["cuda@cuda"] if "cuda@cuda" in GPU_BACKENDS else []))
-def test_cuda_optimizer_backward_equals_touched_rows_then_update(kernel, variant, case, dtype, dim, tokens, request):
+def _optimizer_backward_cases():
+    """(kernel, variant, case, dtype, dim, tokens): every combination for the emulated CUDA
+    kernels and on a GPU; under Triton's interpreter (~2.5 s a case) the sorted path at
+    16-byte rows, plain in float32 and with scale_grad_by_freq and dropout in bfloat16 --
+    its fallback of at most FEW_TOKENS tokens calls the two ops it is compared with, and
+    d is a mask there, not another code path."""
+    for kernel in ["cuda-emulated", "triton"] + GPU_BACKENDS:
+        for variant, case, dtype, dim, tokens in itertools.product(
+                ["plain", "by_freq+dropout"],
+                [0, 2, 4, 5],  # SGD momentum, SGD (touched rows only), AdamW, Adagrad
+                [torch.float32, torch.bfloat16],
+                [10, 24],  # 24: 16-byte rows in both dtypes (vector accesses)
+                [24, 300]):  # 24: at most kFewTokens, no sort; 300: a 150-use row's pieces
+            if kernel != "triton" or (dim, tokens, variant == "plain") == (24, 300, dtype == torch.float32):
+                yield pytest.param(kernel, variant, case, dtype, dim, tokens,
+                                   id=f"{kernel}-{variant}-{case}-{str(dtype)[6:]}-{dim}-{tokens}")
+
+
+@pytest.mark.parametrize("kernel, variant, case, dtype, dim, tokens", list(_optimizer_backward_cases()))
+def test_optimizer_backward_equals_touched_rows_then_update(kernel, variant, case, dtype, dim, tokens, request):
     """optimizer_backward (a dense table's update straight from dout and ids, the segments
     summed in the update's kernel) gives the bits of the two-op form it replaces: the
     touched rows' sums, then optimizer_update -- padding, out-of-range ids, a hot row longer
     than a chunk, scale_grad_by_freq and the forward's dropout as that form has them."""
+    device = torch.device("cuda" if kernel.endswith("@cuda") else "cpu")
     if kernel == "cuda-emulated":
-        ops, device = request.getfixturevalue("emulated"), torch.device("cpu")
-    else:
-        ops, device = torch.ops.pyembed, torch.device("cuda")
+        ops = request.getfixturevalue("emulated")
+    elif kernel == "cuda@cuda":
+        ops = torch.ops.pyembed
+    else:  # triton (under the interpreter on CPU tensors): its Python functions with the ops' schemas
+        if device.type == "cpu" and kernel not in CPU_BACKENDS:
+            pytest.skip("the triton backend is not available on CPU tensors here")
+        backend = dispatch.get("triton")
+        ops = types.SimpleNamespace(optimizer_backward=backend.optimizer_backward,
+                                    embedding_touched_rows=backend.touched_rows,
+                                    optimizer_update=backend.optimizer_update)
     cls, kwargs, all_rows = RULE_CASES[case]
     g = torch.Generator().manual_seed(case * 7 + tokens)
     num_rows, padding_idx = 50, 3

@@ -100,6 +100,19 @@ def test_optimizer_update_reads_and_writes_the_table_in_128_bit_accesses(report,
     assert all(params == ["f64"] * 9 for params in updates.values()), updates  # the host's scalars, exactly
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_segment_update_reads_and_writes_the_table_in_128_bit_accesses(report, arch):
+    # The optimizer inside a dense backward (kernels' optimizer_backward) passes over p and
+    # its state as optimizer_update does, with each row's segment summed first.
+    wide = [k for k in report if k.startswith("segment_update") and k.endswith(arch) and "fp64" not in k
+            and re.search(r"d=(768|4096) ", k)]
+    assert len(wide) == 2 * 2 * 3 + 2  # dtypes x d x dense rules, plus dropout's (fp32, bf16)
+    narrow = [k for k, v in report.items() if k in wide and not (v["v4_loads"] and v["v4_stores"])]
+    assert not narrow, narrow
+    scalars = {k: v["float_params"] for k, v in report.items() if k.startswith("segment_update")}
+    assert all(params == ["f64"] * 11 for params in scalars.values()), scalars  # scale, dropout's, the rule's 9
+
+
 def test_forward_divides_slots_in_32_bits_below_2_31_tokens(report):
     # The position-major slot -> (token, t) division: a 64-bit div/rem is a ~70-instruction
     # SASS subroutine, called per token a thread holds; with it (and bf16 rounded by hand)

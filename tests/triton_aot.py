@@ -219,6 +219,24 @@ def update_source(dtype, dim, rule):
         "BLOCK_R": max(1, k.TILE_ELEMENTS // 2 // block_d), "BLOCK_D": block_d})
 
 
+def segment_update_source(dtype, dim, rule, *, divide=False, dropout=False):
+    """The optimizer inside the backward for a dense token table past FEW_TOKENS tokens:
+    each table row's segment summed (a long one from its pieces) and the rule applied to
+    the row (kernels' optimizer_backward: its blocks)."""
+    code, flags = UPDATE_RULES[rule]
+    acc = "fp64" if dtype == "fp64" else "fp32"
+    block_r, block_d = k.segment_update_blocks(dim, torch.float64 if dtype == "fp64" else torch.float32, dropout)
+    args = {"dout_ptr": f"*{dtype}", "order_ptr": "*i64", "partials_ptr": f"*{acc}", "bounds_ptr": "*i64",
+            "param_ptr": f"*{dtype}", "state1_ptr": f"*{dtype}", "state2_ptr": f"*{dtype}", "scale": 27.7,
+            "num_rows": 50257, "dim": dim, **DROPOUT_ARGS,
+            **{name: 0.5 for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening",
+                                      "bias_correction1", "bias_correction2_sqrt")}}
+    return _source(k._segment_update_kernel, args, {
+        "DIVIDE_BY_COUNT": divide, "HAS_PARTIALS": True, "HAS_DROPOUT": dropout, "RULE": code, "DECOUPLED": False,
+        "NESTEROV": False, "MAXIMIZE": False, "FIRST": False, **flags, "ALL_ROWS": True,
+        "COMPUTE_F64": acc == "fp64", "CHUNK": k.CHUNK_ROWS, "BLOCK_R": block_r, "BLOCK_D": block_d})
+
+
 def sources():
     """{name: (factory, args)}: every specialisation the launchers can produce that
     matters for registers (the id dtype only for one mode: it changes one load)."""
@@ -286,6 +304,12 @@ def sources():
     for dtype, dim, rule in itertools.product(("fp32", "bf16"), (100, 768, 4096), UPDATE_RULES):
         out[f"optimizer_update {rule} {dtype} d={dim}"] = (update_source, (dtype, dim, rule), {})
     out["optimizer_update adamw fp64 d=768"] = (update_source, ("fp64", 768, "adamw"), {})
+    for dtype, dim, rule in itertools.product(("fp32", "bf16"), (100, 768, 4096), ("sgd", "adamw", "adagrad")):
+        out[f"segment_update {rule} {dtype} d={dim}"] = (segment_update_source, (dtype, dim, rule), {})
+    for dtype in ("fp32", "bf16"):
+        out[f"segment_update adamw dropout {dtype} by_freq d=768"] = (segment_update_source, (dtype, 768, "adamw"),
+                                                                      {"divide": True, "dropout": True})
+    out["segment_update adamw fp64 d=768"] = (segment_update_source, ("fp64", 768, "adamw"), {})
     out["scatter_row_slots"] = (lambda: _source(k._scatter_row_slots_kernel, {
         "rows_ptr": "*i64", "row_slot_ptr": "*i64", "touched": TOKENS, "num_rows": 50257},
         {"BLOCK": k.BOUNDS_BLOCK}), (), {})
