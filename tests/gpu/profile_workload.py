@@ -194,9 +194,18 @@ def host_only_costs(backends, calls=40, rounds=3):
     more where the node is Python (`triton`: 548 against 273 us; `cuda`, a C++ node: 210
     against 97). So the same for ``x * 2`` as a C++ node and inside a trivial Python
     autograd.Function (what a Python node costs there, whatever it runs), for each backend
-    with dropout, and for each C++ backend with AdamW inside its backward (a Python node on
-    every backend). Then the parts of pyembed's backward: the dense backward op and
-    torch.sort, which `triton` takes without its tile sort (PYEMBED_TRITON_TILE_SORT=0)."""
+    with dropout, and for each backend with AdamW inside its backward (a Python node on
+    every backend). Beside each, the wall time per call spent inside pyembed's Python
+    backward (``_autograd._gradients``, on whichever thread runs it): at de2aee7 a `triton`
+    fwd+bwd took 722 us with the threads and 279 without (with dropout 377 / 234), against
+    202 / 80 for ``x * 2`` in a Python Function -- whether that is the handoff or Python
+    running slower on the device thread, this says. Then the parts of pyembed's backward:
+    the dense backward op and torch.sort, which `triton` takes without its tile sort
+    (PYEMBED_TRITON_TILE_SORT=0)."""
+    import time
+
+    from pyembed import _autograd
+
     weight, pos_weight, ids, dout = tensors(*GPT2, 8, 2048, torch.float32)
     scale = GPT2[1] ** 0.5
 
@@ -229,18 +238,34 @@ def host_only_costs(backends, calls=40, rounds=3):
     layers.update({f"pyembed {b}, dropout 0.1": fwd_bwd(
         lambda b=b: pyembed.fused_embedding(ids, weight, pos_weight, scale=scale, dropout_p=0.1, backend=b))
         for b in backends})
-    for b in backends:
-        if b != "triton":  # the C++ backends: a C++ node, but a Python one with AdamW in the backward
-            tables = [torch.nn.Parameter(weight.detach().clone()), torch.nn.Parameter(pos_weight.detach().clone())]
-            pyembed.apply_optimizer_in_backward(torch.optim.AdamW, tables, {"lr": 1e-4})
-            layers[f"pyembed {b}, AdamW inside the backward"] = (
-                lambda b=b, tables=tables: pyembed.fused_embedding(ids, *tables, scale=scale, backend=b).backward(dout))
-    for threads in (True, False):
-        with torch.autograd.set_multithreading_enabled(threads):
-            for name, fn in layers.items():
-                us = min(host_only(fn) for _ in range(rounds))
-                print(f"host 8x2048 fwd+bwd, GPU busy, autograd threads {'on' if threads else 'off'}: {name}: "
-                      f"{us:.1f} us/call", flush=True)
+    for b in backends:  # the dense token table's update: optimizer_backward on both GPU backends
+        tables = [torch.nn.Parameter(weight.detach().clone()), torch.nn.Parameter(pos_weight.detach().clone())]
+        pyembed.apply_optimizer_in_backward(torch.optim.AdamW, tables, {"lr": 1e-4})
+        layers[f"pyembed {b}, AdamW inside the backward"] = (
+            lambda b=b, tables=tables: pyembed.fused_embedding(ids, *tables, scale=scale, backend=b).backward(dout))
+    spent = [0.0, 0]  # seconds inside _gradients, its calls
+    gradients = _autograd._gradients
+
+    def timed_gradients(ctx, grad_out):
+        start = time.perf_counter()
+        try:
+            return gradients(ctx, grad_out)
+        finally:
+            spent[0] += time.perf_counter() - start
+            spent[1] += 1
+
+    _autograd._gradients = timed_gradients  # read as a global by every Function's backward
+    try:
+        for threads in (True, False):
+            with torch.autograd.set_multithreading_enabled(threads):
+                for name, fn in layers.items():
+                    spent[:] = [0.0, 0]
+                    us = min(host_only(fn) for _ in range(rounds))
+                    inside = f", {spent[0] / spent[1] * 1e6:.1f} us of it in pyembed's Python backward" if spent[1] else ""
+                    print(f"host 8x2048 fwd+bwd, GPU busy, autograd threads {'on' if threads else 'off'}: {name}: "
+                          f"{us:.1f} us/call{inside}", flush=True)
+    finally:
+        _autograd._gradients = gradients
     for backend in backends:
         # The op (through the dispatcher) and, where the backend has one, the eager body
         # the autograd path calls (triton: its launches replayed from a plan after two calls).
