@@ -298,8 +298,8 @@ def main() -> int:
                 check.run("ncu on the forward and backward kernels",
                           [ncu, "--clock-control", "none", "--kernel-name",
                            "regex:forward|sort_inputs|one_block_sort|tile_rank|merge_tiles|chunk_kernel|finish_segments|"
-                           "batch_sum|few_tokens|optimizer_update",
-                           "--launch-count", "32",
+                           "batch_sum|few_tokens|optimizer_update|segment_update",
+                           "--launch-count", "40",
                            "--section", "SpeedOfLight", "--section", "Occupancy", "--section", "LaunchStats",
                            # L1 / L2 hit rates: whether streaming stores keep the backward's bounds in L2
                            "--section", "MemoryWorkloadAnalysis",

@@ -6,8 +6,9 @@ each layer of a one-token call, then an AdamW training step's kernels with torch
 optimizer and with the optimizer inside pyembed's backward. ``--ncu`` instead runs one forward
 per backend on a Llama-2 8x2048 table (fp32 and bf16) and one dense backward per backend
 at GPT-2 8x2048 (fp32, a row used 12000 times) and 1x1 (the few-token kernel writing the
-whole table), and one AdamW update inside the backward per backend (a Llama-2 bf16 table),
-for Nsight Compute to read the kernels' DRAM throughput and occupancy.
+whole table), and one AdamW update inside the backward per backend (a Llama-2 bf16 table:
+from gradient rows, and from dout with the backward's sums, optimizer_backward), for
+Nsight Compute to read the kernels' DRAM throughput and occupancy.
 
 The first GPU run (H100, torch 2.11) measured pyembed below eager and torch.compile in
 most cases, by margins that host-side work (launches, the range check's sync) explains
@@ -417,6 +418,15 @@ def ncu_kernels(backends):
         update = dispatch.get(backend).optimizer_update
         if update is not None:
             update(table, torch.zeros_like(table), torch.zeros_like(table), rows, values, 1, adamw, True)
+    # The same update inside a dense backward (optimizer_backward: each row's segment summed
+    # in the update's kernel), 8x2048 tokens over that table: sort, chunks, segment_update.
+    ids = torch.randint(0, 32000, (8, 2048), device="cuda")
+    dout = torch.randn(8, 2048, 4096, device="cuda", dtype=torch.bfloat16)
+    for backend in backends:
+        fused = dispatch.get(backend).optimizer_backward
+        if fused is not None:
+            fused(dout, ids, 64.0, None, False, None, 0.0, table, torch.zeros_like(table), torch.zeros_like(table), 1,
+                  adamw, True)
     torch.cuda.synchronize()
 
 
