@@ -445,13 +445,17 @@ class _PlanReplayer(_LaunchSeam):
 def _replay_code(tensor_positions: tuple, int_positions: tuple, count: int):
     """The code of bind's replay for tensors at ``tensor_positions`` (a group per tensor),
     ints at ``int_positions``, of ``count`` launcher arguments."""
-    values = {p: f"t{j}" for j, group in enumerate(tensor_positions) for p in group}
+    values = {p: f"p{j}" for j, group in enumerate(tensor_positions) for p in group}
     values.update({p: f"i{j}" for j, p in enumerate(int_positions)})
     tensors = [f"t{j}" for j in range(len(tensor_positions))]
     ints = [f"i{j}" for j in range(len(int_positions))]
+    # The tensors' addresses, not the tensors: Triton's launcher takes an int pointer as it
+    # is, where for a tensor it calls data_ptr() and asks the driver to check the address
+    # (cuPointerGetAttribute) on every launch -- as Inductor's static launcher passes them.
     source = (
         f"def replay({', '.join(tensors + ints)}):\n"
-        f"    if ({' | '.join(f'{t}.data_ptr()' for t in tensors) or '0'}) & 15:\n"
+        + "".join(f"    p{j} = t{j}.data_ptr()\n" for j in range(len(tensors))) +
+        f"    if ({' | '.join(f'p{j}' for j in range(len(tensors))) or '0'}) & 15:\n"
         f"        return False\n"
         f"    if ({''.join(f'int_class({i}), ' for i in ints)}) != CLASSES:\n"
         f"        return False\n"

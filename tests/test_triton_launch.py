@@ -73,6 +73,9 @@ def test_the_eager_forward_replays_its_plan_and_launches_what_triton_would():
     assert result["replayed"] == ["third", "new tensors", "offset 16", "offset 7", "error record, third",
                                   "int32 ids, third", "sinusoid, third", "no positions, third"]
     assert all(result["own_tensors"])
+    # Their addresses, as ints: Triton's launcher then neither calls data_ptr() nor asks the
+    # driver about each pointer (cuPointerGetAttribute) on every launch.
+    assert result["addresses"] and all(result["addresses"])
     assert result["held_after_release"] == 0  # a plan keeps no table, ids or output alive
 
 

@@ -149,25 +149,36 @@ def check_eager_calls():
                       "jit_runs": jit_runs}))
 
 
+def _address(x):
+    """A pointer argument as the memory it names: a replay (launch.bind) passes a tensor's
+    address, an int, where Triton's run passes the tensor."""
+    return x.data_ptr() if isinstance(x, torch.Tensor) else x
+
+
 def _same_kind(a, b) -> bool:
-    """Two recorded launches agree up to which tensor objects they got: grid, stream,
-    binary, each tensor's dtype, size and alignment, every other argument's type and value."""
-    def kind(x):
-        if isinstance(x, torch.Tensor):
-            return x.dtype, x.numel(), x.data_ptr() & 15 == 0
-        return type(x), x
-    return a[:3] == b[:3] and list(map(kind, a[3])) == list(map(kind, b[3]))
+    """Launch ``a`` agrees with ``b`` (Triton's run) up to which tensor objects they got:
+    grid, stream, binary, each tensor's dtype, size and alignment -- for an address in
+    ``a`` (a replay's), its alignment -- every other argument's type and value."""
+    def same(x, y):
+        if isinstance(y, torch.Tensor):
+            if isinstance(x, torch.Tensor):
+                return (x.dtype, x.numel(), x.data_ptr() & 15) == (y.dtype, y.numel(), y.data_ptr() & 15)
+            return type(x) is int and x & 15 == y.data_ptr() & 15
+        return (type(x), x) == (type(y), y)
+    return a[:3] == b[:3] and len(a[3]) == len(b[3]) and all(map(same, a[3], b[3]))
 
 
-def _wiring(recorded: list) -> list:
-    """Which tensor arguments of a call's launches are the same memory: for each, in order,
+def _wiring(recorded: list, like: list = None) -> list:
+    """Which pointer arguments of a call's launches are the same memory: for each, in order,
     the index of the first argument at its address (a replay that hands a launch another
-    launch's buffer, or a fresh one where it should share, differs from Triton's run)."""
+    launch's buffer, or a fresh one where it should share, differs from Triton's run). The
+    pointers are the arguments that are tensors in ``like`` (Triton's run of the same call;
+    by default ``recorded`` itself)."""
     first, wiring = {}, []
-    for *_, arguments in recorded:
-        for a in arguments:
-            if isinstance(a, torch.Tensor):
-                wiring.append(first.setdefault(a.data_ptr(), len(first)))
+    for (*_, arguments), (*_, reference) in zip(recorded, like or recorded):
+        for a, r in zip(arguments, reference):
+            if isinstance(r, torch.Tensor):
+                wiring.append(first.setdefault(_address(a), len(first)))
     return wiring
 
 
@@ -218,7 +229,7 @@ def check_planned_forward():
              ("sinusoid, third", dict(pos=None, encoding="sinusoidal")),
              ("no positions", dict(pos=None, encoding="none")), ("no positions again", dict(pos=None, encoding="none")),
              ("no positions, third", dict(pos=None, encoding="none"))]
-    mismatches, replayed, own_tensors = [], [], []
+    mismatches, replayed, own_tensors, addresses = [], [], [], []
     for name, change in calls:
         call = {**base, **change}
         if call.get("hook"):
@@ -236,8 +247,9 @@ def check_planned_forward():
             replayed.append(name)
             # A replay launches the call's own tensors (the ids in the unused pointers' places).
             pos_or_weight = call["weight"] if call["pos"] is None else call["pos"]
-            own_tensors.append(all(a is b for a, b in zip(got[3][:6], (call["ids"], call["weight"], pos_or_weight,
-                                                                         call["ids"], call["ids"], out))))
+            own_tensors.append(all(_address(a) == b.data_ptr() for a, b in zip(
+                got[3][:6], (call["ids"], call["weight"], pos_or_weight, call["ids"], call["ids"], out))))
+            addresses.append(all(type(a) is int for a in got[3][:6]))
         launches.clear()  # what Triton's own run launches for the same call
         k.embedding_forward(call["ids"].contiguous(), call["weight"].contiguous(), call["pos"], None,
                             checks.POS_CODES[call["encoding"]], 2.0, call["offset"], None, 0, 1.0, 0, 64, out,
@@ -254,7 +266,8 @@ def check_planned_forward():
     launches.clear()  # the stand-in driver's record of them
     gc.collect()
     print(json.dumps({"check": "planned forward", "mismatches": mismatches, "replayed": replayed,
-                      "own_tensors": own_tensors, "held_after_release": sum(ref() is not None for ref in held)}))
+                      "own_tensors": own_tensors, "addresses": addresses,
+                      "held_after_release": sum(ref() is not None for ref in held)}))
 
 
 def check_planned_backward():
@@ -344,7 +357,7 @@ def check_planned_backward():
         got = list(launches)
         if not through_cached[-1]:
             replayed.append(name)
-            pointers = {a.data_ptr() for *_, arguments in got for a in arguments if isinstance(a, torch.Tensor)}
+            pointers = {_address(a) for *_, arguments in got for a in arguments if isinstance(a, (torch.Tensor, int))}
             own = ([call["dout"]] + ([call["ids"], grads[0]] if call["table"] else [])
                    + ([grads[1]] if call["pos"] else []) + ([key] if key is not None else []))
             own_tensors.append({t.data_ptr() for t in own} <= pointers)
@@ -352,7 +365,7 @@ def check_planned_backward():
         _triton._backward(*args, launch=lambda kernel: kernel)
         os.environ.pop("PYEMBED_TRITON_TILE_SORT", None)
         if (len(got) != len(launches) or not all(map(_same_kind, got, launches))
-                or _wiring(got) != _wiring(launches)):
+                or _wiring(got, launches) != _wiring(launches)):
             mismatches.append(name)
     # A plan holds none of the tensors it was bound with.
     # (A batch of the sorted path and one of a few tokens, both replayed whole from their third call.)
@@ -442,8 +455,9 @@ def check_whole_plans():
     launches.clear()
     reference = copies(y, lambda kernel: kernel)
     result["replay"] = {"same_launches": len(got) == 2 and all(map(_same_kind, got, launches)),
-                        "same_wiring": _wiring(got) == _wiring(launches),
-                        "reads_the_input": got[0][3][0] is y, "writes_its_output": got[1][3][1] is replayed[0],
+                        "same_wiring": _wiring(got, launches) == _wiring(launches),
+                        "reads_the_input": _address(got[0][3][0]) == y.data_ptr(),
+                        "writes_its_output": _address(got[1][3][1]) == replayed[0].data_ptr(),
                         "output_shape": list(replayed[0].shape) == list(reference[0].shape)}
     print(json.dumps(result))
 
