@@ -287,6 +287,35 @@ def host_only_costs(backends, calls=40, rounds=3):
               flush=True)
 
 
+def pointer_arguments_cost(calls=400, rounds=5):
+    """What Triton's launcher costs per pointer argument on this host: one compiled kernel
+    of eight pointers launched as pyembed's replays launch (CompiledKernel.run), given
+    tensors -- the launcher calls data_ptr() and cuPointerGetAttribute for each -- and given
+    their addresses, what the replays pass since be1f9c5 (Inductor's static launcher passes
+    addresses too). The GPU held busy; 400 launches stay inside the driver's queue."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _eight(p0, p1, p2, p3, p4, p5, p6, p7):
+        tl.store(p0, tl.load(p1) + tl.load(p2) + tl.load(p3) + tl.load(p4) + tl.load(p5) + tl.load(p6) + tl.load(p7))
+
+    buffers = [torch.zeros(16, device="cuda") for _ in range(8)]
+    compiled = _eight[(1,)](*buffers)
+    driver = triton.runtime.driver.active
+    stream = driver.get_current_stream(driver.get_current_device())
+    forms = {"tensors": buffers, "addresses": [t.data_ptr() for t in buffers]}
+
+    def launch(args):
+        compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+
+    best = {name: min(host_us_gpu_busy(lambda a=args: launch(a), calls) for _ in range(rounds))
+            for name, args in forms.items()}
+    for name, us in best.items():
+        print(f"host: a Triton launch of 8 pointers given {name}: {us:.2f} us/call", flush=True)
+    print(f"host: per pointer given as a tensor, {(best['tensors'] - best['addresses']) / 8:.2f} us more", flush=True)
+
+
 def python_profile(backends, top=22):
     """cProfile's view of the `triton` backend's host time, the GPU held by a sleep kernel so
     nothing waits for it: a one-token forward with a gradient (at d81f5b2 75 us on the
@@ -538,6 +567,8 @@ def main():
         sort_comparison(backends)
         host_costs(backends)
         host_only_costs(backends)
+        if "triton" in backends:
+            pointer_arguments_cost()
         python_profile(backends)
         profile(backends, [(8, 2048), (1, 1)])
         step_profile(backends)
