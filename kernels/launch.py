@@ -112,10 +112,14 @@ _KEYED_TYPES = {int: "int", torch.Tensor: "tensor", torch.nn.Parameter: "tensor"
 def _key_function(args: tuple):
     """``_launch_key`` unrolled for arguments of the types ``args`` has (None where one has
     a type the key does not know): a function, written once per kernel as Triton writes its
-    binder, that returns the same key for arguments of those types -- ints in 32 bits --
-    and None for any others (the caller then takes ``_launch_key``). Its loop, with a type
-    test per argument, was 2.6 us of a 6.4 us one-token forward launch; unrolled, ~2 us."""
-    guards, items = [], []
+    binder, that returns (the same key, the arguments with each tensor's address in its
+    place) for arguments of those types -- ints in 32 bits -- and (None, None) for any
+    others (the caller then takes ``_launch_key``). Its loop, with a type test per argument,
+    was 2.6 us of a 6.4 us one-token forward launch; unrolled, ~2 us. The addresses: Triton's
+    launcher takes an int pointer as it is, where for a tensor it calls data_ptr() and asks
+    the driver to check the address (cuPointerGetAttribute) on every launch; the key reads
+    each address anyway (its alignment)."""
+    guards, items, launched, addresses = [], [], [], []
     for i, arg in enumerate(args):
         kind, name = _KEYED_TYPES.get(type(arg)), f"a{i}"
         if kind == "int":
@@ -123,24 +127,34 @@ def _key_function(args: tuple):
             items.append(f"'one' if {name} == 1 else {name} & 15 == 0")
         elif kind == "tensor":
             guards.append(f"(type({name}) is Tensor or type({name}) is Parameter)")
-            items += [f"{name}.dtype", f"{name}.data_ptr() & 15 == 0"]
+            addresses.append(f"    p{i} = {name}.data_ptr()\n")
+            items += [f"{name}.dtype", f"p{i} & 15 == 0"]
+            name = f"p{i}"
         elif kind == "plain":
             guards.append(f"type({name}) is {type(arg).__name__}")
             items.append(type(arg).__name__)
         else:
             return None
+        launched.append(name)
     names = "".join(f"a{i}, " for i in range(len(args)))
     source = (f"def key(context, args, constexprs):\n"
               f"    if len(args) != {len(args)}:\n"
-              f"        return None\n"
+              f"        return None, None\n"
               f"    ({names}) = args\n"
               f"    if not ({' and '.join(guards) or 'True'}):\n"
-              f"        return None\n"
-              f"    return (*context, *constexprs, *constexprs.values(), *map(type, constexprs.values()), "
-              f"{''.join(item + ', ' for item in items)})\n")
+              f"        return None, None\n"
+              + "".join(addresses) +
+              f"    return ((*context, *constexprs, *constexprs.values(), *map(type, constexprs.values()), "
+              f"{''.join(item + ', ' for item in items)}), ({''.join(name + ', ' for name in launched)}))\n")
     namespace = {"Tensor": torch.Tensor, "Parameter": torch.nn.Parameter, "NoneType": type(None)}
     exec(source, namespace)
     return namespace["key"]
+
+
+def _keyed_by_loop(context: tuple, args: tuple, constexprs: dict):
+    """(``_launch_key``, the arguments as given): for a kernel whose first launch had
+    arguments ``_key_function`` does not unroll."""
+    return _launch_key(context, args, constexprs), args
 
 
 class CachedLauncher:
@@ -150,7 +164,7 @@ class CachedLauncher:
         self.kernel = kernel
         self.names = tuple(kernel.arg_names)
         self.compiled = {}  # launch key -> CompiledKernel
-        self.key_of = None  # _key_function of the first launch's arguments
+        self.key_of = None  # _key_function of the first launch's arguments (else _keyed_by_loop)
 
     def __getitem__(self, grid):
         return lambda *args, **constexprs: self.launch(grid, args, constexprs)
@@ -164,10 +178,10 @@ class CachedLauncher:
         plain = self._plain(grid)
         context = _jit_context(device)
         if self.key_of is None:
-            self.key_of = _key_function(args) or _launch_key
-        key = self.key_of(context, args, constexprs)
-        if key is None and self.key_of is not _launch_key:  # other argument types than the first launch's
-            key = _launch_key(context, args, constexprs)
+            self.key_of = _key_function(args) or _keyed_by_loop
+        key, launched = self.key_of(context, args, constexprs)
+        if key is None and self.key_of is not _keyed_by_loop:  # other argument types than the first launch's
+            key, launched = _launch_key(context, args, constexprs), args
         compiled = self.compiled.get(key) if plain else None
         if compiled is None:
             compiled = self.kernel[grid](*args, **constexprs)  # compiles a new specialisation, launches
@@ -178,7 +192,7 @@ class CachedLauncher:
             # HookChain), without its closure, launch metadata and calls of empty hooks.
             compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                          driver.get_current_stream(device), compiled.function, compiled.packed_metadata, None,
-                         None, None, *args, *constexprs.values())
+                         None, None, *launched, *constexprs.values())
         else:
             compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *constexprs.values())
         return compiled

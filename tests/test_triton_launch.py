@@ -47,6 +47,10 @@ def test_cached_launches_equal_tritons_for_every_specialisation_in_every_order()
         assert first == "integer scale" or second == "integer scale" or second in wide, (first, second)
     assert ("plain", "integer scale") in declined and ("plain", "offset 2^31") in declined
     assert len(unrolled["agree"]) > len(result["unrolled"]["declined"])
+    # A cache hit passes each tensor's address, not the tensor (Triton's launcher would call
+    # data_ptr() and cuPointerGetAttribute for it), wherever the unrolled key answered.
+    # (The launches pair distinct variants.)
+    assert {tuple(pair) for pair in result["with_tensors"]} == {(a, b) for a, b in declined if a != b}
 
 
 def test_eager_forward_and_backward_launch_through_the_cache():

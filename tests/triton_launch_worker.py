@@ -24,6 +24,7 @@ import weakref
 import torch
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import stand_in_driver  # noqa: E402  (standalone: an installed copy's venv runs this file too)
@@ -36,10 +37,14 @@ from pyembed.kernels import launch  # noqa: E402
 
 
 def _same(a, b) -> bool:
-    """Two recorded launches agree: grid, stream, binary, and each argument (tensors by identity)."""
-    return (a[:3] == b[:3] and len(a[3]) == len(b[3])
-            and all(x is y if isinstance(x, torch.Tensor) else (type(x), x) == (type(y), y)
-                    for x, y in zip(a[3], b[3])))
+    """Launch ``a`` agrees with ``b`` (Triton's run): grid, stream, binary, and each argument
+    -- where ``b`` has a tensor, ``a`` that tensor or its address (pyembed's launches pass
+    addresses, launch._key_function)."""
+    def same(x, y):
+        if isinstance(y, torch.Tensor):
+            return x is y or (type(x) is int and x == y.data_ptr())
+        return (type(x), x) == (type(y), y)
+    return a[:3] == b[:3] and len(a[3]) == len(b[3]) and all(map(same, a[3], b[3]))
 
 
 def _what_triton_launches(kernel, grid, args, constexprs):
@@ -95,7 +100,7 @@ def check_forward_variants():
     expected = {name: _what_triton_launches(kernel, *v) for name, v in variants.items()}
     binaries = {name: e[2] for name, e in expected.items()}
     # Every variant after every other: a key too coarse would launch the first one's binary.
-    mismatches = []
+    mismatches, with_tensors = [], []
     for first, second in itertools.permutations(variants, 2):
         launch._launchers.clear()
         _what_cached_launches(kernel, *variants[first])
@@ -103,6 +108,8 @@ def check_forward_variants():
             got = _what_cached_launches(kernel, *variants[second])
             if not _same(got, expected[second]):
                 mismatches.append((first, second, attempt))
+            if attempt and any(isinstance(a, torch.Tensor) for a in got[3]):
+                with_tensors.append((first, second))  # a hit passes addresses
     hits = len(launch.cached(kernel).compiled)
     # The key unrolled for one launch's argument types (launch._key_function) is the loop's
     # key for arguments of those types, and declines (None) every other variant's.
@@ -111,10 +118,14 @@ def check_forward_variants():
     for first, (_, args, constexprs) in variants.items():
         key_of = launch._key_function(args)
         for second, (_, other_args, other_constexprs) in variants.items():
-            key = key_of(context, other_args, other_constexprs)
+            key, launched = key_of(context, other_args, other_constexprs)
+            if key is not None and any(a.data_ptr() != b if isinstance(a, torch.Tensor) else a is not b
+                                       for a, b in zip(other_args, launched)):
+                key = "wrong arguments"  # each tensor's address in its place, every other argument itself
             unrolled.setdefault("declined" if key is None else "agree" if key == launch._launch_key(
                 context, other_args, other_constexprs) else "differ", set()).add((first, second))
-    print(json.dumps({"check": "forward variants", "mismatches": mismatches, "binaries": len(set(binaries.values())),
+    print(json.dumps({"check": "forward variants", "mismatches": mismatches, "with_tensors": with_tensors,
+                      "binaries": len(set(binaries.values())),
                       "variants": len(variants), "cached": hits,
                       "unrolled": {name: sorted(pairs) for name, pairs in unrolled.items()}}))
 
@@ -166,6 +177,22 @@ def _same_kind(a, b) -> bool:
             return type(x) is int and x & 15 == y.data_ptr() & 15
         return (type(x), x) == (type(y), y)
     return a[:3] == b[:3] and len(a[3]) == len(b[3]) and all(map(same, a[3], b[3]))
+
+
+class _KeepAlive(TorchDispatchMode):
+    """Holds every tensor the ops under it make until it is dropped: launches given
+    addresses (not tensors) keep no temporary alive, so a call's later allocation may take
+    a freed one's address -- safe in stream order, but a wiring that Triton's run, whose
+    recorded launches hold their tensors, never shows."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.made.append(out)
+        return out
 
 
 def _wiring(recorded: list, like: list = None) -> list:
@@ -350,7 +377,8 @@ def check_planned_backward():
         launches.clear()
         through_cached.append(0)
         try:
-            grads = _triton.backward(*args)
+            with _KeepAlive():
+                grads = _triton.backward(*args)
         finally:
             if call.get("hook"):
                 knobs.runtime.launch_enter_hook.remove(hook)
