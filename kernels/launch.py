@@ -118,7 +118,8 @@ def _key_function(args: tuple):
     was 2.6 us of a 6.4 us one-token forward launch; unrolled, ~2 us. The addresses: Triton's
     launcher takes an int pointer as it is, where for a tensor it calls data_ptr() and asks
     the driver to check the address (cuPointerGetAttribute) on every launch; the key reads
-    each address anyway (its alignment)."""
+    each address anyway (its alignment). Tensors on different devices (a CPU tensor beside
+    CUDA ones) are declined, so that Triton's launcher refuses the stray pointer as before."""
     guards, items, launched, addresses = [], [], [], []
     for i, arg in enumerate(args):
         kind, name = _KEYED_TYPES.get(type(arg)), f"a{i}"
@@ -136,6 +137,9 @@ def _key_function(args: tuple):
         else:
             return None
         launched.append(name)
+    tensors = [f"a{i}" for i, arg in enumerate(args) if _KEYED_TYPES.get(type(arg)) == "tensor"]
+    if len(tensors) > 1:  # a tensor on another device: Triton's own launch, which checks each pointer
+        guards.append(" == ".join(f"{t}.get_device()" for t in tensors))
     names = "".join(f"a{i}, " for i in range(len(args)))
     source = (f"def key(context, args, constexprs):\n"
               f"    if len(args) != {len(args)}:\n"
@@ -466,10 +470,14 @@ def _replay_code(tensor_positions: tuple, int_positions: tuple, count: int):
     # The tensors' addresses, not the tensors: Triton's launcher takes an int pointer as it
     # is, where for a tensor it calls data_ptr() and asks the driver to check the address
     # (cuPointerGetAttribute) on every launch -- as Inductor's static launcher passes them.
+    # That check refused a CPU tensor beside CUDA ones; here a tensor on another device
+    # than the others refuses the replay (the caller's launch then takes Triton's path).
     source = (
         f"def replay({', '.join(tensors + ints)}):\n"
         + "".join(f"    p{j} = t{j}.data_ptr()\n" for j in range(len(tensors))) +
         f"    if ({' | '.join(f'p{j}' for j in range(len(tensors))) or '0'}) & 15:\n"
+        f"        return False\n"
+        f"    if not ({' == '.join(f'{t}.get_device()' for t in tensors) if len(tensors) > 1 else 'True'}):\n"
         f"        return False\n"
         f"    if ({''.join(f'int_class({i}), ' for i in ints)}) != CLASSES:\n"
         f"        return False\n"

@@ -246,9 +246,23 @@ def test_backward_is_bitwise_identical_over_three_runs_with_a_hot_row(backend, s
 
 def test_direct_op_calls_refuse_tensors_on_another_device(backend):
     _check_backend(backend)
-    if backend != "cuda":
-        pytest.skip("the check lives in the C++ ops (the triton ops are reached through fused_embedding)")
     ids, weight = torch.tensor([[1, 2]]), torch.randn(4, 8, device="cuda")
+    dout = torch.randn(1, 2, 8, device="cuda")
+    if backend == "triton":
+        # The triton ops check nothing themselves (fused_embedding does), and their launches
+        # pass addresses, not tensors (kernels/launch.py): a CPU tensor among CUDA ones is
+        # declined there, so that Triton's launcher, which checks each tensor's pointer,
+        # refuses it -- a ValueError, never a kernel reading host memory. Also once the
+        # calls' plans exist (bound at the second call, replayed from the third).
+        for _ in range(3):
+            torch.ops.pyembed.triton_forward(ids.cuda(), weight, None, None, "none", 1.0, 0, None, 0.0)
+            torch.ops.pyembed.triton_backward(dout, ids.cuda(), None, 0, 4, 0, 1.0, None, False, True, False)
+        with pytest.raises(ValueError, match="Triton"):
+            torch.ops.pyembed.triton_forward(ids, weight, None, None, "none", 1.0, 0, None, 0.0)
+        with pytest.raises(ValueError, match="Triton"):
+            torch.ops.pyembed.triton_backward(dout, ids, None, 0, 4, 0, 1.0, None, False, True, False)
+        torch.cuda.synchronize()  # nothing faulted: the context is usable
+        return
     with pytest.raises(ValueError, match="different devices"):
         torch.ops.pyembed.embedding_forward(ids, weight, None, None, "none", 1.0, 0, None, 0.0)
     with pytest.raises(ValueError, match="different devices"):
