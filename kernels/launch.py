@@ -259,7 +259,8 @@ def _bind(launcher: CachedLauncher, grid: tuple, args: tuple, constexprs: dict, 
     # values are its globals, the new ones its parameters. One code object per layout of
     # the arguments (compiling it is ~150 us), a function of it per bound launch (~us).
     fixed = (*args, *constexprs.values())
-    code = _replay_code(tuple(tensor_positions), tuple(int_positions), len(fixed))
+    layout = (tuple(tensor_positions), tuple(int_positions), len(fixed))
+    code = _replay_code(*layout)
     # Not the bound call's tensors: a plan must not keep a table (or its output) alive.
     replaced = {p for group in tensor_positions for p in group} | set(int_positions)
     namespace = {f"A{p}": value for p, value in enumerate(fixed) if p not in replaced}
@@ -267,7 +268,9 @@ def _bind(launcher: CachedLauncher, grid: tuple, args: tuple, constexprs: dict, 
                      int_class=int_class, CONTEXT=context,
                      CLASSES=tuple(int_class(args[p]) for p in int_positions), COMPILED=compiled,
                      GRID=tuple(grid) + (1,) * (3 - len(grid)))
-    return types.FunctionType(code, namespace, "replay")
+    replay = types.FunctionType(code, namespace, "replay")
+    replay.layout = layout  # (_given_addresses writes variants of it)
+    return replay
 
 
 class _LaunchSeam:
@@ -380,13 +383,22 @@ class _RecordedOps(TorchDispatchMode):
         return out
 
 
+WORKSPACE_ALIGNMENT = 256  # bytes between a whole replay's temporaries, as torch's allocators align blocks
+
+
 def _whole_call(launches: list, ops: _RecordedOps, inputs: tuple, outputs: tuple):
     """LaunchPlan.whole for a bound call, or None: where it ran another op than
     allocations and views, or a launch took a tensor that is neither an input nor the
     latest allocation at its address (a view at an offset), or an input shares the address
     (empty tensors). Written out as bind's replays are: a function of the inputs that makes
     the allocations (on the first input's device) and calls each launch's replay with its
-    tensors."""
+    tensors.
+
+    The allocations it returns are made as the call made them; the others, temporaries
+    that only its launches see (a sort's keys and order, segment bounds, partial sums), are
+    one workspace, each at its offset, passed to the launches as addresses: one allocation
+    where there were up to five (each an op through Python, ~1-2 us of host time on the
+    development VM, more on a GPU's host)."""
     template = inputs[0]
     if ops.computed or any(not contiguous or device != template.device
                            for *_, device, contiguous in ops.allocated):
@@ -394,31 +406,58 @@ def _whole_call(launches: list, ops: _RecordedOps, inputs: tuple, outputs: tuple
     input_names = {t.data_ptr(): f"i{k}" for k, t in enumerate(inputs) if t is not None}
     if len(input_names) != sum(t is not None for t in inputs):
         return None
-    namespace = {"DTYPES": tuple(dtype for _, _, _, dtype, *_ in ops.allocated)}
-    lines = [f"def replay_whole({', '.join(f'i{k}' for k in range(len(inputs)))}):",
-             # A misaligned input would make a later launch refuse, after earlier ones ran.
-             f"    if ({' | '.join(f'{name}.data_ptr()' for name in input_names.values())}) & 15:",
-             "        return None"]
+    returned = [next((j for j, (ref, *_) in enumerate(ops.allocated) if ref() is t), None) for t in outputs]
+    if None in returned:
+        return None
+    offsets, size = {}, 0  # a temporary's byte offset in the workspace
     for k, (_, _, shape, dtype, *_) in enumerate(ops.allocated):
-        sizes = "".join(f"{size}, " for size in shape)
-        lines.append(f"    a{k} = i0.new_empty({sizes}{'' if dtype == template.dtype else f'dtype=DTYPES[{k}]'})")
+        if k not in returned:
+            offsets[k] = size
+            numel = 1
+            for extent in shape:
+                numel *= extent
+            size += -(-numel * dtype.itemsize // WORKSPACE_ALIGNMENT) * WORKSPACE_ALIGNMENT
+    namespace = {"DTYPES": tuple(dtype for _, _, _, dtype, *_ in ops.allocated), "torch": torch}
+    tensors = list(input_names.values())
+    lines = [f"def replay_whole({', '.join(f'i{k}' for k in range(len(inputs)))}):",
+             # A misaligned input would make a later launch refuse, after earlier ones ran; an
+             # input on another device would reach a launch as an address.
+             f"    if ({' | '.join(f'{name}.data_ptr()' for name in tensors)}) & 15:",
+             "        return None"]
+    if len(tensors) > 1:
+        lines += [f"    if not ({' == '.join(f'{name}.get_device()' for name in tensors)}):", "        return None"]
+    if offsets:
+        lines += [f"    workspace = i0.new_empty({size}, dtype=torch.uint8)", "    base = workspace.data_ptr()"]
+    for k, (_, _, shape, dtype, *_) in enumerate(ops.allocated):
+        if k in offsets:
+            lines.append(f"    a{k} = base + {offsets[k]}")
+        else:
+            sizes = "".join(f"{extent}, " for extent in shape)
+            lines.append(f"    a{k} = i0.new_empty({sizes}{'' if dtype == template.dtype else f'dtype=DTYPES[{k}]'})")
     for k, (_, _, replay, addresses, made) in enumerate(launches):
-        names = []
-        for address, starts_storage in addresses:
-            latest = next((f"a{j}" for j in range(made - 1, -1, -1) if ops.allocated[j][1] == address), None)
+        names, given = [], []
+        for j, (address, starts_storage) in enumerate(addresses):
+            latest = next((a for a in range(made - 1, -1, -1) if ops.allocated[a][1] == address), None)
             if not starts_storage:
                 latest = None  # an input's view (by its address), or nothing this can replay
             if (latest is None) == (address not in input_names):  # neither, or both
                 return None
-            names.append(latest or input_names[address])
-        namespace[f"R{k}"] = replay
+            names.append(input_names[address] if latest is None else f"a{latest}")
+            if latest in offsets:
+                given.append(j)
+        namespace[f"R{k}"] = _given_addresses(replay, tuple(given)) if given else replay
         lines += [f"    if not R{k}({', '.join(names)}):", "        return None"]
-    returned = [next((f"a{j}" for j, (ref, *_) in enumerate(ops.allocated) if ref() is t), None) for t in outputs]
-    if None in returned:
-        return None
-    lines.append(f"    return ({''.join(name + ', ' for name in returned)})")
+    lines.append(f"    return ({''.join(f'a{j}, ' for j in returned)})")
     exec("\n".join(lines), namespace)
     return namespace["replay_whole"]
+
+
+def _given_addresses(replay, given: tuple):
+    """``replay`` (a bound launch's) taking the tensors at ``given`` (indices among its
+    tensors) as addresses: the same globals, the code written for those."""
+    tensor_positions, int_positions, count = replay.layout
+    return types.FunctionType(_replay_code(tensor_positions, int_positions, count, given), replay.__globals__,
+                              "replay")
 
 
 class _PlanBinder(_LaunchSeam):
@@ -460,13 +499,16 @@ class _PlanReplayer(_LaunchSeam):
 
 
 @functools.lru_cache(maxsize=None)
-def _replay_code(tensor_positions: tuple, int_positions: tuple, count: int):
+def _replay_code(tensor_positions: tuple, int_positions: tuple, count: int, given: tuple = ()):
     """The code of bind's replay for tensors at ``tensor_positions`` (a group per tensor),
-    ints at ``int_positions``, of ``count`` launcher arguments."""
+    ints at ``int_positions``, of ``count`` launcher arguments; the tensors whose indices are
+    in ``given`` are passed as addresses (a whole replay's workspace: the caller checked
+    its device)."""
     values = {p: f"p{j}" for j, group in enumerate(tensor_positions) for p in group}
     values.update({p: f"i{j}" for j, p in enumerate(int_positions)})
     tensors = [f"t{j}" for j in range(len(tensor_positions))]
     ints = [f"i{j}" for j in range(len(int_positions))]
+    devices = [f"t{j}.get_device()" for j in range(len(tensors)) if j not in given]
     # The tensors' addresses, not the tensors: Triton's launcher takes an int pointer as it
     # is, where for a tensor it calls data_ptr() and asks the driver to check the address
     # (cuPointerGetAttribute) on every launch -- as Inductor's static launcher passes them.
@@ -474,10 +516,10 @@ def _replay_code(tensor_positions: tuple, int_positions: tuple, count: int):
     # than the others refuses the replay (the caller's launch then takes Triton's path).
     source = (
         f"def replay({', '.join(tensors + ints)}):\n"
-        + "".join(f"    p{j} = t{j}.data_ptr()\n" for j in range(len(tensors))) +
+        + "".join(f"    p{j} = t{j}{'' if j in given else '.data_ptr()'}\n" for j in range(len(tensors))) +
         f"    if ({' | '.join(f'p{j}' for j in range(len(tensors))) or '0'}) & 15:\n"
         f"        return False\n"
-        f"    if not ({' == '.join(f'{t}.get_device()' for t in tensors) if len(tensors) > 1 else 'True'}):\n"
+        f"    if not ({' == '.join(devices) if len(devices) > 1 else 'True'}):\n"
         f"        return False\n"
         f"    if ({''.join(f'int_class({i}), ' for i in ints)}) != CLASSES:\n"
         f"        return False\n"

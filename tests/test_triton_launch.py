@@ -102,6 +102,9 @@ def test_the_eager_backward_replays_its_plan_and_launches_what_triton_would():
     assert result["by_launch"] == ["misaligned dout", "profiler hook", "few tokens, misaligned dout",
                                    "torch's sort, third"]
     assert all(result["own_tensors"])
+    # Replayed whole, the sort's keys and order, the bounds and the partial sums are one
+    # workspace: three allocations with the two gradients, where the bound call made six.
+    assert result["allocations"]["second"] == 6 and result["allocations"]["third"] == 3
     assert result["held_after_release"] == 0  # a plan keeps no output gradient, ids or gradient alive
 
 

@@ -187,11 +187,12 @@ class _KeepAlive(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.made = []
+        self.made, self.allocations = [], 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.made.append(out)
+        self.allocations += func in launch._RecordedOps.ALLOCATING
         return out
 
 
@@ -363,7 +364,7 @@ def check_planned_backward():
     by_launch = []  # calls of a planned metadata not replayed whole (LaunchPlan.replaying)
     replaying = k.LaunchPlan.replaying
     k.LaunchPlan.replaying = lambda plan: by_launch.append(name) or replaying(plan)
-    mismatches, replayed, own_tensors = [], [], []
+    mismatches, replayed, own_tensors, allocations = [], [], [], {}
     for name, change in calls:
         call = {**base, **change}
         key = call.get("key")
@@ -377,8 +378,9 @@ def check_planned_backward():
         launches.clear()
         through_cached.append(0)
         try:
-            with _KeepAlive():
+            with _KeepAlive() as kept:
                 grads = _triton.backward(*args)
+            allocations[name] = kept.allocations
         finally:
             if call.get("hook"):
                 knobs.runtime.launch_enter_hook.remove(hook)
@@ -408,7 +410,7 @@ def check_planned_backward():
     gc.collect()
     k.LaunchPlan.replaying = replaying
     print(json.dumps({"check": "planned backward", "mismatches": mismatches, "replayed": replayed,
-                      "by_launch": by_launch, "own_tensors": own_tensors,
+                      "by_launch": by_launch, "own_tensors": own_tensors, "allocations": allocations,
                       "held_after_release": sum(ref() is not None for ref in held)}))
 
 
