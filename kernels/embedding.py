@@ -540,21 +540,17 @@ def _chunk_kernel(
 
 
 @triton.jit
-def _position_sums(dout_ptr, out_ptr, program, rows, batch, seq_len, steps, offset, dim, table_ptr, solo_ptr, scale,
-                   dropout_key_ptr, dropout_threshold, dropout_scale, SOLO: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                   COMPUTE_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows program * BLOCK_R + [0, BLOCK_R) of the learned positions' gradient with
-    p = offset + t: the sum over b of dout[b, t], b ascending, for the `steps` positions
-    the sequence reaches, zeros in every other row. Run by extra programs of the token
-    table's last kernel (one launch less per backward), or by _batch_sum_kernel alone.
+def _batch_sums(dout_ptr, p, cols, col_ok, batch, seq_len, steps, offset, dim, table_ptr, solo_ptr, scale,
+                dropout_key_ptr, dropout_threshold, dropout_scale, SOLO: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                COMPUTE_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The learned positions' gradient rows ``p`` (a (BLOCK_R, 1) column) with
+    p = offset + t, at ``cols``, in the compute dtype: the sum over b of dout[b, t], b
+    ascending, for the ``steps`` positions the sequence reaches, zeros for every other row.
     SOLO (every token's position reached): also the token table's rows used by one token
     (solo_ptr, by token: the row, or -1), from the dout rows read here, so the table's
     programs do not read those dout rows a second time (csrc/cuda's PositionSums says
     why); the same expression as _finish_segments_kernel's, so the same bits."""
     acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
-    p = (program.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]  # (BLOCK_R, 1), as the segments' rows
-    cols = (tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
-    col_ok = cols < dim
     t = p - offset
     reached = (t >= 0) & (t < steps)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype)
@@ -569,6 +565,22 @@ def _position_sums(dout_ptr, out_ptr, program, rows, batch, seq_len, steps, offs
             one = (tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype) + x) * tl.full([], scale, acc_dtype)
             tl.store(table_ptr + solo * dim + cols, _rounded(one, table_ptr), mask=(solo >= 0) & col_ok)
         token += seq_len  # 64-bit: batch * seq_len * dim passes 2^31
+    return acc
+
+
+@triton.jit
+def _position_sums(dout_ptr, out_ptr, program, rows, batch, seq_len, steps, offset, dim, table_ptr, solo_ptr, scale,
+                   dropout_key_ptr, dropout_threshold, dropout_scale, SOLO: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                   COMPUTE_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows program * BLOCK_R + [0, BLOCK_R) of the learned positions' gradient
+    (_batch_sums), stored. Run by extra programs of the token table's last kernel (one
+    launch less per backward), or by _batch_sum_kernel alone."""
+    p = (program.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]  # (BLOCK_R, 1), as the segments' rows
+    cols = (tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
+    col_ok = cols < dim
+    acc = _batch_sums(dout_ptr, p, cols, col_ok, batch, seq_len, steps, offset, dim, table_ptr, solo_ptr, scale,
+                      dropout_key_ptr, dropout_threshold, dropout_scale, SOLO, HAS_DROPOUT, COMPUTE_F64, BLOCK_R,
+                      BLOCK_D)
     tl.store(out_ptr + p * dim + cols, _rounded(acc, out_ptr), mask=(p < rows) & col_ok)
 
 
@@ -929,6 +941,46 @@ def _segment_update_kernel(
     if HAS_STATE2:
         tl.store(state2_ptr + at, _rounded(s2, state2_ptr), mask=ok)
 
+
+
+@triton.jit
+def _position_update_kernel(
+    dout_ptr,  # (batch, seq_len, dim) the output gradient
+    param_ptr,  # (rows, dim) the learned positions' table, updated in place
+    state1_ptr, state2_ptr,  # (rows, dim) its optimizer state, when HAS_STATE1 / HAS_STATE2
+    rows, batch, seq_len, steps, offset, dim,
+    dropout_key_ptr, dropout_threshold, dropout_scale: tl.float64,  # the forward's dropout (_dout_rows)
+    lr: tl.float64, beta1: tl.float64, beta2: tl.float64, eps: tl.float64, weight_decay: tl.float64,
+    momentum: tl.float64, dampening: tl.float64, bias_correction1: tl.float64, bias_correction2_sqrt: tl.float64,
+    HAS_DROPOUT: tl.constexpr, RULE: tl.constexpr, DECOUPLED: tl.constexpr, NESTEROV: tl.constexpr,
+    MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, HAS_STATE1: tl.constexpr, HAS_STATE2: tl.constexpr,
+    COMPUTE_F64: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The optimizer inside the backward for the learned positions (p = offset + t), their
+    gradient never in memory: row p's gradient is its sum over the batch (_batch_sums, as
+    _batch_sum_kernel sums it), rounded to the table's dtype as the stored gradient would
+    be -- the same bits -- and the rule applied to the row at once (_apply_rule); every row
+    (dense semantics: g = 0 for the rows the sequence does not reach). One row per program,
+    as _batch_sum_kernel."""
+    acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
+    p = tl.program_id(0).to(tl.int64) + tl.zeros([1, 1], dtype=tl.int64)
+    cols = (tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
+    col_ok = cols < dim
+    acc = _batch_sums(dout_ptr, p, cols, col_ok, batch, seq_len, steps, offset, dim, dout_ptr, dout_ptr, 1.0,
+                      dropout_key_ptr, dropout_threshold, dropout_scale, False, HAS_DROPOUT, COMPUTE_F64, 1, BLOCK_D)
+    g = _rounded(acc, param_ptr).to(acc_dtype)  # the gradient as stored
+    ok = (p < rows) & col_ok
+    at = p * dim + cols
+    w = tl.load(param_ptr + at, mask=ok, other=0.0).to(acc_dtype)
+    s1 = tl.load(state1_ptr + at, mask=ok, other=0.0).to(acc_dtype) if HAS_STATE1 else tl.zeros_like(w)
+    s2 = tl.load(state2_ptr + at, mask=ok, other=0.0).to(acc_dtype) if HAS_STATE2 else tl.zeros_like(w)
+    w, s1, s2 = _apply_rule(w, g, s1, s2, lr, beta1, beta2, eps, weight_decay, momentum, dampening, bias_correction1,
+                            bias_correction2_sqrt, RULE, DECOUPLED, NESTEROV, MAXIMIZE, FIRST, HAS_STATE1, COMPUTE_F64)
+    tl.store(param_ptr + at, _rounded(w, param_ptr), mask=ok)
+    if HAS_STATE1:
+        tl.store(state1_ptr + at, _rounded(s1, state1_ptr), mask=ok)
+    if HAS_STATE2:
+        tl.store(state2_ptr + at, _rounded(s2, state2_ptr), mask=ok)
 
 # --------------------------------------------------------------------------- launchers
 def _direct(kernel):
@@ -1333,4 +1385,22 @@ def optimizer_backward(dout2d, keys, skip: int, scale: float, divide_by_count: b
         DIVIDE_BY_COUNT=divide_by_count, HAS_PARTIALS=partials is not None, HAS_DROPOUT=dropout is not None,
         **rule_flags, ALL_ROWS=all_rows, COMPUTE_F64=param.dtype == torch.float64, CHUNK=CHUNK_ROWS,
         BLOCK_R=block_r, BLOCK_D=block_d,
+    )
+
+
+def position_update(dout2d, param, state1, state2, batch: int, seq_len: int, offset: int, rule: int, hyper,
+                    dropout: Optional[DoutDropout] = None, launch=_direct):
+    """The learned positions' update by the gradient batch_sum would give them (p = offset
+    + t, no position_ids), without that gradient: one launch, every row (a dense rule) --
+    where the gradient's op and optimizer_update took two and a (rows, d) buffer between."""
+    rows, dim = param.shape
+    if rows == 0 or dim == 0:
+        return
+    scalars, rule_flags = _rule_args(rule, hyper, state1, state2)
+    _, block_d = _blocks(dim, dropout=dropout is not None)
+    launch(_position_update_kernel)[(rows, _cdiv(dim, block_d))](
+        dout2d, param, state1 if rule_flags["HAS_STATE1"] else param, state2 if rule_flags["HAS_STATE2"] else param,
+        rows, batch, seq_len, min(max(rows - offset, 0), seq_len), offset, dim,
+        *DoutDropout.launch_args(dropout, param), *scalars, HAS_DROPOUT=dropout is not None, **rule_flags,
+        COMPUTE_F64=param.dtype == torch.float64, BLOCK_D=block_d,
     )

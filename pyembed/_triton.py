@@ -367,6 +367,17 @@ def optimizer_backward(grad_out, ids, scale: float, padding_idx: Optional[int], 
             dropout=_dout_dropout(dropout_key, dropout_p))
 
 
+def position_update(grad_out, ids, offset: int, dropout_key: Optional[torch.Tensor], dropout_p: float, param, state1,
+                    state2, rule: int, hyper: list) -> None:
+    """The learned positions' backward (p = offset + t) as their optimizer's update
+    (pyembed/optim.py's step_tables): one launch, no gradient in memory. Eagerly only."""
+    seq_len = ids.shape[-1] if ids.dim() and ids.numel() else 0
+    with _on_device(param):
+        _kernels().position_update(grad_out.contiguous().reshape(ids.numel(), param.shape[1]), param, state1, state2,
+                                   ids.numel() // max(seq_len, 1), seq_len, offset, rule, hyper,
+                                   dropout=_dout_dropout(dropout_key, dropout_p))
+
+
 _ops.register_fakes("pyembed::triton_forward", "pyembed::triton_backward", "pyembed::triton_sparse_backward")
 
 dispatch.register_backend(dispatch.Backend(
@@ -374,4 +385,4 @@ dispatch.register_backend(dispatch.Backend(
     torch.ops.pyembed.triton_sparse_backward, _why_unavailable, autograd_op=_autograd.python_lookup("triton", forward),
     compiled_op=torch.ops.pyembed.triton_lookup.default, checks_in_kernel=True,
     eager_forward=forward, eager_backward=backward, touched_rows=touched_rows, optimizer_update=optimizer_update,
-    optimizer_backward=optimizer_backward, auto_rank={"cuda": 1}))  # after the cuda backend, where both are built
+    optimizer_backward=optimizer_backward, position_update=position_update, auto_rank={"cuda": 1}))  # after the cuda backend, where both are built

@@ -176,7 +176,8 @@ def step_tables(backend, config, grad_out: torch.Tensor, ids: torch.Tensor, posi
     out-of-range ids left out, scale and scale_grad_by_freq applied; on a GPU with no host
     sync) and the learned positions' dense gradient -- and needs no gradient any more. A
     dense token table on a backend with optimizer_backward (cuda, triton) is updated by that op
-    from grad_out and ids directly: the same update, its gradient rows never in memory.
+    from grad_out and ids directly: the same update, its gradient rows never in memory; the
+    learned positions (p = offset + t) likewise where the backend has position_update (triton).
     dropout_key: the forward's, which the ops apply to grad_out as they read it. Returns
     what still does."""
     weight, pos_weight = tables
@@ -194,6 +195,13 @@ def step_tables(backend, config, grad_out: torch.Tensor, ids: torch.Tensor, posi
                 dropout_key, config.dropout_p)
             _update(backend, weight, rows, values, config.sparse)
         need_weight_grad = False
+    if (pos_weight is not None and need_pos_grad and backend.position_update is not None and position_ids is None
+            and grad_out.dtype == pos_weight.dtype):
+        _, state, update = prepare(pos_weight)
+        state1, state2 = state_tensors(update.rule, state, pos_weight)
+        backend.position_update(grad_out, ids, config.offset, dropout_key, config.dropout_p, pos_weight.detach(),
+                                state1, state2, update.rule, list(update.hyper))
+        need_pos_grad = False
     if pos_weight is not None and need_pos_grad:
         _, pos_grad = backend.backward_op(grad_out)(grad_out, ids, position_ids, config.offset, 0,
                                                     pos_weight.shape[0], config.scale, config.padding_idx, False,

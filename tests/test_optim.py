@@ -426,6 +426,45 @@ def test_optimizer_backward_equals_touched_rows_then_update(kernel, variant, cas
     assert not torch.equal(results[0][0], before)  # it did update
 
 
+@pytest.mark.parametrize("case", [0, 2, 4, 5])  # SGD momentum, SGD (no state), AdamW, Adagrad
+@pytest.mark.parametrize("variant", ["plain", "dropout+bf16"])
+@pytest.mark.parametrize("kernel", ["triton"] + [b for b in GPU_BACKENDS if b.startswith("triton")])
+def test_position_update_equals_the_positions_gradient_then_update(kernel, variant, case):
+    """position_update (the learned positions' update straight from dout, p = offset + t)
+    gives the bits of the two-op form it replaces: the positions' gradient (the backward op),
+    then optimizer_update over every row -- the rows the sequence does not reach (below the
+    offset, and past the table's end for its last tokens) with a zero gradient -- and the
+    forward's dropout as that form applies it."""
+    if kernel == "triton" and kernel not in CPU_BACKENDS:
+        pytest.skip("the triton backend is not available on CPU tensors here")
+    device = torch.device("cuda" if kernel.endswith("@cuda") else "cpu")
+    backend = dispatch.get("triton")
+    cls, kwargs, _ = RULE_CASES[case]
+    dtype = torch.float32 if variant == "plain" else torch.bfloat16
+    g = torch.Generator().manual_seed(case)
+    num_positions, dim, offset = 40, 24, 15  # 30 tokens a sequence: the last 5 past the table
+    ids = torch.randint(0, 50, (3, 30), generator=g).to(device)
+    dout = torch.randn(3, 30, dim, generator=g).to(device=device, dtype=dtype)
+    key = torch.tensor([99, 4], dtype=torch.long, device=device) if variant != "plain" else None
+    p = 0.3 if key is not None else 0.0
+    results = []
+    for fused in (True, False):
+        table, state, update, _, _ = _random_update(cls, kwargs, dtype, num_rows=num_positions, dim=dim, seed=case)
+        table = table.detach().to(device)
+        state1, state2 = (s.to(device) for s in optim.state_tensors(update.rule, state, table))
+        if fused:
+            backend.position_update(dout, ids, offset, key, p, table, state1, state2, update.rule, list(update.hyper))
+        else:
+            _, grad = backend.backward(dout, ids, None, offset, 0, num_positions, 2.5, None, False, False, True, key, p)
+            backend.optimizer_update(table, state1, state2, torch.arange(num_positions, device=device), grad,
+                                     update.rule, list(update.hyper), False)
+        results.append([table.cpu(), state1.cpu(), state2.cpu()])
+    for name, fused, two_ops in zip(("table", "state1", "state2"), *results):
+        assert torch.equal(fused, two_ops), name
+    before = _random_update(cls, kwargs, dtype, num_rows=num_positions, dim=dim, seed=case)[0]
+    assert not torch.equal(results[0][0], before)  # it did update
+
+
 @pytest.mark.parametrize("kernel", ["triton", "cuda-emulated"])
 @pytest.mark.parametrize("step_beside_table", [False, True], ids=["step-on-cpu", "fused-step-beside-table"])
 def test_fused_backward_allocates_no_table_sized_gradient_and_reads_nothing_back(kernel, request, monkeypatch,

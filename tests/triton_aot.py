@@ -237,6 +237,19 @@ def segment_update_source(dtype, dim, rule, *, divide=False, dropout=False):
         "COMPUTE_F64": acc == "fp64", "CHUNK": k.CHUNK_ROWS, "BLOCK_R": block_r, "BLOCK_D": block_d})
 
 
+def position_update_source(dtype, dim, rule, *, dropout=False):
+    """The optimizer inside the backward for the learned positions: each row's batch sum
+    and the rule applied to it (kernels' position_update), one row per program."""
+    code, flags = UPDATE_RULES[rule]
+    args = {"dout_ptr": f"*{dtype}", "param_ptr": f"*{dtype}", "state1_ptr": f"*{dtype}", "state2_ptr": f"*{dtype}",
+            "rows": 2048, "batch": 8, "seq_len": 512, "steps": 512, "offset": 3, "dim": dim, **DROPOUT_ARGS,
+            **{name: 0.5 for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening",
+                                      "bias_correction1", "bias_correction2_sqrt")}}
+    return _source(k._position_update_kernel, args, {
+        "HAS_DROPOUT": dropout, "RULE": code, "DECOUPLED": False, "NESTEROV": False, "MAXIMIZE": False,
+        "FIRST": False, **flags, "COMPUTE_F64": dtype == "fp64", "BLOCK_D": k._blocks(dim, dropout=dropout)[1]})
+
+
 def sources():
     """{name: (factory, args)}: every specialisation the launchers can produce that
     matters for registers (the id dtype only for one mode: it changes one load)."""
@@ -310,6 +323,12 @@ def sources():
         out[f"segment_update adamw dropout {dtype} by_freq d=768"] = (segment_update_source, (dtype, 768, "adamw"),
                                                                       {"divide": True, "dropout": True})
     out["segment_update adamw fp64 d=768"] = (segment_update_source, ("fp64", 768, "adamw"), {})
+    for dtype, dim, rule in itertools.product(("fp32", "bf16"), (100, 768, 4096), ("sgd", "adamw", "adagrad")):
+        out[f"position_update {rule} {dtype} d={dim}"] = (position_update_source, (dtype, dim, rule), {})
+    for dtype in ("fp32", "bf16"):
+        out[f"position_update adamw dropout {dtype} d=768"] = (position_update_source, (dtype, 768, "adamw"),
+                                                               {"dropout": True})
+    out["position_update adamw fp64 d=768"] = (position_update_source, ("fp64", 768, "adamw"), {})
     out["scatter_row_slots"] = (lambda: _source(k._scatter_row_slots_kernel, {
         "rows_ptr": "*i64", "row_slot_ptr": "*i64", "touched": TOKENS, "num_rows": 50257},
         {"BLOCK": k.BOUNDS_BLOCK}), (), {})
