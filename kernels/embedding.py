@@ -808,7 +808,7 @@ def _apply_rule(p, g, s1, s2, lr, beta1, beta2, eps, weight_decay, momentum, dam
                 MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, HAS_STATE1: tl.constexpr, COMPUTE_F64: tl.constexpr):
     """(p, state1, state2) after one step of csrc/optim.h's rule RULE (0 SGD, 1 Adam/AdamW,
     2 Adagrad, 3 SparseAdam) on gradient g, in the compute dtype; the scalars as the host
-    gives them (pyembed/optim.py). Shared by both update kernels."""
+    gives them (pyembed/optim.py)."""
     acc = tl.float64 if COMPUTE_F64 else tl.float32
     lr, beta1, beta2 = tl.full([], lr, acc), tl.full([], beta1, acc), tl.full([], beta2, acc)
     eps, wd = tl.full([], eps, acc), tl.full([], weight_decay, acc)
@@ -852,6 +852,27 @@ def _apply_rule(p, g, s1, s2, lr, beta1, beta2, eps, weight_decay, momentum, dam
 
 
 @triton.jit
+def _update_rows(param_ptr, state1_ptr, state2_ptr, at, ok, g, lr, beta1, beta2, eps, weight_decay, momentum,
+                 dampening, bias_correction1, bias_correction2_sqrt, RULE: tl.constexpr, DECOUPLED: tl.constexpr,
+                 NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, HAS_STATE1: tl.constexpr,
+                 HAS_STATE2: tl.constexpr, COMPUTE_F64: tl.constexpr):
+    """The table's elements ``at`` (where ``ok``) and their state, read, stepped by
+    gradient g (_apply_rule) and written back, each rounded once. Shared by the three
+    update kernels."""
+    acc = tl.float64 if COMPUTE_F64 else tl.float32
+    p = tl.load(param_ptr + at, mask=ok, other=0.0).to(acc)
+    s1 = tl.load(state1_ptr + at, mask=ok, other=0.0).to(acc) if HAS_STATE1 else tl.zeros_like(p)
+    s2 = tl.load(state2_ptr + at, mask=ok, other=0.0).to(acc) if HAS_STATE2 else tl.zeros_like(p)
+    p, s1, s2 = _apply_rule(p, g, s1, s2, lr, beta1, beta2, eps, weight_decay, momentum, dampening, bias_correction1,
+                            bias_correction2_sqrt, RULE, DECOUPLED, NESTEROV, MAXIMIZE, FIRST, HAS_STATE1, COMPUTE_F64)
+    tl.store(param_ptr + at, _rounded(p, param_ptr), mask=ok)
+    if HAS_STATE1:
+        tl.store(state1_ptr + at, _rounded(s1, state1_ptr), mask=ok)
+    if HAS_STATE2:
+        tl.store(state2_ptr + at, _rounded(s2, state2_ptr), mask=ok)
+
+
+@triton.jit
 def _optimizer_update_kernel(
     param_ptr,  # (num_rows, dim) the table, updated in place
     state1_ptr, state2_ptr,  # (num_rows, dim) its optimizer state, when HAS_STATE1 / HAS_STATE2
@@ -880,17 +901,10 @@ def _optimizer_update_kernel(
         row = tl.load(rows_ptr + i, mask=i < touched, other=-1)
     ok = ((row >= 0) & (row < num_rows))[:, None] & (cols < dim)[None, :]
     at = row[:, None] * dim + cols[None, :]
-    p = tl.load(param_ptr + at, mask=ok, other=0.0).to(acc)
     g = tl.load(values_ptr + slot[:, None] * dim + cols[None, :], mask=ok & (slot >= 0)[:, None], other=0.0).to(acc)
-    s1 = tl.load(state1_ptr + at, mask=ok, other=0.0).to(acc) if HAS_STATE1 else tl.zeros_like(p)
-    s2 = tl.load(state2_ptr + at, mask=ok, other=0.0).to(acc) if HAS_STATE2 else tl.zeros_like(p)
-    p, s1, s2 = _apply_rule(p, g, s1, s2, lr, beta1, beta2, eps, weight_decay, momentum, dampening, bias_correction1,
-                            bias_correction2_sqrt, RULE, DECOUPLED, NESTEROV, MAXIMIZE, FIRST, HAS_STATE1, COMPUTE_F64)
-    tl.store(param_ptr + at, _rounded(p, param_ptr), mask=ok)
-    if HAS_STATE1:
-        tl.store(state1_ptr + at, _rounded(s1, state1_ptr), mask=ok)
-    if HAS_STATE2:
-        tl.store(state2_ptr + at, _rounded(s2, state2_ptr), mask=ok)
+    _update_rows(param_ptr, state1_ptr, state2_ptr, at, ok, g, lr, beta1, beta2, eps, weight_decay, momentum,
+                 dampening, bias_correction1, bias_correction2_sqrt, RULE, DECOUPLED, NESTEROV, MAXIMIZE, FIRST,
+                 HAS_STATE1, HAS_STATE2, COMPUTE_F64)
 
 
 @triton.jit
@@ -929,18 +943,9 @@ def _segment_update_kernel(
     ok = row_ok & col_ok
     if not ALL_ROWS:
         ok = ok & (length > 0)
-    at = row * dim + cols
-    p = tl.load(param_ptr + at, mask=ok, other=0.0).to(acc_dtype)
-    s1 = tl.load(state1_ptr + at, mask=ok, other=0.0).to(acc_dtype) if HAS_STATE1 else tl.zeros_like(p)
-    s2 = tl.load(state2_ptr + at, mask=ok, other=0.0).to(acc_dtype) if HAS_STATE2 else tl.zeros_like(p)
-    p, s1, s2 = _apply_rule(p, g, s1, s2, lr, beta1, beta2, eps, weight_decay, momentum, dampening, bias_correction1,
-                            bias_correction2_sqrt, RULE, DECOUPLED, NESTEROV, MAXIMIZE, FIRST, HAS_STATE1, COMPUTE_F64)
-    tl.store(param_ptr + at, _rounded(p, param_ptr), mask=ok)
-    if HAS_STATE1:
-        tl.store(state1_ptr + at, _rounded(s1, state1_ptr), mask=ok)
-    if HAS_STATE2:
-        tl.store(state2_ptr + at, _rounded(s2, state2_ptr), mask=ok)
-
+    _update_rows(param_ptr, state1_ptr, state2_ptr, row * dim + cols, ok, g, lr, beta1, beta2, eps, weight_decay,
+                 momentum, dampening, bias_correction1, bias_correction2_sqrt, RULE, DECOUPLED, NESTEROV, MAXIMIZE,
+                 FIRST, HAS_STATE1, HAS_STATE2, COMPUTE_F64)
 
 
 @triton.jit
@@ -969,18 +974,9 @@ def _position_update_kernel(
     acc = _batch_sums(dout_ptr, p, cols, col_ok, batch, seq_len, steps, offset, dim, dout_ptr, dout_ptr, 1.0,
                       dropout_key_ptr, dropout_threshold, dropout_scale, False, HAS_DROPOUT, COMPUTE_F64, 1, BLOCK_D)
     g = _rounded(acc, param_ptr).to(acc_dtype)  # the gradient as stored
-    ok = (p < rows) & col_ok
-    at = p * dim + cols
-    w = tl.load(param_ptr + at, mask=ok, other=0.0).to(acc_dtype)
-    s1 = tl.load(state1_ptr + at, mask=ok, other=0.0).to(acc_dtype) if HAS_STATE1 else tl.zeros_like(w)
-    s2 = tl.load(state2_ptr + at, mask=ok, other=0.0).to(acc_dtype) if HAS_STATE2 else tl.zeros_like(w)
-    w, s1, s2 = _apply_rule(w, g, s1, s2, lr, beta1, beta2, eps, weight_decay, momentum, dampening, bias_correction1,
-                            bias_correction2_sqrt, RULE, DECOUPLED, NESTEROV, MAXIMIZE, FIRST, HAS_STATE1, COMPUTE_F64)
-    tl.store(param_ptr + at, _rounded(w, param_ptr), mask=ok)
-    if HAS_STATE1:
-        tl.store(state1_ptr + at, _rounded(s1, state1_ptr), mask=ok)
-    if HAS_STATE2:
-        tl.store(state2_ptr + at, _rounded(s2, state2_ptr), mask=ok)
+    _update_rows(param_ptr, state1_ptr, state2_ptr, p * dim + cols, (p < rows) & col_ok, g, lr, beta1, beta2, eps,
+                 weight_decay, momentum, dampening, bias_correction1, bias_correction2_sqrt, RULE, DECOUPLED, NESTEROV,
+                 MAXIMIZE, FIRST, HAS_STATE1, HAS_STATE2, COMPUTE_F64)
 
 # --------------------------------------------------------------------------- launchers
 def _direct(kernel):
