@@ -78,6 +78,11 @@ TORCH_LIBRARY(pyembed, m) {
       "optimizer_backward(Tensor grad_out, Tensor ids, float scale, int? padding_idx, bool scale_grad_by_freq, "
       "Tensor? dropout_key, float dropout_p, Tensor(a!) param, Tensor(b!) state1, Tensor(c!) state2, int rule, "
       "float[] hyper, bool all_rows) -> ()");
+  // position_update (CUDA only): the learned positions' backward (p = offset + t) as their
+  // update, the gradient never in memory; not SparseAdam.
+  m.def(
+      "position_update(Tensor grad_out, Tensor ids, int offset, Tensor? dropout_key, float dropout_p, "
+      "Tensor(a!) param, Tensor(b!) state1, Tensor(c!) state2, int rule, float[] hyper) -> ()");
 }
 
 // pyembed::check_ranges is defined in pyembed/checks.py, with its fake, vmap rule and a

@@ -105,6 +105,7 @@ if _C is not None:
         dispatch.register_backend(dispatch.Backend("cuda", *_backend_ops, _why_cuda_unavailable, **_lookup,
                                                    checks_in_kernel=True, **_optimizer_ops,
                                                    optimizer_backward=torch.ops.pyembed.optimizer_backward.default,
+                                                   position_update=torch.ops.pyembed.position_update.default,
                                                    auto_rank={"cuda": 0}))
     else:
         dispatch.mark_missing("cuda", "pyembed._C was built without CUDA kernels (no CUDA toolkit at build time)")

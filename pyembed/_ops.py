@@ -64,9 +64,9 @@ class Backend:
     # torch.ops.pyembed.optimizer_backward's schema: a dense table's whole update from dout
     # and ids, its gradient rows never in memory (None: touched_rows, then optimizer_update).
     optimizer_backward: Optional[Callable] = None
-    # (grad_out, ids, offset, dropout_key, dropout_p, param, state1, state2, rule, hyper):
-    # the learned positions' update (p = offset + t) from dout, their gradient never in
-    # memory (None: the positions' backward op, then optimizer_update).
+    # torch.ops.pyembed.position_update's schema: the learned positions' update (p = offset
+    # + t) from dout, their gradient never in memory (None: the positions' backward op,
+    # then optimizer_update).
     position_update: Optional[Callable] = None
     # "auto"'s preference per device type, lower first ("*": any device type); a device type
     # not listed: auto never picks it there (it can still be asked for by name).

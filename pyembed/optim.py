@@ -177,7 +177,7 @@ def step_tables(backend, config, grad_out: torch.Tensor, ids: torch.Tensor, posi
     sync) and the learned positions' dense gradient -- and needs no gradient any more. A
     dense token table on a backend with optimizer_backward (cuda, triton) is updated by that op
     from grad_out and ids directly: the same update, its gradient rows never in memory; the
-    learned positions (p = offset + t) likewise where the backend has position_update (triton).
+    learned positions (p = offset + t) likewise where the backend has position_update (cuda, triton).
     dropout_key: the forward's, which the ops apply to grad_out as they read it. Returns
     what still does."""
     weight, pos_weight = tables

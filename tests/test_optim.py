@@ -63,7 +63,7 @@ def install_emulated_cuda(emulated, monkeypatch) -> None:
     monkeypatch.setitem(dispatch._registry, "cuda", dispatch.Backend(
         "cuda", emulated.embedding_forward, emulated.embedding_backward, emulated.embedding_sparse_backward,
         lambda device: None, touched_rows=emulated.embedding_touched_rows, optimizer_update=emulated.optimizer_update,
-        optimizer_backward=emulated.optimizer_backward))
+        optimizer_backward=emulated.optimizer_backward, position_update=emulated.position_update))
     monkeypatch.setattr(dispatch, "_resolved", {})
 
 
@@ -428,17 +428,22 @@ def test_optimizer_backward_equals_touched_rows_then_update(kernel, variant, cas
 
 @pytest.mark.parametrize("case", [0, 2, 4, 5])  # SGD momentum, SGD (no state), AdamW, Adagrad
 @pytest.mark.parametrize("variant", ["plain", "dropout+bf16"])
-@pytest.mark.parametrize("kernel", ["triton"] + [b for b in GPU_BACKENDS if b.startswith("triton")])
-def test_position_update_equals_the_positions_gradient_then_update(kernel, variant, case):
+@pytest.mark.parametrize("kernel", ["cuda-emulated", "triton"] + GPU_BACKENDS)
+def test_position_update_equals_the_positions_gradient_then_update(kernel, variant, case, request):
     """position_update (the learned positions' update straight from dout, p = offset + t)
     gives the bits of the two-op form it replaces: the positions' gradient (the backward op),
     then optimizer_update over every row -- the rows the sequence does not reach (below the
     offset, and past the table's end for its last tokens) with a zero gradient -- and the
     forward's dropout as that form applies it."""
-    if kernel == "triton" and kernel not in CPU_BACKENDS:
-        pytest.skip("the triton backend is not available on CPU tensors here")
     device = torch.device("cuda" if kernel.endswith("@cuda") else "cpu")
-    backend = dispatch.get("triton")
+    if kernel == "cuda-emulated":
+        emulated = request.getfixturevalue("emulated")
+        backend = types.SimpleNamespace(position_update=emulated.position_update, backward=emulated.embedding_backward,
+                                        optimizer_update=emulated.optimizer_update)
+    else:
+        if kernel == "triton" and kernel not in CPU_BACKENDS:
+            pytest.skip("the triton backend is not available on CPU tensors here")
+        backend = dispatch.get(kernel.removesuffix("@cuda"))
     cls, kwargs, _ = RULE_CASES[case]
     dtype = torch.float32 if variant == "plain" else torch.bfloat16
     g = torch.Generator().manual_seed(case)

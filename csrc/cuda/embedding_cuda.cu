@@ -199,11 +199,20 @@ void optimizer_backward_cuda(const at::Tensor& grad_out, const at::Tensor& ids, 
                                     param, state1, state2, rule, hyper, all_rows);
 }
 
+void position_update_cuda(const at::Tensor& grad_out, const at::Tensor& ids, int64_t offset,
+                          const std::optional<at::Tensor>& dropout_key, double dropout_p, const at::Tensor& param,
+                          const at::Tensor& state1, const at::Tensor& state2, int64_t rule,
+                          c10::ArrayRef<double> hyper) {
+  const c10::cuda::CUDAGuard guard(param.device());
+  position_update_op<CudaLaunch>(grad_out, ids, offset, dropout_key, dropout_p, param, state1, state2, rule, hyper);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pyembed, CUDA, m) {
   m.impl("optimizer_update", &optimizer_update_cuda);
   m.impl("optimizer_backward", &optimizer_backward_cuda);
+  m.impl("position_update", &position_update_cuda);
   m.impl("embedding_touched_rows", &embedding_touched_rows_cuda);
   m.impl("embedding_forward", &embedding_forward_cuda);
   m.impl("embedding_backward", &embedding_backward_cuda);

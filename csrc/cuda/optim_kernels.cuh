@@ -150,6 +150,105 @@ __global__ void segment_update_kernel(Dout<T, kDropout> dout, const int64_t* __r
   }
 }
 
+// The learned positions' optimizer inside the backward (p = offset + t), their gradient
+// never in memory: row p's gradient is its sum over the batch, from +0 in batch order as
+// position_sum_row sums it, rounded to T as the stored gradient would be -- the same bits
+// -- and the rule applied to the row at once; every row (g = 0 for the rows the sequence
+// does not reach). One launch where embedding_backward's batch_sum_kernel and
+// optimizer_update_kernel took two and a (rows, d) buffer between. Rows on the grid as
+// optimizer_update_kernel.
+template <typename T, typename A, int RULE, int VEC, bool kDropout>
+__global__ void position_update_kernel(Dout<T, kDropout> dout, PositionSums<T> pos, T* param, T* state1, T* state2,
+                                       int64_t dim, optim::Scalars<A> h) {
+  dout.start();
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (row >= pos.rows) return;
+  const int64_t t = row - pos.offset;
+  const int64_t count = t >= 0 && t < pos.steps ? pos.batch : 0;
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
+    const int64_t at = row * dim + j;
+    A g[VEC] = {};
+    for (int64_t b = 0; b < count; ++b) {
+      A x[VEC];
+      dout.template load<VEC>(b * pos.seq_len + t, j, x);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) g[k] += x[k];
+    }
+    A p[VEC], s1[VEC] = {}, s2[VEC] = {};
+    load_pack<VEC>(param + at, p);
+    if (state1) load_pack<VEC>(state1 + at, s1);
+    if (state2) load_pack<VEC>(state2 + at, s2);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      g[k] = static_cast<A>(static_cast<T>(g[k]));  // the gradient as stored, in T
+      optim::update<RULE>(p[k], s1[k], s2[k], g[k], h);
+    }
+    store_pack<VEC>(param + at, p);
+    if (state1) store_pack<VEC>(state1 + at, s1);
+    if (state2) store_pack<VEC>(state2 + at, s2);
+  }
+}
+
+// torch.ops.pyembed.position_update: the learned positions' backward (p = offset + t) as
+// their optimizer's update (pyembed/optim.py, step_tables). No device->host sync; not
+// SparseAdam (the positions' gradient is dense).
+template <class Launch>
+void position_update_op(const at::Tensor& grad_out_in, const at::Tensor& ids_in, int64_t offset,
+                        const std::optional<at::Tensor>& dropout_key, double dropout_p, const at::Tensor& param,
+                        const at::Tensor& state1, const at::Tensor& state2, int64_t rule,
+                        c10::ArrayRef<double> hyper) {
+  check_optimizer_state(param, state1, state2, rule, hyper);
+  TORCH_CHECK_VALUE(rule != optim::kSparseAdam, "pyembed: SparseAdam takes sparse gradients, not this op");
+  check_same_device(param.device(), {&grad_out_in, &ids_in, opt(dropout_key)});
+  TORCH_CHECK_VALUE(offset >= 0, "pyembed: offset must be >= 0, got ", offset);
+  const int64_t num_rows = param.size(0), dim = param.size(1), num_tokens = ids_in.numel();
+  TORCH_CHECK_VALUE(grad_out_in.size(-1) == dim && grad_out_in.numel() == num_tokens * dim &&
+                        grad_out_in.scalar_type() == param.scalar_type(),
+                    "pyembed: grad_out must be (ids.shape, d) of the table's dtype");
+  if (num_rows == 0 || dim == 0) return;
+  const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
+  at::Tensor key;  // the forward's dropout, applied to dout as the kernel reads it (Dout)
+  const Dropout dropout = dropout_of(dropout_key, dropout_p, key);
+  const int rule32 = static_cast<int>(rule);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, param.scalar_type(), "pyembed_position_update_cuda", [&] {
+    using T = scalar_t;
+    using A = acc_t<T>;
+    PositionSums<T> pos;  // as embedding_backward's (its out unused here)
+    const int64_t seq_len = num_tokens > 0 ? ids_in.size(-1) : 0;
+    pos.rows = num_rows;
+    pos.batch = seq_len > 0 ? num_tokens / seq_len : 0;
+    pos.seq_len = seq_len;
+    pos.steps = std::clamp<int64_t>(num_rows - offset, 0, seq_len);
+    pos.offset = offset;
+    const auto h = optim::Scalars<A>::from(rule32, hyper.data());
+    auto* p = param.data_ptr<T>();
+    auto* s1 = state1.numel() ? state1.data_ptr<T>() : nullptr;
+    auto* s2 = state2.numel() ? state2.data_ptr<T>() : nullptr;
+    const int vec = vector_width<T>(dim, {p, s1, s2, dout.data_ptr()});
+    const RowGrid g = row_grid(num_rows, dim, vec);
+    with_dout<T>(dout, dropout, [&](auto dout_rows) {
+      constexpr bool kDropout = decltype(dout_rows)::kMasked;
+      auto launch = [&](auto rule_constant, auto v) {
+        Launch::run(g.grid, g.block, position_update_kernel<T, A, decltype(rule_constant)::value,
+                                                            decltype(v)::value, kDropout>,
+                    dout_rows, pos, p, s1, s2, dim, h);
+      };
+      auto by_width = [&](auto rule_constant) {
+        if (vec > 1) {
+          launch(rule_constant, std::integral_constant<int, 16 / sizeof(T)>{});
+        } else {
+          launch(rule_constant, std::integral_constant<int, 1>{});
+        }
+      };
+      switch (rule32) {
+        case optim::kSGD: return by_width(std::integral_constant<int, optim::kSGD>{});
+        case optim::kAdam: return by_width(std::integral_constant<int, optim::kAdam>{});
+        default: return by_width(std::integral_constant<int, optim::kAdagrad>{});
+      }
+    });
+  });
+}
+
 // torch.ops.pyembed.optimizer_backward: the token table's backward as its optimizer's
 // update (pyembed/optim.py, step_tables), for a dense gradient: the rule's update of
 // `param` by the gradient that backward_op would give it (scale, padding_idx,

@@ -88,6 +88,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "the CUDA token table's backward as its optimizer update, emulated on CPU tensors (same arguments as "
         "torch.ops.pyembed.optimizer_backward)");
+  m.def("position_update",
+        [](const at::Tensor& grad_out, const at::Tensor& ids, int64_t offset,
+           const std::optional<at::Tensor>& dropout_key, double dropout_p, const at::Tensor& param,
+           const at::Tensor& state1, const at::Tensor& state2, int64_t rule, const std::vector<double>& hyper) {
+          pyembed::cuda::position_update_op<EmulatedLaunch>(grad_out, ids, offset, dropout_key, dropout_p, param,
+                                                            state1, state2, rule, hyper);
+        },
+        "the CUDA learned positions' backward as their optimizer update, emulated on CPU tensors (same arguments "
+        "as torch.ops.pyembed.position_update)");
   m.def("one_block_sort",
         [](const at::Tensor& ids, int64_t num_rows, int64_t skip, const at::Tensor& table) {
           const int64_t n = ids.numel(), bits = pyembed::cuda::key_bits(num_rows);
