@@ -82,7 +82,8 @@ def run_sorts(backend: str, device: torch.device) -> int:
 def run_optimizers(backend: str, device: torch.device) -> int:
     """The optimizer inside the backward (apply_optimizer_in_backward), whose update reads
     and writes the table in place: each GPU backend's optimizer_backward (each row's
-    segment summed in the update's own kernel) and every backend's update kernels, with a
+    segment summed in the update's own kernel) and position_update (the learned positions'
+    batch sums, likewise) and every backend's update kernels, with a
     hot row summed in pieces, the padding row and dropout; fp32 and bf16, 16-byte rows and not."""
     g = torch.Generator().manual_seed(2)
     calls = 0
