@@ -385,4 +385,5 @@ dispatch.register_backend(dispatch.Backend(
     torch.ops.pyembed.triton_sparse_backward, _why_unavailable, autograd_op=_autograd.python_lookup("triton", forward),
     compiled_op=torch.ops.pyembed.triton_lookup.default, checks_in_kernel=True,
     eager_forward=forward, eager_backward=backward, touched_rows=touched_rows, optimizer_update=optimizer_update,
-    optimizer_backward=optimizer_backward, position_update=position_update, auto_rank={"cuda": 1}))  # after the cuda backend, where both are built
+    optimizer_backward=optimizer_backward, position_update=position_update,
+    auto_rank={"cuda": 1}))  # after the cuda backend, where both are built
