@@ -11,7 +11,9 @@ per kernel, five times for a forward and backward.
 specialisation depends on -- the constexprs, each tensor's dtype and 16-byte alignment,
 each int's "== 1", "% 16 == 0" and 32/64-bit range, the device and the JIT's options --
 and launches the ``CompiledKernel`` that Triton returned for that key with the compiled
-kernel's own launcher, as Triton's run does (3.6 us for the forward). A key not seen yet
+kernel's own launcher, as Triton's run does (3.6 us for the forward) -- given each tensor's
+address, not the tensor, as every launch here is (so the launcher neither calls data_ptr()
+nor asks the driver about each pointer; Inductor's static launcher does the same). A key not seen yet
 (the first launch, a new shape class, another device) goes through ``JITFunction.run``,
 which compiles or finds the kernel and launches it; its result is remembered.
 tests/test_triton_launch.py checks that it launches the binary and arguments Triton's
