@@ -622,6 +622,20 @@ struct PositionSums {
   const int64_t* solo = nullptr;
 };
 
+// The sizes of PositionSums for a batch of `ids` ((B, T) or (T,)) over `rows` learned
+// positions from `offset` (out not set): the positions' gradient kernels and their update.
+template <typename T>
+PositionSums<T> position_sums(int64_t rows, const at::Tensor& ids, int64_t offset) {
+  PositionSums<T> pos;
+  const int64_t num_tokens = ids.numel(), seq_len = num_tokens > 0 ? ids.size(-1) : 0;
+  pos.rows = rows;
+  pos.batch = seq_len > 0 ? num_tokens / seq_len : 0;
+  pos.seq_len = seq_len;
+  pos.steps = std::clamp<int64_t>(rows - offset, 0, seq_len);
+  pos.offset = offset;
+  return pos;
+}
+
 // Row p of pos.out, this thread's columns. kSolo: the launch may write one-token rows
 // (pos.solo, checked at run time) into `table`, scaled by `scale`, as the table's blocks
 // would; the kernels that never do are compiled without that path (it took the bf16
@@ -1287,14 +1301,9 @@ std::tuple<at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out_in, co
     PositionSums<T> positions;
     if (need_pos_grad && !position_ids_in) {
       pos_grad = at::empty({num_positions, dim}, options);  // every row written by the launch that takes positions
-      const int64_t seq_len = num_tokens > 0 ? ids_in.size(-1) : 0;
       if (num_positions > 0 && dim > 0) {
+        positions = position_sums<T>(num_positions, ids_in, offset);
         positions.out = pos_grad.data_ptr<T>();
-        positions.rows = num_positions;
-        positions.batch = seq_len > 0 ? num_tokens / seq_len : 0;
-        positions.seq_len = seq_len;
-        positions.steps = std::clamp<int64_t>(num_positions - offset, 0, seq_len);
-        positions.offset = offset;
       }
     }
     if (need_weight_grad) {

@@ -15,6 +15,29 @@
 
 namespace pyembed::cuda {
 
+// Elements at .. at + VEC - 1 of the table and its state (nullptr: the rule keeps none),
+// read, stepped by gradient grad(k) (optim::update) and written back, each rounded once.
+// The three update kernels below all end in this. The gradient is taken element by element
+// beside the update (a kernel's final scaling and rounding to T in grad): computed in a
+// pass of its own before the loads, the bf16 AdamW segment_update_kernel took 70
+// registers at sm_90, not 64.
+template <int RULE, int VEC, typename T, typename A, typename Grad>
+__device__ __forceinline__ void step_pack(T* param, T* state1, T* state2, int64_t at, Grad&& grad,
+                                          const optim::Scalars<A>& h) {
+  A p[VEC], s1[VEC] = {}, s2[VEC] = {};
+  load_pack<VEC>(param + at, p);
+  if (state1) load_pack<VEC>(state1 + at, s1);
+  if (state2) load_pack<VEC>(state2 + at, s2);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    A g = grad(k);
+    optim::update<RULE>(p[k], s1[k], s2[k], g, h);
+  }
+  store_pack<VEC>(param + at, p);
+  if (state1) store_pack<VEC>(state1 + at, s1);
+  if (state2) store_pack<VEC>(state2 + at, s2);
+}
+
 // Updated row i (blockDim.y rows per block), VEC elements from column j per thread
 // (blockDim.x threads striding over the row): all_rows: table row i, whose gradient is row
 // row_slot[i] of values (-1: none, g = 0); else touched row i, table row rows[i]. A row
@@ -35,17 +58,9 @@ __global__ void optimizer_update_kernel(T* param, T* state1, T* state2, const in
   const int64_t slot = all_rows ? row_slot[i] : i;
   if (row < 0 || row >= num_rows) return;
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
-    const int64_t at = row * dim + j;
-    A p[VEC], s1[VEC] = {}, s2[VEC] = {}, g[VEC] = {};
-    load_pack<VEC>(param + at, p);
-    if (state1) load_pack<VEC>(state1 + at, s1);
-    if (state2) load_pack<VEC>(state2 + at, s2);
+    A g[VEC] = {};
     if (slot >= 0) load_pack<VEC>(values + slot * dim + j, g);
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) optim::update<RULE>(p[k], s1[k], s2[k], g[k], h);
-    store_pack<VEC>(param + at, p);
-    if (state1) store_pack<VEC>(state1 + at, s1);
-    if (state2) store_pack<VEC>(state2 + at, s2);
+    step_pack<RULE, VEC>(param, state1, state2, row * dim + j, [&](int k) { return g[k]; }, h);
   }
 }
 
@@ -125,7 +140,6 @@ __global__ void segment_update_kernel(Dout<T, kDropout> dout, const int64_t* __r
   if (e == b && !all_rows) return;
   const A factor = divide_by_count && e > b ? scale / static_cast<A>(e - b) : scale;
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
-    const int64_t at = row * dim + j;
     A g[VEC] = {};  // from +0, as finish_segments sums (sum_rows; sum_pieces for a long segment)
     if (e - b > kChunkRows) {
       add_pieces<VEC>(partials, b, e, j, dim, g);
@@ -135,18 +149,9 @@ __global__ void segment_update_kernel(Dout<T, kDropout> dout, const int64_t* __r
     // The row and its state after the sum, not in flight beside it: so the bf16 kernel holds
     // 64 registers at sm_90 (four blocks per SM), not 96-104 (two). Most rows (untouched,
     // or one token) have no sum to wait for.
-    A p[VEC], s1[VEC] = {}, s2[VEC] = {};
-    load_pack<VEC>(param + at, p);
-    if (state1) load_pack<VEC>(state1 + at, s1);
-    if (state2) load_pack<VEC>(state2 + at, s2);
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      if (e > b) g[k] = static_cast<A>(static_cast<T>(g[k] * factor));  // the gradient as stored, in T
-      optim::update<RULE>(p[k], s1[k], s2[k], g[k], h);
-    }
-    store_pack<VEC>(param + at, p);
-    if (state1) store_pack<VEC>(state1 + at, s1);
-    if (state2) store_pack<VEC>(state2 + at, s2);
+    step_pack<RULE, VEC>(param, state1, state2, row * dim + j, [&](int k) {
+      return e > b ? static_cast<A>(static_cast<T>(g[k] * factor)) : g[k];  // the gradient as stored, in T
+    }, h);
   }
 }
 
@@ -166,7 +171,6 @@ __global__ void position_update_kernel(Dout<T, kDropout> dout, PositionSums<T> p
   const int64_t t = row - pos.offset;
   const int64_t count = t >= 0 && t < pos.steps ? pos.batch : 0;
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
-    const int64_t at = row * dim + j;
     A g[VEC] = {};
     for (int64_t b = 0; b < count; ++b) {
       A x[VEC];
@@ -174,18 +178,41 @@ __global__ void position_update_kernel(Dout<T, kDropout> dout, PositionSums<T> p
 #pragma unroll
       for (int k = 0; k < VEC; ++k) g[k] += x[k];
     }
-    A p[VEC], s1[VEC] = {}, s2[VEC] = {};
-    load_pack<VEC>(param + at, p);
-    if (state1) load_pack<VEC>(state1 + at, s1);
-    if (state2) load_pack<VEC>(state2 + at, s2);
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      g[k] = static_cast<A>(static_cast<T>(g[k]));  // the gradient as stored, in T
-      optim::update<RULE>(p[k], s1[k], s2[k], g[k], h);
+    step_pack<RULE, VEC>(param, state1, state2, row * dim + j,
+                         [&](int k) { return static_cast<A>(static_cast<T>(g[k])); }, h);  // the gradient as stored
+  }
+}
+
+// The arguments of an update by the dense gradient an op computes from dout itself
+// (position_update_op, optimizer_backward_op): the state as optimizer_update's, a dense
+// rule (SparseAdam takes sparse gradients), one device, dout (ids.shape, d) in the table's dtype.
+inline void check_update_from_dout(const at::Tensor& grad_out, const at::Tensor& ids,
+                                   const std::optional<at::Tensor>& dropout_key, const at::Tensor& param,
+                                   const at::Tensor& state1, const at::Tensor& state2, int64_t rule,
+                                   c10::ArrayRef<double> hyper) {
+  check_optimizer_state(param, state1, state2, rule, hyper);
+  TORCH_CHECK_VALUE(rule != optim::kSparseAdam, "pyembed: SparseAdam takes sparse gradients, not this op");
+  check_same_device(param.device(), {&grad_out, &ids, opt(dropout_key)});
+  TORCH_CHECK_VALUE(grad_out.size(-1) == param.size(1) && grad_out.numel() == ids.numel() * param.size(1) &&
+                        grad_out.scalar_type() == param.scalar_type(),
+                    "pyembed: grad_out must be (ids.shape, d) of the table's dtype");
+}
+
+// launch(rule, width) with the dense rule `rule` (SGD, Adam, Adagrad) and the access width
+// (16 bytes where vec > 1, else one element) as compile-time constants.
+template <typename T, typename F>
+void with_dense_rule(int rule, int vec, F&& launch) {
+  auto by_width = [&](auto rule_constant) {
+    if (vec > 1) {
+      launch(rule_constant, std::integral_constant<int, 16 / sizeof(T)>{});
+    } else {
+      launch(rule_constant, std::integral_constant<int, 1>{});
     }
-    store_pack<VEC>(param + at, p);
-    if (state1) store_pack<VEC>(state1 + at, s1);
-    if (state2) store_pack<VEC>(state2 + at, s2);
+  };
+  switch (rule) {
+    case optim::kSGD: return by_width(std::integral_constant<int, optim::kSGD>{});
+    case optim::kAdam: return by_width(std::integral_constant<int, optim::kAdam>{});
+    default: return by_width(std::integral_constant<int, optim::kAdagrad>{});
   }
 }
 
@@ -197,14 +224,9 @@ void position_update_op(const at::Tensor& grad_out_in, const at::Tensor& ids_in,
                         const std::optional<at::Tensor>& dropout_key, double dropout_p, const at::Tensor& param,
                         const at::Tensor& state1, const at::Tensor& state2, int64_t rule,
                         c10::ArrayRef<double> hyper) {
-  check_optimizer_state(param, state1, state2, rule, hyper);
-  TORCH_CHECK_VALUE(rule != optim::kSparseAdam, "pyembed: SparseAdam takes sparse gradients, not this op");
-  check_same_device(param.device(), {&grad_out_in, &ids_in, opt(dropout_key)});
+  check_update_from_dout(grad_out_in, ids_in, dropout_key, param, state1, state2, rule, hyper);
   TORCH_CHECK_VALUE(offset >= 0, "pyembed: offset must be >= 0, got ", offset);
   const int64_t num_rows = param.size(0), dim = param.size(1), num_tokens = ids_in.numel();
-  TORCH_CHECK_VALUE(grad_out_in.size(-1) == dim && grad_out_in.numel() == num_tokens * dim &&
-                        grad_out_in.scalar_type() == param.scalar_type(),
-                    "pyembed: grad_out must be (ids.shape, d) of the table's dtype");
   if (num_rows == 0 || dim == 0) return;
   const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
   at::Tensor key;  // the forward's dropout, applied to dout as the kernel reads it (Dout)
@@ -213,13 +235,7 @@ void position_update_op(const at::Tensor& grad_out_in, const at::Tensor& ids_in,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, param.scalar_type(), "pyembed_position_update_cuda", [&] {
     using T = scalar_t;
     using A = acc_t<T>;
-    PositionSums<T> pos;  // as embedding_backward's (its out unused here)
-    const int64_t seq_len = num_tokens > 0 ? ids_in.size(-1) : 0;
-    pos.rows = num_rows;
-    pos.batch = seq_len > 0 ? num_tokens / seq_len : 0;
-    pos.seq_len = seq_len;
-    pos.steps = std::clamp<int64_t>(num_rows - offset, 0, seq_len);
-    pos.offset = offset;
+    const PositionSums<T> pos = position_sums<T>(num_rows, ids_in, offset);  // as embedding_backward's (no out)
     const auto h = optim::Scalars<A>::from(rule32, hyper.data());
     auto* p = param.data_ptr<T>();
     auto* s1 = state1.numel() ? state1.data_ptr<T>() : nullptr;
@@ -228,23 +244,11 @@ void position_update_op(const at::Tensor& grad_out_in, const at::Tensor& ids_in,
     const RowGrid g = row_grid(num_rows, dim, vec);
     with_dout<T>(dout, dropout, [&](auto dout_rows) {
       constexpr bool kDropout = decltype(dout_rows)::kMasked;
-      auto launch = [&](auto rule_constant, auto v) {
+      with_dense_rule<T>(rule32, vec, [&](auto rule_constant, auto v) {
         Launch::run(g.grid, g.block, position_update_kernel<T, A, decltype(rule_constant)::value,
                                                             decltype(v)::value, kDropout>,
                     dout_rows, pos, p, s1, s2, dim, h);
-      };
-      auto by_width = [&](auto rule_constant) {
-        if (vec > 1) {
-          launch(rule_constant, std::integral_constant<int, 16 / sizeof(T)>{});
-        } else {
-          launch(rule_constant, std::integral_constant<int, 1>{});
-        }
-      };
-      switch (rule32) {
-        case optim::kSGD: return by_width(std::integral_constant<int, optim::kSGD>{});
-        case optim::kAdam: return by_width(std::integral_constant<int, optim::kAdam>{});
-        default: return by_width(std::integral_constant<int, optim::kAdagrad>{});
-      }
+      });
     });
   });
 }
@@ -261,13 +265,8 @@ void optimizer_backward_op(const at::Tensor& grad_out_in, const at::Tensor& ids_
                            const std::optional<at::Tensor>& dropout_key, double dropout_p, const at::Tensor& param,
                            const at::Tensor& state1, const at::Tensor& state2, int64_t rule,
                            c10::ArrayRef<double> hyper, bool all_rows) {
-  check_optimizer_state(param, state1, state2, rule, hyper);
-  TORCH_CHECK_VALUE(rule != optim::kSparseAdam, "pyembed: SparseAdam takes sparse gradients, not this op");
-  check_same_device(param.device(), {&grad_out_in, &ids_in, opt(dropout_key)});
+  check_update_from_dout(grad_out_in, ids_in, dropout_key, param, state1, state2, rule, hyper);
   const int64_t num_rows = param.size(0), dim = param.size(1), num_tokens = ids_in.numel();
-  TORCH_CHECK_VALUE(grad_out_in.size(-1) == dim && grad_out_in.numel() == num_tokens * dim &&
-                        grad_out_in.scalar_type() == param.scalar_type(),
-                    "pyembed: grad_out must be (ids.shape, d) of the table's dtype");
   if (num_tokens <= kFewTokens) {
     const auto [rows, values] = touched_rows_op<Launch>(grad_out_in, ids_in, num_rows, scale, padding_idx,
                                                         scale_grad_by_freq, dropout_key, dropout_p);
@@ -293,25 +292,13 @@ void optimizer_backward_op(const at::Tensor& grad_out_in, const at::Tensor& ids_
     const RowGrid g = row_grid(num_rows, dim, vec);
     with_dout<T>(dout, dropout, [&](auto dout_rows) {
       constexpr bool kDropout = decltype(dout_rows)::kMasked;
-      auto launch = [&](auto rule_constant, auto v) {
+      with_dense_rule<T>(rule32, vec, [&](auto rule_constant, auto v) {
         Launch::run(g.grid, g.block, segment_update_kernel<T, A, decltype(rule_constant)::value, decltype(v)::value,
                                                            kDropout>,
                     dout_rows, seg.order.data_ptr<int64_t>(), partials, seg.begin.data_ptr<int64_t>(),
                     seg.end.data_ptr<int64_t>(), p, s1, s2, num_rows, dim, static_cast<A>(scale), scale_grad_by_freq,
                     h, all_rows);
-      };
-      auto by_width = [&](auto rule_constant) {
-        if (vec > 1) {
-          launch(rule_constant, std::integral_constant<int, 16 / sizeof(T)>{});
-        } else {
-          launch(rule_constant, std::integral_constant<int, 1>{});
-        }
-      };
-      switch (rule32) {
-        case optim::kSGD: return by_width(std::integral_constant<int, optim::kSGD>{});
-        case optim::kAdam: return by_width(std::integral_constant<int, optim::kAdam>{});
-        default: return by_width(std::integral_constant<int, optim::kAdagrad>{});
-      }
+      });
     });
   });
 }
