@@ -985,9 +985,10 @@ def _direct(kernel):
     return cached(kernel)
 
 
-def _rule_args(rule: int, hyper, state1, state2) -> tuple[tuple, dict]:
-    """(the update kernels' nine scalars, their rule constexprs) from the rule's tuple as
-    pyembed/optim.py builds it (csrc/optim.h, Scalars::from); the scalars a rule does not
+def _rule_args(rule: int, hyper, param, state1, state2) -> tuple[tuple, tuple, dict]:
+    """(the update kernels' state pointers -- the table's in place of a state the rule keeps
+    none of, never read --, their nine scalars, their rule constexprs) from the rule's tuple
+    as pyembed/optim.py builds it (csrc/optim.h, Scalars::from); the scalars a rule does not
     use are 0 (1 for the bias corrections)."""
     lr = beta1 = beta2 = eps = wd = momentum = dampening = 0.0
     bc1 = bc2_sqrt = 1.0
@@ -1000,9 +1001,11 @@ def _rule_args(rule: int, hyper, state1, state2) -> tuple[tuple, dict]:
         lr, wd, eps, maximize = hyper[:4]
     else:
         lr, beta1, beta2, eps, maximize = hyper[:5]
-    return ((lr, beta1, beta2, eps, wd, momentum, dampening, bc1, bc2_sqrt),
+    has1, has2 = state1.numel() > 0, state2.numel() > 0
+    states = (state1 if has1 else param, state2 if has2 else param)
+    return (states, (lr, beta1, beta2, eps, wd, momentum, dampening, bc1, bc2_sqrt),
             dict(RULE=rule, DECOUPLED=bool(decoupled), NESTEROV=bool(nesterov), MAXIMIZE=bool(maximize),
-                 FIRST=bool(first), HAS_STATE1=state1.numel() > 0, HAS_STATE2=state2.numel() > 0))
+                 FIRST=bool(first), HAS_STATE1=has1, HAS_STATE2=has2))
 
 
 def optimizer_update(param, state1, state2, rows, values, rule: int, hyper, all_rows: bool):
@@ -1022,12 +1025,11 @@ def optimizer_update(param, state1, state2, rows, values, rule: int, hyper, all_
         if touched:
             _direct(_scatter_row_slots_kernel)[(_cdiv(touched, BOUNDS_BLOCK),)](
                 rows, row_slot, touched, num_rows, BLOCK=BOUNDS_BLOCK)
-    scalars, rule_flags = _rule_args(rule, hyper, state1, state2)
+    states, scalars, rule_flags = _rule_args(rule, hyper, param, state1, state2)
     _, block_d = _blocks(dim)
     block_r = max(1, TILE_ELEMENTS // 2 // block_d)  # five tiles live: p, g, two states, a temporary
     _direct(_optimizer_update_kernel)[(_cdiv(count, block_r), _cdiv(dim, block_d))](
-        param, state1 if rule_flags["HAS_STATE1"] else param, state2 if rule_flags["HAS_STATE2"] else param, rows,
-        row_slot, values, num_rows, touched, dim, *scalars, **rule_flags, ALL_ROWS=all_rows,
+        param, *states, rows, row_slot, values, num_rows, touched, dim, *scalars, **rule_flags, ALL_ROWS=all_rows,
         COMPUTE_F64=param.dtype == torch.float64, BLOCK_R=block_r, BLOCK_D=block_d,
     )
 
@@ -1371,13 +1373,12 @@ def optimizer_backward(dout2d, keys, skip: int, scale: float, divide_by_count: b
     if num_rows == 0 or dim == 0:
         return
     segments = sorted_segments(dout2d, keys, num_rows, skip, by_row=True, launch=launch, dropout=dropout)
-    scalars, rule_flags = _rule_args(rule, hyper, state1, state2)
+    states, scalars, rule_flags = _rule_args(rule, hyper, param, state1, state2)
     block_r, block_d = segment_update_blocks(dim, param.dtype, dropout is not None)
     partials = segments.partials
     launch(_segment_update_kernel)[(_cdiv(num_rows, block_r), _cdiv(dim, block_d))](
-        dout2d, segments.order, partials if partials is not None else dout2d, segments.bounds, param,
-        state1 if rule_flags["HAS_STATE1"] else param, state2 if rule_flags["HAS_STATE2"] else param, scale,
-        num_rows, dim, *DoutDropout.launch_args(dropout, segments.order), *scalars,
+        dout2d, segments.order, partials if partials is not None else dout2d, segments.bounds, param, *states,
+        scale, num_rows, dim, *DoutDropout.launch_args(dropout, segments.order), *scalars,
         DIVIDE_BY_COUNT=divide_by_count, HAS_PARTIALS=partials is not None, HAS_DROPOUT=dropout is not None,
         **rule_flags, ALL_ROWS=all_rows, COMPUTE_F64=param.dtype == torch.float64, CHUNK=CHUNK_ROWS,
         BLOCK_R=block_r, BLOCK_D=block_d,
@@ -1392,11 +1393,10 @@ def position_update(dout2d, param, state1, state2, batch: int, seq_len: int, off
     rows, dim = param.shape
     if rows == 0 or dim == 0:
         return
-    scalars, rule_flags = _rule_args(rule, hyper, state1, state2)
+    states, scalars, rule_flags = _rule_args(rule, hyper, param, state1, state2)
     _, block_d = _blocks(dim, dropout=dropout is not None)
     launch(_position_update_kernel)[(rows, _cdiv(dim, block_d))](
-        dout2d, param, state1 if rule_flags["HAS_STATE1"] else param, state2 if rule_flags["HAS_STATE2"] else param,
-        rows, batch, seq_len, min(max(rows - offset, 0), seq_len), offset, dim,
+        dout2d, param, *states, rows, batch, seq_len, min(max(rows - offset, 0), seq_len), offset, dim,
         *DoutDropout.launch_args(dropout, param), *scalars, HAS_DROPOUT=dropout is not None, **rule_flags,
         COMPUTE_F64=param.dtype == torch.float64, BLOCK_D=block_d,
     )
