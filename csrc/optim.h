@@ -99,6 +99,19 @@ PYEMBED_HD V quotient(V a, V b) {
   return a / b;
 }
 
+// a * b + c: on a GPU one fma, as kernels' _apply_rule writes it. Left to the compiler,
+// whether a product is fused into its sum can differ between the kernels that inline a
+// rule (Triton's AdamW did at 1b594a4: segment_update fused v * beta2, optimizer_update
+// (1 - beta2) * g * g), and the fused optimizer_backward then rounds the state otherwise
+// than the two-op form it replaces. On the host the same two roundings as before.
+template <typename V>
+PYEMBED_HD V madd(V a, V b, V c) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_arithmetic_v<V>) return fma(a, b, c);
+#endif
+  return a * b + c;
+}
+
 // One element (V = a scalar) or one vector of elements (V = at::vec::Vectorized<A>) of p
 // and its state s1, s2 (SGD: momentum buffer; Adam, SparseAdam: m, v; Adagrad: sum);
 // g = 0 where the batch did not touch the row.
@@ -106,32 +119,32 @@ template <int RULE, typename V, typename A>
 PYEMBED_HD void update(V& p, V& s1, V& s2, V g, const Scalars<A>& h) {
   if (h.maximize) g = V(A(0)) - g;
   if constexpr (RULE == kSGD) {
-    if (h.weight_decay != A(0)) g = g + V(h.weight_decay) * p;
+    if (h.weight_decay != A(0)) g = madd(V(h.weight_decay), p, g);
     if (h.momentum != A(0)) {
-      s1 = h.first ? g : V(h.momentum) * s1 + V(A(1) - h.dampening) * g;
-      g = h.nesterov ? g + V(h.momentum) * s1 : s1;
+      s1 = h.first ? g : madd(V(h.momentum), s1, V(A(1) - h.dampening) * g);
+      g = h.nesterov ? madd(V(h.momentum), s1, g) : s1;
     }
-    p = p - V(h.lr) * g;
+    p = madd(V(-h.lr), g, p);
   } else if constexpr (RULE == kAdam) {
     if (h.weight_decay != A(0)) {
       if (h.decoupled) {
-        p = p * V(A(1) - h.lr * h.weight_decay);
+        p = p * V(madd(-h.lr, h.weight_decay, A(1)));
       } else {
-        g = g + V(h.weight_decay) * p;
+        g = madd(V(h.weight_decay), p, g);
       }
     }
-    s1 = s1 + V(A(1) - h.beta1) * (g - s1);
-    s2 = s2 * V(h.beta2) + V(A(1) - h.beta2) * (g * g);
+    s1 = madd(V(A(1) - h.beta1), g - s1, s1);
+    s2 = madd(V(A(1) - h.beta2), g * g, s2 * V(h.beta2));
     const V denom = quotient(root(s2), V(h.bias_correction2_sqrt)) + V(h.eps);
-    p = p - V(h.step_size) * quotient(s1, denom);
+    p = madd(V(-h.step_size), quotient(s1, denom), p);
   } else if constexpr (RULE == kAdagrad) {
-    if (h.weight_decay != A(0)) g = g + V(h.weight_decay) * p;
-    s1 = s1 + g * g;
-    p = p - V(h.lr) * quotient(g, root(s1) + V(h.eps));
+    if (h.weight_decay != A(0)) g = madd(V(h.weight_decay), p, g);
+    s1 = madd(g, g, s1);
+    p = madd(V(-h.lr), quotient(g, root(s1) + V(h.eps)), p);
   } else {  // kSparseAdam
-    s1 = s1 + V(A(1) - h.beta1) * (g - s1);
-    s2 = s2 + V(A(1) - h.beta2) * (g * g - s2);
-    p = p - V(h.lr) * quotient(s1, root(s2) + V(h.eps));
+    s1 = madd(V(A(1) - h.beta1), g - s1, s1);
+    s2 = madd(V(A(1) - h.beta2), madd(g, g, V(A(0)) - s2), s2);
+    p = madd(V(-h.lr), quotient(s1, root(s2) + V(h.eps)), p);
   }
 }
 

@@ -808,7 +808,13 @@ def _apply_rule(p, g, s1, s2, lr, beta1, beta2, eps, weight_decay, momentum, dam
                 MAXIMIZE: tl.constexpr, FIRST: tl.constexpr, HAS_STATE1: tl.constexpr, COMPUTE_F64: tl.constexpr):
     """(p, state1, state2) after one step of csrc/optim.h's rule RULE (0 SGD, 1 Adam/AdamW,
     2 Adagrad, 3 SparseAdam) on gradient g, in the compute dtype; the scalars as the host
-    gives them (pyembed/optim.py)."""
+    gives them (pyembed/optim.py).
+
+    Every product that meets a sum is an explicit fma: left to the compiler, the
+    contraction differed between kernels that inline this rule (Triton 3.6, sm_90: v =
+    v*beta2 + (1-beta2)*g*g fused its first product in _segment_update_kernel, its second
+    in _optimizer_update_kernel), so the fused optimizer_backward and the two-op form it
+    replaces rounded AdamW's state differently on a GPU."""
     acc = tl.float64 if COMPUTE_F64 else tl.float32
     lr, beta1, beta2 = tl.full([], lr, acc), tl.full([], beta1, acc), tl.full([], beta2, acc)
     eps, wd = tl.full([], eps, acc), tl.full([], weight_decay, acc)
@@ -817,37 +823,37 @@ def _apply_rule(p, g, s1, s2, lr, beta1, beta2, eps, weight_decay, momentum, dam
     # A zero weight decay adds nothing, not 0 * p (NaN for an infinite p), as torch skips it.
     if RULE == 0:  # SGD
         if weight_decay != 0:
-            g = g + wd * p
+            g = tl.fma(wd, p, g)
         if HAS_STATE1:
             m = tl.full([], momentum, acc)
             if FIRST:
                 s1 = g
             else:
-                s1 = m * s1 + (1 - tl.full([], dampening, acc)) * g
+                s1 = tl.fma(m, s1, (1 - tl.full([], dampening, acc)) * g)
             if NESTEROV:
-                g = g + m * s1
+                g = tl.fma(m, s1, g)
             else:
                 g = s1
-        p = p - lr * g
+        p = tl.fma(-lr, g, p)
     elif RULE == 1:  # Adam / AdamW
         if weight_decay != 0:
             if DECOUPLED:
-                p = p * (1 - lr * wd)
+                p = p * tl.fma(-lr, wd, tl.full([], 1.0, acc))
             else:
-                g = g + wd * p
-        s1 = s1 + (1 - beta1) * (g - s1)
-        s2 = s2 * beta2 + (1 - beta2) * (g * g)
+                g = tl.fma(wd, p, g)
+        s1 = tl.fma(1 - beta1, g - s1, s1)
+        s2 = tl.fma(1 - beta2, g * g, s2 * beta2)
         denom = tl.sqrt(s2) / tl.full([], bias_correction2_sqrt, acc) + eps
-        p = p - (lr / tl.full([], bias_correction1, acc)) * (s1 / denom)
+        p = tl.fma(-(lr / tl.full([], bias_correction1, acc)), s1 / denom, p)
     elif RULE == 2:  # Adagrad (lr: clr)
         if weight_decay != 0:
-            g = g + wd * p
-        s1 = s1 + g * g
-        p = p - lr * (g / (tl.sqrt(s1) + eps))
+            g = tl.fma(wd, p, g)
+        s1 = tl.fma(g, g, s1)
+        p = tl.fma(-lr, g / (tl.sqrt(s1) + eps), p)
     else:  # SparseAdam (lr: step_size)
-        s1 = s1 + (1 - beta1) * (g - s1)
-        s2 = s2 + (1 - beta2) * (g * g - s2)
-        p = p - lr * (s1 / (tl.sqrt(s2) + eps))
+        s1 = tl.fma(1 - beta1, g - s1, s1)
+        s2 = tl.fma(1 - beta2, tl.fma(g, g, -s2), s2)
+        p = tl.fma(-lr, s1 / (tl.sqrt(s2) + eps), p)
     return p, s1, s2
 
 

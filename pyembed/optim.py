@@ -308,7 +308,9 @@ def prepare(table: torch.Tensor) -> tuple[torch.optim.Optimizer, dict, Update]:
         state = optimizer.state[table] if momentum != 0 else {}  # torch's SGD keeps none without momentum
         first = float(momentum != 0 and state.get("momentum_buffer") is None)
         if first:
-            state["momentum_buffer"] = torch.empty_like(table)  # filled by the kernel: buf = g on the first step
+            # buf = g on the first step, written by the kernel -- which reads it first: zeros, not
+            # uninitialised memory (compute-sanitizer's initcheck on an H200 at 1b594a4), once a table.
+            state["momentum_buffer"] = torch.zeros_like(table)
         hyper = (lr, momentum, float(group["dampening"]), wd, float(group["nesterov"]), maximize, first)
         return optimizer, state, Update(rule, hyper, momentum != 0 or wd != 0)
     state = optimizer.state[table]

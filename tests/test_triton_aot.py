@@ -113,6 +113,20 @@ def test_segment_update_reads_and_writes_the_table_in_128_bit_accesses(report, a
     assert all(params == ["f64"] * 11 for params in scalars.values()), scalars  # scale, dropout's, the rule's 9
 
 
+def test_the_update_kernels_leave_the_compiler_no_product_to_fuse_into_the_rules_sums(report):
+    # optimizer_update, segment_update and position_update inline one rule (_apply_rule).
+    # Where a sum in it takes a product, the backend may fuse the pair into an fma or not,
+    # kernel by kernel: at 1b594a4 AdamW's v*beta2 + (1-beta2)*g*g fused one product in
+    # segment_update and the other in optimizer_update (Triton 3.6, sm_90), and the fused
+    # in-backward step's state differed from the two-op form's by a rounding on an H200.
+    # Written as explicit fma, every kernel rounds the rule alike.
+    updates = {k: v["fusable_rule_sums"] for k, v in report.items()
+               if k.startswith(("optimizer_update", "segment_update", "position_update"))}
+    assert len(updates) == 2 * 67
+    fusable = {k: v for k, v in updates.items() if v}
+    assert not fusable, fusable
+
+
 def test_forward_divides_slots_in_32_bits_below_2_31_tokens(report):
     # The position-major slot -> (token, t) division: a 64-bit div/rem is a ~70-instruction
     # SASS subroutine, called per token a thread holds; with it (and bf16 rounded by hand)

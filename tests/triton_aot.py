@@ -20,6 +20,7 @@ counted at its callee's length: for a kernel without loops (the forward), about 
 thread executes -- the figure that showed the forward issue-bound.
 """
 
+import inspect
 import itertools
 import json
 import os
@@ -362,10 +363,35 @@ def ptxas_report(ptx: str) -> dict:
             "ptxas_smem": int(smem.group(1)) if smem else 0}
 
 
+def fusable_rule_sums(llir: str) -> list[str]:
+    """The sums in kernels' _apply_rule (the optimizer's rule, inlined into each update
+    kernel) that take a product's result (through vector element moves): pairs the NVPTX
+    backend may fuse into one fma -- or not, as each kernel's code falls -- so two kernels
+    with the same rule could round its state differently. As "line:column" of the rule."""
+    lines, first = inspect.getsourcelines(k._apply_rule.fn)
+    where = {m.group(1): (int(m.group(2)), int(m.group(3)))
+             for m in re.finditer(r"^(!\d+) = !DILocation\(line: (\d+), column: (\d+)", llir, re.M)}
+    defs, sums = {}, []
+    for m in re.finditer(r"^\s*(%\S+) = (?:tail call \S+ @llvm\.\S+\(|)(\w+) ([^!\n]*)(?:!dbg (!\d+))?", llir, re.M):
+        name, op, rest, dbg = m.groups()
+        defs[name] = (op, re.findall(r"%[\w.]+", rest))
+        row, col = where.get(dbg, (0, 0))
+        if op in ("fadd", "fsub") and first <= row < first + len(lines):
+            sums.append((name, f"{row - first}:{col}"))
+
+    def source(value):  # through extractelement / insertelement / shufflevector to the arithmetic
+        while value in defs and defs[value][0] in ("extractelement", "insertelement", "shufflevector", "bitcast"):
+            value = defs[value][1][0]
+        return defs.get(value, ("", []))[0]
+
+    return sorted({at for name, at in sums if any(source(v) == "fmul" for v in defs[name][1])})
+
+
 def compile_one(job):
     name, arch = job
     compiled = _compile(name, arch)
     ptx = compiled.asm["ptx"]
+    updates = name.startswith(("optimizer_update", "segment_update", "position_update"))
     params = re.search(r"\.entry \w+\((.*?)\)", ptx, re.S).group(1)
     return f"{name} sm_{arch}", {
         "shared": compiled.metadata.shared, **ptxas_report(ptx),
@@ -378,7 +404,8 @@ def compile_one(job):
         # A 64-bit division or remainder: a ~70-instruction subroutine per value in SASS.
         "div64": len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx)),
         # bf16 rounded by hand (kernels' _rounded, for the interpreter): a NaN test per element.
-        "nan_tests": len(re.findall(r"setp\.nan\.", ptx))}
+        "nan_tests": len(re.findall(r"setp\.nan\.", ptx)),
+        "fusable_rule_sums": fusable_rule_sums(compiled.asm["llir"]) if updates else []}
 
 
 def sass_instructions(name: str, arch: int = 90) -> int:

@@ -260,6 +260,7 @@ def host_only_costs(backends, calls=40, rounds=3):
         for threads in (True, False):
             with torch.autograd.set_multithreading_enabled(threads):
                 for name, fn in layers.items():
+                    fn()  # its kernels compiled (dropout's, the optimizer's: a first call took ~15 ms at 1b594a4)
                     spent[:] = [0.0, 0]
                     us = min(host_only(fn) for _ in range(rounds))
                     inside = f", {spent[0] / spent[1] * 1e6:.1f} us of it in pyembed's Python backward" if spent[1] else ""
