@@ -138,19 +138,6 @@ def test_optimizer_update_divides_and_roots_without_a_slow_path_in_float(ptxas_r
         double = _entry_body(ptx, f"optimizer_update_kernelIdLi{rule}ELi2E")
         assert re.search(r"div\.rn\.f64", double) and re.search(r"sqrt\.rn\.f64", double)
 
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_one_block_sort_writes_the_untouched_rows_with_streaming_stores(ptxas_report, arch):
-    """The one-block sort's other blocks write a dense gradient's untouched rows (~0.9 GB at
-    Llama-3 8x2048) evict-first, 16 bytes wide where rows allow, so that the keys and bounds
-    the next two kernels read stay in L2 (store_zero_streaming)."""
-    ptx = ptxas_report[1][arch]
-    for fragment in ("one_block_sort_kernelIiE", "one_block_sort_kernelIlE"):
-        body = _entry_body(ptx, fragment)
-        assert re.search(r"st\.global\.cs\.v4\.", body), f"{fragment}: no 128-bit streaming store"
-        assert not re.search(r"st\.global\.v4\.", body), f"{fragment}: a 128-bit store that is not streaming"
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_few_tokens_gradient_writes_rows_with_128_bit_accesses(ptxas_report, arch):
     """The one-kernel backward of a short batch writes the whole (V, d) table: it must

@@ -377,28 +377,6 @@ __device__ __forceinline__ void mark_used_rows(const index_t* __restrict__ ids, 
   }
 }
 
-// A zero W at p, stored evict-first in L2 (st.global.cs): at Llama-3 8x2048 these zeros are
-// ~0.9 GB, and stored normally they push out of L2 the sorted keys, order and bounds that
-// chunk_kernel and finish_segments_kernel read next, each of their loads then a DRAM round
-// trip queued behind the writes (the `triton` backend's _finish_segments_kernel says more).
-template <typename W>
-__device__ __forceinline__ void store_zero_streaming(W* p) {
-#if defined(__CUDA_ARCH__)
-  if constexpr (sizeof(W) == 16) {
-    __stcs(reinterpret_cast<uint4*>(p), make_uint4(0, 0, 0, 0));
-  } else if constexpr (sizeof(W) == 8) {
-    __stcs(reinterpret_cast<uint2*>(p), make_uint2(0, 0));
-  } else if constexpr (sizeof(W) == 4) {
-    __stcs(reinterpret_cast<unsigned int*>(p), 0u);
-  } else {
-    static_assert(sizeof(W) == 2);
-    __stcs(reinterpret_cast<unsigned short*>(p), static_cast<unsigned short>(0));
-  }
-#else
-  *p = W{};
-#endif
-}
-
 // Rows [r0, r1) of `table` (row_bytes each, word-aligned rows of W) whose bit in `used` is
 // clear, as zeros: the block's threads split into groups of `lanes` threads, one row each.
 template <typename W>
@@ -410,7 +388,7 @@ __device__ __forceinline__ void zero_rows_as(const uint32_t* used, int64_t r0, i
   for (int64_t r = r0 + thread / lanes; r < r1; r += rows_at_once) {
     if (used[(r - r0) / 32] >> ((r - r0) % 32) & 1u) continue;
     W* row = reinterpret_cast<W*>(table + r * row_bytes);
-    for (int64_t w = thread % lanes; w < words; w += lanes) store_zero_streaming(row + w);
+    for (int64_t w = thread % lanes; w < words; w += lanes) row[w] = W{};
   }
 }
 
