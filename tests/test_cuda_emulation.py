@@ -181,51 +181,6 @@ def test_emulated_sorted_paths_sum_each_row_in_token_order(emulated, num_tokens,
         assert torch.equal(rows, used) and torch.equal(values, expected[used])
 
 
-# (dtype, d): rows of 16, 8, 4 and 2-byte multiples -- each store width zero_unused_rows picks.
-ZERO_ROW_CASES = [(torch.float32, 768), (torch.float32, 2), (torch.float32, 3), (torch.bfloat16, 5),
-                  (torch.float64, 1)]
-
-
-@pytest.mark.parametrize("dtype, dim", ZERO_ROW_CASES, ids=str)
-@pytest.mark.parametrize("id_dtype", ID_DTYPES, ids=str)
-def test_emulated_one_block_sort_launch_zeroes_exactly_the_rows_no_id_uses(emulated, dtype, dim, id_dtype):
-    """A dense gradient's untouched rows are written as zeros by the one-block sort's other
-    blocks, while the one block sorts; finish_segments then writes the touched rows alone, so
-    each row is written once. That launch must write every row no id uses (untouched, the
-    padding row, whatever out-of-range ids name) and no other: the rows ids use keep what was
-    there (NaN here). 5000 tokens over 3000 rows: 9 blocks of 334 rows, each with its bitmap."""
-    vocab, padding_idx = 3000, 7
-    ids = torch.randint(-2, vocab + 2, (5000,), generator=torch.Generator().manual_seed(4))
-    ids[:40] = padding_idx
-    ids[40:1000] = torch.arange(0, 2 * 960, 2)  # even rows below 1920 used; most odd ones not
-    table = torch.full((vocab, dim), float("nan"), dtype=dtype)
-    sorted_keys, order = emulated.one_block_sort(ids.to(id_dtype), vocab, padding_idx, table)
-    valid = (ids >= 0) & (ids < vocab) & (ids != padding_idx)
-    used = torch.zeros(vocab, dtype=torch.bool)
-    used[ids[valid]] = True
-    assert 1000 < int(used.sum()) < 2500  # both kinds of row in every block
-    assert table[used].isnan().all()
-    assert torch.equal(table[~used], torch.zeros(int((~used).sum()), dim, dtype=dtype))
-    assert not table[~used].signbit().any()  # +0, as a fill writes
-    expected = torch.where(valid, ids, vocab).sort(stable=True)  # the sort itself, as before: unused keys last
-    assert torch.equal(sorted_keys.long(), expected.values) and torch.equal(order, expected.indices)
-
-
-def test_emulated_dense_gradient_at_a_one_block_sort_is_whole_in_reused_memory(emulated):
-    """The dense backward at a one-block sort's size, in memory that held NaNs: the sort's
-    launch writes the untouched rows, finish_segments the touched ones (zero_empty off), and
-    together they are the exact gradient, every row (a row neither wrote would be NaN)."""
-    vocab, dim = 3000, 16
-    ids = torch.randint(-1, vocab, (2, 2600), generator=torch.Generator().manual_seed(5))
-    ids[0, :300] = 11  # a row longer than a chunk: its pieces
-    dout = torch.randint(-8, 9, (2, 2600, dim), generator=torch.Generator().manual_seed(6)).float()
-    for _ in range(3):
-        torch.full((vocab, dim), float("nan"))
-    dw, _ = backward(emulated, dout, ids, num_embeddings=vocab, padding_idx=3, scale=0.5)
-    keep = (ids >= 0) & (ids != 3)
-    assert torch.equal(dw.double(), exact_row_sums(ids[keep], dout[keep], vocab) * 0.5)  # integer sums: exact
-
-
 def test_emulated_position_ids_and_out_of_range_ids(emulated):
     ids, weight, pos_weight, dout = make_inputs(2, 10, 30, 16, torch.float32, pos_rows=12, seed=13)
     position_ids = torch.randint(0, 12, ids.shape, generator=torch.Generator().manual_seed(1))

@@ -28,8 +28,9 @@ namespace {
 // radix sort is stable, and the words are loaded in the blocked arrangement (thread t
 // holds positions 16t..16t+15), so equal keys keep their token order, as CUB's device sort
 // keeps it: the same output, bit for bit.
-constexpr int kBlockSortItems = 16, kBlockSortRadixBits = 5;
+constexpr int kBlockSortThreads = 1024, kBlockSortItems = 16, kBlockSortRadixBits = 5;
 static_assert(kBlockSortThreads * kBlockSortItems == kBlockSortMax);
+constexpr int64_t kBoundsBlocks = 1024;  // at most, after the sorting block: grid-stride beyond
 using BlockSort = cub::BlockRadixSort<uint32_t, kBlockSortThreads, kBlockSortItems, cub::NullType,
                                       kBlockSortRadixBits, /*MEMOIZE_OUTER_SCAN=*/false>;
 constexpr int kBlockSortSharedBytes = sizeof(BlockSort::TempStorage);  // ~68 KB: above the default 48
@@ -38,26 +39,15 @@ template <typename index_t>
 __global__ void __launch_bounds__(kBlockSortThreads)
 one_block_sort_kernel(const index_t* __restrict__ ids, int n, int64_t num_rows, int64_t skip, int bits,
                       int32_t* __restrict__ sorted, int64_t* __restrict__ order, int64_t* __restrict__ bounds,
-                      int64_t num_zeros, int64_t num_bounds, void* __restrict__ table, int64_t row_bytes) {
-  extern __shared__ __align__(16) unsigned char shared[];
-  if (blockIdx.x > 0) {  // sort_inputs_kernel's bounds, then (a dense gradient) the untouched rows' zeros
+                      int64_t num_zeros, int64_t num_bounds) {
+  if (blockIdx.x > 0) {  // sort_inputs_kernel's bounds
     const int64_t stride = static_cast<int64_t>(gridDim.x - 1) * blockDim.x;
     for (int64_t r = static_cast<int64_t>(blockIdx.x - 1) * blockDim.x + threadIdx.x; r < num_bounds; r += stride) {
       bounds[r] = first_bound(r, num_zeros);
     }
-    if (table == nullptr) return;
-    const int64_t rows = zero_rows_per_block(num_rows, gridDim.x - 1), r0 = (blockIdx.x - 1) * rows;
-    const int64_t r1 = r0 + rows < num_rows ? r0 + rows : num_rows;
-    if (r0 >= r1) return;  // the same for the whole block: no thread waits at a barrier alone
-    auto* used = reinterpret_cast<uint32_t*>(shared);  // r1 - r0 bits: at most 32 KB (2^18 rows, one block)
-    const int thread = static_cast<int>(threadIdx.x), threads = static_cast<int>(blockDim.x);
-    for (int64_t w = thread; w < (r1 - r0 + 31) / 32; w += threads) used[w] = 0;
-    __syncthreads();
-    mark_used_rows(ids, n, num_rows, skip, r0, r1, used, thread, threads);
-    __syncthreads();
-    zero_unused_rows(used, r0, r1, table, row_bytes, thread, threads);
     return;
   }
+  extern __shared__ __align__(16) unsigned char shared[];
   auto& temp = *reinterpret_cast<BlockSort::TempStorage*>(shared);
   uint32_t words[kBlockSortItems];
 #pragma unroll
@@ -124,19 +114,18 @@ struct CudaLaunch {
   // sizes of fits_one_block_sort, on a device with the shared memory for it.
   static bool one_block_sort_runs(const at::Tensor& ids) { return one_block_sort_available(ids.get_device()); }
 
-  // sorted (n,) int32 and order (n,) int64 from the ids; bounds as sort_inputs_kernel sets them;
-  // with `table` defined (a dense gradient, (num_rows, d), not empty), its rows no id uses, as zeros.
+  // sorted (n,) int32 and order (n,) int64 from the ids; bounds as sort_inputs_kernel sets them.
   static void one_block_sort(const at::Tensor& ids, int64_t num_rows, int64_t skip, int64_t bits,
                              const at::Tensor& sorted, const at::Tensor& order, const at::Tensor& bounds,
-                             int64_t num_zeros, const at::Tensor& table) {
-    const int64_t bounds_blocks = block_sort_other_blocks(bounds.numel());
+                             int64_t num_zeros) {
+    const int64_t bounds_blocks =
+        std::min<int64_t>((bounds.numel() + kBlockSortThreads - 1) / kBlockSortThreads, kBoundsBlocks);
     AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "pyembed_one_block_sort", [&] {
       one_block_sort_kernel<index_t><<<1 + bounds_blocks, kBlockSortThreads, kBlockSortSharedBytes,
                                        c10::cuda::getCurrentCUDAStream()>>>(
           ids.data_ptr<index_t>(), static_cast<int>(ids.numel()), num_rows, skip, static_cast<int>(bits),
           sorted.data_ptr<int32_t>(), order.data_ptr<int64_t>(), bounds.data_ptr<int64_t>(), num_zeros,
-          bounds.numel(), table.defined() ? table.data_ptr() : nullptr,
-          table.defined() ? table.size(1) * table.element_size() : 0);
+          bounds.numel());
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

@@ -24,14 +24,11 @@
 // positions (segment bounds, the long segments' pieces); one over the table's rows (each
 // written once, untouched rows as zeros: no zero fill before). For 4096 < n <= 16384
 // tokens the GPU build sorts in one thread block, in the launch that sets the sort's
-// inputs (block_sort_word): three launches at 8x2048 tokens; that launch's other blocks
-// write the untouched rows' zeros while the one block sorts (mark_used_rows), and the
-// last kernel only the touched rows. That kernel alone uses shared memory and block
-// barriers (CUB's block radix sort, the blocks' bitmaps of used rows), as the device-wide
-// sort it replaces did; the emulation runs the words and stores around it, a stable sort
-// in its place, and the bitmaps' phases one after the other. A batch of at most
-// kFewTokens tokens skips the sort: one kernel reads every key per group of rows
-// (few_tokens_gradient_kernel), same sums.
+// inputs (block_sort_word): three launches at 8x2048 tokens. That kernel alone uses
+// shared memory and block barriers (CUB's block radix sort), as the device-wide sort it
+// replaces did; the emulation runs the words and stores around it, a stable sort in its
+// place. A batch of at most kFewTokens tokens skips the sort: one kernel reads every key
+// per group of rows (few_tokens_gradient_kernel), same sums.
 // Learned positions (p = offset + t) are summed over the batch by extra blocks of the
 // table's last kernel (PositionSums): no launch of their own; they also write the table
 // rows used by one token, so dout is read once for those, not twice.
@@ -39,7 +36,6 @@
 
 #include <ATen/ATen.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -343,75 +339,6 @@ __device__ __forceinline__ void store_block_sort_word(uint32_t word, int r, int3
   order[r] = word & ((1u << kBlockSortPositionBits) - 1);
 }
 
-// A dense gradient's untouched rows, written as zeros beside the one-block sort. That sort
-// keeps one SM busy (~28 us on the H200 at de2aee7, GPT-2 8x2048) while the others idle, and
-// the zeros were finish_segments' to write afterwards: at 8x2048 over GPT-2's 50257 rows,
-// 72% of the table (~109 MB fp32), about half of that launch's bytes. The launch's other
-// blocks now write them during the sort, and finish_segments writes the touched rows alone
-// (zero_empty false): each row is still written once. Each of those blocks owns a range of
-// rows, [block * rows_per_block, ...): it marks the rows of its range that some id uses, in
-// a bitmap in its shared memory (mark_used_rows: every thread reads its share of the ids,
-// from L2 -- n <= 16384), then zeroes the others (zero_unused_rows). Shared functions, so
-// the host emulation runs them too, one phase after the other for a whole block, as the
-// block barriers between them (embedding_cuda.cu) make a GPU run them.
-constexpr int kBlockSortThreads = 1024;  // every block of that launch
-constexpr int64_t kBoundsBlocks = 1024;    // at most, after the sorting block: grid-stride beyond
-
-// The blocks after the sorting one: a thread per segment bound, up to kBoundsBlocks.
-inline int64_t block_sort_other_blocks(int64_t num_bounds) {
-  return std::min<int64_t>((num_bounds + kBlockSortThreads - 1) / kBlockSortThreads, kBoundsBlocks);
-}
-
-__host__ __device__ inline int64_t zero_rows_per_block(int64_t num_rows, int64_t blocks) {
-  return (num_rows + blocks - 1) / blocks;
-}
-
-template <typename index_t>
-__device__ __forceinline__ void mark_used_rows(const index_t* __restrict__ ids, int n, int64_t num_rows, int64_t skip,
-                                               int64_t r0, int64_t r1, uint32_t* used, int thread, int threads) {
-  for (int t = thread; t < n; t += threads) {
-    const int64_t key = static_cast<int64_t>(ids[t]);
-    if (key >= r0 && key < r1 && used_key(key, num_rows, skip)) {
-      atomicOr(used + (key - r0) / 32, 1u << ((key - r0) % 32));
-    }
-  }
-}
-
-// Rows [r0, r1) of `table` (row_bytes each, word-aligned rows of W) whose bit in `used` is
-// clear, as zeros: the block's threads split into groups of `lanes` threads, one row each.
-template <typename W>
-__device__ __forceinline__ void zero_rows_as(const uint32_t* used, int64_t r0, int64_t r1, unsigned char* table,
-                                             int64_t row_bytes, int thread, int threads) {
-  const int64_t words = row_bytes / static_cast<int64_t>(sizeof(W));
-  const int lanes = words < threads ? static_cast<int>(words) : threads, rows_at_once = threads / lanes;
-  if (thread >= lanes * rows_at_once) return;
-  for (int64_t r = r0 + thread / lanes; r < r1; r += rows_at_once) {
-    if (used[(r - r0) / 32] >> ((r - r0) % 32) & 1u) continue;
-    W* row = reinterpret_cast<W*>(table + r * row_bytes);
-    for (int64_t w = thread % lanes; w < words; w += lanes) row[w] = W{};
-  }
-}
-
-__device__ __forceinline__ void zero_unused_rows(const uint32_t* used, int64_t r0, int64_t r1, void* table,
-                                                 int64_t row_bytes, int thread, int threads) {
-  if (row_bytes == 0) return;
-  auto* bytes = static_cast<unsigned char*>(table);
-  // The widest store every row start allows (the table is allocated aligned; rows of 2-byte
-  // elements may be 2-byte multiples only).
-  const auto fits = [&](int64_t width) {
-    return row_bytes % width == 0 && reinterpret_cast<uintptr_t>(table) % width == 0;
-  };
-  if (fits(16)) {
-    zero_rows_as<Pack<uint32_t, 4>>(used, r0, r1, bytes, row_bytes, thread, threads);
-  } else if (fits(8)) {
-    zero_rows_as<Pack<uint32_t, 2>>(used, r0, r1, bytes, row_bytes, thread, threads);
-  } else if (fits(4)) {
-    zero_rows_as<uint32_t>(used, r0, r1, bytes, row_bytes, thread, threads);
-  } else {
-    zero_rows_as<uint16_t>(used, r0, r1, bytes, row_bytes, thread, threads);
-  }
-}
-
 // starts[r] = 1 where sorted position r begins a segment: a used key (< num_rows, after
 // sort_inputs) unlike the previous one. Its inclusive scan numbers the segments: scan[r]
 // - 1 is the slot of r's (sparse gradients; a dense one numbers segments by their key).
@@ -705,8 +632,7 @@ constexpr int kSegmentsPerGroup = 4;
 // segment's token count) with divide_by_count. A segment longer than a chunk adds its
 // pieces' partial sums instead (chunk_kernel). An empty segment (an untouched row) is
 // written as zeros with zero_empty (a dense gradient: every row written once, no fill
-// before), else not at all (sparse gradients; and a dense one whose sort's launch wrote
-// them: mark_used_rows). The first positions.blocks blocks write the learned
+// before), else not at all. The first positions.blocks blocks write the learned
 // positions' gradient instead (PositionSums; add_position_blocks with positions_first),
 // and with positions.solo the one-token rows too, which the table's blocks leave alone.
 //
@@ -1084,18 +1010,15 @@ struct SortedSegments {
   at::Tensor solo;        // with_solo: per token, its key when it is its segment's only token, else -1
   at::Tensor count;       // by slot: () int64 on the device, the number of segments
   at::Tensor partials;    // (2 * chunks, d) in the compute dtype, or undefined: no segment is longer than a chunk
-  bool zeroed_unused = false;  // the sort's launch wrote `zero_table`'s untouched rows (one_block_sort)
 };
 
 // Keys outside [0, num_rows) (out-of-range ids, validate=False) and `skip` (the padding
 // row) are left out. Launches, with no device->host sync: sort_inputs, the radix sort
 // (Launch::sort_pairs, on the bits num_rows needs) -- or both in one
-// (Launch::one_block_sort, which also writes `zero_table`'s untouched rows as zeros, if
-// given: a dense gradient) --, [by slot: starts and their scan], chunk_kernel.
+// (Launch::one_block_sort) --, [by slot: starts and their scan], chunk_kernel.
 template <class Launch, typename T>
 SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in, int64_t num_rows, int64_t skip,
-                               bool by_row, bool with_solo = false, const Dropout& dropout = {},
-                               const at::Tensor& zero_table = {}) {
+                               bool by_row, bool with_solo = false, const Dropout& dropout = {}) {
   using A = acc_t<T>;
   SortedSegments seg;
   const at::Tensor keys = keys_in.reshape(-1);
@@ -1117,9 +1040,7 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
   at::Tensor sorted;
   if (narrow && fits_one_block_sort(n, bits) && Launch::one_block_sort_runs(keys)) {
     sorted = at::empty({n}, keys.options().dtype(at::kInt));  // the sort's inputs and the sort in one launch
-    seg.zeroed_unused = zero_table.defined() && zero_table.numel() > 0;
-    Launch::one_block_sort(keys, num_rows, skip, bits, sorted, seg.order, bounds, 3 * entries,
-                           seg.zeroed_unused ? zero_table : at::Tensor());
+    Launch::one_block_sort(keys, num_rows, skip, bits, sorted, seg.order, bounds, 3 * entries);
   } else {
     const at::Tensor compact = at::empty({n}, keys.options().dtype(narrow ? at::kInt : at::kLong));
     if (n + bounds.numel() > 0) {
@@ -1246,9 +1167,8 @@ at::Tensor dense_gradient(const at::Tensor& dout, const at::Tensor& keys, int64_
   // The position blocks write the one-token rows when they read every token (PositionSums).
   const bool solo_by_positions = positions.out != nullptr && positions.steps == positions.seq_len;
   const SortedSegments seg =
-      sorted_segments<Launch, T>(dout, keys, num_rows, skip, /*by_row=*/true, solo_by_positions, dropout, grad);
-  finish_segments<Launch, T>(dout, seg, scale, divide_by_count, /*zero_empty=*/!seg.zeroed_unused, grad, positions,
-                             dropout);
+      sorted_segments<Launch, T>(dout, keys, num_rows, skip, /*by_row=*/true, solo_by_positions, dropout);
+  finish_segments<Launch, T>(dout, seg, scale, divide_by_count, /*zero_empty=*/true, grad, positions, dropout);
   return grad;
 }
 

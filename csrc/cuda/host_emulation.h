@@ -39,13 +39,6 @@ inline thread_local dim3 thread_idx, block_idx, block_dim, grid_dim;
 
 // CUDA's sincosf / sincos are glibc's (GNU extensions, declared by <cmath> under g++).
 
-// Threads run one at a time: an atomic is the plain operation.
-inline unsigned atomicOr(uint32_t* address, uint32_t value) {
-  const uint32_t old = *address;
-  *address = old | value;
-  return old;
-}
-
 namespace pyembed::emulation {
 
 struct EmulatedLaunch {
@@ -71,13 +64,12 @@ struct EmulatedLaunch {
 
   // CudaLaunch's one-block sort (the sort's inputs and a stable sort in one launch): the
   // same words and stores (embedding_kernels.cuh's block_sort_word), with a stable sort on
-  // their key bits standing in for CUB's block radix sort, and the other blocks' untouched
-  // rows (mark_used_rows, zero_unused_rows), all run serially.
+  // their key bits standing in for CUB's block radix sort, all run serially.
   // Defined after the kernels, in tests/emulation/cuda_emulated.cpp.
   static bool one_block_sort_runs(const at::Tensor&) { return true; }
   static void one_block_sort(const at::Tensor& ids, int64_t num_rows, int64_t skip, int64_t bits,
                              const at::Tensor& sorted, const at::Tensor& order, const at::Tensor& bounds,
-                             int64_t num_zeros, const at::Tensor& table);
+                             int64_t num_zeros);
 
   // CudaLaunch's CUB radix sort on `bits` bits, as a stable sort; it checks that every
   // key fits in those bits (the CUB sort would silently drop the higher ones).

@@ -13,29 +13,13 @@ using pyembed::emulation::EmulatedLaunch;
 
 void EmulatedLaunch::one_block_sort(const at::Tensor& ids, int64_t num_rows, int64_t skip, int64_t bits,
                                     const at::Tensor& sorted, const at::Tensor& order, const at::Tensor& bounds,
-                                    int64_t num_zeros, const at::Tensor& table) {
+                                    int64_t num_zeros) {
   using namespace pyembed::cuda;
   ++kernel_launches;
   ++sorts;
   int64_t* b = bounds.data_ptr<int64_t>();  // the other blocks' work
   for (int64_t r = 0; r < bounds.numel(); ++r) b[r] = first_bound(r, num_zeros);
   const int n = static_cast<int>(ids.numel());
-  if (table.defined()) {  // each other block's rows: its bitmap's phases, all threads each
-    const int64_t blocks = block_sort_other_blocks(bounds.numel()), rows = zero_rows_per_block(num_rows, blocks);
-    for (int64_t r0 = 0; r0 < num_rows; r0 += rows) {
-      const int64_t r1 = std::min(r0 + rows, num_rows);
-      std::vector<uint32_t> used((r1 - r0 + 31) / 32, 0u);
-      AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "pyembed_emulated_used_rows", [&] {
-        for (int t = 0; t < kBlockSortThreads; ++t) {
-          mark_used_rows(ids.data_ptr<index_t>(), n, num_rows, skip, r0, r1, used.data(), t, kBlockSortThreads);
-        }
-      });
-      for (int t = 0; t < kBlockSortThreads; ++t) {
-        zero_unused_rows(used.data(), r0, r1, table.data_ptr(), table.size(1) * table.element_size(), t,
-                         kBlockSortThreads);
-      }
-    }
-  }
   std::vector<uint32_t> words(kBlockSortMax);  // every position of the block, the padding ones too
   AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "pyembed_emulated_block_sort", [&] {
     for (int r = 0; r < kBlockSortMax; ++r) words[r] = block_sort_word(ids.data_ptr<index_t>(), r, n, num_rows, skip);
@@ -97,17 +81,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "the CUDA learned positions' backward as their optimizer update, emulated on CPU tensors (same arguments "
         "as torch.ops.pyembed.position_update)");
-  m.def("one_block_sort",
-        [](const at::Tensor& ids, int64_t num_rows, int64_t skip, const at::Tensor& table) {
-          const int64_t n = ids.numel(), bits = pyembed::cuda::key_bits(num_rows);
-          TORCH_CHECK(pyembed::cuda::fits_one_block_sort(n, bits), "not a one-block sort's size");
-          auto sorted = at::empty({n}, at::kInt), order = at::empty({n}, at::kLong);
-          auto bounds = at::empty({3 * num_rows}, at::kLong);
-          EmulatedLaunch::one_block_sort(ids, num_rows, skip, bits, sorted, order, bounds, 3 * num_rows, table);
-          return std::make_tuple(sorted, order);
-        },
-        "the one-block sort's launch of a dense gradient (sorted keys, token order), which also writes `table`'s "
-        "rows no id uses as zeros");
   m.def("forward_token_order",
         [](int64_t num_tokens, int64_t seq_len, int64_t pos_mode, bool has_position_ids) {
           auto order = at::empty({num_tokens}, at::kLong);

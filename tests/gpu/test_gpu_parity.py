@@ -168,9 +168,7 @@ def test_sorted_paths_sum_each_row_in_token_order(num_tokens, vocab, backend):
     for bit, in the dense, sparse and touched-rows backwards, int64 and int32 ids, a
     padding row and two out-of-range ids among them (tokens of mixed magnitudes: another
     order gives other bits, tests/helpers.py). The dense gradient gets memory that held NaNs
-    (the caching allocator's last block of its size): a row no kernel wrote would show -- at
-    `cuda`'s one-block sizes the sort's launch writes the untouched rows, the last kernel the
-    touched ones."""
+    (the caching allocator's last block of its size): a row no kernel wrote would show."""
     ids_cpu, dout, expected, pad = token_order_ids_and_grad(num_tokens, vocab)
     ops = _kernel_ops(backend)
     dout, used = dout.cuda(), torch.unique(ids_cpu[(ids_cpu >= 0) & (ids_cpu < vocab) & (ids_cpu != pad)])
