@@ -1367,18 +1367,18 @@ def segment_update_blocks(dim: int, dtype: torch.dtype, dropout: bool) -> tuple[
     return (block_r if dropout else max(1, block_r // 2)), block_d
 
 
-def optimizer_backward(dout2d, keys, skip: int, scale: float, divide_by_count: bool, param, state1, state2, rule: int,
-                       hyper, all_rows: bool, dropout: Optional[DoutDropout] = None, launch=_direct):
+def optimizer_backward(dout2d, segments: Segments, scale: float, divide_by_count: bool, param, state1, state2,
+                       rule: int, hyper, all_rows: bool, dropout: Optional[DoutDropout] = None, launch=_direct):
     """A dense token table's update by the gradient dense_gradient would give it, without
-    that gradient (torch.ops.pyembed.optimizer_backward's work, past FEW_TOKENS tokens):
-    the sort and the chunks' pass (sorted_segments, by table row), then one pass over the
-    table's rows that sums each row's segment and updates the row (_segment_update_kernel).
-    Three or four launches, no host sync, no (tokens, d) gradient rows in memory: the same
+    that gradient (torch.ops.pyembed.optimizer_backward's work, past FEW_TOKENS tokens),
+    from the sort and the chunks' pass (``segments``: sorted_segments by table row, which
+    the caller plans as the dense backward's launches): one pass over the table's rows that
+    sums each row's segment and updates the row (_segment_update_kernel). With the sort,
+    three or four launches, no host sync, no (tokens, d) gradient rows in memory: the same
     bits as used_row_sums then optimizer_update (five to six launches, then three)."""
     num_rows, dim = param.shape
     if num_rows == 0 or dim == 0:
         return
-    segments = sorted_segments(dout2d, keys, num_rows, skip, by_row=True, launch=launch, dropout=dropout)
     states, scalars, rule_flags = _rule_args(rule, hyper, param, state1, state2)
     block_r, block_d = segment_update_blocks(dim, param.dtype, dropout is not None)
     partials = segments.partials

@@ -138,6 +138,7 @@ def forward(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.
 # _SEEN after one call, then the plan, or _UNPLANNED where the launches cannot be replayed.
 _plans: dict = {}
 _backward_plans: dict = {}
+_segment_plans: dict = {}  # optimizer_backward's sort and chunks
 _MAX_PLANS = 256
 _SEEN, _UNPLANNED = "seen", "unplanned"
 
@@ -154,6 +155,29 @@ def _note_first_call(plans: dict, key) -> None:
 def _direct(kernel):
     """An eager launch: through the kernel's cached launcher (kernels/launch.py)."""
     return _kernels().cached(kernel)
+
+
+def _planned(plans: dict, key, inputs: tuple, run):
+    """``run(launch)`` -- a helper's launches and allocations, returning a tuple of tensors
+    -- planned per metadata ``key`` (kernels.launch.LaunchPlan): through the cached launcher
+    at the metadata's first call, bound at its second, replayed from its third: whole (its
+    allocations and launches, none of the helper's Python) where the bound call was nothing
+    else, else launch by launch. ``inputs``: the tensors ``run`` reads (None allowed),
+    contiguous, the device's first; ``key`` holds everything else its launches follow from."""
+    plan = plans.get(key)
+    if plan is None:
+        _note_first_call(plans, key)
+        return run(_direct)
+    if plan is _UNPLANNED:
+        return run(_direct)
+    if plan is _SEEN:  # this metadata's second call: bound as it launches
+        plan = _kernels().LaunchPlan()
+        result = plan.bind_call(run, inputs)
+        plans[key] = plan if plan.complete else _UNPLANNED
+        return result
+    with _on_device(inputs[0]):
+        result = plan.replay_whole(inputs)
+    return result if result is not None else run(plan.replaying())
 
 
 triton_forward = torch.library.custom_op("pyembed::triton_forward", mutates_args=())(forward)
@@ -230,31 +254,16 @@ def backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[t
         return _backward(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
                          scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p, launch=launch)
 
-    launch = _direct
-    if type(scale) is float and type(offset) is int:
-        key = (grad_out.shape, grad_out.dtype, grad_out.device, ids.shape, ids.dtype,
-               None if position_ids is None else (position_ids.shape, position_ids.dtype), offset, num_embeddings,
-               num_positions, scale, padding_idx, scale_grad_by_freq, need_weight_grad, need_pos_grad,
-               None if dropout_key is None else float(dropout_p))
-        plan = _backward_plans.get(key)
-        if plan is None:
-            _note_first_call(_backward_plans, key)
-        elif plan is not _UNPLANNED:
-            # The tensors as the bound call had them (its own .contiguous() calls are no-ops then).
-            grad_out, ids = grad_out.contiguous(), ids.contiguous()
-            position_ids = None if position_ids is None else position_ids.contiguous()
-            inputs = (grad_out, ids, position_ids, dropout_key)
-            if plan is _SEEN:  # this metadata's second call: bound as it launches
-                plan = _kernels().LaunchPlan()
-                grads = plan.bind_call(run, inputs)
-                _backward_plans[key] = plan if plan.complete else _UNPLANNED
-                return grads
-            with _on_device(grad_out):
-                grads = plan.replay_whole(inputs)
-            if grads is not None:
-                return grads
-            launch = plan.replaying()
-    return run(launch)
+    if type(scale) is not float or type(offset) is not int:
+        return run(_direct)
+    key = (grad_out.shape, grad_out.dtype, grad_out.device, ids.shape, ids.dtype,
+           None if position_ids is None else (position_ids.shape, position_ids.dtype), offset, num_embeddings,
+           num_positions, scale, padding_idx, scale_grad_by_freq, need_weight_grad, need_pos_grad,
+           None if dropout_key is None else float(dropout_p))
+    # The tensors as the bound call had them (its own .contiguous() calls are no-ops then).
+    grad_out, ids = grad_out.contiguous(), ids.contiguous()
+    position_ids = None if position_ids is None else position_ids.contiguous()
+    return _planned(_backward_plans, key, (grad_out, ids, position_ids, dropout_key), run)
 
 
 triton_backward = torch.library.custom_op("pyembed::triton_backward", mutates_args=())(backward)
@@ -360,11 +369,23 @@ def optimizer_backward(grad_out, ids, scale: float, padding_idx: Optional[int], 
                                     dropout_p)
         optimizer_update(param, state1, state2, rows, values, rule, hyper, all_rows)
         return
+    dout2d, ids = grad_out.contiguous().reshape(num_tokens, dim), ids.contiguous()
+    skip, dropout = -1 if padding_idx is None else padding_idx, _dout_dropout(dropout_key, dropout_p)
+
+    def sort(launch):  # the sort and the chunks' pass: no per-step scalar among their arguments
+        segments = _kernels().sorted_segments(dout2d, ids, num_rows, skip, by_row=True, launch=launch,
+                                              dropout=dropout)
+        return (segments.order, segments.bounds) + (() if segments.partials is None else (segments.partials,))
+
+    # Planned as the dense backward's launches (at 8x2048 its Python was most of this op's
+    # host time); the update's launch takes the step's scalars, through the cached launcher.
+    key = (dout2d.shape, dout2d.dtype, dout2d.device, ids.shape, ids.dtype, num_rows, skip,
+           None if dropout is None else float(dropout_p))
     with _on_device(param):
-        _kernels().optimizer_backward(
-            grad_out.contiguous().reshape(num_tokens, dim), ids, -1 if padding_idx is None else padding_idx, scale,
-            scale_grad_by_freq, param, state1, state2, rule, hyper, all_rows,
-            dropout=_dout_dropout(dropout_key, dropout_p))
+        order, bounds, *partials = _planned(_segment_plans, key, (dout2d, ids, dropout_key), sort)
+        segments = _kernels().Segments(order, bounds, num_rows, False, None, partials[0] if partials else None)
+        _kernels().optimizer_backward(dout2d, segments, scale, scale_grad_by_freq, param, state1, state2, rule, hyper,
+                                      all_rows, dropout=dropout)
 
 
 def position_update(grad_out, ids, offset: int, dropout_key: Optional[torch.Tensor], dropout_p: float, param, state1,

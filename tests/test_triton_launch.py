@@ -108,6 +108,17 @@ def test_the_eager_backward_replays_its_plan_and_launches_what_triton_would():
     assert result["held_after_release"] == 0  # a plan keeps no output gradient, ids or gradient alive
 
 
+def test_the_optimizer_backward_replays_its_sort_and_launches_what_triton_would():
+    result = _worker("planned-optimizer-backward")
+    assert result["mismatches"] == []  # every call's launches, in order, are Triton's binaries and arguments
+    # From a metadata's third call on, the sort's and chunks' launches replay (whole: none of
+    # their Python), and only the update's launch -- the step's scalars -- takes the cached
+    # launcher, with the call's own tensors; a misaligned output gradient declines the replay.
+    assert result["replayed"] == ["third", "new tensors", "padding, by freq, third", "two tiles, third",
+                                  "dropout, third"]
+    assert all(result["own_tensors"])
+
+
 def test_a_plan_replays_whole_only_a_call_of_allocations_views_and_launches():
     # kernels.launch.LaunchPlan.bind_call, on small helpers: whole where the helper only
     # allocates, views and launches; not where a torch op runs between the launches (the

@@ -414,6 +414,61 @@ def check_planned_backward():
                       "held_after_release": sum(ref() is not None for ref in held)}))
 
 
+def check_planned_optimizer_backward():
+    """pyembed/_triton.py's optimizer_backward: its sort and chunks' pass planned per
+    metadata as the dense backward's launches (the update's launch, which takes the step's
+    scalars, through ``cached``), so from a metadata's third call on only that one launch
+    goes through the cached launcher; every call launches what Triton's own run launches
+    for it -- sorted_segments then the update kernel --, in the same order, with the call's
+    own output gradient, ids, table and state (and dropout key)."""
+    from pyembed import _triton, optim
+
+    _triton._INTERPRETED = True
+    _triton._segment_plans.clear()
+    through_cached = _count_cached_launches()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 300, (4, 64), generator=gen)
+    dout = torch.randn(4, 64, 32, generator=gen)
+    tiles = dict(dout=torch.randn(4, 200, 32, generator=gen), ids=torch.randint(0, 300, (4, 200), generator=gen))
+    keys = [torch.randint(0, 2**62, (2,), generator=gen) for _ in range(3)]
+    calls = [("first", {}), ("second", {}), ("third", {}), ("new tensors", dict(dout=dout.clone(), ids=ids.clone())),
+             ("misaligned dout", dict(dout=torch.randn(dout.numel() + 1)[1:].view(dout.shape))),
+             ("padding, by freq", dict(padding=7, by_freq=True)), ("padding, by freq again", dict(padding=7, by_freq=True)),
+             ("padding, by freq, third", dict(padding=7, by_freq=True)),
+             ("two tiles", tiles), ("two tiles again", tiles), ("two tiles, third", tiles),
+             ("dropout", dict(key=keys[0])), ("dropout again", dict(key=keys[1])), ("dropout, third", dict(key=keys[2]))]
+    hyper = [1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, 0.0, 0.1, 0.05]  # AdamW's, a step's bias corrections
+    mismatches, replayed, own_tensors = [], [], []
+    for name, change in calls:
+        call = dict(dout=dout, ids=ids, padding=None, by_freq=False, key=None, **change)
+        table = torch.randn(300, 32, generator=gen)
+        state1, state2 = torch.zeros_like(table), torch.zeros_like(table)
+        dropout_p = 0.0 if call["key"] is None else 0.1
+        args = (call["dout"], call["ids"], 1.5, call["padding"], call["by_freq"], call["key"], dropout_p, table, state1,
+                state2, optim.ADAM, hyper, True)
+        launches.clear()
+        through_cached.append(0)
+        _triton.optimizer_backward(*args)
+        got = list(launches)
+        if through_cached[-1] == 1:  # the update's launch alone
+            replayed.append(name)
+            pointers = {_address(a) for *_, arguments in got for a in arguments if isinstance(a, (torch.Tensor, int))}
+            own = [call["dout"], call["ids"], table, state1, state2] + ([call["key"]] if call["key"] is not None else [])
+            own_tensors.append({t.data_ptr() for t in own} <= pointers)
+        launches.clear()  # what Triton's own run launches for the same call
+        direct = lambda kernel: kernel  # noqa: E731
+        dout2d, dropout = call["dout"].contiguous().reshape(-1, 32), _triton._dout_dropout(call["key"], dropout_p)
+        skip = -1 if call["padding"] is None else call["padding"]
+        segments = k.sorted_segments(dout2d, call["ids"], 300, skip, by_row=True, launch=direct, dropout=dropout)
+        k.optimizer_backward(dout2d, segments, 1.5, call["by_freq"], table, state1, state2, optim.ADAM, hyper, True,
+                             dropout=dropout, launch=direct)
+        if (len(got) != len(launches) or not all(map(_same_kind, got, launches))
+                or _wiring(got, launches) != _wiring(launches)):
+            mismatches.append(name)
+    print(json.dumps({"check": "planned optimizer backward", "mismatches": mismatches, "replayed": replayed,
+                      "own_tensors": own_tensors}))
+
+
 def check_profiler_hooks():
     """A profiler's launch hook (as Proton sets one) sees every launch, with its metadata,
     cached or not -- as many calls and the same kernel names as under Triton's own run."""
@@ -495,4 +550,5 @@ def check_whole_plans():
 if __name__ == "__main__":
     {"forward": check_forward_variants, "eager": check_eager_calls, "hooks": check_profiler_hooks,
      "planned": check_planned_forward, "planned-backward": check_planned_backward,
+     "planned-optimizer-backward": check_planned_optimizer_backward,
      "whole": check_whole_plans}[sys.argv[1]]()
