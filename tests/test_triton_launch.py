@@ -116,6 +116,7 @@ def test_the_optimizer_backward_replays_its_sort_and_launches_what_triton_would(
     # launcher, with the call's own tensors; a misaligned output gradient declines the replay.
     assert result["replayed"] == ["third", "new tensors", "padding, by freq, third", "two tiles, third",
                                   "dropout, third"]
+    assert result["by_launch"] == ["misaligned dout"]  # the others replayed whole
     assert all(result["own_tensors"])
 
 
