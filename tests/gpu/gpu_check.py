@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 import re
 import shutil
@@ -268,12 +269,15 @@ def main() -> int:
                          "--durations=30", f"--junitxml={out / 'junit.xml'}", *xdist_args(args.python, args.workers)],
                         "pytest.log", tests_timeout, cwd=stage)
         if not args.rehearse and not args.skip_sanitizer:
-            for tool in SANITIZER_TOOLS:
-                name = f"compute-sanitizer {tool}"
-                cmd = [sanitizer, "--tool", tool, "--print-limit", "50", args.python, workload]
-                check.start(name, cmd, f"sanitizer-{tool}.log", tests_timeout,
+            # A run per tool and backend: at 1b594a4 (H200) one run per tool over both backends
+            # was cut at its 149 s inside `triton`'s part (each new kernel compiled under the
+            # sanitizer), so not even `cuda`'s finished part had its error count.
+            for tool, backend in itertools.product(SANITIZER_TOOLS, ("cuda", "triton")):
+                name = f"compute-sanitizer {tool} ({backend})"
+                cmd = [sanitizer, "--tool", tool, "--print-limit", "50", args.python, workload, "--backend", backend]
+                check.start(name, cmd, f"sanitizer-{tool}-{backend}.log", tests_timeout,
                             {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, cwd=stage)
-                san_logs[tool] = name
+                san_logs[f"{tool} ({backend})"] = name
         results = check.wait()
         if not args.rehearse and not args.skip_profile:
             # 4. Where the time goes: torch.profiler per backend, then Nsight Compute on the

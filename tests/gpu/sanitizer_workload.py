@@ -111,9 +111,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--sorts-only", action="store_true", help="only the sort-sized backward (run_sorts)")
+    ap.add_argument("--backend", help="this backend alone (default: every one on the device)")
     args = ap.parse_args()
     device = torch.device(args.device)
-    for backend in dispatch.backends_for(device):
+    for backend in [args.backend] if args.backend else dispatch.backends_for(device):
         if backend == "reference" and device.type == "cuda":
             continue  # plain torch: its kernels are PyTorch's, not ours
         calls = run_sorts(backend, device) if args.sorts_only else run_backend(backend, device)
