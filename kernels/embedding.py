@@ -58,6 +58,7 @@ TILE_ELEMENTS = 2048  # BLOCK_T * BLOCK_D: 16 fp32 registers per thread at 4 war
 # Narrow rows make tall tiles, and every token of a tile holds its id, position and row
 # offsets (64-bit) in registers: past 64 tokens, d=8 tiles spill (tests/triton_aot.py).
 MAX_BLOCK_T = 64
+MAX_SEGMENT_ROWS = 32  # _segment_blocks
 
 
 def _blocks(dim: int, pos_mode: int = POS_NONE, dropout: bool = False) -> tuple[int, int]:
@@ -585,23 +586,29 @@ def _position_sums(dout_ptr, out_ptr, program, rows, batch, seq_len, steps, offs
 
 
 @triton.jit
-def _segment_sums(dout_ptr, order_ptr, partials_ptr, bounds_ptr, g, g_ok, cols, col_ok, entries, dim,
+def _segment_bounds(bounds_ptr, g, g_ok, entries):
+    """(first sorted position, token count) of segments ``g`` (a (BLOCK_R, 1) column); 0
+    tokens past the segments."""
+    begin = tl.load(bounds_ptr + g, mask=g_ok, other=0)
+    return begin, tl.load(bounds_ptr + entries + g, mask=g_ok, other=0) - begin
+
+
+@triton.jit
+def _segment_sums(dout_ptr, order_ptr, partials_ptr, bounds_ptr, g, g_ok, begin, length, cols, col_ok, entries, dim,
                   dropout_key_ptr, dropout_threshold, dropout_scale, HAS_PARTIALS: tl.constexpr,
                   HAS_SOLO: tl.constexpr, HAS_DROPOUT: tl.constexpr, COMPUTE_F64: tl.constexpr,
                   CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """(the sums of the dout rows of segments ``g`` (a (BLOCK_R, 1) column) at ``cols``,
-    their token counts): each summed from +0 in sorted (= token) order, a segment longer
-    than CHUNK from its pieces' partial sums (_chunk_kernel). HAS_SOLO: one-token segments
-    are left at 0 (the position programs write their rows, _position_sums). Shared by the
-    dense gradient's last pass and the optimizer's (_segment_update_kernel): the same
-    sums, so the same bits.
+    """The sums of the dout rows of segments ``g`` (a (BLOCK_R, 1) column; ``begin``,
+    ``length``: _segment_bounds) at ``cols``: each summed from +0 in sorted (= token)
+    order, a segment longer than CHUNK from its pieces' partial sums (_chunk_kernel); an
+    empty segment's is +0. HAS_SOLO: one-token segments are left at 0 (the position
+    programs write their rows, _position_sums). Shared by the dense gradient's last pass
+    and the optimizer's (_segment_update_kernel): the same sums, so the same bits.
 
     Every per-segment value is a (BLOCK_R, 1) column of the tile, not a vector broadcast
     into it: with vectors, Triton 3.6's layout pass fails to compile the direct loop for
     BLOCK_D 16-64 (the mask and the load it guards end up in different layouts)."""
     acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
-    begin = tl.load(bounds_ptr + g, mask=g_ok, other=0)
-    length = tl.load(bounds_ptr + entries + g, mask=g_ok, other=0) - begin
     direct = tl.where(length <= CHUNK, length, 0)
     if HAS_SOLO:  # rows of one token: written by the position programs (_position_sums)
         direct = tl.where(length == 1, 0, direct)
@@ -622,7 +629,19 @@ def _segment_sums(dout_ptr, order_ptr, partials_ptr, bounds_ptr, g, g_ok, cols, 
         for k in range(0, tl.max(tl.max(pieces, 1), 0)):
             slot = 2 * (first_chunk + k) + ((k == 0) & (begin % CHUNK != 0)).to(tl.int64)
             acc += tl.load(partials_ptr + slot * dim + cols, mask=(k < pieces) & col_ok, other=0.0)
-    return acc, length
+    return acc
+
+
+@triton.jit
+def _segment_factor(scale, length, DIVIDE_BY_COUNT: tl.constexpr, acc_dtype: tl.constexpr):
+    """What segments of ``length`` tokens multiply their sums by: scale, or scale / the
+    count; +0 for an empty segment, whose sum is +0, so that its row is +0.0 as a zero fill
+    (+0 * a negative scale is -0.0) -- chosen by segment, not by element (a select of each
+    element took ~2 instructions more an element)."""
+    factor = tl.full([], scale, acc_dtype)
+    if DIVIDE_BY_COUNT:
+        factor = factor / tl.maximum(length, 1).to(acc_dtype)
+    return tl.where(length > 0, factor, 0.0)
 
 
 @triton.jit
@@ -659,26 +678,31 @@ def _finish_segments_kernel(
         cols = (tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
         g_ok = g < num_segments
         col_ok = cols < dim
-        acc, length = _segment_sums(dout_ptr, order_ptr, partials_ptr, bounds_ptr, g, g_ok, cols, col_ok, entries, dim,
-                                    dropout_key_ptr, dropout_threshold, dropout_scale, HAS_PARTIALS, HAS_SOLO,
-                                    HAS_DROPOUT, COMPUTE_F64, CHUNK, BLOCK_R, BLOCK_D)
-        if DIVIDE_BY_COUNT:
-            acc = acc * (tl.full([], scale, acc_dtype) / tl.maximum(length, 1).to(acc_dtype))
-        else:
-            acc = acc * tl.full([], scale, acc_dtype)
-        if ZERO_EMPTY:  # +0.0, as a zero fill (0 * a negative scale is -0.0)
-            acc = tl.where(length > 0, acc, 0.0)
-        write = g_ok & ((length > 0) | ZERO_EMPTY)
-        if HAS_SOLO:
-            write = write & (length != 1)
+        begin, length = _segment_bounds(bounds_ptr, g, g_ok, entries)
         # Streaming stores (evict-first in L2): the table is written once and never read
         # back here, and a 1 GB gradient (Llama-3 bf16) stored normally pushes the 3 MB of
         # bounds out of L2, so that each program's first load -- the chain every tile waits
-        # on, written ones and zero ones alike -- queues for DRAM behind the writes. The
-        # H200 at de2aee7 ran this op at Llama-3 8x2048 in 565 us (bf16) / 756 us (fp32),
-        # the `cuda` one in 403 / 660; one token's backward, whose kernel writes the same
-        # table and reads nothing from DRAM first, 246 us (bf16): near copy bandwidth.
-        tl.store(out_ptr + g * dim + cols, _rounded(acc, out_ptr), mask=write & col_ok, cache_modifier=".cs")
+        # on, written ones and zero ones alike -- queues for DRAM behind the writes.
+        #
+        # A tile of empty segments only writes zeros, in a branch of its own: most tiles of
+        # a large table (60% of Llama-3's 4-row tiles at 8x2048, uniform ids). The H200 at
+        # de2aee7 ran this op at Llama-3 8x2048 in 565 us (bf16) / 756 us (fp32), the `cuda`
+        # one in 403 / 660, and one token's backward, whose kernel writes the same table,
+        # in 246 us (bf16): this kernel was issue-bound (ncu: 67% SM, 48% DRAM), every tile
+        # running the summing code on masked loads -- ~356 SASS instructions a thread (sm_90,
+        # bf16, d = 4096) for 16 zeros; ~100 in this branch (test_triton_aot checks its size).
+        if tl.max(tl.max(length, 1), 0) > 0:
+            acc = _segment_sums(dout_ptr, order_ptr, partials_ptr, bounds_ptr, g, g_ok, begin, length, cols, col_ok,
+                                entries, dim, dropout_key_ptr, dropout_threshold, dropout_scale, HAS_PARTIALS, HAS_SOLO,
+                                HAS_DROPOUT, COMPUTE_F64, CHUNK, BLOCK_R, BLOCK_D)
+            acc = acc * _segment_factor(scale, length, DIVIDE_BY_COUNT, acc_dtype)
+            write = g_ok & ((length > 0) | ZERO_EMPTY)
+            if HAS_SOLO:
+                write = write & (length != 1)
+            tl.store(out_ptr + g * dim + cols, _rounded(acc, out_ptr), mask=write & col_ok, cache_modifier=".cs")
+        elif ZERO_EMPTY:
+            tl.store(out_ptr + g * dim + cols, tl.zeros([BLOCK_R, BLOCK_D], out_ptr.dtype.element_ty),
+                     mask=g_ok & col_ok, cache_modifier=".cs")
 
 
 @triton.jit
@@ -939,14 +963,15 @@ def _segment_update_kernel(
     cols = (tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
     row_ok = row < num_rows
     col_ok = cols < dim
-    acc, length = _segment_sums(dout_ptr, order_ptr, partials_ptr, bounds_ptr, row, row_ok, cols, col_ok, num_rows,
-                                dim, dropout_key_ptr, dropout_threshold, dropout_scale, HAS_PARTIALS, False,
-                                HAS_DROPOUT, COMPUTE_F64, CHUNK, BLOCK_R, BLOCK_D)
-    if DIVIDE_BY_COUNT:
-        acc = acc * (tl.full([], scale, acc_dtype) / tl.maximum(length, 1).to(acc_dtype))
-    else:
-        acc = acc * tl.full([], scale, acc_dtype)
-    g = tl.where(length > 0, _rounded(acc, param_ptr).to(acc_dtype), 0.0)  # the gradient as stored
+    begin, length = _segment_bounds(bounds_ptr, row, row_ok, num_rows)
+    acc = _segment_sums(dout_ptr, order_ptr, partials_ptr, bounds_ptr, row, row_ok, begin, length, cols, col_ok,
+                        num_rows, dim, dropout_key_ptr, dropout_threshold, dropout_scale, HAS_PARTIALS, False,
+                        HAS_DROPOUT, COMPUTE_F64, CHUNK, BLOCK_R, BLOCK_D)
+    acc = acc * _segment_factor(scale, length, DIVIDE_BY_COUNT, acc_dtype)
+    # The gradient as stored. The select is not for the value (an empty row's is +0
+    # already): it keeps the NVPTX backend from fusing the fp32 product into the rule's first
+    # sum (g - s1) -- a g without the stored gradient's rounding (test_triton_aot's rule test).
+    g = tl.where(length > 0, _rounded(acc, param_ptr).to(acc_dtype), 0.0)
     ok = row_ok & col_ok
     if not ALL_ROWS:
         ok = ok & (length > 0)
@@ -1254,9 +1279,10 @@ def _programs_with_positions(rows: int, block_r: int, positions: Optional[Positi
 def _segment_blocks(dim: int, dtype: torch.dtype, dropout: bool = False) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_D) of _finish_segments_kernel: _blocks' tile, half as many rows in
     float64, whose values take two registers each (with 8 rows of 256 at d = 768 it spilled
-    16 bytes on sm_90)."""
+    16 bytes on sm_90), and at most MAX_SEGMENT_ROWS (each row's bounds, two 64-bit values,
+    are held beside the tile: 64 rows of d = 8 spilled 8 bytes on sm_80)."""
     block_r, block_d = _blocks(dim, dropout=dropout)
-    return (max(1, block_r // 2) if dtype == torch.float64 else block_r), block_d
+    return min(max(1, block_r // 2) if dtype == torch.float64 else block_r, MAX_SEGMENT_ROWS), block_d
 
 
 def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool, out, zero_empty: bool,

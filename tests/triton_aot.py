@@ -387,6 +387,25 @@ def fusable_rule_sums(llir: str) -> list[str]:
     return sorted({at for name, at in sums if any(source(v) == "fmul" for v in defs[name][1])})
 
 
+def zero_tile_blocks(ptx: str) -> list[dict]:
+    """Each basic block of ``ptx`` that stores only a register that is always 0 (a tile of
+    zeros): its instruction count and global loads -- what a tile that only writes zeros
+    runs (kernels' _finish_segments_kernel)."""
+    body = ptx.split(".entry", 1)[1]
+    code = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)\s+(%\w+)?", re.M)  # opcode, first operand
+    defined = {}
+    for op, dest in code.findall(body):
+        if dest and not op.startswith(("st.", "bra", "setp")):
+            defined.setdefault(dest, []).append(op)
+    zeros = {r for r in re.findall(r"mov\.b(?:16|32|64)\s+(%\w+), 0;", body) if len(defined.get(r, ())) == 1}
+    found = []
+    for block in re.split(r"^\$L__BB\d+_\d+:.*$", body, flags=re.M):
+        stored = re.findall(r"st\.global[\.\w]*\s+\[[^\]]*\],\s*\{\s*(%\w+)(?:,\s*\1)*\s*\}", block)
+        if stored and any(r in zeros for r in stored):
+            found.append({"instructions": len(code.findall(block)), "loads": len(re.findall(r"ld\.global", block))})
+    return found
+
+
 def compile_one(job):
     name, arch = job
     compiled = _compile(name, arch)
@@ -405,6 +424,7 @@ def compile_one(job):
         "div64": len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx)),
         # bf16 rounded by hand (kernels' _rounded, for the interpreter): a NaN test per element.
         "nan_tests": len(re.findall(r"setp\.nan\.", ptx)),
+        "zero_tile_blocks": zero_tile_blocks(ptx),
         "fusable_rule_sums": fusable_rule_sums(compiled.asm["llir"]) if updates else []}
 
 
