@@ -404,7 +404,7 @@ def _merge_tiles_kernel(
     tile_start = tl.arange(0, MAX_TILES) * TILE
     searched = ok[:, None] & (tile_start < n)[None, :]
     # Each tile's words (its length: the last one may be short), searched with one bound
-    # that steps past smaller words (_lower_bound), in a loop, not unrolled: Inductor's
+    # that steps past smaller words, in a loop, not unrolled: Inductor's
     # mutation analysis walks every path through a kernel's ops, and unrolled steps multiply
     # them (a two-bound search, unrolled, took tracing a backward past five minutes).
     length = tl.minimum(n - tile_start, TILE)[None, :]
@@ -442,20 +442,6 @@ def _segment_starts_kernel(
     prev = _sorted_key(tl.load(sorted_ptr + r - 1, mask=ok & (r > 0)))
     starts = (key < num_rows) & ((r == 0) | (prev != key))
     tl.store(starts_ptr + r, starts.to(tl.int64), mask=ok)
-
-
-@triton.jit
-def _lower_bound(sorted_ptr, lo, hi, key, CHUNK: tl.constexpr):
-    """The first position in [lo, hi) (at most CHUNK of them) whose sorted key is >= key, else
-    hi: steps of CHUNK / 2, ..., 1 past positions known to hold smaller keys. One bound that
-    moves, not two: Inductor's mutation analysis (torch.compile through wrap_triton) walks
-    every path through a kernel's ops, and each step of a two-bound search, unrolled,
-    multiplied them by the uses of both (tracing the backward took ~45 s, now ~4)."""
-    for s in tl.static_range(CHUNK.bit_length() - 1, -1, -1):
-        step = lo + (1 << s)
-        past = (step <= hi) & (_sorted_key(tl.load(sorted_ptr + step - 1, mask=step <= hi)) < key)
-        lo = tl.where(past, step, lo)
-    return lo
 
 
 @triton.jit
@@ -510,12 +496,16 @@ def _chunk_kernel(
         c1 = tl.minimum(c0 + CHUNK, n)
         cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
         col_ok = cols < dim
-        # Where the chunk's first run stops and its last run starts, from the chunk's keys;
-        # whether their segments are longer than CHUNK, from one key outside each run.
+        # Where the chunk's first run stops and its last run starts: its first and last key
+        # change, reductions over the keys it holds; whether their segments are longer than
+        # CHUNK, from one key outside each run. (Two binary searches did this: 16 dependent
+        # loads before any piece's first, in every chunk -- a launch of one wave at 8x2048.)
+        inner = in_chunk & (r > c0)
+        changes = inner & (_sorted_key(tl.load(sorted_ptr + r - 1, mask=inner)) != key)
+        head_stop = tl.min(tl.where(changes, r, c1))
+        tail_start = tl.max(tl.where(changes, r, c0))
         head = _sorted_key(tl.load(sorted_ptr + c0))
         tail = _sorted_key(tl.load(sorted_ptr + c1 - 1))
-        head_stop = _lower_bound(sorted_ptr, c0, c1, head + 1, CHUNK)
-        tail_start = _lower_bound(sorted_ptr, c0, c1, tail, CHUNK)
         has_after, has_before, has_past = c1 < n, head_stop > CHUNK, tail_start + CHUNK < n
         after = _sorted_key(tl.load(sorted_ptr + c1, mask=has_after))
         before = _sorted_key(tl.load(sorted_ptr + head_stop - CHUNK - 1, mask=has_before))
