@@ -674,25 +674,29 @@ def _finish_segments_kernel(
         # bounds out of L2, so that each program's first load -- the chain every tile waits
         # on, written ones and zero ones alike -- queues for DRAM behind the writes.
         #
-        # A tile of empty segments only writes zeros, in a branch of its own: most tiles of
-        # a large table (60% of Llama-3's 4-row tiles at 8x2048, uniform ids). The H200 at
-        # de2aee7 ran this op at Llama-3 8x2048 in 565 us (bf16) / 756 us (fp32), the `cuda`
-        # one in 403 / 660, and one token's backward, whose kernel writes the same table,
-        # in 246 us (bf16): this kernel was issue-bound (ncu: 67% SM, 48% DRAM), every tile
-        # running the summing code on masked loads -- ~356 SASS instructions a thread (sm_90,
-        # bf16, d = 4096) for 16 zeros; ~100 in this branch (test_triton_aot checks its size).
-        if tl.max(tl.max(length, 1), 0) > 0:
+        # A tile with no segment to sum -- each empty, or (HAS_SOLO) of one token, whose row
+        # the position programs write -- only writes its empty rows' zeros, in a branch of
+        # its own: most tiles, at 8x2048 uniform ids with learned positions 97% of Llama-3's
+        # 4-row tiles and 70% of GPT-2's 8-row ones (60% / 7% hold no used row at all). The
+        # H200 at de2aee7 ran this op at Llama-3 8x2048 in 565 us (bf16) / 756 us (fp32), the
+        # `cuda` one in 403 / 660, and one token's backward, whose kernel writes the same
+        # table, in 246 us (bf16): this kernel was issue-bound (ncu: 67% SM, 48% DRAM), every
+        # tile running the summing code on masked loads -- ~356 SASS instructions a thread
+        # (sm_90, bf16, d = 4096) for 16 zeros; ~100 in this branch (test_triton_aot checks
+        # its size), whose stores wait on the bounds alone, not on a dout row as well.
+        summed = length > 0
+        if HAS_SOLO:
+            summed = summed & (length != 1)
+        if tl.max(tl.max(summed.to(tl.int32), 1), 0) > 0:
             acc = _segment_sums(dout_ptr, order_ptr, partials_ptr, bounds_ptr, g, g_ok, begin, length, cols, col_ok,
                                 entries, dim, dropout_key_ptr, dropout_threshold, dropout_scale, HAS_PARTIALS, HAS_SOLO,
                                 HAS_DROPOUT, COMPUTE_F64, CHUNK, BLOCK_R, BLOCK_D)
             acc = acc * _segment_factor(scale, length, DIVIDE_BY_COUNT, acc_dtype)
-            write = g_ok & ((length > 0) | ZERO_EMPTY)
-            if HAS_SOLO:
-                write = write & (length != 1)
+            write = g_ok & (summed | ((length == 0) & ZERO_EMPTY))
             tl.store(out_ptr + g * dim + cols, _rounded(acc, out_ptr), mask=write & col_ok, cache_modifier=".cs")
         elif ZERO_EMPTY:
             tl.store(out_ptr + g * dim + cols, tl.zeros([BLOCK_R, BLOCK_D], out_ptr.dtype.element_ty),
-                     mask=g_ok & col_ok, cache_modifier=".cs")
+                     mask=g_ok & (length == 0) & col_ok, cache_modifier=".cs")
 
 
 @triton.jit

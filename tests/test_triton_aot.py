@@ -90,17 +90,19 @@ def test_finish_segments_writes_the_table_with_wide_streaming_stores(report, arc
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_finish_segments_writes_a_tile_of_untouched_rows_without_the_summing_code(report, arch):
-    # Most tiles of a large table hold no used row (Llama-3 at 8x2048: 60% of the 4-row
-    # tiles); each ran the whole summing code on masked loads -- ~320 SASS instructions a
-    # thread at sm_90 to store 16 zeros, which left the kernel issue-bound on the H200. A
-    # tile of empty segments takes its own branch: zeros stored, nothing loaded, in a few
-    # dozen instructions (59 at most here: bf16 at d = 100, scalar stores).
+    # Most tiles of a large table have no segment to sum -- rows unused, or used once and
+    # written by the position programs (Llama-3 at 8x2048: 97% of the 4-row tiles); each
+    # ran the whole summing code on masked loads -- ~356 SASS instructions a thread at
+    # sm_90 to store 16 zeros, which left the kernel issue-bound on the H200. A
+    # tile with no segment to sum takes its own branch: zeros stored, nothing loaded, in at
+    # most 128 PTX instructions -- the summing code is several hundred (91 at most here:
+    # d = 100, whose rows are not 16-byte multiples, stored element by element).
     finishes = [k for k in report if k.startswith("finish_segments") and k.endswith(arch)]
     assert len(finishes) >= 20
     branches = {k: report[k]["zero_tile_blocks"] for k in finishes}
     missing = [k for k, blocks in branches.items() if not blocks]
     assert not missing, missing
-    heavy = {k: blocks for k, blocks in branches.items() if any(b["loads"] or b["instructions"] > 80 for b in blocks)}
+    heavy = {k: blocks for k, blocks in branches.items() if any(b["loads"] or b["instructions"] > 128 for b in blocks)}
     assert not heavy, heavy
 
 

@@ -114,3 +114,38 @@ def test_triton_dense_gradient_writes_untouched_tiles_and_rows_as_plus_zero(by_f
     tiles = untouched.view(-1, 8).all(1)
     assert 0.8 < tiles.float().mean() < 0.95 and untouched.view(-1, 8)[~tiles].any()  # both kinds of tile
     assert not dw[untouched].any() and not dw[untouched].signbit().any()
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["in order", "in reverse"])
+def test_triton_dense_gradient_with_positions_writes_each_row_once(reverse, monkeypatch):
+    """With learned positions reaching every token, the dense gradient's last launch writes
+    the rows used once from its position programs and every other row from its table
+    programs; a tile whose rows are all empty or used once writes only its empty rows'
+    zeros. The interpreter runs programs one after another, position programs last, so a
+    table program that also wrote a once-used row (zeros, or a sum) would be overwritten
+    unseen: the launch runs in reverse program order too (on a GPU they race). 300 tokens
+    over 20000 rows of d = 768, a row used 5 times and one twice among them."""
+    from triton.runtime import interpreter
+
+    from pyembed import _triton, reference
+
+    if reverse:
+        builder = interpreter.interpreter_builder
+        in_order = builder.set_grid_idx
+        monkeypatch.setattr(builder, "set_grid_idx", lambda x, y, z: in_order(
+            builder.grid_dim[0] - 1 - x, builder.grid_dim[1] - 1 - y, builder.grid_dim[2] - 1 - z))
+    vocab, seq_len, scale = 20000, 150, -0.75
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, vocab, (2, seq_len), generator=g)
+    ids[0, :5], ids[1, 10:12] = 7, 9
+    dout = torch.randn(2, seq_len, 768, generator=g)
+    dw, dp = _triton.backward(dout, ids, None, 0, vocab, seq_len, scale, None, False, True, True)
+    exact_w, exact_p = reference.embedding_backward(dout.double(), ids, None, 0, vocab, seq_len, scale, None, False,
+                                                    True, True)
+    assert torch.allclose(dw.double(), exact_w, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(dp.double(), exact_p, rtol=1e-6, atol=1e-6)
+    uses = torch.bincount(ids.flatten(), minlength=vocab)
+    assert not dw[uses == 0].any() and not dw[uses == 0].signbit().any()  # +0.0, as a zero fill
+    tiles = uses.view(-1, 8)
+    summed = (tiles > 1).any(1)
+    assert summed.sum() == 2 and ((tiles == 1).any(1) & ~summed).any()  # both kinds of tile
