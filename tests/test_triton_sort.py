@@ -98,21 +98,23 @@ def test_triton_dense_gradient_writes_untouched_tiles_and_rows_as_plus_zero(by_f
     """The dense gradient's last pass writes a tile of untouched rows by a branch of its
     own (zeros, nothing summed) and a tile with some used rows by summing: under a negative
     scale both kinds of untouched row are +0.0, as a zero fill (not +0 * scale = -0.0), and
-    the used rows are the float64 reference's. 300 tokens over 20000 rows of d = 768 (8-row
-    tiles): ~89% of the tiles hold no used row, the others mix used and untouched rows."""
+    the used rows are the float64 reference's. 300 tokens over 20000 rows of d = 64
+    (32-row tiles): most tiles hold no used row, the others mix used and untouched rows."""
     from pyembed import _triton, reference
+    from pyembed.kernels import embedding as k
 
     vocab, scale = 20000, -0.75
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, vocab, (2, 150), generator=g)
-    dout = torch.randn(2, 150, 768, generator=g)
+    dout = torch.randn(2, 150, 64, generator=g)
     dw, _ = _triton.backward(dout, ids, None, 0, vocab, 0, scale, None, by_freq, True, False)
     expected, _ = reference.embedding_backward(dout.double(), ids, None, 0, vocab, 0, scale, None, by_freq, True, False)
     assert torch.allclose(dw.double(), expected, rtol=1e-6, atol=1e-6)
     untouched = torch.ones(vocab, dtype=torch.bool)
     untouched[ids.flatten()] = False
-    tiles = untouched.view(-1, 8).all(1)
-    assert 0.8 < tiles.float().mean() < 0.95 and untouched.view(-1, 8)[~tiles].any()  # both kinds of tile
+    assert k._segment_blocks(64, torch.float32)[0] == 32  # the tiles' rows
+    tiles = untouched.view(-1, 32).all(1)
+    assert tiles.float().mean() > 0.5 and untouched.view(-1, 32)[~tiles].any()  # both kinds of tile
     assert not dw[untouched].any() and not dw[untouched].signbit().any()
 
 
@@ -124,10 +126,11 @@ def test_triton_dense_gradient_with_positions_writes_each_row_once(reverse, monk
     zeros. The interpreter runs programs one after another, position programs last, so a
     table program that also wrote a once-used row (zeros, or a sum) would be overwritten
     unseen: the launch runs in reverse program order too (on a GPU they race). 300 tokens
-    over 20000 rows of d = 768, a row used 5 times and one twice among them."""
+    over 20000 rows of d = 64 (32-row tiles), a row used 5 times and one twice among them."""
     from triton.runtime import interpreter
 
     from pyembed import _triton, reference
+    from pyembed.kernels import embedding as k
 
     if reverse:
         builder = interpreter.interpreter_builder
@@ -137,8 +140,8 @@ def test_triton_dense_gradient_with_positions_writes_each_row_once(reverse, monk
     vocab, seq_len, scale = 20000, 150, -0.75
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(0, vocab, (2, seq_len), generator=g)
-    ids[0, :5], ids[1, 10:12] = 7, 9
-    dout = torch.randn(2, seq_len, 768, generator=g)
+    ids[0, :5], ids[1, 10:12] = 7, 9000  # in two tiles
+    dout = torch.randn(2, seq_len, 64, generator=g)
     dw, dp = _triton.backward(dout, ids, None, 0, vocab, seq_len, scale, None, False, True, True)
     exact_w, exact_p = reference.embedding_backward(dout.double(), ids, None, 0, vocab, seq_len, scale, None, False,
                                                     True, True)
@@ -146,6 +149,7 @@ def test_triton_dense_gradient_with_positions_writes_each_row_once(reverse, monk
     assert torch.allclose(dp.double(), exact_p, rtol=1e-6, atol=1e-6)
     uses = torch.bincount(ids.flatten(), minlength=vocab)
     assert not dw[uses == 0].any() and not dw[uses == 0].signbit().any()  # +0.0, as a zero fill
-    tiles = uses.view(-1, 8)
+    assert k._segment_blocks(64, torch.float32)[0] == 32  # the tiles' rows
+    tiles = uses.view(-1, 32)
     summed = (tiles > 1).any(1)
     assert summed.sum() == 2 and ((tiles == 1).any(1) & ~summed).any()  # both kinds of tile
