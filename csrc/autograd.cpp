@@ -39,18 +39,60 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-at::Tensor call_forward(const at::Tensor& ids, const at::Tensor& weight, const std::optional<at::Tensor>& pos_weight,
-                        const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding, double scale,
-                        int64_t offset, int64_t error_record, const std::optional<at::Tensor>& dropout_key = std::nullopt,
-                        double dropout_p = 0.0) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("pyembed::embedding_forward", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                         const std::optional<at::Tensor>&, std::string_view, double, int64_t,
-                                         const std::optional<at::Tensor>&, double, int64_t, int64_t, int64_t)>();
-  return op.call(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p, 0, 0,
-                 error_record);
-}
+// The C++ backends' kernels: their ops through the dispatcher, which picks by device.
+struct OpKernels final : LookupKernels {
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& weight, const std::optional<at::Tensor>& pos_weight,
+                     const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding, double scale,
+                     int64_t offset, const std::optional<at::Tensor>& dropout_key, double dropout_p,
+                     int64_t error_record) const override {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("pyembed::embedding_forward", "")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                           const std::optional<at::Tensor>&, std::string_view, double, int64_t,
+                                           const std::optional<at::Tensor>&, double, int64_t, int64_t, int64_t)>();
+    return op.call(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p, 0, 0,
+                   error_record);
+  }
+
+  // The dense gradients (the kernel: fp32 sums, one rounding, deterministic). Returns
+  // (dW, dP); an unneeded one is an empty tensor.
+  std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& ids,
+                                              const std::optional<at::Tensor>& position_ids, int64_t offset,
+                                              int64_t num_embeddings, int64_t num_positions, double scale,
+                                              std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
+                                              bool need_weight_grad, bool need_pos_grad,
+                                              const std::optional<at::Tensor>& dropout_key,
+                                              double dropout_p) const override {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("pyembed::embedding_backward", "")
+                         .typed<std::tuple<at::Tensor, at::Tensor>(
+                             const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t, int64_t,
+                             int64_t, double, std::optional<int64_t>, bool, bool, bool,
+                             const std::optional<at::Tensor>&, double)>();
+    return op.call(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
+                   scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p);
+  }
+
+  // The table's touched rows (sorted, unique) and their sums.
+  std::tuple<at::Tensor, at::Tensor> sparse_backward(const at::Tensor& grad_out, const at::Tensor& ids,
+                                                     int64_t num_embeddings, double scale,
+                                                     std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
+                                                     const std::optional<at::Tensor>& dropout_key,
+                                                     double dropout_p) const override {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("pyembed::embedding_sparse_backward", "")
+                         .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t,
+                                                                   double, std::optional<int64_t>, bool,
+                                                                   const std::optional<at::Tensor>&, double)>();
+    return op.call(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key, dropout_p);
+  }
+};
+
+const OpKernels op_kernels;
+const LookupKernels* python_kernels = nullptr;  // set_python_kernels; never freed
+
+// The kernels a node runs, by the flag it saved (a pointer is not an IValue).
+const LookupKernels& kernels_of(bool python) { return python ? *python_kernels : op_kernels; }
 
 // [seed, offset] as pyembed/reference.py's draw_dropout_key draws it (torch.randint(0,
 // 2^62, (2,), generator) on the tables' device); none without dropout.
@@ -60,19 +102,24 @@ std::optional<at::Tensor> draw_dropout_key(double dropout_p, const std::optional
   return at::randint(0, int64_t(1) << 62, {2}, generator, at::TensorOptions().dtype(at::kLong).device(device));
 }
 
-}  // namespace
-
 // grad * keep / (1 - p) with the forward's mask, by the forward's own kernel: grad is
 // looked up as a table whose row n is flat token n (ids 0..N-1), so element (n, j) meets
 // the keep bit it met in the forward; rounded once to grad's dtype, as nn.Dropout's
 // backward (pyembed/_autograd.py, _dropout_mask_forward: the same call).
-at::Tensor dropout_masked(const at::Tensor& grad, const at::Tensor& key, double dropout_p) {
+at::Tensor dropout_masked_by(const LookupKernels& kernels, const at::Tensor& grad, const at::Tensor& key,
+                             double dropout_p) {
   const int64_t dim = grad.size(-1);
   const at::Tensor rows = dim ? grad.reshape({-1, dim}).contiguous() : grad.new_empty({0, 0});
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return call_forward(at::arange(rows.size(0), key.options()), rows, std::nullopt, std::nullopt, "none", 1.0, 0, 0,
-                      key, dropout_p)
+  return kernels.forward(at::arange(rows.size(0), key.options()), rows, std::nullopt, std::nullopt, "none", 1.0, 0,
+                         key, dropout_p, 0)
       .reshape(grad.sizes());
+}
+
+}  // namespace
+
+at::Tensor dropout_masked(const at::Tensor& grad, const at::Tensor& key, double dropout_p) {
+  return dropout_masked_by(op_kernels, grad, key, dropout_p);
 }
 
 namespace {
@@ -80,50 +127,21 @@ namespace {
 // The mask applied to an output gradient as a node of its own, for create_graph=True:
 // multiplying by the mask is linear and diagonal, so its backward is itself.
 struct DropoutMaskFunction : public torch::autograd::Function<DropoutMaskFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad, const at::Tensor& key, double dropout_p) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad, const at::Tensor& key, double dropout_p,
+                            bool python) {
     ctx->save_for_backward({key});
     ctx->saved_data["dropout_p"] = dropout_p;
-    return dropout_masked(grad, key, dropout_p);
+    ctx->saved_data["python"] = python;
+    return dropout_masked_by(kernels_of(python), grad, key, dropout_p);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const at::Tensor key = ctx->get_saved_variables()[0];
-    return {DropoutMaskFunction::apply(grad_outputs[0], key, ctx->saved_data["dropout_p"].toDouble()), at::Tensor(),
-            at::Tensor()};
+    return {DropoutMaskFunction::apply(grad_outputs[0], key, ctx->saved_data["dropout_p"].toDouble(),
+                                       ctx->saved_data["python"].toBool()),
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
-
-// The dense gradients from the backend's op (the kernel: fp32 sums, one rounding,
-// deterministic). Returns (dW, dP); an unneeded one is an empty tensor.
-std::tuple<at::Tensor, at::Tensor> call_backward(const at::Tensor& grad_out, const at::Tensor& ids,
-                                                 const std::optional<at::Tensor>& position_ids, int64_t offset,
-                                                 int64_t num_embeddings, int64_t num_positions, double scale,
-                                                 std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
-                                                 bool need_weight_grad, bool need_pos_grad,
-                                                 const std::optional<at::Tensor>& dropout_key, double dropout_p) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("pyembed::embedding_backward", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor>(
-                           const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t, int64_t,
-                           int64_t, double, std::optional<int64_t>, bool, bool, bool,
-                           const std::optional<at::Tensor>&, double)>();
-  return op.call(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
-                 scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p);
-}
-
-// The table's touched rows (sorted, unique) and their sums, from the backend's sparse op.
-std::tuple<at::Tensor, at::Tensor> call_sparse_backward(const at::Tensor& grad_out, const at::Tensor& ids,
-                                                        int64_t num_embeddings, double scale,
-                                                        std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
-                                                        const std::optional<at::Tensor>& dropout_key = std::nullopt,
-                                                        double dropout_p = 0.0) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("pyembed::embedding_sparse_backward", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t,
-                                                                 double, std::optional<int64_t>, bool,
-                                                                 const std::optional<at::Tensor>&, double)>();
-  return op.call(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key, dropout_p);
-}
 
 // The sparse gradients this node built, while they live: AccumulateGrad rebuilds a sparse
 // gradient from its indices and values without the coalesced flag when it stores it in
@@ -209,6 +227,7 @@ struct Lookup {
   std::optional<at::Tensor> dropout_key;
   double dropout_p;
   bool sparse;  // the table's gradient as a coalesced COO tensor
+  bool python;  // the kernels: Python (set_python_kernels), else the backend's ops
 };
 
 struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
@@ -223,10 +242,11 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
     ctx->saved_data["lookup"] = c10::ivalue::Tuple::create(
         {weight.size(0), lookup.pos_encoding == "learned" && pos_weight.has_value(),
          pos_weight.has_value() ? pos_weight->size(0) : int64_t(0), lookup.scale, lookup.offset, lookup.padding_idx,
-         lookup.scale_grad_by_freq, lookup.dropout_p, lookup.sparse});
+         lookup.scale_grad_by_freq, lookup.dropout_p, lookup.sparse, lookup.python});
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return call_forward(lookup.ids, weight, pos_weight, lookup.position_ids, lookup.pos_encoding, lookup.scale,
-                        lookup.offset, lookup.error_record, lookup.dropout_key, lookup.dropout_p);
+    return kernels_of(lookup.python)
+        .forward(lookup.ids, weight, pos_weight, lookup.position_ids, lookup.pos_encoding, lookup.scale,
+                 lookup.offset, lookup.dropout_key, lookup.dropout_p, lookup.error_record);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -242,6 +262,8 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
     const bool by_freq = lookup[6].toBool();
     const double dropout_p = lookup[7].toDouble();
     const bool sparse = lookup[8].toBool();
+    const bool python = lookup[9].toBool();
+    const LookupKernels& kernels = kernels_of(python);
     const bool need_weight_grad = ctx->needs_input_grad(0);
     const bool need_pos_grad = learned && ctx->needs_input_grad(1);
     at::Tensor grad_out = grad_outputs[0].contiguous();
@@ -252,7 +274,7 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
       // With dropout the gradient goes through the forward's mask: in the ops' own reads
       // (the key passed on), else -- create_graph=True, where the mask is a node -- first.
       const bool mask_first = dropout_key.defined() && at::GradMode::is_enabled();
-      if (mask_first) grad_out = DropoutMaskFunction::apply(grad_out, dropout_key, dropout_p);
+      if (mask_first) grad_out = DropoutMaskFunction::apply(grad_out, dropout_key, dropout_p, python);
       const std::optional<at::Tensor> op_dropout_key =
           dropout_key.defined() && !mask_first ? std::optional<at::Tensor>(dropout_key) : std::nullopt;
       if (at::GradMode::is_enabled()) {  // create_graph=True: the backward is recorded too
@@ -263,8 +285,8 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
           at::Tensor rows;
           {
             at::AutoDispatchBelowADInplaceOrView below_autograd;
-            rows = std::get<0>(call_sparse_backward(grad_out.detach(), ids, num_embeddings, scale, padding_idx,
-                                                    by_freq));
+            rows = std::get<0>(kernels.sparse_backward(grad_out.detach(), ids, num_embeddings, scale, padding_idx,
+                                                       by_freq, std::nullopt, 0.0));
           }
           grad_weight = sparse_gradient(rows, grad_weight.index_select(0, rows), num_embeddings);
         }
@@ -273,14 +295,14 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
         const std::optional<at::Tensor> positions =
             position_ids.defined() ? std::optional<at::Tensor>(position_ids) : std::nullopt;
         if (need_pos_grad || !sparse_weight_grad) {  // a sparse table alone needs no dense op
-          std::tie(grad_weight, grad_pos) = call_backward(grad_out, ids, positions, offset, num_embeddings,
-                                                          num_positions, scale, padding_idx, by_freq,
-                                                          need_weight_grad && !sparse, need_pos_grad,
-                                                          op_dropout_key, dropout_p);
+          std::tie(grad_weight, grad_pos) = kernels.backward(grad_out, ids, positions, offset, num_embeddings,
+                                                             num_positions, scale, padding_idx, by_freq,
+                                                             need_weight_grad && !sparse, need_pos_grad,
+                                                             op_dropout_key, dropout_p);
         }
         if (sparse_weight_grad) {
-          const auto [rows, values] = call_sparse_backward(grad_out, ids, num_embeddings, scale, padding_idx, by_freq,
-                                                           op_dropout_key, dropout_p);
+          const auto [rows, values] = kernels.sparse_backward(grad_out, ids, num_embeddings, scale, padding_idx,
+                                                              by_freq, op_dropout_key, dropout_p);
           grad_weight = sparse_gradient(rows, values, num_embeddings);
         }
       }
@@ -290,18 +312,50 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
   }
 };
 
-// Below autograd (inference_mode, no_grad, or tables that need no gradient): the forward op alone.
+// Below autograd (inference_mode, no_grad, or tables that need no gradient): the forward alone.
+at::Tensor lookup_forward(bool python, const at::Tensor& ids, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& pos_weight, const std::optional<at::Tensor>& position_ids,
+                          std::string_view pos_encoding, double scale, int64_t offset,
+                          std::optional<int64_t> padding_idx, bool validate, int64_t error_record, double dropout_p,
+                          const std::optional<at::Generator>& generator) {
+  check_dropout_p(dropout_p);
+  const LookupArgs args =
+      check_lookup(ids, weight, pos_weight, position_ids, pos_encoding, offset, padding_idx, validate);
+  return kernels_of(python).forward(ids, weight, pos_weight, args.position_ids, pos_encoding, scale, offset,
+                                    draw_dropout_key(dropout_p, generator, weight.device()), dropout_p, error_record);
+}
+
+// The lookup with its node where a table needs a gradient, by the kernels ``python`` names.
+at::Tensor lookup(bool python, const at::Tensor& ids, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& pos_weight, const std::optional<at::Tensor>& position_ids,
+                  std::string_view pos_encoding, double scale, int64_t offset, std::optional<int64_t> padding_idx,
+                  bool scale_grad_by_freq, bool validate, int64_t error_record, double dropout_p,
+                  const std::optional<at::Generator>& generator, bool sparse) {
+  const bool needs_grad = weight.requires_grad() || (pos_weight.has_value() && pos_weight->requires_grad());
+  if (!at::GradMode::is_enabled() || !needs_grad) {  // no_grad decoding: no node to build (~1 us)
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return lookup_forward(python, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
+                          validate, error_record, dropout_p, generator);
+  }
+  check_dropout_p(dropout_p);
+  const LookupArgs args =
+      check_lookup(ids, weight, pos_weight, position_ids, pos_encoding, offset, padding_idx, validate);
+  return EmbeddingFunction::apply(weight, pos_weight,
+                                  Lookup{ids, args.position_ids, pos_encoding, scale, offset, args.padding_idx,
+                                         scale_grad_by_freq, error_record,
+                                         draw_dropout_key(dropout_p, generator, weight.device()), dropout_p, sparse,
+                                         python});
+}
+
+// The op's kernels (the C++ backends').
 at::Tensor embedding_no_autograd(const at::Tensor& ids, const at::Tensor& weight,
                                  const std::optional<at::Tensor>& pos_weight,
                                  const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
                                  double scale, int64_t offset, std::optional<int64_t> padding_idx,
                                  bool /*scale_grad_by_freq*/, bool validate, int64_t error_record, double dropout_p,
                                  const std::optional<at::Generator>& generator, bool /*sparse*/) {
-  check_dropout_p(dropout_p);
-  const LookupArgs args =
-      check_lookup(ids, weight, pos_weight, position_ids, pos_encoding, offset, padding_idx, validate);
-  return call_forward(ids, weight, pos_weight, args.position_ids, pos_encoding, scale, offset, error_record,
-                      draw_dropout_key(dropout_p, generator, weight.device()), dropout_p);
+  return lookup_forward(false, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
+                        validate, error_record, dropout_p, generator);
 }
 
 at::Tensor embedding_autograd(const at::Tensor& ids, const at::Tensor& weight,
@@ -310,23 +364,26 @@ at::Tensor embedding_autograd(const at::Tensor& ids, const at::Tensor& weight,
                               double scale, int64_t offset, std::optional<int64_t> padding_idx,
                               bool scale_grad_by_freq, bool validate, int64_t error_record, double dropout_p,
                               const std::optional<at::Generator>& generator, bool sparse) {
-  const bool needs_grad = weight.requires_grad() || (pos_weight.has_value() && pos_weight->requires_grad());
-  if (!at::GradMode::is_enabled() || !needs_grad) {  // no_grad decoding: no node to build (~1 us)
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return embedding_no_autograd(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                                 scale_grad_by_freq, validate, error_record, dropout_p, generator, sparse);
-  }
-  check_dropout_p(dropout_p);
-  const LookupArgs args =
-      check_lookup(ids, weight, pos_weight, position_ids, pos_encoding, offset, padding_idx, validate);
-  return EmbeddingFunction::apply(weight, pos_weight,
-                                  Lookup{ids, args.position_ids, pos_encoding, scale, offset, args.padding_idx,
-                                         scale_grad_by_freq, error_record,
-                                         draw_dropout_key(dropout_p, generator, weight.device()), dropout_p,
-                                         sparse});
+  return lookup(false, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
+                scale_grad_by_freq, validate, error_record, dropout_p, generator, sparse);
 }
 
 }  // namespace
+
+void set_python_kernels(std::unique_ptr<LookupKernels> kernels) {
+  python_kernels = kernels.release();  // a previous set is kept (a node may be running it)
+}
+
+at::Tensor embedding_python_kernels(const at::Tensor& ids, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& pos_weight,
+                                    const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
+                                    double scale, int64_t offset, std::optional<int64_t> padding_idx,
+                                    bool scale_grad_by_freq, bool validate, int64_t error_record, double dropout_p,
+                                    const std::optional<at::Generator>& generator, bool sparse) {
+  TORCH_CHECK(python_kernels != nullptr, "pyembed: no Python kernels were set");
+  return lookup(true, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
+                scale_grad_by_freq, validate, error_record, dropout_p, generator, sparse);
+}
 
 bool built_coalesced(const at::Tensor& grad) {
   if (!grad.is_sparse()) return false;

@@ -3,7 +3,48 @@
 
 #include <ATen/ATen.h>
 
+#include <memory>
+#include <optional>
+#include <string_view>
+#include <tuple>
+
 namespace pyembed {
+
+// The kernels pyembed::embedding's node runs, with the schemas of pyembed/reference.py's
+// embedding_forward (sinusoid columns left at their defaults), embedding_backward and
+// embedding_sparse_backward: the C++ backends' ops through the dispatcher (csrc/autograd.cpp),
+// or Python functions of a backend whose launches are Python (triton: csrc/pyembed.cpp).
+struct LookupKernels {
+  virtual ~LookupKernels() = default;
+  virtual at::Tensor forward(const at::Tensor& ids, const at::Tensor& weight,
+                             const std::optional<at::Tensor>& pos_weight,
+                             const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
+                             double scale, int64_t offset, const std::optional<at::Tensor>& dropout_key,
+                             double dropout_p, int64_t error_record) const = 0;
+  virtual std::tuple<at::Tensor, at::Tensor> backward(
+      const at::Tensor& grad_out, const at::Tensor& ids, const std::optional<at::Tensor>& position_ids,
+      int64_t offset, int64_t num_embeddings, int64_t num_positions, double scale,
+      std::optional<int64_t> padding_idx, bool scale_grad_by_freq, bool need_weight_grad, bool need_pos_grad,
+      const std::optional<at::Tensor>& dropout_key, double dropout_p) const = 0;
+  virtual std::tuple<at::Tensor, at::Tensor> sparse_backward(
+      const at::Tensor& grad_out, const at::Tensor& ids, int64_t num_embeddings, double scale,
+      std::optional<int64_t> padding_idx, bool scale_grad_by_freq, const std::optional<at::Tensor>& dropout_key,
+      double dropout_p) const = 0;
+};
+
+// The Python backend's kernels, set at its import (never freed: they hold Python objects,
+// which must not be released after the interpreter has gone; a second set replaces them).
+void set_python_kernels(std::unique_ptr<LookupKernels> kernels);
+
+// pyembed::embedding's call (its schema's arguments) with its node running the kernels
+// set_python_kernels gave: every check and the node as for the C++ backends, only the
+// forward, backward and sparse backward Python. Called directly, not through the dispatcher.
+at::Tensor embedding_python_kernels(const at::Tensor& ids, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& pos_weight,
+                                    const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
+                                    double scale, int64_t offset, std::optional<int64_t> padding_idx,
+                                    bool scale_grad_by_freq, bool validate, int64_t error_record, double dropout_p,
+                                    const std::optional<at::Generator>& generator, bool sparse);
 
 // ``grad`` still holds the storages of a coalesced sparse gradient pyembed::embedding's
 // node built (and its nnz): pyembed/_coalesced.py sets the flag AccumulateGrad dropped.

@@ -125,6 +125,53 @@ static at::Tensor embedding_call(const at::Tensor& ids, const at::Tensor& weight
                  validate, error_record, dropout_p, generator, sparse);
 }
 
+// The kernels of a backend whose launches are Python (triton), for pyembed::embedding's node
+// (csrc/autograd.cpp): its Python autograd.Function and argument checks cost a one-token
+// lookup with a gradient more host time than the launch itself; through the C++ node only
+// the forward and backward bodies are Python. The backward runs on autograd's thread,
+// which holds no GIL; a Python exception propagates as it was raised.
+struct PythonKernels final : pyembed::LookupKernels {
+  py::object forward_fn, backward_fn, sparse_backward_fn;
+
+  PythonKernels(py::object forward, py::object backward, py::object sparse_backward)
+      : forward_fn(std::move(forward)), backward_fn(std::move(backward)),
+        sparse_backward_fn(std::move(sparse_backward)) {}
+
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& weight, const std::optional<at::Tensor>& pos_weight,
+                     const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding, double scale,
+                     int64_t offset, const std::optional<at::Tensor>& dropout_key, double dropout_p,
+                     int64_t error_record) const override {
+    py::gil_scoped_acquire gil;
+    return forward_fn(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p, 0,
+                      0, error_record)
+        .cast<at::Tensor>();
+  }
+
+  std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& ids,
+                                              const std::optional<at::Tensor>& position_ids, int64_t offset,
+                                              int64_t num_embeddings, int64_t num_positions, double scale,
+                                              std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
+                                              bool need_weight_grad, bool need_pos_grad,
+                                              const std::optional<at::Tensor>& dropout_key,
+                                              double dropout_p) const override {
+    py::gil_scoped_acquire gil;
+    return backward_fn(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
+                       scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p)
+        .cast<std::tuple<at::Tensor, at::Tensor>>();
+  }
+
+  std::tuple<at::Tensor, at::Tensor> sparse_backward(const at::Tensor& grad_out, const at::Tensor& ids,
+                                                     int64_t num_embeddings, double scale,
+                                                     std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
+                                                     const std::optional<at::Tensor>& dropout_key,
+                                                     double dropout_p) const override {
+    py::gil_scoped_acquire gil;
+    return sparse_backward_fn(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key,
+                              dropout_p)
+        .cast<std::tuple<at::Tensor, at::Tensor>>();
+  }
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pyembed's compiled kernels; the ops live in torch.ops.pyembed";
 #ifdef PYEMBED_WITH_CUDA
@@ -142,6 +189,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("offset"), py::arg("padding_idx"), py::arg("scale_grad_by_freq"),
         py::arg("validate"), py::arg("error_record"), py::arg("dropout_p") = 0.0,
         py::arg("generator") = py::none(), py::arg("sparse") = false, py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "set_python_kernels",
+      [](py::object forward, py::object backward, py::object sparse_backward) {
+        pyembed::set_python_kernels(
+            std::make_unique<PythonKernels>(std::move(forward), std::move(backward), std::move(sparse_backward)));
+      },
+      "the forward, dense and sparse backward (pyembed/reference.py's schemas) embedding_python_kernels runs; once",
+      py::arg("forward"), py::arg("backward"), py::arg("sparse_backward"));
+  // The GIL stays held: the forward is Python.
+  m.def("embedding_python_kernels", &pyembed::embedding_python_kernels,
+        "pyembed::embedding's call (its checks and C++ autograd node) with the kernels set_python_kernels gave",
+        py::arg("ids"), py::arg("weight"), py::arg("pos_weight"), py::arg("position_ids"), py::arg("pos_encoding"),
+        py::arg("scale"), py::arg("offset"), py::arg("padding_idx"), py::arg("scale_grad_by_freq"),
+        py::arg("validate"), py::arg("error_record"), py::arg("dropout_p") = 0.0,
+        py::arg("generator") = py::none(), py::arg("sparse") = false);
   m.def("built_coalesced", &pyembed::built_coalesced,
         "whether a sparse .grad still holds the storages of a coalesced gradient pyembed::embedding built");
 }

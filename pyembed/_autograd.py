@@ -67,10 +67,10 @@ def apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config: Fuse
             and not config.sinusoid_dim and plain_eager):
         # The common eager call: the backend's lookup op (on a C++ backend its autograd node
         # is C++ too, csrc/autograd.cpp: a few us less than an autograd.Function -- most of a
-        # one-token lookup; triton's is python_lookup below). Everything else (forward AD,
-        # torch.func, torch.compile, and the calls with dropout or a sparse gradient that
-        # reach this general route: fused_embedding sent the plain ones to that op) takes a
-        # Function below.
+        # one-token lookup; triton's is that node running its Python kernels). Everything
+        # else (forward AD, torch.func, torch.compile, and the calls with dropout or a sparse
+        # gradient that reach this general route: fused_embedding sent the plain ones to
+        # that op) takes a Function below.
         ids, weight, pos_weight, position_ids, _ = tensors
         if config.validate:  # here, not in the op: the Python checks raise pyembed's exception types
             ids = checked_ids(ids, weight, pos_weight, position_ids, config.pos_encoding)
@@ -95,34 +95,6 @@ def apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config: Fuse
             config.padding_idx, config.scale_grad_by_freq, config.backend, dropout_key, config.dropout_p,
             config.sinusoid_column_offset, config.sinusoid_dim)
     return FusedEmbeddingFunction.apply(*tensors, config)  # what torch.compile traces (no custom jvp)
-
-
-def python_lookup(backend: str, eager_forward):
-    """``backend``'s lookup under the contract of the C++ backends' ``pyembed::embedding``
-    op (csrc/autograd.cpp), for a backend whose kernels are launched from Python (triton):
-    every argument checked, the range check in the call when ``validate``, else into
-    ``error_record`` inside the kernel, then the forward's eager body (``eager_forward``)
-    alone when nothing will ask for a gradient, else the autograd.Function. fused_embedding
-    sends plain eager calls here as it sends them to that op: the general route's layers
-    (argument forms no plain call has, dtensor) cost a one-token `triton` lookup ~2 us of
-    its ~16. As that op, it draws the dropout key itself, after every check."""
-    def lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-               scale_grad_by_freq, validate, error_record, dropout_p=0.0, generator=None, sparse=False):
-        pos_encoding, position_ids = checks.check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
-        if padding_idx is not None:
-            padding_idx = checks.normalize_padding_idx(padding_idx, weight.shape[0])
-        ids, weight, pos_weight, position_ids = _contiguous(ids, weight, pos_weight, position_ids)
-        if validate:
-            ids = checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
-        dropout_key = reference.draw_dropout_key(weight.device, generator) if dropout_p else None
-        if _wants_gradient(weight, pos_weight):
-            config = FusedConfig(pos_encoding, float(scale), offset, padding_idx, bool(scale_grad_by_freq), sparse,
-                                 False, backend, float(dropout_p), error_record)
-            return eager_apply(FusedEmbeddingFunctionWithJvp, ids, weight, pos_weight, position_ids, dropout_key,
-                               config)
-        return eager_forward(ids, weight, pos_weight, position_ids, pos_encoding, float(scale), offset, dropout_key,
-                             float(dropout_p), 0, 0, error_record)
-    return lookup
 
 
 def _eager_apply():

@@ -37,8 +37,8 @@ class Backend:
     sparse_backward: Callable  # op with the schema of reference.embedding_sparse_backward
     why_unavailable: Callable[[torch.device], Optional[str]]  # None when it can run there
     # The lookup that checks its arguments and holds its own autograd, for plain eager calls
-    # (the C++ backends' pyembed::embedding, with a C++ node; triton's Python function with
-    # that op's contract, pyembed._autograd.python_lookup); None: the general route.
+    # (the C++ backends' pyembed::embedding, with a C++ node; triton's call of that op's
+    # checks and node with its Python kernels, pyembed._triton._lookup_op); None: the general route.
     autograd_op: Optional[Callable] = None
     # The same lookup as an op for torch.compile to trace, with the schema of
     # torch.ops.pyembed.embedding (the C++ backends' own; triton's pyembed::triton_lookup),

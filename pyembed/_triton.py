@@ -34,6 +34,7 @@ import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode  # imported by torch itself
 
 from . import _autograd, _ops, checks, dispatch, reference
+from ._extension import _C
 from .checks import CUDAGRAPH_UNSAFE
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -318,15 +319,17 @@ def _lookup_backward(ctx, grad_out):
 triton_lookup.register_autograd(_lookup_backward, setup_context=_save_lookup)
 
 
-@torch.library.custom_op("pyembed::triton_sparse_backward", mutates_args=(), tags=CUDAGRAPH_UNSAFE)
-def triton_sparse_backward(grad_out: torch.Tensor, ids: torch.Tensor, num_embeddings: int, scale: float,
-                           padding_idx: Optional[int], scale_grad_by_freq: bool,
-                           dropout_key: Optional[torch.Tensor] = None,
-                           dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_backward(grad_out: torch.Tensor, ids: torch.Tensor, num_embeddings: int, scale: float,
+                    padding_idx: Optional[int], scale_grad_by_freq: bool, dropout_key: Optional[torch.Tensor] = None,
+                    dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The token table's sparse gradient (schema of reference.embedding_sparse_backward):
     one host sync, for the number of touched rows."""
     return _used_row_sums(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key,
                           dropout_p, exact=True)
+
+
+triton_sparse_backward = torch.library.custom_op("pyembed::triton_sparse_backward", mutates_args=(),
+                                                 tags=CUDAGRAPH_UNSAFE)(sparse_backward)
 
 
 def touched_rows(grad_out: torch.Tensor, ids: torch.Tensor, num_embeddings: int, scale: float,
@@ -401,9 +404,24 @@ def position_update(grad_out, ids, offset: int, dropout_key: Optional[torch.Tens
 
 _ops.register_fakes("pyembed::triton_forward", "pyembed::triton_backward", "pyembed::triton_sparse_backward")
 
+
+def _lookup_op():
+    """The lookup op of plain eager calls (pyembed.functional's first route, the Backend's
+    autograd_op): pyembed::embedding's call -- its argument checks and its C++ autograd node
+    (csrc/autograd.cpp) -- with this module's forward, backward and sparse_backward as the
+    node's kernels (csrc/pyembed.cpp, PythonKernels). A Python autograd.Function and the
+    checks in Python cost a one-token lookup with a gradient ~6 us more on the development
+    VM (stand-in driver: ``python -m bench.triton_host``), its backward another layer of
+    Python. None (the general route, a Python Function) without the compiled extension."""
+    if _C is None or not hasattr(_C, "embedding_python_kernels"):
+        return None
+    _C.set_python_kernels(forward, backward, sparse_backward)
+    return _C.embedding_python_kernels
+
+
 dispatch.register_backend(dispatch.Backend(
     "triton", torch.ops.pyembed.triton_forward, torch.ops.pyembed.triton_backward,
-    torch.ops.pyembed.triton_sparse_backward, _why_unavailable, autograd_op=_autograd.python_lookup("triton", forward),
+    torch.ops.pyembed.triton_sparse_backward, _why_unavailable, autograd_op=_lookup_op(),
     compiled_op=torch.ops.pyembed.triton_lookup.default, checks_in_kernel=True,
     eager_forward=forward, eager_backward=backward, touched_rows=touched_rows, optimizer_update=optimizer_update,
     optimizer_backward=optimizer_backward, position_update=position_update,

@@ -3,8 +3,8 @@
 
 A plain eager call goes straight to its backend's lookup op: on a C++ backend
 ``pyembed::embedding``, which checks every argument itself, with the messages the Python
-checks below use, and has a C++ autograd node (csrc/autograd.cpp); on ``triton`` a Python
-function with that op's contract (pyembed._autograd.python_lookup). Its bad-input errors
+checks below use, and has a C++ autograd node (csrc/autograd.cpp); on ``triton`` the same
+checks and node with Python kernels (pyembed._triton._lookup_op). Its bad-input errors
 are raised as pyembed's exception types (checks.from_cpp), anything else as it is. Under
 torch.compile the same call is checked here and traced as one lookup op
 (``_compiled_lookup``). The general route below runs for every other call. Checks here
@@ -90,7 +90,7 @@ def fused_embedding(
         if _autograd.autograd_may_be_cpp():
             # Eager, no forward-mode AD, no torch.func transform: its backend's lookup op,
             # which checks its arguments and holds its autograd node (the C++ backends'
-            # pyembed::embedding; triton's in Python, with the same contract). Nothing else
+            # pyembed::embedding; triton's: the same, with Python kernels). Nothing else
             # runs before it: each layer of the general route below cost a one-token lookup
             # a few tenths of a microsecond (a one-token `cuda` lookup is ~10 us on a GPU host).
             device = weight.device

@@ -161,6 +161,117 @@ def test_plain_eager_calls_take_the_cpp_node_and_the_rest_the_python_function():
         torch.testing.assert_close(out, plain.detach(), rtol=0, atol=0)
 
 
+def _lookup_results(lookup, ids, weight, pos_weight, **options):
+    """A lookup's output and gradients (weight, positions) -- a plain backward, the kernels'
+    -- and the same gradients recorded (create_graph=True) and differentiated again with
+    respect to the output gradient."""
+    weight, pos_weight = weight.detach().requires_grad_(), pos_weight.detach().requires_grad_()
+    results = []
+    for create_graph in (False, True):
+        torch.manual_seed(3)  # the dropout key
+        out = lookup(ids, weight, pos_weight, **options)
+        dout = torch.linspace(-1.0, 1.0, out.numel(), dtype=out.dtype).reshape(out.shape).requires_grad_()
+        grads = torch.autograd.grad(out, (weight, pos_weight), dout, create_graph=create_graph)
+        results += [out.detach(), *(g.to_dense() if g.is_sparse else g.detach() for g in grads)]
+        if create_graph:
+            results.append(torch.autograd.grad(sum((g.to_dense() * g.to_dense()).sum() for g in grads), dout)[0])
+    return results
+
+
+_NODE_OPTIONS = [{}, {"dropout_p": 0.25}, {"sparse": True}, {"sparse": True, "dropout_p": 0.25},
+                 {"padding_idx": 2, "scale_grad_by_freq": True}, {"position_ids": torch.tensor([[3, 1, 0]])},
+                 {"validate": False}]
+
+
+@pytest.mark.skipif("triton" not in CPU_BACKENDS or "cpu" not in CPU_BACKENDS,
+                    reason="needs Triton (interpreted) and the C++ extension")
+def test_plain_eager_triton_calls_take_the_cpp_node_with_the_same_results_as_the_python_function(monkeypatch):
+    # triton's lookup op is pyembed::embedding's checks and C++ node with triton's forward
+    # and backward as its kernels (csrc/pyembed.cpp): the cpu backend's node type, and the
+    # same bits as the general route's Python Function running those kernels -- output,
+    # dense / sparse gradients, dropout, positions, double backward.
+    ids = torch.tensor([[1, 2, 2], [3, 1, 6]])  # row 1 twice, 2 (padding) twice
+    weight, pos_weight = torch.randn(7, 8), torch.randn(4, 8)
+
+    def triton(ids, weight, pos_weight, **options):
+        return pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="triton", **options)
+
+    for options in _NODE_OPTIONS:
+        out = triton(ids, weight.requires_grad_(), pos_weight, **options)
+        assert "EmbeddingFunction" in out.grad_fn.name() and "Fused" not in out.grad_fn.name(), options
+    fast = [_lookup_results(triton, ids, weight, pos_weight, **options) for options in _NODE_OPTIONS]
+    monkeypatch.setitem(dispatch._registry, "triton", dataclasses.replace(dispatch.get("triton"), autograd_op=None))
+    assert "FusedEmbeddingFunction" in triton(ids, weight, pos_weight).grad_fn.name()
+    for options, got in zip(_NODE_OPTIONS, fast):
+        for g, want in zip(got, _lookup_results(triton, ids, weight, pos_weight, **options), strict=True):
+            torch.testing.assert_close(g, want, rtol=0, atol=0, msg=str(options))
+
+
+@pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")
+def test_the_node_passes_its_python_kernels_every_argument_of_the_reference_schemas():
+    # The reference backend's own ops as the node's kernels give the reference backend's
+    # results through its Python Function: each argument reaches its kernel in the order of
+    # reference.embedding_forward / _backward / _sparse_backward.
+    from pyembed import _extension, reference
+
+    ids = torch.tensor([[1, 2, 2], [3, 1, 6]])  # row 1 twice, 2 (padding) twice
+    weight, pos_weight = torch.randn(7, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    _extension._C.set_python_kernels(reference.embedding_forward, reference.embedding_backward,
+                                     reference.embedding_sparse_backward)
+    try:
+        def node(ids, weight, pos_weight, padding_idx=None, scale_grad_by_freq=False, position_ids=None,
+                 validate=True, dropout_p=0.0, sparse=False):
+            return _extension._C.embedding_python_kernels(
+                ids, weight, pos_weight, position_ids, "learned", 2.0, 0 if position_ids is not None else 1,
+                padding_idx, scale_grad_by_freq, validate, 0, dropout_p, None, sparse)
+
+        def reference_route(ids, weight, pos_weight, **options):
+            offset = 0 if "position_ids" in options else 1
+            return pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, offset=offset, backend="reference",
+                                           **options)
+
+        for options in _NODE_OPTIONS:
+            got = _lookup_results(node, ids, weight, pos_weight, **options)
+            for g, want in zip(got, _lookup_results(reference_route, ids, weight, pos_weight, **options), strict=True):
+                torch.testing.assert_close(g, want, rtol=0, atol=0, msg=str(options))
+    finally:
+        _restore_python_kernels()
+
+
+def _restore_python_kernels():
+    if "triton" in dispatch.BACKEND_NAMES and "triton" in CPU_BACKENDS:
+        from pyembed import _extension, _triton
+
+        _extension._C.set_python_kernels(_triton.forward, _triton.backward, _triton.sparse_backward)
+
+
+class _Raised(Exception):
+    pass
+
+
+@pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")
+def test_an_exception_in_a_python_kernel_reaches_the_caller_as_raised():
+    # From the forward (in the call) and from the backward (on autograd's thread, through
+    # the engine): the kernel's own exception, not a RuntimeError wrapping it.
+    from pyembed import _extension, reference
+
+    def raising(*args):
+        raise _Raised("from the kernel")
+
+    ids, weight = torch.tensor([1, 2]), torch.randn(4, 3, requires_grad=True)
+    try:
+        _extension._C.set_python_kernels(raising, raising, raising)
+        with pytest.raises(_Raised, match="from the kernel"):
+            _extension._C.embedding_python_kernels(ids, weight, None, None, "none", 1.0, 0, None, False, True, 0)
+        _extension._C.set_python_kernels(reference.embedding_forward, raising, raising)
+        out = _extension._C.embedding_python_kernels(ids, weight, None, None, "none", 1.0, 0, None, False, True, 0)
+        torch.testing.assert_close(out, weight.detach()[ids], rtol=0, atol=0)
+        with pytest.raises(_Raised, match="from the kernel"):
+            out.sum().backward()
+    finally:
+        _restore_python_kernels()
+
+
 class _Doubling(torch.autograd.Function):
     seen_wrapped = []  # whether forward got a functorch wrapper, call by call
 

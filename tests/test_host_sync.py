@@ -520,9 +520,10 @@ def test_eager_triton_calls_skip_the_dispatcher_and_issue_few_aten_ops(interpret
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_calls_that_need_no_gradient_skip_the_autograd_function(monkeypatch, backend):
-    """Inference (torch.no_grad, frozen tables) asks no gradient of a call: the Python
-    backends run the forward op alone, without an autograd.Function (its apply and saved
-    context were ~8 us of a one-token triton lookup's host time, launch stubbed)."""
+    """Inference (torch.no_grad, frozen tables) asks no gradient of a call: the backends
+    whose kernels are Python run the forward op alone, without an autograd.Function (its
+    apply and saved context were ~8 us of a one-token triton lookup's host time, launch
+    stubbed). With a gradient: the reference backend's Function, triton's C++ node."""
     if backend == "triton":
         pytest.importorskip("triton", reason="triton is not installed")
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -544,6 +545,10 @@ def test_calls_that_need_no_gradient_skip_the_autograd_function(monkeypatch, bac
     exact = weight.detach().double()[ids] * 2.0 + pos_weight.double()[:8]
     torch.testing.assert_close(frozen.double(), exact)
     assert torch.equal(frozen, expected) and torch.equal(trainable, expected)
+    if backend == "triton":  # a gradient is wanted here: the node of pyembed::embedding's call
+        out = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend=backend)
+        assert "EmbeddingFunction" in out.grad_fn.name() and torch.equal(out.detach(), expected)
+        return
     with pytest.raises(AssertionError, match="autograd.Function was applied"):  # a gradient is wanted here
         pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend=backend)
 

@@ -140,7 +140,8 @@ def host_costs(backends, calls=300):
     if "triton" in backends:
         graded["triton: FusedEmbeddingFunctionWithJvp.apply"] = lambda: _autograd.FusedEmbeddingFunctionWithJvp.apply(
             ids, weight, pos_weight, None, None, config)
-        graded["triton: its lookup op (checks, then that apply)"] = lambda: dispatch.get("triton").autograd_op(
+        lookup = dispatch.get("triton").autograd_op
+        graded["triton: its lookup op (C++ checks and node, Python kernels)"] = lambda: lookup(
             ids, weight, pos_weight, None, "learned", 2.0, 0, None, False, False, 0)
     for name, fn in graded.items():
         print(f"host 1x1 with a gradient, {name}: {per_call(fn):.1f} us/call", flush=True)
