@@ -1,5 +1,6 @@
 // pyembed::embedding: the lookup with its autograd node in C++, for eager calls on the
-// C++ backends (cpu, cuda).
+// C++ backends (cpu, cuda) -- and on triton, whose node runs Python kernels
+// (LookupKernels, csrc/pyembed.cpp's PythonKernels; the call is embedding_python_kernels).
 //
 // Why: a one-token lookup is ~10 us in eager PyTorch. A Python autograd.Function alone
 // costs ~5 us of apply, ctx and save overhead on top of the ~3 us kernel call, and the
