@@ -338,3 +338,28 @@ def launch_ranks(run, world_size: int, store_dir: str, backends: list[str]) -> N
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+def lookup_results(lookup, ids, weight, pos_weight, **options):
+    """A lookup's output and gradients (weight, positions) -- a plain backward, the kernels'
+    -- and the same gradients recorded (create_graph=True) and differentiated again with
+    respect to the output gradient."""
+    weight, pos_weight = weight.detach().requires_grad_(), pos_weight.detach().requires_grad_()
+    results = []
+    for create_graph in (False, True):
+        torch.manual_seed(3)  # the dropout key
+        out = lookup(ids, weight, pos_weight, **options)
+        dout = torch.linspace(-1.0, 1.0, out.numel(), dtype=out.dtype, device=out.device)
+        dout = dout.reshape(out.shape).requires_grad_()
+        grads = torch.autograd.grad(out, (weight, pos_weight), dout, create_graph=create_graph)
+        results += [out.detach(), *(g.to_dense() if g.is_sparse else g.detach() for g in grads)]
+        if create_graph:
+            results.append(torch.autograd.grad(sum((g.to_dense() * g.to_dense()).sum() for g in grads), dout)[0])
+    return results
+
+
+# Calls whose node's forward, backward and double backward differ (dropout, sparse, padding +
+# scale_grad_by_freq, positions, no range check), for 2x3 ids as tests/test_dispatch.py's.
+NODE_OPTIONS = [{}, {"dropout_p": 0.25}, {"sparse": True}, {"sparse": True, "dropout_p": 0.25},
+                {"padding_idx": 2, "scale_grad_by_freq": True}, {"position_ids": torch.tensor([[3, 1, 0]])},
+                {"validate": False}]

@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 import pyembed
 from pyembed import _ops, dispatch
-from helpers import CPU_BACKENDS, eager_embedding, make_inputs, run_with_grads
+from helpers import CPU_BACKENDS, NODE_OPTIONS, eager_embedding, lookup_results, make_inputs, run_with_grads
 import test_errors
 
 
@@ -161,28 +161,6 @@ def test_plain_eager_calls_take_the_cpp_node_and_the_rest_the_python_function():
         torch.testing.assert_close(out, plain.detach(), rtol=0, atol=0)
 
 
-def _lookup_results(lookup, ids, weight, pos_weight, **options):
-    """A lookup's output and gradients (weight, positions) -- a plain backward, the kernels'
-    -- and the same gradients recorded (create_graph=True) and differentiated again with
-    respect to the output gradient."""
-    weight, pos_weight = weight.detach().requires_grad_(), pos_weight.detach().requires_grad_()
-    results = []
-    for create_graph in (False, True):
-        torch.manual_seed(3)  # the dropout key
-        out = lookup(ids, weight, pos_weight, **options)
-        dout = torch.linspace(-1.0, 1.0, out.numel(), dtype=out.dtype).reshape(out.shape).requires_grad_()
-        grads = torch.autograd.grad(out, (weight, pos_weight), dout, create_graph=create_graph)
-        results += [out.detach(), *(g.to_dense() if g.is_sparse else g.detach() for g in grads)]
-        if create_graph:
-            results.append(torch.autograd.grad(sum((g.to_dense() * g.to_dense()).sum() for g in grads), dout)[0])
-    return results
-
-
-_NODE_OPTIONS = [{}, {"dropout_p": 0.25}, {"sparse": True}, {"sparse": True, "dropout_p": 0.25},
-                 {"padding_idx": 2, "scale_grad_by_freq": True}, {"position_ids": torch.tensor([[3, 1, 0]])},
-                 {"validate": False}]
-
-
 @pytest.mark.skipif("triton" not in CPU_BACKENDS or "cpu" not in CPU_BACKENDS,
                     reason="needs Triton (interpreted) and the C++ extension")
 def test_plain_eager_triton_calls_take_the_cpp_node_with_the_same_results_as_the_python_function(monkeypatch):
@@ -196,14 +174,14 @@ def test_plain_eager_triton_calls_take_the_cpp_node_with_the_same_results_as_the
     def triton(ids, weight, pos_weight, **options):
         return pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="triton", **options)
 
-    for options in _NODE_OPTIONS:
+    for options in NODE_OPTIONS:
         out = triton(ids, weight.requires_grad_(), pos_weight, **options)
         assert "EmbeddingFunction" in out.grad_fn.name() and "Fused" not in out.grad_fn.name(), options
-    fast = [_lookup_results(triton, ids, weight, pos_weight, **options) for options in _NODE_OPTIONS]
+    fast = [lookup_results(triton, ids, weight, pos_weight, **options) for options in NODE_OPTIONS]
     monkeypatch.setitem(dispatch._registry, "triton", dataclasses.replace(dispatch.get("triton"), autograd_op=None))
     assert "FusedEmbeddingFunction" in triton(ids, weight, pos_weight).grad_fn.name()
-    for options, got in zip(_NODE_OPTIONS, fast):
-        for g, want in zip(got, _lookup_results(triton, ids, weight, pos_weight, **options), strict=True):
+    for options, got in zip(NODE_OPTIONS, fast):
+        for g, want in zip(got, lookup_results(triton, ids, weight, pos_weight, **options), strict=True):
             torch.testing.assert_close(g, want, rtol=0, atol=0, msg=str(options))
 
 
@@ -230,9 +208,9 @@ def test_the_node_passes_its_python_kernels_every_argument_of_the_reference_sche
             return pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, offset=offset, backend="reference",
                                            **options)
 
-        for options in _NODE_OPTIONS:
-            got = _lookup_results(node, ids, weight, pos_weight, **options)
-            for g, want in zip(got, _lookup_results(reference_route, ids, weight, pos_weight, **options), strict=True):
+        for options in NODE_OPTIONS:
+            got = lookup_results(node, ids, weight, pos_weight, **options)
+            for g, want in zip(got, lookup_results(reference_route, ids, weight, pos_weight, **options), strict=True):
                 torch.testing.assert_close(g, want, rtol=0, atol=0, msg=str(options))
     finally:
         _restore_python_kernels()

@@ -1,12 +1,13 @@
 """Every backend that runs on CUDA against eager PyTorch on real GPU tensors."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 import pyembed
-from helpers import token_order_ids_and_grad
+from helpers import NODE_OPTIONS, lookup_results, token_order_ids_and_grad
 from pyembed import dispatch
 
 
@@ -377,3 +378,26 @@ def test_dense_backward_from_its_plan_is_its_first_call_bit_for_bit(backend, bat
         from pyembed import _triton
         key = next(k for k in _triton._backward_plans if k[0] == calls[0][0].shape and k[3] == ids.shape)
         assert _triton._backward_plans[key].whole is not None
+
+
+def test_triton_calls_through_the_cpp_node_equal_the_python_function_on_cuda(monkeypatch):
+    # A plain eager `triton` call is pyembed::embedding's C++ node running triton's Python
+    # forward and backward (tests/test_dispatch.py checks it under the interpreter). On a
+    # GPU its backward runs on autograd's CUDA device thread, which takes the GIL for the
+    # Python backward: outputs and gradients (plain and create_graph backward, double
+    # backward) equal the general route's Python Function on the same kernels, bit for bit.
+    _kernel_ops("triton")
+    ids = torch.tensor([[1, 2, 2], [3, 1, 6]], device="cuda")
+    weight, pos_weight = torch.randn(7, 8, device="cuda"), torch.randn(4, 8, device="cuda")
+    calls = [{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in options.items()}
+             for options in NODE_OPTIONS]
+
+    def triton(ids, weight, pos_weight, **options):
+        return pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="triton", **options)
+
+    assert "Fused" not in triton(ids, weight.requires_grad_(), pos_weight).grad_fn.name()
+    fast = [lookup_results(triton, ids, weight, pos_weight, **options) for options in calls]
+    monkeypatch.setitem(dispatch._registry, "triton", dataclasses.replace(dispatch.get("triton"), autograd_op=None))
+    for options, got in zip(calls, fast):
+        for g, want in zip(got, lookup_results(triton, ids, weight, pos_weight, **options), strict=True):
+            torch.testing.assert_close(g, want, rtol=0, atol=0, msg=str(options))
