@@ -313,30 +313,34 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
   }
 };
 
-// Below autograd (inference_mode, no_grad, or tables that need no gradient): the forward alone.
-at::Tensor lookup_forward(bool python, const at::Tensor& ids, const at::Tensor& weight,
-                          const std::optional<at::Tensor>& pos_weight, const std::optional<at::Tensor>& position_ids,
-                          std::string_view pos_encoding, double scale, int64_t offset,
-                          std::optional<int64_t> padding_idx, bool validate, int64_t error_record, double dropout_p,
-                          const std::optional<at::Generator>& generator) {
+// Below autograd (inference_mode, no_grad, or tables that need no gradient): the forward
+// alone. kPython: the kernels set_python_kernels gave, else the backend's ops.
+template <bool kPython>
+at::Tensor lookup_forward(const at::Tensor& ids, const at::Tensor& weight, const std::optional<at::Tensor>& pos_weight,
+                          const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding, double scale,
+                          int64_t offset, std::optional<int64_t> padding_idx, bool /*scale_grad_by_freq*/,
+                          bool validate, int64_t error_record, double dropout_p,
+                          const std::optional<at::Generator>& generator, bool /*sparse*/) {
   check_dropout_p(dropout_p);
   const LookupArgs args =
       check_lookup(ids, weight, pos_weight, position_ids, pos_encoding, offset, padding_idx, validate);
-  return kernels_of(python).forward(ids, weight, pos_weight, args.position_ids, pos_encoding, scale, offset,
-                                    draw_dropout_key(dropout_p, generator, weight.device()), dropout_p, error_record);
+  return kernels_of(kPython).forward(ids, weight, pos_weight, args.position_ids, pos_encoding, scale, offset,
+                                     draw_dropout_key(dropout_p, generator, weight.device()), dropout_p,
+                                     error_record);
 }
 
-// The lookup with its node where a table needs a gradient, by the kernels ``python`` names.
-at::Tensor lookup(bool python, const at::Tensor& ids, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& pos_weight, const std::optional<at::Tensor>& position_ids,
-                  std::string_view pos_encoding, double scale, int64_t offset, std::optional<int64_t> padding_idx,
-                  bool scale_grad_by_freq, bool validate, int64_t error_record, double dropout_p,
-                  const std::optional<at::Generator>& generator, bool sparse) {
+// The lookup, with its node where a table needs a gradient.
+template <bool kPython>
+at::Tensor lookup(const at::Tensor& ids, const at::Tensor& weight, const std::optional<at::Tensor>& pos_weight,
+                  const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding, double scale,
+                  int64_t offset, std::optional<int64_t> padding_idx, bool scale_grad_by_freq, bool validate,
+                  int64_t error_record, double dropout_p, const std::optional<at::Generator>& generator,
+                  bool sparse) {
   const bool needs_grad = weight.requires_grad() || (pos_weight.has_value() && pos_weight->requires_grad());
   if (!at::GradMode::is_enabled() || !needs_grad) {  // no_grad decoding: no node to build (~1 us)
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return lookup_forward(python, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                          validate, error_record, dropout_p, generator);
+    return lookup_forward<kPython>(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
+                                   scale_grad_by_freq, validate, error_record, dropout_p, generator, sparse);
   }
   check_dropout_p(dropout_p);
   const LookupArgs args =
@@ -345,28 +349,7 @@ at::Tensor lookup(bool python, const at::Tensor& ids, const at::Tensor& weight,
                                   Lookup{ids, args.position_ids, pos_encoding, scale, offset, args.padding_idx,
                                          scale_grad_by_freq, error_record,
                                          draw_dropout_key(dropout_p, generator, weight.device()), dropout_p, sparse,
-                                         python});
-}
-
-// The op's kernels (the C++ backends').
-at::Tensor embedding_no_autograd(const at::Tensor& ids, const at::Tensor& weight,
-                                 const std::optional<at::Tensor>& pos_weight,
-                                 const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
-                                 double scale, int64_t offset, std::optional<int64_t> padding_idx,
-                                 bool /*scale_grad_by_freq*/, bool validate, int64_t error_record, double dropout_p,
-                                 const std::optional<at::Generator>& generator, bool /*sparse*/) {
-  return lookup_forward(false, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                        validate, error_record, dropout_p, generator);
-}
-
-at::Tensor embedding_autograd(const at::Tensor& ids, const at::Tensor& weight,
-                              const std::optional<at::Tensor>& pos_weight,
-                              const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
-                              double scale, int64_t offset, std::optional<int64_t> padding_idx,
-                              bool scale_grad_by_freq, bool validate, int64_t error_record, double dropout_p,
-                              const std::optional<at::Generator>& generator, bool sparse) {
-  return lookup(false, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                scale_grad_by_freq, validate, error_record, dropout_p, generator, sparse);
+                                         kPython});
 }
 
 }  // namespace
@@ -382,8 +365,8 @@ at::Tensor embedding_python_kernels(const at::Tensor& ids, const at::Tensor& wei
                                     bool scale_grad_by_freq, bool validate, int64_t error_record, double dropout_p,
                                     const std::optional<at::Generator>& generator, bool sparse) {
   TORCH_CHECK(python_kernels != nullptr, "pyembed: no Python kernels were set");
-  return lookup(true, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
-                scale_grad_by_freq, validate, error_record, dropout_p, generator, sparse);
+  return lookup<true>(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
+                      scale_grad_by_freq, validate, error_record, dropout_p, generator, sparse);
 }
 
 bool built_coalesced(const at::Tensor& grad) {
@@ -399,12 +382,13 @@ bool built_coalesced(const at::Tensor& grad) {
   return false;
 }
 
+// The op's kernels: the C++ backends'.
 TORCH_LIBRARY_IMPL(pyembed, Autograd, m) {
-  m.impl("embedding", &embedding_autograd);
+  m.impl("embedding", &lookup<false>);
 }
 
 TORCH_LIBRARY_IMPL(pyembed, CompositeExplicitAutograd, m) {
-  m.impl("embedding", &embedding_no_autograd);
+  m.impl("embedding", &lookup_forward<false>);
 }
 
 }  // namespace pyembed
