@@ -187,6 +187,20 @@ def host_us_gpu_busy(fn, calls: int) -> float:
     return us
 
 
+def _timed(fn, spent: list):
+    """``fn``, adding each call's seconds and count to ``spent``."""
+    import time
+
+    def timed(*args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            spent[0] += time.perf_counter() - start
+            spent[1] += 1
+    return timed
+
+
 def host_only_costs(backends, calls=40, rounds=3):
     """The host time of a GPT-2 8x2048 forward + backward alone: the GPU is held by a ~0.25 s
     sleep kernel first, so the host never waits for it (a call that does wait, a sync,
@@ -205,9 +219,7 @@ def host_only_costs(backends, calls=40, rounds=3):
     running slower on the device thread, this says. Then the parts of pyembed's backward:
     the dense backward op and torch.sort, which `triton` takes without its tile sort
     (PYEMBED_TRITON_TILE_SORT=0)."""
-    import time
-
-    from pyembed import _autograd
+    from pyembed import _autograd, _extension
 
     weight, pos_weight, ids, dout = tensors(*GPT2, 8, 2048, torch.float32)
     scale = GPT2[1] ** 0.5
@@ -246,18 +258,18 @@ def host_only_costs(backends, calls=40, rounds=3):
         pyembed.apply_optimizer_in_backward(torch.optim.AdamW, tables, {"lr": 1e-4})
         layers[f"pyembed {b}, AdamW inside the backward"] = (
             lambda b=b, tables=tables: pyembed.fused_embedding(ids, *tables, scale=scale, backend=b).backward(dout))
-    spent = [0.0, 0]  # seconds inside _gradients, its calls
+    spent = [0.0, 0]  # seconds inside _gradients (or triton's node's backward), its calls
     gradients = _autograd._gradients
-
-    def timed_gradients(ctx, grad_out):
-        start = time.perf_counter()
-        try:
-            return gradients(ctx, grad_out)
-        finally:
-            spent[0] += time.perf_counter() - start
-            spent[1] += 1
-
+    timed_gradients = _timed(gradients, spent)
     _autograd._gradients = timed_gradients  # read as a global by every Function's backward
+    # A plain `triton` call's backward is the C++ node's Python kernel (csrc/pyembed.cpp), not
+    # _gradients: timed by registering a timed copy of it for the loop.
+    python_kernels = None
+    if "triton" in backends and getattr(_extension._C, "set_python_kernels", None) is not None:
+        from pyembed import _triton
+
+        python_kernels = (_triton.forward, _triton.backward, _triton.sparse_backward)
+        _extension._C.set_python_kernels(python_kernels[0], _timed(python_kernels[1], spent), python_kernels[2])
     try:
         for threads in (True, False):
             with torch.autograd.set_multithreading_enabled(threads):
@@ -270,6 +282,8 @@ def host_only_costs(backends, calls=40, rounds=3):
                           f"{us:.1f} us/call{inside}", flush=True)
     finally:
         _autograd._gradients = gradients
+        if python_kernels is not None:
+            _extension._C.set_python_kernels(*python_kernels)
     for backend in backends:
         # The op (through the dispatcher) and, where the backend has one, the eager body
         # the autograd path calls (triton: its launches replayed from a plan after two calls).
