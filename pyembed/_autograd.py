@@ -3,7 +3,8 @@
 
 Routes, each for a reason torch imposes:
 - the C++ backends' ``pyembed::embedding`` op with its C++ autograd node: plain eager
-  calls (the fewest host microseconds);
+  calls (the fewest host microseconds); on ``triton`` the same checks and node running its
+  Python kernels (pyembed._triton._lookup_op);
 - ``FusedEmbeddingFunctionWithJvp``: other eager calls (dropout, sparse, forward-mode AD);
 - ``FusedEmbeddingFunctorch``: under torch.func transforms (setup_context + vmap rule);
 - ``FusedEmbeddingFunction``: what torch.compile traces (Dynamo cannot trace a custom jvp);
