@@ -195,7 +195,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pyembed::set_python_kernels(
             std::make_unique<PythonKernels>(std::move(forward), std::move(backward), std::move(sparse_backward)));
       },
-      "the forward, dense and sparse backward (pyembed/reference.py's schemas) embedding_python_kernels runs; once",
+      "the forward, dense and sparse backward (pyembed/reference.py's schemas) embedding_python_kernels runs",
       py::arg("forward"), py::arg("backward"), py::arg("sparse_backward"));
   // The GIL stays held: the forward is Python.
   m.def("embedding_python_kernels", &pyembed::embedding_python_kernels,
