@@ -388,6 +388,18 @@ class _RecordedOps(TorchDispatchMode):
 WORKSPACE_ALIGNMENT = 256  # bytes between a whole replay's temporaries, as torch's allocators align blocks
 
 
+def _same_tensor(made: torch.Tensor | None, t: torch.Tensor) -> bool:
+    """``t`` is the allocation ``made`` (None: freed): the same object, or the same memory
+    seen the same way (storage, offset, shape, strides, dtype) -- what _RecordedOps gets
+    under another TorchDispatchMode that holds the tensors its ops make: another tensor
+    object over the caller's memory (a debugging mode, the launch tests' _KeepAlive)."""
+    if made is None:
+        return False
+    return made is t or (made.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() != 0
+                         and (made.storage_offset(), made.shape, made.stride(), made.dtype)
+                         == (t.storage_offset(), t.shape, t.stride(), t.dtype))
+
+
 def _whole_call(launches: list, ops: _RecordedOps, inputs: tuple, outputs: tuple):
     """LaunchPlan.whole for a bound call, or None: where it ran another op than
     allocations and views, or a launch took a tensor that is neither an input nor the
@@ -408,7 +420,8 @@ def _whole_call(launches: list, ops: _RecordedOps, inputs: tuple, outputs: tuple
     input_names = {t.data_ptr(): f"i{k}" for k, t in enumerate(inputs) if t is not None}
     if len(input_names) != sum(t is not None for t in inputs):
         return None
-    returned = [next((j for j, (ref, *_) in enumerate(ops.allocated) if ref() is t), None) for t in outputs]
+    returned = [next((j for j, (ref, *_) in enumerate(ops.allocated) if _same_tensor(ref(), t)), None)
+                for t in outputs]
     if None in returned:
         return None
     offsets, size = {}, 0  # a temporary's byte offset in the workspace

@@ -451,7 +451,8 @@ def check_planned_optimizer_backward():
                 state2, optim.ADAM, hyper, True)
         launches.clear()
         through_cached.append(0)
-        _triton.optimizer_backward(*args)
+        with _KeepAlive():  # no temporary's address reused within the call: Triton's run holds them
+            _triton.optimizer_backward(*args)
         got = list(launches)
         if through_cached[-1] == 1:  # the update's launch alone
             replayed.append(name)
