@@ -203,6 +203,32 @@ def test_emulated_position_ids_and_out_of_range_ids(emulated):
     assert torch.equal(dw.sum(1).nonzero().reshape(-1), torch.tensor([0, 29]))
 
 
+# The forward with learned positions and no position_ids at four rows a block
+# (PYEMBED_CUDA_FORWARD_ROWS=4: narrower thread rows, more passes over each row) against
+# the float64 result, and bit for bit against row_grid's own shape: batches whose block
+# rows share a position (B = 8) or cross one (B = 3, 5), rows of one pass or several,
+# 16-byte accesses and element-wise ones (d = 97), an empty part in the last block.
+FOUR_ROW_SHAPES = [(8, 6, 30, 768), (3, 7, 20, 512), (5, 9, 40, 64), (2, 5, 11, 97)]
+
+
+@pytest.mark.parametrize("shape", FOUR_ROW_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_emulated_forward_at_four_rows_a_block_gives_the_same_bits(emulated, monkeypatch, dtype, shape):
+    from pyembed import reference
+
+    batch, seq_len, vocab, dim = shape
+    ids, weight, pos_weight, _ = make_inputs(batch, seq_len, vocab, dim, dtype, pos_rows=seq_len + 3, seed=17)
+    ids[0, 1], ids[-1, -1] = vocab, -1  # out of range (validate=False): zero rows, positional term included
+    found = {}
+    for rows in ("1", "4"):
+        monkeypatch.setenv("PYEMBED_CUDA_FORWARD_ROWS", rows)
+        found[rows] = forward(emulated, ids, weight, pos_weight, pos_encoding="learned", scale=1.5, offset=2)
+    assert torch.equal(found["4"], found["1"])
+    exact = reference.embedding_forward(ids, weight.double(), pos_weight.double(), None, "learned", 1.5, 2, None, 0.0)
+    atol, rtol = {torch.float32: (1e-6, 1e-6), torch.float64: (1e-12, 1e-12), torch.bfloat16: (1e-5, 2.0**-8)}[dtype]
+    assert_within(found["4"], exact, atol, rtol, what="four rows a block")
+
+
 def test_emulated_backward_is_deterministic(emulated):
     ids = torch.randint(0, 5, (4, 500), generator=torch.Generator().manual_seed(2))
     dout = torch.randn(4, 500, 32)

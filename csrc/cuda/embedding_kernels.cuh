@@ -38,7 +38,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
 
@@ -872,7 +874,7 @@ struct RowGrid {
   dim3 grid, block;
 };
 
-inline RowGrid row_grid(int64_t rows, int64_t dim, int vec) {
+inline RowGrid row_grid(int64_t rows, int64_t dim, int vec, int64_t min_rows_per_block = 1) {
   constexpr int64_t kWarp = 32;
   const int64_t per_row = std::max<int64_t>(1, (dim + vec - 1) / vec);
   int64_t tx = 1;
@@ -882,6 +884,9 @@ inline RowGrid row_grid(int64_t rows, int64_t dim, int vec) {
     const int64_t passes = (per_row + kThreadsPerBlock - 1) / kThreadsPerBlock;
     const int64_t per_pass = (per_row + passes - 1) / passes;
     tx = std::min<int64_t>(kThreadsPerBlock, (per_pass + kWarp - 1) / kWarp * kWarp);
+  }
+  if (kThreadsPerBlock / tx < min_rows_per_block) {  // narrower rows, more passes over each
+    tx = std::max<int64_t>(kWarp, kThreadsPerBlock / min_rows_per_block / kWarp * kWarp);
   }
   const int64_t ty = std::max<int64_t>(1, kThreadsPerBlock / tx);
   const int64_t blocks = std::max<int64_t>(1, (rows + ty - 1) / ty);
@@ -928,6 +933,23 @@ void with_dout(const at::Tensor& dout, const Dropout& dropout, F&& run) {
   }
 }
 
+// Rows (tokens) per block of the forward with learned positions and no position_ids,
+// whose slots run position-major (token_of_slot): a block's rows then share a positional
+// row where the batch has as many sequences, and its thread rows read that row's same
+// 16 bytes at about the same time -- from L1 after the first, if the SM's L1 serves them,
+// where one token per block (row_grid's choice for d >= 256 elements a row) has every
+// token read its positional row from L2: at Llama-3 8x2048 bf16 as many bytes as the
+// table's rows (the H200 at 1b594a4: 87% of L2 throughput, 70% of DRAM's, 84% of copy
+// bandwidth; Triton's kernel, whose programs hold 4 tokens of a position, 91% / 76% / 92%,
+// with 26% of its loads L1 hits against the CUDA kernel's 3%). Not measured on a GPU yet:
+// 1 (row_grid's shape) unless PYEMBED_CUDA_FORWARD_ROWS=4, read each call (a getenv) so
+// that gpu-check times both in one process (tests/gpu/profile_workload.py).
+inline int64_t forward_min_rows_per_block(PosEncoding mode, bool has_position_ids) {
+  if (mode != PosEncoding::kLearned || has_position_ids) return 1;
+  const char* env = std::getenv("PYEMBED_CUDA_FORWARD_ROWS");
+  return env != nullptr && std::string_view(env) == "4" ? 4 : 1;
+}
+
 template <class Launch, typename T, typename index_t>
 void launch_forward(const at::Tensor& ids, const at::Tensor& weight, const at::Tensor& pos_weight,
                     const at::Tensor& position_ids, PosEncoding mode, double scale, int64_t offset,
@@ -936,7 +958,7 @@ void launch_forward(const at::Tensor& ids, const at::Tensor& weight, const at::T
   const int64_t num_tokens = ids.numel(), dim = weight.size(1);
   const T* pw = pos_weight.defined() ? pos_weight.data_ptr<T>() : nullptr;
   const int vec = vector_width<T>(dim, {weight.data_ptr(), pw, out.data_ptr()});
-  const RowGrid g = row_grid(num_tokens, dim, vec);
+  const RowGrid g = row_grid(num_tokens, dim, vec, forward_min_rows_per_block(mode, position_ids.defined()));
   const int64_t* pid = position_ids.defined() ? position_ids.data_ptr<int64_t>() : nullptr;
   const auto neg_log_base_over_dim = static_cast<acc_t<T>>(-std::log(10000.0) / static_cast<double>(sinusoid_dim));
   auto run = [&](auto pos, auto with_dropout) {

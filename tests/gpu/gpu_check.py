@@ -345,7 +345,7 @@ def write_summary(out: Path, info: dict, check: Check, san_counts: dict, seconds
     if profile.exists():
         lines += ["", "## Profile (profile.log: host us per call, medians, GPU ops per call)", ""]
         lines += [f"- {line}" for line in profile.read_text().splitlines()
-                  if re.match(r"(\d+x\d+ .*: fwd |host |sort )", line)]
+                  if re.match(r"(\d+x\d+ .*: fwd |host |sort |forward )", line)]
     for log in ("compiled-host.log", "compiled-host-threads.log"):
         compiled = out / log
         if compiled.exists():

@@ -445,6 +445,11 @@ def ncu_kernels(backends):
         for backend in backends:
             with torch.no_grad():
                 pyembed.fused_embedding(ids, weight, pos_weight, scale=64.0, validate=False, backend=backend)
+        if "cuda" in backends:  # and cuda's at four rows a block (FORWARD_ROWS): its L1 hits and L2 throughput
+            os.environ[FORWARD_ROWS[0]] = "4"
+            with torch.no_grad():
+                pyembed.fused_embedding(ids, weight, pos_weight, scale=64.0, validate=False, backend="cuda")
+            del os.environ[FORWARD_ROWS[0]]
     weight, pos_weight, ids, dout = tensors(*GPT2, 8, 2048, torch.float32)
     ids[:, :1500] = 17  # a hot row: the chunk kernel's long-segment pieces run too
     for backend in backends:  # the backward's kernels: the sort's, chunks, the table's rows, batch sum
@@ -575,6 +580,50 @@ def sort_case(backend, which, table, dtype, batch, seq_len, calls, dist="uniform
           flush=True)
 
 
+# The cuda forward's rows per block with learned positions (csrc/cuda/embedding_kernels.cuh,
+# forward_min_rows_per_block), by the variable that sets it for every call: row_grid's
+# shape (one token a block at d >= 256 elements) against four rows a block, whose tokens
+# share a positional row.
+FORWARD_ROWS = ("PYEMBED_CUDA_FORWARD_ROWS", ("1", "4"))
+
+
+def forward_comparison(backends, batch=8, seq_len=2048):
+    """The forward op at GPT-2 and Llama-3 8x2048 (fp32, bf16, learned positions, the
+    default in-kernel range check): the `cuda` kernel in each of FORWARD_ROWS' block
+    shapes, and `triton`'s, each against a copy of its output's bytes
+    (the rows it reads and writes; the positional rows come from L2) -- GPU time by do_bench
+    and by a CUDA graph's replay (the kernel alone). At 1b594a4 (H200) the one-token kernel
+    reached 84% of copy bandwidth at Llama-3 bf16 and `triton`'s 92% (ncu)."""
+    from pyembed import checks
+
+    variable, settings = FORWARD_ROWS
+    runs = [("cuda", value) for value in settings if "cuda" in backends] + [("triton", None)] * ("triton" in backends)
+    for table in (GPT2, LLAMA3):
+        for dtype in (torch.float32, torch.bfloat16):
+            weight, pos_weight, ids, _ = tensors(*table, batch, seq_len, dtype)
+            weight, pos_weight = weight.detach(), pos_weight.detach()
+            record = checks.error_record_address(weight.device)
+            out = torch.empty(batch, seq_len, table[1], device="cuda", dtype=dtype)
+            copy = torch.empty_like(out)
+            copy_graphed = triton.testing.do_bench_cudagraph(lambda: copy.copy_(out), return_mode="median")
+            for backend, value in runs:
+                if value is not None:
+                    os.environ[variable] = value
+                op = dispatch.get(backend).forward
+
+                def call():
+                    return op(ids, weight, pos_weight, None, "learned", table[1] ** 0.5, 0, None, 0.0, 0, 0, record)
+
+                wall = triton.testing.do_bench(call, return_mode="median")
+                graphed = triton.testing.do_bench_cudagraph(call, return_mode="median")
+                which = f"{value} row{'s' * (value != '1')} a block" if value else "its kernel"
+                print(f"forward {which}: the `{backend}` forward op, {table[0]}x{table[1]} {str(dtype)[6:]} "
+                      f"{batch}x{seq_len}: {wall * 1e3:.1f} us, graphed {graphed * 1e3:.1f} us, "
+                      f"{100 * copy_graphed / graphed:.0f}% of a graphed copy", flush=True)
+                os.environ.pop(variable, None)
+    checks.check_errors("cuda")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ncu", action="store_true", help="one forward per backend and dtype and one backward, for ncu")
@@ -587,6 +636,7 @@ def main():
     elif args.sort:
         sort_comparison(backends)
     else:
+        forward_comparison(backends)
         sort_comparison(backends)
         host_costs(backends)
         host_only_costs(backends)
