@@ -2,8 +2,9 @@
 
 On a GPU a one-token `triton` lookup is host-bound: what it costs is the Python around
 its launches and Triton's own launch path. Here Triton's real JIT compiles every kernel
-for sm_90, and a stand-in driver (bench/stand_in_driver.py) takes the launches as no-ops,
-so everything but the driver's cuLaunchKernel is timed: a raw Triton launch of a
+for sm_90, and a stand-in driver (bench/stand_in_driver.py) takes the launches as no-ops
+-- Triton's own launcher object, its C call stubbed --, so everything but that C call
+(its argument parsing and cuLaunchKernelEx) is timed: a raw Triton launch of a
 one-store kernel, the same through pyembed's cached launcher (kernels/launch.py),
 F.embedding on the CPU for scale, and pyembed's one-token forward (no gradient -- also as
 the first call of its metadata, which launches without the plan later calls replay,
@@ -15,7 +16,9 @@ others (fused_step_call says why), training steps (one token, 8x2048) with AdamW
 (``apply_optimizer_in_backward``). The calls take turns, round after round; each figure
 is its best round.
 Issue #29's target compares a one-token forward with a raw Triton launch (<= 2x); on a GPU
-both also pay the driver's launch, the same constant, which this leaves out.
+both also pay the launcher's C call, the same constant, which this leaves out. (Figures
+before 2026-11-27's session 45 left out the launcher's Python too, ~2.5 us a launch,
+which a raw launch pays and pyembed's launches since do not.)
 """
 
 from __future__ import annotations

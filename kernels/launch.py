@@ -13,7 +13,9 @@ each int's "== 1", "% 16 == 0" and 32/64-bit range, the device and the JIT's opt
 and launches the ``CompiledKernel`` that Triton returned for that key with the compiled
 kernel's own launcher, as Triton's run does (3.6 us for the forward) -- given each tensor's
 address, not the tensor, as every launch here is (so the launcher neither calls data_ptr()
-nor asks the driver about each pointer; Inductor's static launcher does the same). A key not seen yet
+nor asks the driver about each pointer; Inductor's static launcher does the same), and by
+the launcher's C call where ``direct_launch`` has seen which one it makes (its Python, ~2.5
+us, skipped as Inductor's static launcher skips it). A key not seen yet
 (the first launch, a new shape class, another device) goes through ``JITFunction.run``,
 which compiles or finds the kernel and launches it; its result is remembered.
 tests/test_triton_launch.py checks that it launches the binary and arguments Triton's
@@ -38,7 +40,9 @@ called as Triton calls them.
 
 from __future__ import annotations
 
+import copy
 import functools
+import operator
 import types
 import weakref
 
@@ -75,6 +79,88 @@ def int_class(value: int):
     if _INT32_MIN <= value < _INT32_END:
         return value & 15 == 0
     return (value & 15 == 0, "i64" if -(2**63) <= value < 2**63 else "u64")
+
+
+# A launch through a compiled kernel's launcher (``compiled.run``, Triton's CudaLauncher)
+# runs its Python first -- the kernel's scratch memory (none for pyembed's kernels), the
+# arguments of one call of its C launch, ~2.5 us a launch on the development VM (3.8's,
+# its C launch stubbed) -- which the C call then takes apart again. Replays make that C
+# call themselves, as Inductor's static launcher does, with what the launcher was seen to
+# pass it: the launcher is called once, on a copy with its C launch replaced by a recorder,
+# with stand-in objects for the grid, stream, function, metadata, hooks and arguments; the
+# C call's other arguments must be values of the launcher's own (flags, the argument
+# annotations), and those objects must reach it as given. Any other launcher -- scratch
+# memory to allocate, more or fewer C calls, another release's form -- is called as it is.
+_direct_launches: dict = {}  # id(compiled) -> (compiled, its C call's layout or None)
+
+
+def direct_launch(compiled):
+    """(C launch, layout) of ``compiled``'s launcher, or None: ``layout`` holds, per
+    argument of the C call, ("in", k) for the k-th of the launcher's own first nine
+    arguments (grid x, y, z, stream, function, packed metadata, launch metadata, enter
+    hook, exit hook), ("args",) for the kernel's arguments as a tuple, or ("fixed", value)."""
+    found = _direct_launches.get(id(compiled))
+    if found is None:
+        found = _direct_launches[id(compiled)] = (compiled, _c_call_layout(compiled.run))
+    return found[1]
+
+
+def _c_call_layout(run):
+    launch = getattr(run, "launch", None)
+    if not callable(launch):
+        return None
+    seen = []
+    probe = copy.copy(run)
+    probe.launch = lambda *args, **kwargs: seen.append((args, kwargs))
+    given, arguments = [_Given() for _ in range(9)], tuple(_Given() for _ in range(3))
+    try:
+        probe(*given, *arguments)
+    except Exception:  # e.g. scratch memory sized by the grid: launched by the launcher
+        return None
+    if len(seen) != 1 or seen[0][1]:
+        return None
+    layout = []
+    for value in seen[0][0]:
+        if any(value is g for g in given):
+            layout.append(("in", next(k for k, g in enumerate(given) if value is g)))
+        elif type(value) is tuple and len(value) == len(arguments) and all(map(operator.is_, value, arguments)):
+            layout.append(("args",))
+        elif isinstance(value, _Given) or (isinstance(value, (tuple, list)) and any(isinstance(v, _Given)
+                                                                                    for v in value)):
+            return None  # an argument passed otherwise than as given
+        else:
+            layout.append(("fixed", value))
+    if [entry for entry in layout if entry[0] != "fixed"].count(("args",)) != 1 or \
+            sorted(k for kind, *k in layout if kind == "in") != [[k] for k in range(9)]:
+        return None
+    return launch, tuple(layout)
+
+
+# id(compiled) -> run(compiled, grid x, y, z, stream, arguments): its launch without hooks,
+# by the launcher's C call where direct_launch knows it (CachedLauncher.launch's).
+_c_launches: dict = {}
+
+
+def _c_launch_function(compiled):
+    direct = direct_launch(compiled)
+    if direct is None:
+        def run(compiled, grid_x, grid_y, grid_z, stream, arguments):
+            compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, None, None,
+                         None, *arguments)
+    else:
+        c_call = tuple(entry if entry[0] != "fixed" else ("fixed",) for entry in direct[1])
+        source = (f"def run(COMPILED, grid_x, grid_y, grid_z, stream, arguments):\n"
+                  f"    {_launch_call(c_call, None)}\n")
+        namespace = {f"F{i}": entry[1] for i, entry in enumerate(direct[1]) if entry[0] == "fixed"}
+        namespace["C_LAUNCH"] = direct[0]
+        exec(compile(source, "<pyembed.kernels.launch.cached>", "exec"), namespace)
+        run = namespace["run"]
+    _c_launches[id(compiled)] = run  # by id: direct_launch's table holds compiled (the id stays its own)
+    return run
+
+
+class _Given:
+    """A stand-in argument of the launcher's probe call (compared by identity)."""
 
 
 def _jit_context(device) -> tuple:
@@ -195,10 +281,11 @@ class CachedLauncher:
                 self.compiled[key] = compiled
         elif not _launch_hooks(runtime):
             # What compiled[grid](...) does when no profiler hooks in (None or an empty
-            # HookChain), without its closure, launch metadata and calls of empty hooks.
-            compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                         driver.get_current_stream(device), compiled.function, compiled.packed_metadata, None,
-                         None, None, *launched, *constexprs.values())
+            # HookChain), without its closure, launch metadata and calls of empty hooks --
+            # and, where direct_launch knows the launcher's C call, without its Python.
+            run = _c_launches.get(id(compiled)) or _c_launch_function(compiled)
+            run(compiled, grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                driver.get_current_stream(device), (*launched, *constexprs.values()))
         else:
             compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *constexprs.values())
         return compiled
@@ -261,7 +348,9 @@ def _bind(launcher: CachedLauncher, grid: tuple, args: tuple, constexprs: dict, 
     # values are its globals, the new ones its parameters. One code object per layout of
     # the arguments (compiling it is ~150 us), a function of it per bound launch (~us).
     fixed = (*args, *constexprs.values())
-    layout = (tuple(tensor_positions), tuple(int_positions), len(fixed))
+    direct = direct_launch(compiled)
+    c_call = None if direct is None else tuple(entry if entry[0] != "fixed" else ("fixed",) for entry in direct[1])
+    layout = (tuple(tensor_positions), tuple(int_positions), len(fixed), c_call)
     code = _replay_code(*layout)
     # Not the bound call's tensors: a plan must not keep a table (or its output) alive.
     replaced = {p for group in tensor_positions for p in group} | set(int_positions)
@@ -270,6 +359,9 @@ def _bind(launcher: CachedLauncher, grid: tuple, args: tuple, constexprs: dict, 
                      int_class=int_class, CONTEXT=context,
                      CLASSES=tuple(int_class(args[p]) for p in int_positions), COMPILED=compiled,
                      GRID=tuple(grid) + (1,) * (3 - len(grid)))
+    if direct is not None:  # the launcher's C call, made here (direct_launch)
+        namespace.update({f"F{i}": entry[1] for i, entry in enumerate(direct[1]) if entry[0] == "fixed"},
+                         C_LAUNCH=direct[0])
     replay = types.FunctionType(code, namespace, "replay")
     replay.layout = layout  # (_given_addresses writes variants of it)
     return replay
@@ -470,9 +562,7 @@ def _whole_call(launches: list, ops: _RecordedOps, inputs: tuple, outputs: tuple
 def _given_addresses(replay, given: tuple):
     """``replay`` (a bound launch's) taking the tensors at ``given`` (indices among its
     tensors) as addresses: the same globals, the code written for those."""
-    tensor_positions, int_positions, count = replay.layout
-    return types.FunctionType(_replay_code(tensor_positions, int_positions, count, given), replay.__globals__,
-                              "replay")
+    return types.FunctionType(_replay_code(*replay.layout, given), replay.__globals__, "replay")
 
 
 class _PlanBinder(_LaunchSeam):
@@ -514,11 +604,12 @@ class _PlanReplayer(_LaunchSeam):
 
 
 @functools.lru_cache(maxsize=None)
-def _replay_code(tensor_positions: tuple, int_positions: tuple, count: int, given: tuple = ()):
+def _replay_code(tensor_positions: tuple, int_positions: tuple, count: int, c_call: tuple = None, given: tuple = ()):
     """The code of bind's replay for tensors at ``tensor_positions`` (a group per tensor),
-    ints at ``int_positions``, of ``count`` launcher arguments; the tensors whose indices are
-    in ``given`` are passed as addresses (a whole replay's workspace: the caller checked
-    its device)."""
+    ints at ``int_positions``, of ``count`` launcher arguments, launched by the launcher's C
+    call of layout ``c_call`` (direct_launch's, its fixed values F0, F1, ... by position)
+    or, None, by the launcher; the tensors whose indices are in ``given`` are passed as
+    addresses (a whole replay's workspace: the caller checked its device)."""
     values = {p: f"p{j}" for j, group in enumerate(tensor_positions) for p in group}
     values.update({p: f"i{j}" for j, p in enumerate(int_positions)})
     tensors = [f"t{j}" for j in range(len(tensor_positions))]
@@ -543,12 +634,25 @@ def _replay_code(tensor_positions: tuple, int_positions: tuple, count: int, give
         f"    if (jit_context(device) != CONTEXT or runtime.add_stages_inspection_hook is not None\n"
         f"            or launch_hooks(runtime)):\n"
         f"        return False\n"
-        f"    COMPILED.run(GRID[0], GRID[1], GRID[2], driver.get_current_stream(device), COMPILED.function,\n"
-        f"                 COMPILED.packed_metadata, None, None, None,\n"
-        f"                 {', '.join(values.get(p, f'A{p}') for p in range(count))})\n"
+        f"    {_launch_call(c_call, [values.get(p, f'A{p}') for p in range(count)])}\n"
         f"    return True\n")
     module = compile(source, "<pyembed.kernels.launch.bind>", "exec")
     return next(c for c in module.co_consts if isinstance(c, types.CodeType))
+
+
+def _launch_call(c_call, arguments) -> str:
+    """A launch statement: through the launcher, or its C call (``c_call``), given the
+    kernel's ``arguments`` as names (a replay's) or, None, as the tuple ``arguments`` with
+    the grid and stream as grid_x, grid_y, grid_z, stream (_c_launch_function's)."""
+    grid_and_stream = (["GRID[0]", "GRID[1]", "GRID[2]", "driver.get_current_stream(device)"] if arguments is not None
+                       else ["grid_x", "grid_y", "grid_z", "stream"])
+    launcher_arguments = grid_and_stream + ["COMPILED.function", "COMPILED.packed_metadata", "None", "None", "None"]
+    packed = f"({''.join(a + ', ' for a in arguments)})" if arguments is not None else "arguments"
+    if c_call is None:
+        return f"COMPILED.run({', '.join(launcher_arguments + (arguments or ['*arguments']))})"
+    parts = [launcher_arguments[entry[1]] if entry[0] == "in" else packed if entry[0] == "args" else f"F{i}"
+             for i, entry in enumerate(c_call)]
+    return f"C_LAUNCH({', '.join(parts)})"
 
 
 # id(kernel) -> its launcher, which holds the kernel (so the id stays its own). By id:

@@ -130,3 +130,48 @@ def test_a_plan_replays_whole_only_a_call_of_allocations_views_and_launches():
     assert result.pop("replay") == {"same_launches": True, "same_wiring": True, "reads_the_input": True,
                                     "writes_its_output": True, "output_shape": True}
     assert result == {"copies": True, "sorts": False, "offset view": False, "returns input": False}
+
+
+class _Launcher:
+    """A launcher of Triton 3.8's form (CudaLauncher): scratch memory sized by the grid
+    when it has any, then one call of its C launch with attributes of its own."""
+
+    def __init__(self, calls, scratch=0, twice=False, as_list=False):
+        self.calls, self.scratch, self.twice, self.as_list = calls, scratch, twice, as_list
+        self.cooperative, self.annotations = False, [("kernel", 1), ("constexpr", 0)]
+        self.launch = lambda *args: calls.append(args)
+
+    def __call__(self, grid_x, grid_y, grid_z, stream, function, metadata, launch_metadata, enter_hook, exit_hook,
+                 *args):
+        scratch = bytearray(grid_x * grid_y * grid_z * self.scratch) if self.scratch else None
+        for _ in range(1 + self.twice):
+            self.launch(grid_x, grid_y, grid_z, stream, function, self.cooperative, metadata, launch_metadata,
+                        enter_hook, exit_hook, scratch, self.annotations, list(args) if self.as_list else args)
+
+
+def test_a_launch_makes_the_launchers_c_call_itself_where_the_launcher_makes_one_of_its_own_values():
+    # kernels.launch.direct_launch: the C call a launcher makes, seen once with stand-in
+    # arguments, made by the cached launcher and the replays without the launcher's Python
+    # (~2.5 us a launch on the development VM): the same arguments as the launcher gives it.
+    # Not where the launcher sizes scratch memory by the grid, calls its C launch twice,
+    # passes the kernel's arguments otherwise than as given, or has no C launch.
+    import types
+
+    from pyembed.kernels import launch
+
+    calls = []
+    compiled = types.SimpleNamespace(run=_Launcher(calls), function=77, packed_metadata=(3, 4))
+    compiled.run(8, 2, 1, 5, 77, (3, 4), None, None, None, 10, 2.5, "x")
+    launch._c_launch_function(compiled)(compiled, 8, 2, 1, 5, (10, 2.5, "x"))
+    assert len(calls) == 2 and calls[0] == calls[1] and calls[1][-1] == (10, 2.5, "x")
+    assert launch._direct_launches[id(compiled)][1] is not None
+    for refused in (dict(scratch=4), dict(twice=True), dict(as_list=True)):
+        other = types.SimpleNamespace(run=_Launcher([], **refused), function=77, packed_metadata=(3, 4))
+        assert launch.direct_launch(other) is None, refused
+        calls.clear()  # and launched through the launcher, as before
+        other.run.calls = calls
+        other.run.launch = lambda *args: calls.append(args)
+        launch._c_launch_function(other)(other, 8, 2, 1, 5, (10,))
+        assert calls and calls[0][:4] == (8, 2, 1, 5)
+    plain = types.SimpleNamespace(run=lambda *args: None, function=77, packed_metadata=None)
+    assert launch.direct_launch(plain) is None
