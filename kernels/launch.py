@@ -110,10 +110,10 @@ def _c_call_layout(run):
     if not callable(launch):
         return None
     seen = []
-    probe = copy.copy(run)
-    probe.launch = lambda *args, **kwargs: seen.append((args, kwargs))
     given, arguments = [_Given() for _ in range(9)], tuple(_Given() for _ in range(3))
     try:
+        probe = copy.copy(run)
+        probe.launch = lambda *args, **kwargs: seen.append((args, kwargs))
         probe(*given, *arguments)
     except Exception:  # e.g. scratch memory sized by the grid: launched by the launcher
         return None
