@@ -98,7 +98,8 @@ def direct_launch(compiled):
     """(C launch, layout) of ``compiled``'s launcher, or None: ``layout`` holds, per
     argument of the C call, ("in", k) for the k-th of the launcher's own first nine
     arguments (grid x, y, z, stream, function, packed metadata, launch metadata, enter
-    hook, exit hook), ("args",) for the kernel's arguments as a tuple, or ("fixed", value)."""
+    hook, exit hook), ("args",) for the kernel's arguments as one tuple (Triton 3.8's
+    launcher), ("spread",) for them one by one, last (3.6's), or ("fixed", value)."""
     found = _direct_launches.get(id(compiled))
     if found is None:
         found = _direct_launches[id(compiled)] = (compiled, _c_call_layout(compiled.run))
@@ -119,8 +120,13 @@ def _c_call_layout(run):
         return None
     if len(seen) != 1 or seen[0][1]:
         return None
-    layout = []
-    for value in seen[0][0]:
+    layout, values = [], list(seen[0][0])
+    if len(values) >= len(arguments) and all(map(operator.is_, values[-len(arguments):], arguments)):
+        del values[-len(arguments):]  # the kernel's arguments one by one, last
+        spread = [("spread",)]
+    else:
+        spread = []
+    for value in values:
         if any(value is g for g in given):
             layout.append(("in", next(k for k, g in enumerate(given) if value is g)))
         elif type(value) is tuple and len(value) == len(arguments) and all(map(operator.is_, value, arguments)):
@@ -130,8 +136,9 @@ def _c_call_layout(run):
             return None  # an argument passed otherwise than as given
         else:
             layout.append(("fixed", value))
-    if [entry for entry in layout if entry[0] != "fixed"].count(("args",)) != 1 or \
-            sorted(k for kind, *k in layout if kind == "in") != [[k] for k in range(9)]:
+    layout += spread
+    if (sum(entry[0] in ("args", "spread") for entry in layout) != 1
+            or sorted(k for kind, *k in layout if kind == "in") != [[k] for k in range(9)]):
         return None
     return launch, tuple(layout)
 
@@ -650,9 +657,10 @@ def _launch_call(c_call, arguments) -> str:
     packed = f"({''.join(a + ', ' for a in arguments)})" if arguments is not None else "arguments"
     if c_call is None:
         return f"COMPILED.run({', '.join(launcher_arguments + (arguments or ['*arguments']))})"
-    parts = [launcher_arguments[entry[1]] if entry[0] == "in" else packed if entry[0] == "args" else f"F{i}"
-             for i, entry in enumerate(c_call)]
-    return f"C_LAUNCH({', '.join(parts)})"
+    spread = ", ".join(arguments) if arguments is not None else "*arguments"
+    parts = [launcher_arguments[entry[1]] if entry[0] == "in" else packed if entry[0] == "args"
+             else spread if entry[0] == "spread" else f"F{i}" for i, entry in enumerate(c_call)]
+    return f"C_LAUNCH({', '.join(part for part in parts if part)})"
 
 
 # id(kernel) -> its launcher, which holds the kernel (so the id stays its own). By id:

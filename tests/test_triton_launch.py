@@ -134,7 +134,8 @@ def test_a_plan_replays_whole_only_a_call_of_allocations_views_and_launches():
 
 class _Launcher:
     """A launcher of Triton 3.8's form (CudaLauncher): scratch memory sized by the grid
-    when it has any, then one call of its C launch with attributes of its own."""
+    when it has any, then one call of its C launch with attributes of its own and the
+    kernel's arguments as a tuple."""
 
     def __init__(self, calls, scratch=0, twice=False, as_list=False):
         self.calls, self.scratch, self.twice, self.as_list = calls, scratch, twice, as_list
@@ -149,7 +150,16 @@ class _Launcher:
                         enter_hook, exit_hook, scratch, self.annotations, list(args) if self.as_list else args)
 
 
-def test_a_launch_makes_the_launchers_c_call_itself_where_the_launcher_makes_one_of_its_own_values():
+class _Launcher36(_Launcher):
+    """Triton 3.6's form: everything after the function passed on one by one."""
+
+    def __call__(self, grid_x, grid_y, grid_z, stream, function, *args):
+        scratch = bytearray(grid_x * grid_y * grid_z * self.scratch) if self.scratch else None
+        self.launch(grid_x, grid_y, grid_z, stream, function, self.cooperative, True, scratch, None, *args)
+
+
+@pytest.mark.parametrize("form", [_Launcher, _Launcher36], ids=["3.8", "3.6"])
+def test_a_launch_makes_the_launchers_c_call_itself_where_the_launcher_makes_one_of_its_own_values(form):
     # kernels.launch.direct_launch: the C call a launcher makes, seen once with stand-in
     # arguments, made by the cached launcher and the replays without the launcher's Python
     # (~2.5 us a launch on the development VM): the same arguments as the launcher gives it.
@@ -160,18 +170,36 @@ def test_a_launch_makes_the_launchers_c_call_itself_where_the_launcher_makes_one
     from pyembed.kernels import launch
 
     calls = []
-    compiled = types.SimpleNamespace(run=_Launcher(calls), function=77, packed_metadata=(3, 4))
+    compiled = types.SimpleNamespace(run=form(calls), function=77, packed_metadata=(3, 4))
     compiled.run(8, 2, 1, 5, 77, (3, 4), None, None, None, 10, 2.5, "x")
     launch._c_launch_function(compiled)(compiled, 8, 2, 1, 5, (10, 2.5, "x"))
-    assert len(calls) == 2 and calls[0] == calls[1] and calls[1][-1] == (10, 2.5, "x")
+    assert len(calls) == 2 and calls[0] == calls[1] and (10, 2.5, "x") in (calls[1][-1], calls[1][-3:])
     assert launch._direct_launches[id(compiled)][1] is not None
-    for refused in (dict(scratch=4), dict(twice=True), dict(as_list=True)):
-        other = types.SimpleNamespace(run=_Launcher([], **refused), function=77, packed_metadata=(3, 4))
+    refusals = [dict(scratch=4)] + ([dict(twice=True), dict(as_list=True)] if form is _Launcher else [])
+    for refused in refusals:
+        other = types.SimpleNamespace(run=form([], **refused), function=77, packed_metadata=(3, 4))
         assert launch.direct_launch(other) is None, refused
         calls.clear()  # and launched through the launcher, as before
-        other.run.calls = calls
         other.run.launch = lambda *args: calls.append(args)
         launch._c_launch_function(other)(other, 8, 2, 1, 5, (10,))
         assert calls and calls[0][:4] == (8, 2, 1, 5)
     plain = types.SimpleNamespace(run=lambda *args: None, function=77, packed_metadata=None)
     assert launch.direct_launch(plain) is None
+    # A bound launch's replay (kernels.launch._replay_code) makes the same C call.
+    import torch
+
+    tensor, stream = torch.empty(4), 5
+    driver = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: stream)
+    direct = launch.direct_launch(compiled)
+    c_call = tuple(entry if entry[0] != "fixed" else ("fixed",) for entry in direct[1])
+    namespace = dict(triton=types.SimpleNamespace(runtime=types.SimpleNamespace(driver=types.SimpleNamespace(
+                     active=driver))), knobs=types.SimpleNamespace(runtime=types.SimpleNamespace(
+                     add_stages_inspection_hook=None)), launch_hooks=lambda runtime: False,
+                     jit_context=lambda device: "context", CONTEXT="context", int_class=launch.int_class, CLASSES=(),
+                     COMPILED=compiled, GRID=(8, 2, 1), A1=2.5, A2="x", C_LAUNCH=direct[0])
+    namespace.update({f"F{i}": entry[1] for i, entry in enumerate(direct[1]) if entry[0] == "fixed"})
+    replay = types.FunctionType(launch._replay_code(((0,),), (), 3, c_call), namespace)
+    calls.clear()
+    assert replay(tensor)
+    compiled.run(8, 2, 1, stream, 77, (3, 4), None, None, None, tensor.data_ptr(), 2.5, "x")
+    assert len(calls) == 2 and calls[0] == calls[1]
