@@ -155,15 +155,22 @@ def _c_launch_function(compiled):
             compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, None, None,
                          None, *arguments)
     else:
-        c_call = tuple(entry if entry[0] != "fixed" else ("fixed",) for entry in direct[1])
+        c_call, namespace = _c_call_code(direct)
         source = (f"def run(COMPILED, grid_x, grid_y, grid_z, stream, arguments):\n"
                   f"    {_launch_call(c_call, None)}\n")
-        namespace = {f"F{i}": entry[1] for i, entry in enumerate(direct[1]) if entry[0] == "fixed"}
-        namespace["C_LAUNCH"] = direct[0]
         exec(compile(source, "<pyembed.kernels.launch.cached>", "exec"), namespace)
         run = namespace["run"]
     _c_launches[id(compiled)] = run  # by id: direct_launch's table holds compiled (the id stays its own)
     return run
+
+
+def _c_call_code(direct) -> tuple:
+    """(the layout of direct_launch's C call without its fixed values -- a key for the code
+    that makes it --, the globals that code reads: C_LAUNCH, and F<i> for fixed value i)."""
+    launch, layout = direct
+    namespace = {f"F{i}": entry[1] for i, entry in enumerate(layout) if entry[0] == "fixed"}
+    namespace["C_LAUNCH"] = launch
+    return tuple(entry if entry[0] != "fixed" else ("fixed",) for entry in layout), namespace
 
 
 class _Given:
@@ -356,7 +363,7 @@ def _bind(launcher: CachedLauncher, grid: tuple, args: tuple, constexprs: dict, 
     # the arguments (compiling it is ~150 us), a function of it per bound launch (~us).
     fixed = (*args, *constexprs.values())
     direct = direct_launch(compiled)
-    c_call = None if direct is None else tuple(entry if entry[0] != "fixed" else ("fixed",) for entry in direct[1])
+    c_call, c_globals = _c_call_code(direct) if direct is not None else (None, {})
     layout = (tuple(tensor_positions), tuple(int_positions), len(fixed), c_call)
     code = _replay_code(*layout)
     # Not the bound call's tensors: a plan must not keep a table (or its output) alive.
@@ -365,10 +372,7 @@ def _bind(launcher: CachedLauncher, grid: tuple, args: tuple, constexprs: dict, 
     namespace.update(knobs=knobs, triton=triton, launch_hooks=_launch_hooks, jit_context=_jit_context,
                      int_class=int_class, CONTEXT=context,
                      CLASSES=tuple(int_class(args[p]) for p in int_positions), COMPILED=compiled,
-                     GRID=tuple(grid) + (1,) * (3 - len(grid)))
-    if direct is not None:  # the launcher's C call, made here (direct_launch)
-        namespace.update({f"F{i}": entry[1] for i, entry in enumerate(direct[1]) if entry[0] == "fixed"},
-                         C_LAUNCH=direct[0])
+                     GRID=tuple(grid) + (1,) * (3 - len(grid)), **c_globals)  # c_globals: direct_launch's C call
     replay = types.FunctionType(code, namespace, "replay")
     replay.layout = layout  # (_given_addresses writes variants of it)
     return replay
@@ -656,7 +660,8 @@ def _launch_call(c_call, arguments) -> str:
     launcher_arguments = grid_and_stream + ["COMPILED.function", "COMPILED.packed_metadata", "None", "None", "None"]
     packed = f"({''.join(a + ', ' for a in arguments)})" if arguments is not None else "arguments"
     if c_call is None:
-        return f"COMPILED.run({', '.join(launcher_arguments + (arguments or ['*arguments']))})"
+        given = arguments if arguments is not None else ["*arguments"]
+        return f"COMPILED.run({', '.join(launcher_arguments + given)})"
     spread = ", ".join(arguments) if arguments is not None else "*arguments"
     parts = [launcher_arguments[entry[1]] if entry[0] == "in" else packed if entry[0] == "args"
              else spread if entry[0] == "spread" else f"F{i}" for i, entry in enumerate(c_call)]

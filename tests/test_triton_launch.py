@@ -190,14 +190,12 @@ def test_a_launch_makes_the_launchers_c_call_itself_where_the_launcher_makes_one
 
     tensor, stream = torch.empty(4), 5
     driver = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: stream)
-    direct = launch.direct_launch(compiled)
-    c_call = tuple(entry if entry[0] != "fixed" else ("fixed",) for entry in direct[1])
+    c_call, c_globals = launch._c_call_code(launch.direct_launch(compiled))
     namespace = dict(triton=types.SimpleNamespace(runtime=types.SimpleNamespace(driver=types.SimpleNamespace(
                      active=driver))), knobs=types.SimpleNamespace(runtime=types.SimpleNamespace(
                      add_stages_inspection_hook=None)), launch_hooks=lambda runtime: False,
                      jit_context=lambda device: "context", CONTEXT="context", int_class=launch.int_class, CLASSES=(),
-                     COMPILED=compiled, GRID=(8, 2, 1), A1=2.5, A2="x", C_LAUNCH=direct[0])
-    namespace.update({f"F{i}": entry[1] for i, entry in enumerate(direct[1]) if entry[0] == "fixed"})
+                     COMPILED=compiled, GRID=(8, 2, 1), A1=2.5, A2="x", **c_globals)
     replay = types.FunctionType(launch._replay_code(((0,),), (), 3, c_call), namespace)
     calls.clear()
     assert replay(tensor)
