@@ -614,13 +614,17 @@ def forward_comparison(backends, batch=8, seq_len=2048):
                 def call():
                     return op(ids, weight, pos_weight, None, "learned", table[1] ** 0.5, 0, None, 0.0, 0, 0, record)
 
-                wall = triton.testing.do_bench(call, return_mode="median")
-                graphed = triton.testing.do_bench_cudagraph(call, return_mode="median")
                 which = f"{value} row{'s' * (value != '1')} a block" if value else "its kernel"
-                print(f"forward {which}: the `{backend}` forward op, {table[0]}x{table[1]} {str(dtype)[6:]} "
-                      f"{batch}x{seq_len}: {wall * 1e3:.1f} us, graphed {graphed * 1e3:.1f} us, "
-                      f"{100 * copy_graphed / graphed:.0f}% of a graphed copy", flush=True)
-                os.environ.pop(variable, None)
+                case = f"the `{backend}` forward op, {table[0]}x{table[1]} {str(dtype)[6:]} {batch}x{seq_len}"
+                try:  # new in this profile: a failure is reported here, and the profile goes on
+                    wall = triton.testing.do_bench(call, return_mode="median")
+                    graphed = triton.testing.do_bench_cudagraph(call, return_mode="median")
+                    print(f"forward {which}: {case}: {wall * 1e3:.1f} us, graphed {graphed * 1e3:.1f} us, "
+                          f"{100 * copy_graphed / graphed:.0f}% of a graphed copy", flush=True)
+                except Exception as error:
+                    print(f"forward {which}: {case}: FAILED {type(error).__name__}: {error}", flush=True)
+                finally:
+                    os.environ.pop(variable, None)
     checks.check_errors("cuda")
 
 
