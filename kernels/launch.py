@@ -91,7 +91,9 @@ def int_class(value: int):
 # C call's other arguments must be values of the launcher's own (flags, the argument
 # annotations), and those objects must reach it as given. Any other launcher -- scratch
 # memory to allocate, more or fewer C calls, another release's form -- is called as it is.
-_direct_launches: dict = {}  # id(compiled) -> (compiled, its C call's layout or None)
+# id(compiled) -> (compiled, direct_launch's result, the kernel's launch without hooks for
+# CachedLauncher.launch): by id, the entry holding compiled (so the id stays its own).
+_launch_paths: dict = {}
 
 
 def direct_launch(compiled):
@@ -100,10 +102,22 @@ def direct_launch(compiled):
     arguments (grid x, y, z, stream, function, packed metadata, launch metadata, enter
     hook, exit hook), ("args",) for the kernel's arguments as one tuple (Triton 3.8's
     launcher), ("spread",) for them one by one, last (3.6's), or ("fixed", value)."""
-    found = _direct_launches.get(id(compiled))
+    return _launch_path(compiled)[1]
+
+
+def _launch_path(compiled) -> tuple:
+    """``compiled``'s entry of _launch_paths, made on its first launch here: the C call
+    its launcher makes, and ``run(compiled, grid_x, grid_y, grid_z, stream, arguments)``,
+    which makes it -- or, where none is known, calls the launcher."""
+    found = _launch_paths.get(id(compiled))
     if found is None:
-        found = _direct_launches[id(compiled)] = (compiled, _c_call_layout(compiled.run))
-    return found[1]
+        direct = _c_call_layout(compiled.run)
+        c_call, namespace = _c_call_code(direct) if direct is not None else (None, {})
+        source = (f"def run(COMPILED, grid_x, grid_y, grid_z, stream, arguments):\n"
+                  f"    {_launch_call(c_call, None)}\n")
+        exec(compile(source, "<pyembed.kernels.launch.cached>", "exec"), namespace)
+        found = _launch_paths[id(compiled)] = (compiled, direct, namespace["run"])
+    return found
 
 
 def _c_call_layout(run):
@@ -141,27 +155,6 @@ def _c_call_layout(run):
             or sorted(k for kind, *k in layout if kind == "in") != [[k] for k in range(9)]):
         return None
     return launch, tuple(layout)
-
-
-# id(compiled) -> run(compiled, grid x, y, z, stream, arguments): its launch without hooks,
-# by the launcher's C call where direct_launch knows it (CachedLauncher.launch's).
-_c_launches: dict = {}
-
-
-def _c_launch_function(compiled):
-    direct = direct_launch(compiled)
-    if direct is None:
-        def run(compiled, grid_x, grid_y, grid_z, stream, arguments):
-            compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, None, None,
-                         None, *arguments)
-    else:
-        c_call, namespace = _c_call_code(direct)
-        source = (f"def run(COMPILED, grid_x, grid_y, grid_z, stream, arguments):\n"
-                  f"    {_launch_call(c_call, None)}\n")
-        exec(compile(source, "<pyembed.kernels.launch.cached>", "exec"), namespace)
-        run = namespace["run"]
-    _c_launches[id(compiled)] = run  # by id: direct_launch's table holds compiled (the id stays its own)
-    return run
 
 
 def _c_call_code(direct) -> tuple:
@@ -297,7 +290,7 @@ class CachedLauncher:
             # What compiled[grid](...) does when no profiler hooks in (None or an empty
             # HookChain), without its closure, launch metadata and calls of empty hooks --
             # and, where direct_launch knows the launcher's C call, without its Python.
-            run = _c_launches.get(id(compiled)) or _c_launch_function(compiled)
+            run = _launch_path(compiled)[2]
             run(compiled, grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                 driver.get_current_stream(device), (*launched, *constexprs.values()))
         else:
@@ -654,7 +647,7 @@ def _replay_code(tensor_positions: tuple, int_positions: tuple, count: int, c_ca
 def _launch_call(c_call, arguments) -> str:
     """A launch statement: through the launcher, or its C call (``c_call``), given the
     kernel's ``arguments`` as names (a replay's) or, None, as the tuple ``arguments`` with
-    the grid and stream as grid_x, grid_y, grid_z, stream (_c_launch_function's)."""
+    the grid and stream as grid_x, grid_y, grid_z, stream (_launch_path's)."""
     grid_and_stream = (["GRID[0]", "GRID[1]", "GRID[2]", "driver.get_current_stream(device)"] if arguments is not None
                        else ["grid_x", "grid_y", "grid_z", "stream"])
     launcher_arguments = grid_and_stream + ["COMPILED.function", "COMPILED.packed_metadata", "None", "None", "None"]

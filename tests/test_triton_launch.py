@@ -172,16 +172,16 @@ def test_a_launch_makes_the_launchers_c_call_itself_where_the_launcher_makes_one
     calls = []
     compiled = types.SimpleNamespace(run=form(calls), function=77, packed_metadata=(3, 4))
     compiled.run(8, 2, 1, 5, 77, (3, 4), None, None, None, 10, 2.5, "x")
-    launch._c_launch_function(compiled)(compiled, 8, 2, 1, 5, (10, 2.5, "x"))
+    launch._launch_path(compiled)[2](compiled, 8, 2, 1, 5, (10, 2.5, "x"))
     assert len(calls) == 2 and calls[0] == calls[1] and (10, 2.5, "x") in (calls[1][-1], calls[1][-3:])
-    assert launch._direct_launches[id(compiled)][1] is not None
+    assert launch.direct_launch(compiled) is not None
     refusals = [dict(scratch=4)] + ([dict(twice=True), dict(as_list=True)] if form is _Launcher else [])
     for refused in refusals:
         other = types.SimpleNamespace(run=form([], **refused), function=77, packed_metadata=(3, 4))
         assert launch.direct_launch(other) is None, refused
         calls.clear()  # and launched through the launcher, as before
         other.run.launch = lambda *args: calls.append(args)
-        launch._c_launch_function(other)(other, 8, 2, 1, 5, (10,))
+        launch._launch_path(other)[2](other, 8, 2, 1, 5, (10,))
         assert calls and calls[0][:4] == (8, 2, 1, 5)
     plain = types.SimpleNamespace(run=lambda *args: None, function=77, packed_metadata=None)
     assert launch.direct_launch(plain) is None
