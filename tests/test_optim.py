@@ -625,6 +625,35 @@ def test_unused_state_tensors_are_on_the_tables_device(rule, held):
     assert all(t.device == table.device for t in optim.state_tensors(rule, state, table))
 
 
+def test_a_cpu_step_is_counted_in_the_tensor_torch_keeps():
+    """A group neither fused nor capturable keeps its step as torch does: one float32 CPU
+    tensor, incremented in place (optim._cpu_step writes it through a view of its memory,
+    not with a torch op). The count is the tensor's: a change a user makes to it, or a new
+    tensor put in its place (a checkpoint), is what the next step counts from -- seen in the
+    bias correction the step uses, 1 - beta1**step."""
+    layer = pyembed.EmbeddingLayer(V, D, MAX_LEN, backend="cpu")  # the reference's update makes a new step tensor
+    [optimizer] = pyembed.apply_optimizer_in_backward(torch.optim.AdamW, [layer.token_embedding.weight],
+                                                      {"betas": (0.5, 0.75)})
+    table = layer.token_embedding.weight
+    ids = torch.randint(0, V, (BATCH, SEQ))
+    for _ in range(3):
+        layer(ids).sum().backward()
+    step = optimizer.state[table]["step"]
+    assert (step.dtype, step.device, float(step)) == (torch.float32, torch.device("cpu"), 3.0)
+    layer(ids).sum().backward()
+    assert optimizer.state[table]["step"] is step and float(step) == 4.0
+
+    def bias_correction() -> float:
+        with torch.no_grad():
+            return optim.prepare(table)[2].hyper[7]
+
+    step.fill_(9.0)
+    assert bias_correction() == 1 - 0.5**10 and float(step) == 10.0
+    optimizer.state[table]["step"] = torch.tensor(20.0)
+    assert bias_correction() == 1 - 0.5**21 and float(optimizer.state[table]["step"]) == 21.0
+    assert float(step) == 10.0  # the tensor no longer the state's is left as it was
+
+
 def test_a_forward_on_fused_tables_compares_no_tensors():
     """The host code of a forward whose tables have their optimizer in the backward runs no
     tensor comparison: a Python ``==`` / ``!=`` involving a tensor goes through torch's
