@@ -1034,7 +1034,7 @@ def _rule_args(rule: int, hyper, param, state1, state2) -> tuple[tuple, tuple, d
                  FIRST=bool(first), HAS_STATE1=has1, HAS_STATE2=has2))
 
 
-def optimizer_update(param, state1, state2, rows, values, rule: int, hyper, all_rows: bool):
+def optimizer_update(param, state1, state2, rows, values, rule: int, hyper, all_rows: bool, launch=_direct):
     """torch.ops.pyembed.optimizer_update's schema (csrc/pyembed.cpp) on the Triton kernel:
     rows (touched,) int64 got gradient rows values (touched, d); hyper as pyembed/optim.py
     builds it per rule; rows outside the table (-1: touched_rows's unused slots) are
@@ -1049,12 +1049,12 @@ def optimizer_update(param, state1, state2, rows, values, rule: int, hyper, all_
     if all_rows:
         row_slot = torch.full((num_rows,), -1, dtype=torch.long, device=param.device)
         if touched:
-            _direct(_scatter_row_slots_kernel)[(_cdiv(touched, BOUNDS_BLOCK),)](
+            launch(_scatter_row_slots_kernel)[(_cdiv(touched, BOUNDS_BLOCK),)](
                 rows, row_slot, touched, num_rows, BLOCK=BOUNDS_BLOCK)
     states, scalars, rule_flags = _rule_args(rule, hyper, param, state1, state2)
     _, block_d = _blocks(dim)
     block_r = max(1, TILE_ELEMENTS // 2 // block_d)  # five tiles live: p, g, two states, a temporary
-    _direct(_optimizer_update_kernel)[(_cdiv(count, block_r), _cdiv(dim, block_d))](
+    launch(_optimizer_update_kernel)[(_cdiv(count, block_r), _cdiv(dim, block_d))](
         param, *states, rows, row_slot, values, num_rows, touched, dim, *scalars, **rule_flags, ALL_ROWS=all_rows,
         COMPUTE_F64=param.dtype == torch.float64, BLOCK_R=block_r, BLOCK_D=block_d,
     )
@@ -1335,7 +1335,7 @@ def dense_gradient(dout2d, keys, num_rows: int, skip: int, scale: float, divide_
 
 
 def used_row_sums(dout2d, keys, num_rows: int, skip: int, scale: float, divide_by_count: bool, exact: bool,
-                  dropout: Optional[DoutDropout] = None):
+                  dropout: Optional[DoutDropout] = None, launch=_direct):
     """(rows, values) by slot: slot s holds the s-th smallest used key and its tokens'
     scaled sum. exact: the U used rows only (one host sync, for U); else min(tokens, V)
     slots, a size the host knows, those past the used rows marked row -1 (values not
@@ -1350,7 +1350,7 @@ def used_row_sums(dout2d, keys, num_rows: int, skip: int, scale: float, divide_b
         if slots:
             # A tile holds every slot's sums; whole Philox groups with dropout
             block_d = max(min(_blocks(dim)[1], TILE_ELEMENTS // FEW_TOKENS), 4 if dropout is not None else 1)
-            _direct(_few_tokens_slots_kernel)[(1, max(_cdiv(dim, block_d), 1))](
+            launch(_few_tokens_slots_kernel)[(1, max(_cdiv(dim, block_d), 1))](
                 keys, dout2d, rows, values, scale, n, slots, num_rows, skip, dim,
                 *DoutDropout.launch_args(dropout, rows), DIVIDE_BY_COUNT=divide_by_count,
                 HAS_DROPOUT=dropout is not None, COMPUTE_F64=dout2d.dtype == torch.float64, FEW=FEW_TOKENS,
@@ -1360,9 +1360,10 @@ def used_row_sums(dout2d, keys, num_rows: int, skip: int, scale: float, divide_b
             used = int((rows >= 0).sum())
             return rows[:used], values[:used]
         return rows, values
-    segments = sorted_segments(dout2d, keys, num_rows, skip, by_row=False, dropout=dropout)
+    segments = sorted_segments(dout2d, keys, num_rows, skip, by_row=False, launch=launch, dropout=dropout)
     values = dout2d.new_empty(int(segments.count) if exact else segments.entries, dim)
-    finish_segments(dout2d, segments, scale, divide_by_count, values, zero_empty=False, dropout=dropout)
+    finish_segments(dout2d, segments, scale, divide_by_count, values, zero_empty=False, launch=launch,
+                    dropout=dropout)
     if exact:
         return segments.keys[:values.shape[0]].clone(), values
     return segments.keys, values  # -1 where no segment landed

@@ -313,11 +313,12 @@ def _launch_hooks(runtime) -> bool:
                 or getattr(runtime.launch_exit_hook, "calls", runtime.launch_exit_hook))
 
 
-def bind(kernel, grid: tuple, args: tuple, constexprs: dict, tensors: tuple = (), ints: tuple = ()):
+def bind(kernel, grid: tuple, args: tuple, constexprs: dict, tensors: tuple = (), ints: tuple = (),
+         floats: tuple = ()):
     """Launch ``kernel[grid](*args, **constexprs)`` through ``cached`` and return
-    ``replay(*tensors, *ints) -> bool``, which launches the same again with new values for
-    the parameters named in ``tensors`` (each a name, or a tuple of names that take the same
-    tensor) and ``ints``, the grid, constexprs and every other argument fixed: the
+    ``replay(*tensors, *ints, *floats) -> bool``, which launches the same again with new values
+    for the parameters named in ``tensors`` (each a name, or a tuple of names that take the
+    same tensor), ``ints`` and ``floats``, the grid, constexprs and every other argument fixed: the
     ``CompiledKernel`` Triton chose for this launch, run directly. A caller that launches
     one kernel for the same metadata call after call (a one-token lookup) skips the launch
     key and the argument list: ~0.5 us on the development VM with the stand-in driver,
@@ -325,7 +326,8 @@ def bind(kernel, grid: tuple, args: tuple, constexprs: dict, tensors: tuple = ()
 
     ``replay`` returns False, launching nothing, wherever Triton could choose another binary
     than the bound one: a tensor not 16-byte aligned (the bound ones were), an int of another
-    specialisation (== 1, % 16), another device or JIT option; and where a profiler's launch
+    specialisation (== 1, % 16), anything but a float for a float, another device or JIT
+    option; and where a profiler's launch
     hook or a stage-inspection hook is set (``cached`` calls those). The tensors' dtypes and
     the fixed arguments are the caller's to keep: it binds a launch per key that determines
     them. None where the launch cannot be bound (the interpreter, a launch that took
@@ -338,18 +340,21 @@ def bind(kernel, grid: tuple, args: tuple, constexprs: dict, tensors: tuple = ()
     names = launcher.names
     tensor_positions = [(names.index(name),) if isinstance(name, str) else tuple(map(names.index, name))
                         for name in tensors]
-    return _bind(launcher, grid, args, constexprs, tensor_positions, [names.index(name) for name in ints])
+    return _bind(launcher, grid, args, constexprs, tensor_positions, [names.index(name) for name in ints],
+                 tuple(names.index(name) for name in floats))
 
 
 def _bind(launcher: CachedLauncher, grid: tuple, args: tuple, constexprs: dict, tensor_positions: list,
-          int_positions: list):
-    """``bind`` by argument positions: a tuple of positions per tensor, a position per int."""
+          int_positions: list, float_positions: tuple = ()):
+    """``bind`` by argument positions: a tuple of positions per tensor, a position per int,
+    and per float (``LaunchPlan(floats=True)``'s: a float is not specialised on, only its type)."""
     context = _jit_context(triton.runtime.driver.active.get_current_device())
     compiled = launcher.launch(grid, args, constexprs)
     if (compiled is None or not launcher._plain(grid) or _launch_hooks(knobs.runtime)
             or not launcher._in_signature_order(args, constexprs)
             or any(args[p].data_ptr() & 15 for group in tensor_positions for p in group)
-            or any(not (type(args[p]) is int and _INT32_MIN <= args[p] < _INT32_END) for p in int_positions)):
+            or any(not (type(args[p]) is int and _INT32_MIN <= args[p] < _INT32_END) for p in int_positions)
+            or any(type(args[p]) is not float for p in float_positions)):
         return None
     # The replay written out for these arguments, as Triton writes its binder: the fixed
     # values are its globals, the new ones its parameters. One code object per layout of
@@ -357,10 +362,10 @@ def _bind(launcher: CachedLauncher, grid: tuple, args: tuple, constexprs: dict, 
     fixed = (*args, *constexprs.values())
     direct = direct_launch(compiled)
     c_call, c_globals = _c_call_code(direct) if direct is not None else (None, {})
-    layout = (tuple(tensor_positions), tuple(int_positions), len(fixed), c_call)
+    layout = (tuple(tensor_positions), tuple(int_positions), len(fixed), c_call, (), tuple(float_positions))
     code = _replay_code(*layout)
     # Not the bound call's tensors: a plan must not keep a table (or its output) alive.
-    replaced = {p for group in tensor_positions for p in group} | set(int_positions)
+    replaced = {p for group in tensor_positions for p in group} | set(int_positions) | set(float_positions)
     namespace = {f"A{p}": value for p, value in enumerate(fixed) if p not in replaced}
     namespace.update(knobs=knobs, triton=triton, launch_hooks=_launch_hooks, jit_context=_jit_context,
                      int_class=int_class, CONTEXT=context,
@@ -405,7 +410,8 @@ class LaunchPlan:
     ``binding()`` is a ``launch=`` that launches each kernel through ``bind`` with every
     tensor argument replaced and keeps the replays; ``complete`` says whether every launch
     could be bound. ``replaying()`` is a ``launch=`` whose k-th launch is the k-th replay
-    with that launch's tensors: the launch key and Triton's argument handling skipped
+    with that launch's tensors (and floats, for ``LaunchPlan(floats=True)``: a step's
+    scalars): the launch key and Triton's argument handling skipped
     (~4 -> ~1 us a launch on the development VM, stand-in driver). A launch the plan cannot
     replay -- another kernel than bound, a replay that refuses (a tensor not 16-byte
     aligned, another device, a hook) -- goes through ``cached``. The caller keys its plans
@@ -415,12 +421,15 @@ class LaunchPlan:
     call ran no torch op but allocations and views, and every tensor its launches took was
     one of its inputs or a whole allocation, the call is its allocations and replays alone:
     not the helper's Python either (the `triton` one-token backward op ~13 -> ~6 us, the
-    8x2048 one ~32 -> ~15 us on the development VM, stand-in driver)."""
+    8x2048 one ~32 -> ~15 us on the development VM, stand-in driver). Not with ``floats``:
+    the floats are no inputs of the call."""
 
-    def __init__(self):
-        # (kernel, tensor positions, replay or None, the bound tensors' (address, starts its
-        # storage), the allocations bind_call had recorded before the launch)
+    def __init__(self, floats: bool = False):
+        # (kernel, the positions of the arguments replaced -- tensors, then floats --, replay
+        # or None, the bound tensors' (address, starts its storage), the allocations
+        # bind_call had recorded before the launch)
         self.launches = []
+        self.floats = floats
         self.whole = None  # the call replayed whole: a function of its inputs, or None
         self._recorded = None  # while bind_call runs: its _RecordedOps
 
@@ -443,7 +452,8 @@ class LaunchPlan:
         try:
             with self._recorded:
                 result = call(self.binding())
-            self.whole = _whole_call(self.launches, self._recorded, inputs, result) if self.complete else None
+            whole = self.complete and not self.floats  # (a float is no input of the whole call)
+            self.whole = _whole_call(self.launches, self._recorded, inputs, result) if whole else None
         finally:
             self._recorded = None
         return result
@@ -566,7 +576,8 @@ def _whole_call(launches: list, ops: _RecordedOps, inputs: tuple, outputs: tuple
 def _given_addresses(replay, given: tuple):
     """``replay`` (a bound launch's) taking the tensors at ``given`` (indices among its
     tensors) as addresses: the same globals, the code written for those."""
-    return types.FunctionType(_replay_code(*replay.layout, given), replay.__globals__, "replay")
+    tensors, ints, count, c_call, _, floats = replay.layout
+    return types.FunctionType(_replay_code(tensors, ints, count, c_call, given, floats), replay.__globals__, "replay")
 
 
 class _PlanBinder(_LaunchSeam):
@@ -581,11 +592,12 @@ class _PlanBinder(_LaunchSeam):
                 launches.append((self.kernel, (), None, (), 0))
                 return
             positions = tuple(p for p, arg in enumerate(args) if isinstance(arg, torch.Tensor))
-            replay = _bind(launcher, grid, args, constexprs, [(p,) for p in positions], [])
+            floats = tuple(p for p, arg in enumerate(args) if type(arg) is float) if self.plan.floats else ()
+            replay = _bind(launcher, grid, args, constexprs, [(p,) for p in positions], [], floats)
             recorded = self.plan._recorded
             # Each tensor's address and whether it starts its storage (a view inside an
             # allocation could share the address of one freed before: never taken for it).
-            launches.append((self.kernel, positions, replay,
+            launches.append((self.kernel, positions + floats, replay,
                              tuple((args[p].data_ptr(), args[p].storage_offset() == 0) for p in positions),
                              0 if recorded is None else len(recorded.allocated)))
         return launch
@@ -608,16 +620,20 @@ class _PlanReplayer(_LaunchSeam):
 
 
 @functools.lru_cache(maxsize=None)
-def _replay_code(tensor_positions: tuple, int_positions: tuple, count: int, c_call: tuple = None, given: tuple = ()):
+def _replay_code(tensor_positions: tuple, int_positions: tuple, count: int, c_call: tuple = None, given: tuple = (),
+                 float_positions: tuple = ()):
     """The code of bind's replay for tensors at ``tensor_positions`` (a group per tensor),
-    ints at ``int_positions``, of ``count`` launcher arguments, launched by the launcher's C
-    call of layout ``c_call`` (direct_launch's, its fixed values F0, F1, ... by position)
-    or, None, by the launcher; the tensors whose indices are in ``given`` are passed as
-    addresses (a whole replay's workspace: the caller checked its device)."""
+    ints at ``int_positions`` and floats at ``float_positions`` (its parameters in that
+    order), of ``count`` launcher arguments, launched by the launcher's C call of layout
+    ``c_call`` (direct_launch's, its fixed values F0, F1, ... by position) or, None, by the
+    launcher; the tensors whose indices are in ``given`` are passed as addresses (a whole
+    replay's workspace: the caller checked its device)."""
     values = {p: f"p{j}" for j, group in enumerate(tensor_positions) for p in group}
     values.update({p: f"i{j}" for j, p in enumerate(int_positions)})
+    values.update({p: f"f{j}" for j, p in enumerate(float_positions)})
     tensors = [f"t{j}" for j in range(len(tensor_positions))]
     ints = [f"i{j}" for j in range(len(int_positions))]
+    floats = [f"f{j}" for j in range(len(float_positions))]
     devices = [f"t{j}.get_device()" for j in range(len(tensors)) if j not in given]
     # The tensors' addresses, not the tensors: Triton's launcher takes an int pointer as it
     # is, where for a tensor it calls data_ptr() and asks the driver to check the address
@@ -625,7 +641,7 @@ def _replay_code(tensor_positions: tuple, int_positions: tuple, count: int, c_ca
     # That check refused a CPU tensor beside CUDA ones; here a tensor on another device
     # than the others refuses the replay (the caller's launch then takes Triton's path).
     source = (
-        f"def replay({', '.join(tensors + ints)}):\n"
+        f"def replay({', '.join(tensors + ints + floats)}):\n"
         + "".join(f"    p{j} = t{j}{'' if j in given else '.data_ptr()'}\n" for j in range(len(tensors))) +
         f"    if ({' | '.join(f'p{j}' for j in range(len(tensors))) or '0'}) & 15:\n"
         f"        return False\n"
@@ -633,6 +649,9 @@ def _replay_code(tensor_positions: tuple, int_positions: tuple, count: int, c_ca
         f"        return False\n"
         f"    if ({''.join(f'int_class({i}), ' for i in ints)}) != CLASSES:\n"
         f"        return False\n"
+        # an int where a float was bound would be another specialisation (int_class)
+        + (f"    if not ({' and '.join(f'type({f}) is float' for f in floats)}):\n"
+           f"        return False\n" if floats else "") +
         f"    driver, runtime = triton.runtime.driver.active, knobs.runtime\n"
         f"    device = driver.get_current_device()\n"
         f"    if (jit_context(device) != CONTEXT or runtime.add_stages_inspection_hook is not None\n"

@@ -140,6 +140,8 @@ def forward(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.
 _plans: dict = {}
 _backward_plans: dict = {}
 _segment_plans: dict = {}  # optimizer_backward's sort and chunks
+_update_plans: dict = {}  # the optimizer's launches: their tensors and the step's scalars (floats) replaced
+_touched_plans: dict = {}  # touched_rows' (an optimizer's sparse gradient rows)
 _MAX_PLANS = 256
 _SEEN, _UNPLANNED = "seen", "unplanned"
 
@@ -158,13 +160,15 @@ def _direct(kernel):
     return _kernels().cached(kernel)
 
 
-def _planned(plans: dict, key, inputs: tuple, run):
+def _planned(plans: dict, key, inputs: tuple, run, floats: bool = False):
     """``run(launch)`` -- a helper's launches and allocations, returning a tuple of tensors
     -- planned per metadata ``key`` (kernels.launch.LaunchPlan): through the cached launcher
     at the metadata's first call, bound at its second, replayed from its third: whole (its
     allocations and launches, none of the helper's Python) where the bound call was nothing
     else, else launch by launch. ``inputs``: the tensors ``run`` reads (None allowed),
-    contiguous, the device's first; ``key`` holds everything else its launches follow from."""
+    contiguous, the device's first; ``key`` holds everything else its launches follow from
+    -- but the float arguments, with ``floats`` (replayed launch by launch, each with the
+    call's own: an optimizer step's scalars)."""
     plan = plans.get(key)
     if plan is None:
         _note_first_call(plans, key)
@@ -172,7 +176,7 @@ def _planned(plans: dict, key, inputs: tuple, run):
     if plan is _UNPLANNED:
         return run(_direct)
     if plan is _SEEN:  # this metadata's second call: bound as it launches
-        plan = _kernels().LaunchPlan()
+        plan = _kernels().LaunchPlan(floats)
         result = plan.bind_call(run, inputs)
         plans[key] = plan if plan.complete else _UNPLANNED
         return result
@@ -336,9 +340,20 @@ def touched_rows(grad_out: torch.Tensor, ids: torch.Tensor, num_embeddings: int,
                  padding_idx: Optional[int], scale_grad_by_freq: bool, dropout_key: Optional[torch.Tensor] = None,
                  dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The sparse backward without its host sync (schema of
-    torch.ops.pyembed.embedding_touched_rows): min(tokens, V) slots, unused ones row -1."""
-    return _used_row_sums(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key,
-                          dropout_p, exact=False)
+    torch.ops.pyembed.embedding_touched_rows): min(tokens, V) slots, unused ones row -1.
+    Planned per metadata, as the dense backward (a step with an optimizer in the backward
+    calls it every step)."""
+    dout2d = grad_out.contiguous().reshape(ids.numel(), grad_out.shape[-1])
+    ids, skip, dropout = ids.contiguous(), -1 if padding_idx is None else padding_idx, _dout_dropout(dropout_key,
+                                                                                                     dropout_p)
+    key = (dout2d.shape, dout2d.dtype, dout2d.device, ids.shape, ids.dtype, num_embeddings, skip, float(scale),
+           bool(scale_grad_by_freq), None if dropout is None else float(dropout_p))
+
+    def sums(launch):
+        return _kernels().used_row_sums(dout2d, ids, num_embeddings, skip, scale, scale_grad_by_freq, exact=False,
+                                        dropout=dropout, launch=launch)
+    with _on_device(grad_out):
+        return _planned(_touched_plans, key, (dout2d, ids, dropout_key), sums)
 
 
 def _used_row_sums(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key, dropout_p,
@@ -351,11 +366,24 @@ def _used_row_sums(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad
             dropout=_dout_dropout(dropout_key, dropout_p))
 
 
+def _update_key(param, state1, state2, rule: int, hyper) -> tuple:
+    """What fixes an update's launches besides the tensors and float scalars a plan replaces
+    (_update_plans): the table's shape, dtype and device, the rule, the states it holds and
+    its flags (kernels.embedding._rule_args' constexprs: which of hyper's values are true;
+    the others' truth splits a key needlessly, never wrongly)."""
+    return (param.shape, param.dtype, param.device, rule, *map(bool, hyper), state1.numel() > 0, state2.numel() > 0)
+
+
 def optimizer_update(param, state1, state2, rows, values, rule: int, hyper: list, all_rows: bool) -> None:
     """The optimizer inside the backward (schema of torch.ops.pyembed.optimizer_update),
-    one Triton launch; only ever called eagerly (pyembed.optim runs outside compiled graphs)."""
+    one Triton launch (two with a row map); only ever called eagerly (pyembed.optim runs
+    outside compiled graphs). Planned per metadata, each step's scalars given anew."""
+    key = (_update_key(param, state1, state2, rule, hyper), rows.shape, values.shape, values.dtype, all_rows)
+
+    def update(launch):
+        _kernels().optimizer_update(param, state1, state2, rows, values, rule, hyper, all_rows, launch=launch)
     with _on_device(param):
-        _kernels().optimizer_update(param, state1, state2, rows, values, rule, hyper, all_rows)
+        _planned(_update_plans, key, (param, state1, state2, rows, values), update, floats=True)
 
 
 def optimizer_backward(grad_out, ids, scale: float, padding_idx: Optional[int], scale_grad_by_freq: bool,
@@ -381,25 +409,36 @@ def optimizer_backward(grad_out, ids, scale: float, padding_idx: Optional[int], 
         return (segments.order, segments.bounds) + (() if segments.partials is None else (segments.partials,))
 
     # Planned as the dense backward's launches (at 8x2048 its Python was most of this op's
-    # host time); the update's launch takes the step's scalars, through the cached launcher.
+    # host time); the update's launch too, with the step's scalars.
     key = (dout2d.shape, dout2d.dtype, dout2d.device, ids.shape, ids.dtype, num_rows, skip,
            None if dropout is None else float(dropout_p))
     with _on_device(param):
         order, bounds, *partials = _planned(_segment_plans, key, (dout2d, ids, dropout_key), sort)
         segments = _kernels().Segments(order, bounds, num_rows, False, None, partials[0] if partials else None)
-        _kernels().optimizer_backward(dout2d, segments, scale, scale_grad_by_freq, param, state1, state2, rule, hyper,
-                                      all_rows, dropout=dropout)
+
+        def update(launch):
+            _kernels().optimizer_backward(dout2d, segments, scale, scale_grad_by_freq, param, state1, state2, rule,
+                                          hyper, all_rows, dropout=dropout, launch=launch)
+        _planned(_update_plans, (key, bool(partials), bool(scale_grad_by_freq), all_rows,
+                                 _update_key(param, state1, state2, rule, hyper)),
+                 (dout2d, order, bounds, param, state1, state2), update, floats=True)
 
 
 def position_update(grad_out, ids, offset: int, dropout_key: Optional[torch.Tensor], dropout_p: float, param, state1,
                     state2, rule: int, hyper: list) -> None:
     """The learned positions' backward (p = offset + t) as their optimizer's update
-    (pyembed/optim.py's step_tables): one launch, no gradient in memory. Eagerly only."""
+    (pyembed/optim.py's step_tables): one launch, no gradient in memory. Eagerly only;
+    planned per metadata as optimizer_update."""
     seq_len = ids.shape[-1] if ids.dim() and ids.numel() else 0
+    dout2d, dropout = grad_out.contiguous().reshape(ids.numel(), param.shape[1]), _dout_dropout(dropout_key, dropout_p)
+    key = (dout2d.shape, dout2d.dtype, seq_len, offset, None if dropout is None else float(dropout_p),
+           _update_key(param, state1, state2, rule, hyper))
+
+    def update(launch):
+        _kernels().position_update(dout2d, param, state1, state2, ids.numel() // max(seq_len, 1), seq_len, offset,
+                                   rule, hyper, dropout=dropout, launch=launch)
     with _on_device(param):
-        _kernels().position_update(grad_out.contiguous().reshape(ids.numel(), param.shape[1]), param, state1, state2,
-                                   ids.numel() // max(seq_len, 1), seq_len, offset, rule, hyper,
-                                   dropout=_dout_dropout(dropout_key, dropout_p))
+        _planned(_update_plans, key, (dout2d, param, state1, state2, dropout_key), update, floats=True)
 
 
 _ops.register_fakes("pyembed::triton_forward", "pyembed::triton_backward", "pyembed::triton_sparse_backward")

@@ -110,13 +110,17 @@ def test_the_eager_backward_replays_its_plan_and_launches_what_triton_would():
 
 def test_the_optimizer_backward_replays_its_sort_and_launches_what_triton_would():
     result = _worker("planned-optimizer-backward")
-    assert result["mismatches"] == []  # every call's launches, in order, are Triton's binaries and arguments
-    # From a metadata's third call on, the sort's and chunks' launches replay (whole: none of
-    # their Python), and only the update's launch -- the step's scalars -- takes the cached
-    # launcher, with the call's own tensors; a misaligned output gradient declines the replay.
+    # Every call's launches, in order, are Triton's binaries and arguments -- the step's
+    # scalars (another learning rate and bias corrections each call) included.
+    assert result["mismatches"] == []
+    # From a metadata's third call on, no launch takes the cached launcher: the sort's and
+    # chunks' launches replay (whole: none of their Python), the update's launch replays with
+    # this step's scalars, as do the few-token path (the touched rows' sums, the row map, the
+    # update) and the learned positions' update; a misaligned output gradient declines the
+    # replays, a new offset is a new plan.
     assert result["replayed"] == ["third", "new tensors", "padding, by freq, third", "two tiles, third",
-                                  "dropout, third"]
-    assert result["by_launch"] == ["misaligned dout"]  # the others replayed whole
+                                  "dropout, third", "few tokens, third", "positions, third"]
+    assert result["by_launch"] == ["misaligned dout"]  # the others' sort replayed whole
     assert all(result["own_tensors"])
 
 

@@ -416,56 +416,85 @@ def check_planned_backward():
 
 def check_planned_optimizer_backward():
     """pyembed/_triton.py's optimizer_backward: its sort and chunks' pass planned per
-    metadata as the dense backward's launches (the update's launch, which takes the step's
-    scalars, through ``cached``), so from a metadata's third call on only that one launch
-    goes through the cached launcher; every call launches what Triton's own run launches
-    for it -- sorted_segments then the update kernel --, in the same order, with the call's
-    own output gradient, ids, table and state (and dropout key)."""
+    metadata as the dense backward's launches, and the update's launch planned with the
+    step's scalars (floats) given anew (LaunchPlan(floats=True), launch by launch); below
+    FEW_TOKENS tokens the touched rows' sums and the update (with its row map), and the
+    learned positions' update (position_update), planned the same way. From a metadata's
+    third call on nothing goes through the cached launcher; every call launches what
+    Triton's own run launches for it, in the same order, with the call's own output
+    gradient, ids, table and state (and dropout key) -- and this step's scalars: each call
+    takes another step's bias corrections and learning rate."""
     from pyembed import _triton, optim
 
     _triton._INTERPRETED = True
-    _triton._segment_plans.clear()
+    for plans in (_triton._segment_plans, _triton._update_plans, _triton._touched_plans):
+        plans.clear()
     through_cached = _count_cached_launches()
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 300, (4, 64), generator=gen)
     dout = torch.randn(4, 64, 32, generator=gen)
     tiles = dict(dout=torch.randn(4, 200, 32, generator=gen), ids=torch.randint(0, 300, (4, 200), generator=gen))
+    few = dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous())
     keys = [torch.randint(0, 2**62, (2,), generator=gen) for _ in range(3)]
     calls = [("first", {}), ("second", {}), ("third", {}), ("new tensors", dict(dout=dout.clone(), ids=ids.clone())),
              ("misaligned dout", dict(dout=torch.randn(dout.numel() + 1)[1:].view(dout.shape))),
              ("padding, by freq", dict(padding=7, by_freq=True)), ("padding, by freq again", dict(padding=7, by_freq=True)),
              ("padding, by freq, third", dict(padding=7, by_freq=True)),
              ("two tiles", tiles), ("two tiles again", tiles), ("two tiles, third", tiles),
-             ("dropout", dict(key=keys[0])), ("dropout again", dict(key=keys[1])), ("dropout, third", dict(key=keys[2]))]
-    hyper = [1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, 0.0, 0.1, 0.05]  # AdamW's, a step's bias corrections
-    by_launch = []  # calls of a planned metadata not replayed whole (LaunchPlan.replaying)
+             ("dropout", dict(key=keys[0])), ("dropout again", dict(key=keys[1])), ("dropout, third", dict(key=keys[2])),
+             ("few tokens", few), ("few tokens again", few), ("few tokens, third", few),
+             ("positions", dict(positions=True)), ("positions again", dict(positions=True)),
+             ("positions, third", dict(positions=True)), ("positions, offset 5", dict(positions=True, offset=5))]
+    by_launch = []  # calls whose sort plan was not replayed whole (LaunchPlan.replaying of a plan without floats)
     replaying = k.LaunchPlan.replaying
-    k.LaunchPlan.replaying = lambda plan: by_launch.append(name) or replaying(plan)
+
+    def replaying_noted(plan):
+        if not plan.floats:  # (a plan with floats always replays launch by launch)
+            by_launch.append(name)
+        return replaying(plan)
+    k.LaunchPlan.replaying = replaying_noted
     mismatches, replayed, own_tensors = [], [], []
-    for name, change in calls:
-        call = {"dout": dout, "ids": ids, "padding": None, "by_freq": False, "key": None, **change}
-        table = torch.randn(300, 32, generator=gen)
+    for step, (name, change) in enumerate(calls, start=1):
+        call = {"dout": dout, "ids": ids, "padding": None, "by_freq": False, "key": None, "positions": False,
+                "offset": 0, **change}
+        # AdamW's scalars at this step: lr (as a schedule gives it), the bias corrections
+        hyper = [1e-3 / step, 0.9, 0.999, 1e-8, 0.01, 1.0, 0.0, 1 - 0.9**step, (1 - 0.999**step) ** 0.5]
+        rows = 80 if call["positions"] else 300
+        table = torch.randn(rows, 32, generator=gen)
         state1, state2 = torch.zeros_like(table), torch.zeros_like(table)
         dropout_p = 0.0 if call["key"] is None else 0.1
-        args = (call["dout"], call["ids"], 1.5, call["padding"], call["by_freq"], call["key"], dropout_p, table, state1,
-                state2, optim.ADAM, hyper, True)
         launches.clear()
         through_cached.append(0)
         with _KeepAlive():  # no temporary's address reused within the call: Triton's run holds them
-            _triton.optimizer_backward(*args)
+            if call["positions"]:
+                _triton.position_update(call["dout"], call["ids"], call["offset"], call["key"], dropout_p, table, state1,
+                                        state2, optim.ADAM, hyper)
+            else:
+                _triton.optimizer_backward(call["dout"], call["ids"], 1.5, call["padding"], call["by_freq"], call["key"],
+                                           dropout_p, table, state1, state2, optim.ADAM, hyper, True)
         got = list(launches)
-        if through_cached[-1] == 1:  # the update's launch alone
+        if through_cached[-1] == 0:
             replayed.append(name)
             pointers = {_address(a) for *_, arguments in got for a in arguments if isinstance(a, (torch.Tensor, int))}
-            own = [call["dout"], call["ids"], table, state1, state2] + ([call["key"]] if call["key"] is not None else [])
-            own_tensors.append({t.data_ptr() for t in own} <= pointers)
+            own = [call["dout"], table, state1, state2] + ([] if call["positions"] else [call["ids"]])
+            own_tensors.append({t.data_ptr() for t in own + ([call["key"]] if call["key"] is not None else [])}
+                               <= pointers)
         launches.clear()  # what Triton's own run launches for the same call
         direct = lambda kernel: kernel  # noqa: E731
         dout2d, dropout = call["dout"].contiguous().reshape(-1, 32), _triton._dout_dropout(call["key"], dropout_p)
         skip = -1 if call["padding"] is None else call["padding"]
-        segments = k.sorted_segments(dout2d, call["ids"], 300, skip, by_row=True, launch=direct, dropout=dropout)
-        k.optimizer_backward(dout2d, segments, 1.5, call["by_freq"], table, state1, state2, optim.ADAM, hyper, True,
-                             dropout=dropout, launch=direct)
+        if call["positions"]:
+            seq_len = call["ids"].shape[-1]
+            k.position_update(dout2d, table, state1, state2, call["ids"].numel() // seq_len, seq_len, call["offset"],
+                              optim.ADAM, hyper, dropout=dropout, launch=direct)
+        elif call["ids"].numel() <= k.FEW_TOKENS:
+            touched, values = k.used_row_sums(dout2d, call["ids"], 300, skip, 1.5, call["by_freq"], exact=False,
+                                              dropout=dropout, launch=direct)
+            k.optimizer_update(table, state1, state2, touched, values, optim.ADAM, hyper, True, launch=direct)
+        else:
+            segments = k.sorted_segments(dout2d, call["ids"], 300, skip, by_row=True, launch=direct, dropout=dropout)
+            k.optimizer_backward(dout2d, segments, 1.5, call["by_freq"], table, state1, state2, optim.ADAM, hyper,
+                                 True, dropout=dropout, launch=direct)
         if (len(got) != len(launches) or not all(map(_same_kind, got, launches))
                 or _wiring(got, launches) != _wiring(launches)):
             mismatches.append(name)
