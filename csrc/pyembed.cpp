@@ -172,6 +172,87 @@ struct PythonKernels final : pyembed::LookupKernels {
   }
 };
 
+// Typed dispatcher calls of the backends' ops, for eager Python callers (the Backend record's
+// eager_forward / eager_backward and the optimizer's ops, pyembed/_extension.py): the same
+// dispatch (by device, through any dispatch mode), without the boxed call's parsing of
+// every argument against the schema -- a one-token forward op 4.3 us through
+// torch.ops.pyembed.embedding_forward.default, 1.6 us typed, on the development VM. The
+// kernels' own C++ signatures (c10 checks them when the handle is made).
+template <class Signature>
+static c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+using OptionalTensor = std::optional<at::Tensor>;
+using TensorPair = std::tuple<at::Tensor, at::Tensor>;
+
+static void def_typed_ops(py::module_& m) {
+  m.def("embedding_forward",
+        [op = typed_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
+                                  std::string_view, double, int64_t, const OptionalTensor&, double, int64_t, int64_t,
+                                  int64_t)>("pyembed::embedding_forward")](
+            const at::Tensor& ids, const at::Tensor& weight, const OptionalTensor& pos_weight,
+            const OptionalTensor& position_ids, std::string_view pos_encoding, double scale, int64_t offset,
+            const OptionalTensor& dropout_key, double dropout_p, int64_t sinusoid_column_offset, int64_t sinusoid_dim,
+            int64_t error_record) {
+          return op.call(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
+                         sinusoid_column_offset, sinusoid_dim, error_record);
+        },
+        "torch.ops.pyembed.embedding_forward, typed", py::call_guard<py::gil_scoped_release>());
+  m.def("embedding_backward",
+        [op = typed_op<TensorPair(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t, int64_t,
+                                  int64_t, double, std::optional<int64_t>, bool, bool, bool, const OptionalTensor&,
+                                  double)>("pyembed::embedding_backward")](
+            const at::Tensor& grad_out, const at::Tensor& ids, const OptionalTensor& position_ids, int64_t offset,
+            int64_t num_embeddings, int64_t num_positions, double scale, std::optional<int64_t> padding_idx,
+            bool scale_grad_by_freq, bool need_weight_grad, bool need_pos_grad, const OptionalTensor& dropout_key,
+            double dropout_p) {
+          return op.call(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
+                         scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p);
+        },
+        "torch.ops.pyembed.embedding_backward, typed", py::call_guard<py::gil_scoped_release>());
+  m.def("embedding_touched_rows",
+        [op = typed_op<TensorPair(const at::Tensor&, const at::Tensor&, int64_t, double, std::optional<int64_t>, bool,
+                                  const OptionalTensor&, double)>("pyembed::embedding_touched_rows")](
+            const at::Tensor& grad_out, const at::Tensor& ids, int64_t num_embeddings, double scale,
+            std::optional<int64_t> padding_idx, bool scale_grad_by_freq, const OptionalTensor& dropout_key,
+            double dropout_p) {
+          return op.call(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key,
+                         dropout_p);
+        },
+        "torch.ops.pyembed.embedding_touched_rows, typed", py::call_guard<py::gil_scoped_release>());
+  m.def("optimizer_update",
+        [op = typed_op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, int64_t, c10::ArrayRef<double>, bool)>("pyembed::optimizer_update")](
+            const at::Tensor& param, const at::Tensor& state1, const at::Tensor& state2, const at::Tensor& rows,
+            const at::Tensor& values, int64_t rule, const std::vector<double>& hyper, bool all_rows) {
+          op.call(param, state1, state2, rows, values, rule, hyper, all_rows);
+        },
+        "torch.ops.pyembed.optimizer_update, typed", py::call_guard<py::gil_scoped_release>());
+  m.def("optimizer_backward",
+        [op = typed_op<void(const at::Tensor&, const at::Tensor&, double, std::optional<int64_t>, bool,
+                            const OptionalTensor&, double, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            int64_t, c10::ArrayRef<double>, bool)>("pyembed::optimizer_backward")](
+            const at::Tensor& grad_out, const at::Tensor& ids, double scale, std::optional<int64_t> padding_idx,
+            bool scale_grad_by_freq, const OptionalTensor& dropout_key, double dropout_p, const at::Tensor& param,
+            const at::Tensor& state1, const at::Tensor& state2, int64_t rule, const std::vector<double>& hyper,
+            bool all_rows) {
+          op.call(grad_out, ids, scale, padding_idx, scale_grad_by_freq, dropout_key, dropout_p, param, state1, state2,
+                  rule, hyper, all_rows);
+        },
+        "torch.ops.pyembed.optimizer_backward, typed", py::call_guard<py::gil_scoped_release>());
+  m.def("position_update",
+        [op = typed_op<void(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&, double,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                            c10::ArrayRef<double>)>("pyembed::position_update")](
+            const at::Tensor& grad_out, const at::Tensor& ids, int64_t offset, const OptionalTensor& dropout_key,
+            double dropout_p, const at::Tensor& param, const at::Tensor& state1, const at::Tensor& state2, int64_t rule,
+            const std::vector<double>& hyper) {
+          op.call(grad_out, ids, offset, dropout_key, dropout_p, param, state1, state2, rule, hyper);
+        },
+        "torch.ops.pyembed.position_update, typed", py::call_guard<py::gil_scoped_release>());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pyembed's compiled kernels; the ops live in torch.ops.pyembed";
 #ifdef PYEMBED_WITH_CUDA
@@ -204,6 +285,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("offset"), py::arg("padding_idx"), py::arg("scale_grad_by_freq"),
         py::arg("validate"), py::arg("error_record"), py::arg("dropout_p") = 0.0,
         py::arg("generator") = py::none(), py::arg("sparse") = false);
+  def_typed_ops(m);
   m.def("built_coalesced", &pyembed::built_coalesced,
         "whether a sparse .grad still holds the storages of a coalesced gradient pyembed::embedding built");
 }

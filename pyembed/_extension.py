@@ -95,17 +95,19 @@ if _C is not None:
     torch.library.register_fake("pyembed::embedding")(_ops.lookup_fake)
     _backend_ops = (torch.ops.pyembed.embedding_forward, torch.ops.pyembed.embedding_backward,
                     torch.ops.pyembed.embedding_sparse_backward)
-    _lookup = dict(autograd_op=_C.embedding,  # torch.ops.pyembed.embedding without the boxed call's host time
-                   compiled_op=torch.ops.pyembed.embedding.default, compiled_dropout=True)
-    _optimizer_ops = dict(touched_rows=torch.ops.pyembed.embedding_touched_rows.default,
-                          optimizer_update=torch.ops.pyembed.optimizer_update.default)
+    # Eager callers take the ops through typed calls (_C's, csrc/pyembed.cpp): the dispatcher
+    # without the boxed call's host time (the lookup, the general route's forward and dense
+    # backward, the optimizer's ops, which run eagerly only); torch.compile traces the ops.
+    _lookup = dict(autograd_op=_C.embedding, compiled_op=torch.ops.pyembed.embedding.default, compiled_dropout=True,
+                   eager_forward=_C.embedding_forward, eager_backward=_C.embedding_backward)
+    _optimizer_ops = dict(touched_rows=_C.embedding_touched_rows, optimizer_update=_C.optimizer_update)
     dispatch.register_backend(dispatch.Backend("cpu", *_backend_ops, _why_cpu_unavailable, **_lookup, **_optimizer_ops,
                                                auto_rank={"cpu": 0}))
     if _C.cuda_built:
         dispatch.register_backend(dispatch.Backend("cuda", *_backend_ops, _why_cuda_unavailable, **_lookup,
                                                    checks_in_kernel=True, **_optimizer_ops,
-                                                   optimizer_backward=torch.ops.pyembed.optimizer_backward.default,
-                                                   position_update=torch.ops.pyembed.position_update.default,
+                                                   optimizer_backward=_C.optimizer_backward,
+                                                   position_update=_C.position_update,
                                                    auto_rank={"cuda": 0}))
     else:
         dispatch.mark_missing("cuda", "pyembed._C was built without CUDA kernels (no CUDA toolkit at build time)")
