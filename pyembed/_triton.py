@@ -140,7 +140,7 @@ def forward(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.
 _plans: dict = {}
 _backward_plans: dict = {}
 _segment_plans: dict = {}  # optimizer_backward's sort and chunks
-_update_plans: dict = {}  # the optimizer's launches: their tensors and the step's scalars (floats) replaced
+_update_plans: dict = {}  # the optimizer's launches (their tensors and the step's scalars replaced), keyed by kind
 _touched_plans: dict = {}  # touched_rows' (an optimizer's sparse gradient rows)
 _MAX_PLANS = 256
 _SEEN, _UNPLANNED = "seen", "unplanned"
@@ -378,7 +378,7 @@ def optimizer_update(param, state1, state2, rows, values, rule: int, hyper: list
     """The optimizer inside the backward (schema of torch.ops.pyembed.optimizer_update),
     one Triton launch (two with a row map); only ever called eagerly (pyembed.optim runs
     outside compiled graphs). Planned per metadata, each step's scalars given anew."""
-    key = (_update_key(param, state1, state2, rule, hyper), rows.shape, values.shape, values.dtype, all_rows)
+    key = ("rows", _update_key(param, state1, state2, rule, hyper), rows.shape, values.shape, values.dtype, all_rows)
 
     def update(launch):
         _kernels().optimizer_update(param, state1, state2, rows, values, rule, hyper, all_rows, launch=launch)
@@ -419,7 +419,7 @@ def optimizer_backward(grad_out, ids, scale: float, padding_idx: Optional[int], 
         def update(launch):
             _kernels().optimizer_backward(dout2d, segments, scale, scale_grad_by_freq, param, state1, state2, rule,
                                           hyper, all_rows, dropout=dropout, launch=launch)
-        _planned(_update_plans, (key, bool(partials), bool(scale_grad_by_freq), all_rows,
+        _planned(_update_plans, ("segments", key, bool(partials), bool(scale_grad_by_freq), all_rows,
                                  _update_key(param, state1, state2, rule, hyper)),
                  (dout2d, order, bounds, param, state1, state2), update, floats=True)
 
@@ -431,7 +431,7 @@ def position_update(grad_out, ids, offset: int, dropout_key: Optional[torch.Tens
     planned per metadata as optimizer_update."""
     seq_len = ids.shape[-1] if ids.dim() and ids.numel() else 0
     dout2d, dropout = grad_out.contiguous().reshape(ids.numel(), param.shape[1]), _dout_dropout(dropout_key, dropout_p)
-    key = (dout2d.shape, dout2d.dtype, seq_len, offset, None if dropout is None else float(dropout_p),
+    key = ("positions", dout2d.shape, dout2d.dtype, seq_len, offset, None if dropout is None else float(dropout_p),
            _update_key(param, state1, state2, rule, hyper))
 
     def update(launch):
