@@ -177,7 +177,8 @@ struct PythonKernels final : pyembed::LookupKernels {
 // dispatch (by device, through any dispatch mode), without the boxed call's parsing of
 // every argument against the schema -- a one-token forward op 4.3 us through
 // torch.ops.pyembed.embedding_forward.default, 1.6 us typed, on the development VM. The
-// kernels' own C++ signatures (c10 checks them when the handle is made).
+// kernels' own C++ signatures (c10 checks them when the handle is made); the schemas'
+// argument names and defaults, so a call written for the op runs as it is.
 template <class Signature>
 static c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
@@ -198,7 +199,10 @@ static void def_typed_ops(py::module_& m) {
           return op.call(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
                          sinusoid_column_offset, sinusoid_dim, error_record);
         },
-        "torch.ops.pyembed.embedding_forward, typed", py::call_guard<py::gil_scoped_release>());
+        "torch.ops.pyembed.embedding_forward, typed", py::arg("ids"), py::arg("weight"), py::arg("pos_weight"),
+        py::arg("position_ids"), py::arg("pos_encoding"), py::arg("scale"), py::arg("offset"), py::arg("dropout_key"),
+        py::arg("dropout_p"), py::arg("sinusoid_column_offset") = 0, py::arg("sinusoid_dim") = 0,
+        py::arg("error_record") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("embedding_backward",
         [op = typed_op<TensorPair(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t, int64_t,
                                   int64_t, double, std::optional<int64_t>, bool, bool, bool, const OptionalTensor&,
@@ -210,7 +214,10 @@ static void def_typed_ops(py::module_& m) {
           return op.call(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
                          scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p);
         },
-        "torch.ops.pyembed.embedding_backward, typed", py::call_guard<py::gil_scoped_release>());
+        "torch.ops.pyembed.embedding_backward, typed", py::arg("grad_out"), py::arg("ids"), py::arg("position_ids"),
+        py::arg("offset"), py::arg("num_embeddings"), py::arg("num_positions"), py::arg("scale"),
+        py::arg("padding_idx"), py::arg("scale_grad_by_freq"), py::arg("need_weight_grad"), py::arg("need_pos_grad"),
+        py::arg("dropout_key") = py::none(), py::arg("dropout_p") = 0.0, py::call_guard<py::gil_scoped_release>());
   m.def("embedding_touched_rows",
         [op = typed_op<TensorPair(const at::Tensor&, const at::Tensor&, int64_t, double, std::optional<int64_t>, bool,
                                   const OptionalTensor&, double)>("pyembed::embedding_touched_rows")](
@@ -220,7 +227,9 @@ static void def_typed_ops(py::module_& m) {
           return op.call(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key,
                          dropout_p);
         },
-        "torch.ops.pyembed.embedding_touched_rows, typed", py::call_guard<py::gil_scoped_release>());
+        "torch.ops.pyembed.embedding_touched_rows, typed", py::arg("grad_out"), py::arg("ids"),
+        py::arg("num_embeddings"), py::arg("scale"), py::arg("padding_idx"), py::arg("scale_grad_by_freq"),
+        py::arg("dropout_key") = py::none(), py::arg("dropout_p") = 0.0, py::call_guard<py::gil_scoped_release>());
   m.def("optimizer_update",
         [op = typed_op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, int64_t, c10::ArrayRef<double>, bool)>("pyembed::optimizer_update")](

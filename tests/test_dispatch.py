@@ -105,6 +105,40 @@ def test_cpp_autograd_lookup_passes_opcheck():
                           (ids, weight, None, torch.randint(0, 9, (2, 5)), "sinusoidal", 1.0, 0, None, False))
 
 
+@pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")
+def test_the_typed_op_calls_take_what_the_ops_take_and_give_what_they_give():
+    """pyembed._C's typed calls (what eager Python callers of the C++ backends' ops use) with
+    a call written for each op -- positional, by keyword, defaults left out -- return the
+    op's result bit for bit, and change a table in place as the op does."""
+    from pyembed._extension import _C
+    ops = torch.ops.pyembed
+    g = torch.Generator().manual_seed(0)
+    ids, weight = torch.randint(0, 7, (2, 5), generator=g), torch.randn(7, 8, generator=g)
+    pos_weight, dout = torch.randn(6, 8, generator=g), torch.randn(2, 5, 8, generator=g)
+    key = torch.tensor([3, 11])
+    calls = [
+        ("embedding_forward", (ids, weight, pos_weight, None, "learned", 2.0, 0, None, 0.0), {}),
+        ("embedding_forward", (ids, weight, None, None, "sinusoidal", 1.0, 1, key, 0.25), dict(sinusoid_dim=16)),
+        ("embedding_backward", (dout, ids, None, 1, 7, 6, 2.0, 3, True, True, True), {}),
+        ("embedding_backward", (dout, ids, None, 0, 7, 6, 1.0, None, False, True, True),
+         dict(dropout_key=key, dropout_p=0.25)),
+        ("embedding_touched_rows", (dout, ids, 7, 1.5, 3, True), {}),
+        ("embedding_touched_rows", (dout, ids, 7, 1.5, None, False, key, 0.25), {}),
+    ]
+    for name, args, kwargs in calls:
+        expected, got = getattr(ops, name)(*args, **kwargs), getattr(_C, name)(*args, **kwargs)
+        for e, t in zip(*((x,) if isinstance(x, torch.Tensor) else x for x in (expected, got))):
+            assert torch.equal(e, t), name
+    table, state = torch.randn(7, 8, generator=g), [torch.rand(7, 8, generator=g) for _ in range(2)]
+    tables, states, before = [table, table.clone()], [state, [s.clone() for s in state]], table.clone()
+    rows, values = torch.tensor([1, 4]), torch.randn(2, 8, generator=g)
+    hyper = [1e-2, 0.9, 0.999, 1e-8, 0.01, 1.0, 0.0, 0.1, 0.05]  # AdamW at its first step
+    ops.optimizer_update(tables[0], *states[0], rows, values, 1, hyper, True)
+    _C.optimizer_update(tables[1], *states[1], rows, values, 1, hyper, True)
+    assert not torch.equal(tables[0], before)  # updated in place
+    assert torch.equal(tables[0], tables[1]) and all(map(torch.equal, states[0], states[1]))
+
+
 @pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs the Triton interpreter (no GPU here)")
 def test_triton_compiled_lookup_passes_opcheck():
     # pyembed::triton_lookup: what a compiled plain `triton` call traces (a custom op with a
