@@ -286,7 +286,8 @@ def host_only_costs(backends, calls=40, rounds=3):
             _extension._C.set_python_kernels(*python_kernels)
     for backend in backends:
         # The op (through the dispatcher) and, where the backend has one, the eager body
-        # the autograd path calls (triton: its launches replayed from a plan after two calls).
+        # the autograd path calls (triton: its launches replayed from a plan after two calls;
+        # cuda: the op's typed call, pyembed._C, without the boxed call's argument parsing).
         bodies = {"dense backward op": dispatch.get(backend).backward,
                   "dense backward, eager body": dispatch.get(backend).eager_backward}
         for name, op in bodies.items():
