@@ -46,11 +46,7 @@ struct OpKernels final : LookupKernels {
                      const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding, double scale,
                      int64_t offset, const std::optional<at::Tensor>& dropout_key, double dropout_p,
                      int64_t error_record) const override {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("pyembed::embedding_forward", "")
-                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                           const std::optional<at::Tensor>&, std::string_view, double, int64_t,
-                                           const std::optional<at::Tensor>&, double, int64_t, int64_t, int64_t)>();
+    static const auto op = typed_op<ForwardOp>("pyembed::embedding_forward");
     return op.call(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p, 0, 0,
                    error_record);
   }
@@ -64,12 +60,7 @@ struct OpKernels final : LookupKernels {
                                               bool need_weight_grad, bool need_pos_grad,
                                               const std::optional<at::Tensor>& dropout_key,
                                               double dropout_p) const override {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("pyembed::embedding_backward", "")
-                         .typed<std::tuple<at::Tensor, at::Tensor>(
-                             const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t, int64_t,
-                             int64_t, double, std::optional<int64_t>, bool, bool, bool,
-                             const std::optional<at::Tensor>&, double)>();
+    static const auto op = typed_op<BackwardOp>("pyembed::embedding_backward");
     return op.call(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
                    scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p);
   }
@@ -80,11 +71,7 @@ struct OpKernels final : LookupKernels {
                                                      std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
                                                      const std::optional<at::Tensor>& dropout_key,
                                                      double dropout_p) const override {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("pyembed::embedding_sparse_backward", "")
-                         .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t,
-                                                                   double, std::optional<int64_t>, bool,
-                                                                   const std::optional<at::Tensor>&, double)>();
+    static const auto op = typed_op<RowSumsOp>("pyembed::embedding_sparse_backward");
     return op.call(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key, dropout_p);
   }
 };

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <memory>
 #include <optional>
@@ -9,6 +10,32 @@
 #include <tuple>
 
 namespace pyembed {
+
+// The backends' ops as C++ signatures (pyembed/reference.py's schemas), for typed
+// dispatcher calls: the node's OpKernels (csrc/autograd.cpp) and the eager Python callers'
+// calls (csrc/pyembed.cpp). c10 checks a signature against its op's schema when typed_op
+// makes the handle, so a schema change that a signature misses fails at import.
+using ForwardOp = at::Tensor(const at::Tensor& ids, const at::Tensor& weight,
+                             const std::optional<at::Tensor>& pos_weight,
+                             const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
+                             double scale, int64_t offset, const std::optional<at::Tensor>& dropout_key,
+                             double dropout_p, int64_t sinusoid_column_offset, int64_t sinusoid_dim,
+                             int64_t error_record);
+using BackwardOp = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor& grad_out, const at::Tensor& ids, const std::optional<at::Tensor>& position_ids, int64_t offset,
+    int64_t num_embeddings, int64_t num_positions, double scale, std::optional<int64_t> padding_idx,
+    bool scale_grad_by_freq, bool need_weight_grad, bool need_pos_grad, const std::optional<at::Tensor>& dropout_key,
+    double dropout_p);
+// embedding_sparse_backward and embedding_touched_rows: (rows, their sums).
+using RowSumsOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& grad_out, const at::Tensor& ids,
+                                                     int64_t num_embeddings, double scale,
+                                                     std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
+                                                     const std::optional<at::Tensor>& dropout_key, double dropout_p);
+
+template <class Signature>
+c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
 
 // The kernels pyembed::embedding's node runs, with the schemas of pyembed/reference.py's
 // embedding_forward (sinusoid columns left at their defaults), embedding_backward and

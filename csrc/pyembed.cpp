@@ -110,20 +110,12 @@ TORCH_LIBRARY_IMPL(pyembed, CUDA, m) {
 // (torch.ops.pyembed.embedding) costs more host time than the op itself: a one-token
 // lookup with its autograd node took 3.9 us that way and 2.3 us this way on the
 // development VM (F.embedding: 2.1 us).
-static at::Tensor embedding_call(const at::Tensor& ids, const at::Tensor& weight,
-                                 const std::optional<at::Tensor>& pos_weight,
-                                 const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
-                                 double scale, int64_t offset, std::optional<int64_t> padding_idx,
-                                 bool scale_grad_by_freq, bool validate, int64_t error_record, double dropout_p,
-                                 const std::optional<at::Generator>& generator, bool sparse) {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("pyembed::embedding", "")
-      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                        const std::optional<at::Tensor>&, std::string_view, double, int64_t,
-                        std::optional<int64_t>, bool, bool, int64_t, double, const std::optional<at::Generator>&,
-                        bool)>();
-  return op.call(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, scale_grad_by_freq,
-                 validate, error_record, dropout_p, generator, sparse);
-}
+using EmbeddingOp = at::Tensor(const at::Tensor& ids, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& pos_weight,
+                               const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding,
+                               double scale, int64_t offset, std::optional<int64_t> padding_idx,
+                               bool scale_grad_by_freq, bool validate, int64_t error_record, double dropout_p,
+                               const std::optional<at::Generator>& generator, bool sparse);
 
 // The kernels of a backend whose launches are Python (triton), for pyembed::embedding's node
 // (csrc/autograd.cpp): its Python autograd.Function and argument checks cost a one-token
@@ -178,88 +170,80 @@ struct PythonKernels final : pyembed::LookupKernels {
 // every argument against the schema -- a one-token forward op 4.3 us through
 // torch.ops.pyembed.embedding_forward.default, 1.6 us typed, on the development VM. The
 // kernels' own C++ signatures (c10 checks them when the handle is made); the schemas'
-// argument names and defaults, so a call written for the op runs as it is.
+// argument names and defaults (def_typed_ops), so a call written for the op runs as it is.
+using OptionalTensor = std::optional<at::Tensor>;
+using OptimizerUpdateOp = void(const at::Tensor& param, const at::Tensor& state1, const at::Tensor& state2,
+                               const at::Tensor& rows, const at::Tensor& values, int64_t rule,
+                               c10::ArrayRef<double> hyper, bool all_rows);
+using OptimizerBackwardOp = void(const at::Tensor& grad_out, const at::Tensor& ids, double scale,
+                                 std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
+                                 const OptionalTensor& dropout_key, double dropout_p, const at::Tensor& param,
+                                 const at::Tensor& state1, const at::Tensor& state2, int64_t rule,
+                                 c10::ArrayRef<double> hyper, bool all_rows);
+using PositionUpdateOp = void(const at::Tensor& grad_out, const at::Tensor& ids, int64_t offset,
+                              const OptionalTensor& dropout_key, double dropout_p, const at::Tensor& param,
+                              const at::Tensor& state1, const at::Tensor& state2, int64_t rule,
+                              c10::ArrayRef<double> hyper);
+
+// An argument as Python passes it: pybind11 makes a std::vector of a list, not an ArrayRef.
+template <class T>
+struct FromPython {
+  using type = T;
+};
+template <>
+struct FromPython<c10::ArrayRef<double>> {
+  using type = std::vector<double>;
+};
+
+// A function calling op `name` (of C++ signature Result(Args...)) through its typed handle.
 template <class Signature>
-static c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+struct TypedCall;
+template <class Result, class... Args>
+struct TypedCall<Result(Args...)> {
+  static auto of(const char* name) {
+    return [op = pyembed::typed_op<Result(Args...)>(name)](typename FromPython<Args>::type... args) -> Result {
+      return op.call(args...);
+    };
+  }
+};
+
+template <class Signature>
+static auto typed_call(const char* name) {
+  return TypedCall<Signature>::of(name);
 }
 
-using OptionalTensor = std::optional<at::Tensor>;
-using TensorPair = std::tuple<at::Tensor, at::Tensor>;
+// A call with pyembed::embedding's arguments (EmbeddingOp), named and defaulted as its schema does.
+template <class Function, class... Extra>
+static void def_embedding_call(py::module_& m, const char* name, Function&& function, const char* doc,
+                               const Extra&... extra) {
+  m.def(name, std::forward<Function>(function), doc, py::arg("ids"), py::arg("weight"), py::arg("pos_weight"),
+        py::arg("position_ids"), py::arg("pos_encoding"), py::arg("scale"), py::arg("offset"), py::arg("padding_idx"),
+        py::arg("scale_grad_by_freq"), py::arg("validate"), py::arg("error_record"), py::arg("dropout_p") = 0.0,
+        py::arg("generator") = py::none(), py::arg("sparse") = false, extra...);
+}
 
 static void def_typed_ops(py::module_& m) {
-  m.def("embedding_forward",
-        [op = typed_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
-                                  std::string_view, double, int64_t, const OptionalTensor&, double, int64_t, int64_t,
-                                  int64_t)>("pyembed::embedding_forward")](
-            const at::Tensor& ids, const at::Tensor& weight, const OptionalTensor& pos_weight,
-            const OptionalTensor& position_ids, std::string_view pos_encoding, double scale, int64_t offset,
-            const OptionalTensor& dropout_key, double dropout_p, int64_t sinusoid_column_offset, int64_t sinusoid_dim,
-            int64_t error_record) {
-          return op.call(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
-                         sinusoid_column_offset, sinusoid_dim, error_record);
-        },
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("embedding_forward", typed_call<pyembed::ForwardOp>("pyembed::embedding_forward"),
         "torch.ops.pyembed.embedding_forward, typed", py::arg("ids"), py::arg("weight"), py::arg("pos_weight"),
         py::arg("position_ids"), py::arg("pos_encoding"), py::arg("scale"), py::arg("offset"), py::arg("dropout_key"),
         py::arg("dropout_p"), py::arg("sinusoid_column_offset") = 0, py::arg("sinusoid_dim") = 0,
-        py::arg("error_record") = 0, py::call_guard<py::gil_scoped_release>());
-  m.def("embedding_backward",
-        [op = typed_op<TensorPair(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t, int64_t,
-                                  int64_t, double, std::optional<int64_t>, bool, bool, bool, const OptionalTensor&,
-                                  double)>("pyembed::embedding_backward")](
-            const at::Tensor& grad_out, const at::Tensor& ids, const OptionalTensor& position_ids, int64_t offset,
-            int64_t num_embeddings, int64_t num_positions, double scale, std::optional<int64_t> padding_idx,
-            bool scale_grad_by_freq, bool need_weight_grad, bool need_pos_grad, const OptionalTensor& dropout_key,
-            double dropout_p) {
-          return op.call(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
-                         scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p);
-        },
+        py::arg("error_record") = 0, no_gil);
+  m.def("embedding_backward", typed_call<pyembed::BackwardOp>("pyembed::embedding_backward"),
         "torch.ops.pyembed.embedding_backward, typed", py::arg("grad_out"), py::arg("ids"), py::arg("position_ids"),
         py::arg("offset"), py::arg("num_embeddings"), py::arg("num_positions"), py::arg("scale"),
         py::arg("padding_idx"), py::arg("scale_grad_by_freq"), py::arg("need_weight_grad"), py::arg("need_pos_grad"),
-        py::arg("dropout_key") = py::none(), py::arg("dropout_p") = 0.0, py::call_guard<py::gil_scoped_release>());
-  m.def("embedding_touched_rows",
-        [op = typed_op<TensorPair(const at::Tensor&, const at::Tensor&, int64_t, double, std::optional<int64_t>, bool,
-                                  const OptionalTensor&, double)>("pyembed::embedding_touched_rows")](
-            const at::Tensor& grad_out, const at::Tensor& ids, int64_t num_embeddings, double scale,
-            std::optional<int64_t> padding_idx, bool scale_grad_by_freq, const OptionalTensor& dropout_key,
-            double dropout_p) {
-          return op.call(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key,
-                         dropout_p);
-        },
+        py::arg("dropout_key") = py::none(), py::arg("dropout_p") = 0.0, no_gil);
+  m.def("embedding_touched_rows", typed_call<pyembed::RowSumsOp>("pyembed::embedding_touched_rows"),
         "torch.ops.pyembed.embedding_touched_rows, typed", py::arg("grad_out"), py::arg("ids"),
         py::arg("num_embeddings"), py::arg("scale"), py::arg("padding_idx"), py::arg("scale_grad_by_freq"),
-        py::arg("dropout_key") = py::none(), py::arg("dropout_p") = 0.0, py::call_guard<py::gil_scoped_release>());
-  m.def("optimizer_update",
-        [op = typed_op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, int64_t, c10::ArrayRef<double>, bool)>("pyembed::optimizer_update")](
-            const at::Tensor& param, const at::Tensor& state1, const at::Tensor& state2, const at::Tensor& rows,
-            const at::Tensor& values, int64_t rule, const std::vector<double>& hyper, bool all_rows) {
-          op.call(param, state1, state2, rows, values, rule, hyper, all_rows);
-        },
-        "torch.ops.pyembed.optimizer_update, typed", py::call_guard<py::gil_scoped_release>());
-  m.def("optimizer_backward",
-        [op = typed_op<void(const at::Tensor&, const at::Tensor&, double, std::optional<int64_t>, bool,
-                            const OptionalTensor&, double, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            int64_t, c10::ArrayRef<double>, bool)>("pyembed::optimizer_backward")](
-            const at::Tensor& grad_out, const at::Tensor& ids, double scale, std::optional<int64_t> padding_idx,
-            bool scale_grad_by_freq, const OptionalTensor& dropout_key, double dropout_p, const at::Tensor& param,
-            const at::Tensor& state1, const at::Tensor& state2, int64_t rule, const std::vector<double>& hyper,
-            bool all_rows) {
-          op.call(grad_out, ids, scale, padding_idx, scale_grad_by_freq, dropout_key, dropout_p, param, state1, state2,
-                  rule, hyper, all_rows);
-        },
-        "torch.ops.pyembed.optimizer_backward, typed", py::call_guard<py::gil_scoped_release>());
-  m.def("position_update",
-        [op = typed_op<void(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&, double,
-                            const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                            c10::ArrayRef<double>)>("pyembed::position_update")](
-            const at::Tensor& grad_out, const at::Tensor& ids, int64_t offset, const OptionalTensor& dropout_key,
-            double dropout_p, const at::Tensor& param, const at::Tensor& state1, const at::Tensor& state2, int64_t rule,
-            const std::vector<double>& hyper) {
-          op.call(grad_out, ids, offset, dropout_key, dropout_p, param, state1, state2, rule, hyper);
-        },
-        "torch.ops.pyembed.position_update, typed", py::call_guard<py::gil_scoped_release>());
+        py::arg("dropout_key") = py::none(), py::arg("dropout_p") = 0.0, no_gil);
+  m.def("optimizer_update", typed_call<OptimizerUpdateOp>("pyembed::optimizer_update"),
+        "torch.ops.pyembed.optimizer_update, typed", no_gil);
+  m.def("optimizer_backward", typed_call<OptimizerBackwardOp>("pyembed::optimizer_backward"),
+        "torch.ops.pyembed.optimizer_backward, typed", no_gil);
+  m.def("position_update", typed_call<PositionUpdateOp>("pyembed::position_update"),
+        "torch.ops.pyembed.position_update, typed", no_gil);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -274,11 +258,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("cuda_arch_list") = PYEMBED_CUDA_ARCH_LIST;
   m.def("cpu_isa", [] { return pyembed::cpu::row_kernels().isa; },
         "the instruction set of the CPU row kernels in use: 'avx512', 'avx2' or 'base'");
-  m.def("embedding", &embedding_call, "torch.ops.pyembed.embedding's call, for eager calls on plain tensors",
-        py::arg("ids"), py::arg("weight"), py::arg("pos_weight"), py::arg("position_ids"), py::arg("pos_encoding"),
-        py::arg("scale"), py::arg("offset"), py::arg("padding_idx"), py::arg("scale_grad_by_freq"),
-        py::arg("validate"), py::arg("error_record"), py::arg("dropout_p") = 0.0,
-        py::arg("generator") = py::none(), py::arg("sparse") = false, py::call_guard<py::gil_scoped_release>());
+  def_embedding_call(m, "embedding", typed_call<EmbeddingOp>("pyembed::embedding"),
+                     "torch.ops.pyembed.embedding's call, for eager calls on plain tensors",
+                     py::call_guard<py::gil_scoped_release>());
   m.def(
       "set_python_kernels",
       [](py::object forward, py::object backward, py::object sparse_backward) {
@@ -288,12 +270,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "the forward, dense and sparse backward (pyembed/reference.py's schemas) embedding_python_kernels runs",
       py::arg("forward"), py::arg("backward"), py::arg("sparse_backward"));
   // The GIL stays held: the forward is Python.
-  m.def("embedding_python_kernels", &pyembed::embedding_python_kernels,
-        "pyembed::embedding's call (its checks and C++ autograd node) with the kernels set_python_kernels gave",
-        py::arg("ids"), py::arg("weight"), py::arg("pos_weight"), py::arg("position_ids"), py::arg("pos_encoding"),
-        py::arg("scale"), py::arg("offset"), py::arg("padding_idx"), py::arg("scale_grad_by_freq"),
-        py::arg("validate"), py::arg("error_record"), py::arg("dropout_p") = 0.0,
-        py::arg("generator") = py::none(), py::arg("sparse") = false);
+  def_embedding_call(m, "embedding_python_kernels", &pyembed::embedding_python_kernels,
+                     "pyembed::embedding's call (its checks and C++ autograd node) with the kernels "
+                     "set_python_kernels gave");
   def_typed_ops(m);
   m.def("built_coalesced", &pyembed::built_coalesced,
         "whether a sparse .grad still holds the storages of a coalesced gradient pyembed::embedding built");
