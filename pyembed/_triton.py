@@ -328,8 +328,10 @@ def sparse_backward(grad_out: torch.Tensor, ids: torch.Tensor, num_embeddings: i
                     dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The token table's sparse gradient (schema of reference.embedding_sparse_backward):
     one host sync, for the number of touched rows."""
-    return _used_row_sums(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key,
-                          dropout_p, exact=True)
+    sums, _, _ = _used_row_sums(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key,
+                                dropout_p, exact=True)
+    with _on_device(grad_out):
+        return sums(_direct)
 
 
 triton_sparse_backward = torch.library.custom_op("pyembed::triton_sparse_backward", mutates_args=(),
@@ -343,27 +345,27 @@ def touched_rows(grad_out: torch.Tensor, ids: torch.Tensor, num_embeddings: int,
     torch.ops.pyembed.embedding_touched_rows): min(tokens, V) slots, unused ones row -1.
     Planned per metadata, as the dense backward (a step with an optimizer in the backward
     calls it every step)."""
-    dout2d = grad_out.contiguous().reshape(ids.numel(), grad_out.shape[-1])
-    ids, skip, dropout = ids.contiguous(), -1 if padding_idx is None else padding_idx, _dout_dropout(dropout_key,
-                                                                                                     dropout_p)
-    key = (dout2d.shape, dout2d.dtype, dout2d.device, ids.shape, ids.dtype, num_embeddings, skip, float(scale),
-           bool(scale_grad_by_freq), None if dropout is None else float(dropout_p))
-
-    def sums(launch):
-        return _kernels().used_row_sums(dout2d, ids, num_embeddings, skip, scale, scale_grad_by_freq, exact=False,
-                                        dropout=dropout, launch=launch)
+    sums, inputs, key = _used_row_sums(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq,
+                                       dropout_key, dropout_p, exact=False)
     with _on_device(grad_out):
-        return _planned(_touched_plans, key, (dout2d, ids, dropout_key), sums)
+        return _planned(_touched_plans, key, inputs, sums)
 
 
 def _used_row_sums(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key, dropout_p,
                    exact: bool):
-    """kernels.embedding.used_row_sums on the op's arguments: (rows by slot, their sums)."""
-    with _on_device(grad_out):
-        return _kernels().used_row_sums(
-            grad_out.contiguous().reshape(ids.numel(), grad_out.shape[-1]), ids, num_embeddings,
-            -1 if padding_idx is None else padding_idx, scale, scale_grad_by_freq, exact=exact,
-            dropout=_dout_dropout(dropout_key, dropout_p))
+    """kernels.embedding.used_row_sums on the op's arguments -- (rows by slot, their sums) --
+    as _planned takes it: (the call as a function of its launch, the tensors it reads, what
+    else its launches follow from)."""
+    dout2d = grad_out.contiguous().reshape(ids.numel(), grad_out.shape[-1])
+    ids, skip, dropout = ids.contiguous(), -1 if padding_idx is None else padding_idx, _dout_dropout(dropout_key,
+                                                                                                     dropout_p)
+
+    def sums(launch):
+        return _kernels().used_row_sums(dout2d, ids, num_embeddings, skip, scale, scale_grad_by_freq, exact=exact,
+                                        dropout=dropout, launch=launch)
+    key = (dout2d.shape, dout2d.dtype, dout2d.device, ids.shape, ids.dtype, num_embeddings, skip, float(scale),
+           bool(scale_grad_by_freq), None if dropout is None else float(dropout_p))
+    return sums, (dout2d, ids, dropout_key), key
 
 
 def _update_key(param, state1, state2, rule: int, hyper) -> tuple:
