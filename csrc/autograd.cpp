@@ -78,6 +78,7 @@ struct OpKernels final : LookupKernels {
 
 const OpKernels op_kernels;
 const LookupKernels* python_kernels = nullptr;  // set_python_kernels; never freed
+const FusedStep* fused_step = nullptr;           // set_fused_step; never freed
 
 // The kernels a node runs, by the flag it saved (a pointer is not an IValue).
 const LookupKernels& kernels_of(bool python) { return python ? *python_kernels : op_kernels; }
@@ -216,6 +217,9 @@ struct Lookup {
   double dropout_p;
   bool sparse;  // the table's gradient as a coalesced COO tensor
   bool python;  // the kernels: Python (set_python_kernels), else the backend's ops
+  // The tables whose optimizer runs in the backward (embedding_fused): updated there by
+  // fused_step, held by the node (not saved: the update changes them).
+  bool fused_weight = false, fused_pos = false;
 };
 
 struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
@@ -230,7 +234,13 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
     ctx->saved_data["lookup"] = c10::ivalue::Tuple::create(
         {weight.size(0), lookup.pos_encoding == "learned" && pos_weight.has_value(),
          pos_weight.has_value() ? pos_weight->size(0) : int64_t(0), lookup.scale, lookup.offset, lookup.padding_idx,
-         lookup.scale_grad_by_freq, lookup.dropout_p, lookup.sparse, lookup.python});
+         lookup.scale_grad_by_freq, lookup.dropout_p, lookup.sparse, lookup.python,
+         lookup.fused_weight || lookup.fused_pos});
+    if (lookup.fused_weight || lookup.fused_pos) {
+      ctx->saved_data["fused"] = c10::ivalue::Tuple::create(
+          {lookup.fused_weight ? c10::IValue(weight) : c10::IValue(),
+           lookup.fused_pos && pos_weight.has_value() ? c10::IValue(*pos_weight) : c10::IValue()});
+    }
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return kernels_of(lookup.python)
         .forward(lookup.ids, weight, pos_weight, lookup.position_ids, lookup.pos_encoding, lookup.scale,
@@ -251,20 +261,31 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
     const double dropout_p = lookup[7].toDouble();
     const bool sparse = lookup[8].toBool();
     const bool python = lookup[9].toBool();
+    const bool fused = lookup[10].toBool();
     const LookupKernels& kernels = kernels_of(python);
-    const bool need_weight_grad = ctx->needs_input_grad(0);
-    const bool need_pos_grad = learned && ctx->needs_input_grad(1);
+    bool need_weight_grad = ctx->needs_input_grad(0);
+    bool need_pos_grad = learned && ctx->needs_input_grad(1);
     at::Tensor grad_out = grad_outputs[0].contiguous();
+    const std::optional<at::Tensor> positions =
+        position_ids.defined() ? std::optional<at::Tensor>(position_ids) : std::nullopt;
 
     at::Tensor grad_weight, grad_pos;
     if (need_weight_grad || need_pos_grad) {
-      const bool sparse_weight_grad = sparse && need_weight_grad;
       // With dropout the gradient goes through the forward's mask: in the ops' own reads
       // (the key passed on), else -- create_graph=True, where the mask is a node -- first.
       const bool mask_first = dropout_key.defined() && at::GradMode::is_enabled();
       if (mask_first) grad_out = DropoutMaskFunction::apply(grad_out, dropout_key, dropout_p, python);
       const std::optional<at::Tensor> op_dropout_key =
           dropout_key.defined() && !mask_first ? std::optional<at::Tensor>(dropout_key) : std::nullopt;
+      if (fused) {  // the tables whose optimizer runs here are updated, and need no gradient
+        const auto& tables = ctx->saved_data["fused"].toTupleRef().elements();
+        std::tie(need_weight_grad, need_pos_grad) =
+            (*fused_step)(python, grad_out, ids, positions, op_dropout_key, tables[0].toOptional<at::Tensor>(),
+                          tables[1].toOptional<at::Tensor>(), need_weight_grad, need_pos_grad, scale, offset,
+                          padding_idx, by_freq, dropout_p, sparse);
+      }
+      if (!need_weight_grad && !need_pos_grad) return {at::Tensor(), at::Tensor(), at::Tensor()};
+      const bool sparse_weight_grad = sparse && need_weight_grad;
       if (at::GradMode::is_enabled()) {  // create_graph=True: the backward is recorded too
         std::tie(grad_weight, grad_pos) =
             differentiable_backward(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale,
@@ -280,8 +301,6 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
         }
       } else {
         at::AutoDispatchBelowADInplaceOrView below_autograd;
-        const std::optional<at::Tensor> positions =
-            position_ids.defined() ? std::optional<at::Tensor>(position_ids) : std::nullopt;
         if (need_pos_grad || !sparse_weight_grad) {  // a sparse table alone needs no dense op
           std::tie(grad_weight, grad_pos) = kernels.backward(grad_out, ids, positions, offset, num_embeddings,
                                                              num_positions, scale, padding_idx, by_freq,
@@ -316,13 +335,15 @@ at::Tensor lookup_forward(const at::Tensor& ids, const at::Tensor& weight, const
                                      error_record);
 }
 
-// The lookup, with its node where a table needs a gradient.
+// The lookup, with its node where a table needs a gradient; fused_weight / fused_pos: the
+// tables its backward updates (embedding_fused).
 template <bool kPython>
-at::Tensor lookup(const at::Tensor& ids, const at::Tensor& weight, const std::optional<at::Tensor>& pos_weight,
-                  const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding, double scale,
-                  int64_t offset, std::optional<int64_t> padding_idx, bool scale_grad_by_freq, bool validate,
-                  int64_t error_record, double dropout_p, const std::optional<at::Generator>& generator,
-                  bool sparse) {
+at::Tensor lookup_node(bool fused_weight, bool fused_pos, const at::Tensor& ids, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& pos_weight, const std::optional<at::Tensor>& position_ids,
+                       std::string_view pos_encoding, double scale, int64_t offset,
+                       std::optional<int64_t> padding_idx, bool scale_grad_by_freq, bool validate,
+                       int64_t error_record, double dropout_p, const std::optional<at::Generator>& generator,
+                       bool sparse) {
   const bool needs_grad = weight.requires_grad() || (pos_weight.has_value() && pos_weight->requires_grad());
   if (!at::GradMode::is_enabled() || !needs_grad) {  // no_grad decoding: no node to build (~1 us)
     at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -336,7 +357,18 @@ at::Tensor lookup(const at::Tensor& ids, const at::Tensor& weight, const std::op
                                   Lookup{ids, args.position_ids, pos_encoding, scale, offset, args.padding_idx,
                                          scale_grad_by_freq, error_record,
                                          draw_dropout_key(dropout_p, generator, weight.device()), dropout_p, sparse,
-                                         kPython});
+                                         kPython, fused_weight, fused_pos});
+}
+
+// pyembed::embedding's kernel (Autograd key): no table updated in the backward.
+template <bool kPython>
+at::Tensor lookup(const at::Tensor& ids, const at::Tensor& weight, const std::optional<at::Tensor>& pos_weight,
+                  const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding, double scale,
+                  int64_t offset, std::optional<int64_t> padding_idx, bool scale_grad_by_freq, bool validate,
+                  int64_t error_record, double dropout_p, const std::optional<at::Generator>& generator,
+                  bool sparse) {
+  return lookup_node<kPython>(false, false, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
+                              padding_idx, scale_grad_by_freq, validate, error_record, dropout_p, generator, sparse);
 }
 
 }  // namespace
@@ -354,6 +386,23 @@ at::Tensor embedding_python_kernels(const at::Tensor& ids, const at::Tensor& wei
   TORCH_CHECK(python_kernels != nullptr, "pyembed: no Python kernels were set");
   return lookup<true>(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
                       scale_grad_by_freq, validate, error_record, dropout_p, generator, sparse);
+}
+
+void set_fused_step(std::unique_ptr<FusedStep> step) {
+  fused_step = step.release();  // a previous set is kept (a node may be running it)
+}
+
+at::Tensor embedding_fused(bool python, bool fused_weight, bool fused_pos, const at::Tensor& ids,
+                           const at::Tensor& weight, const std::optional<at::Tensor>& pos_weight,
+                           const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding, double scale,
+                           int64_t offset, std::optional<int64_t> padding_idx, bool scale_grad_by_freq, bool validate,
+                           int64_t error_record, double dropout_p, const std::optional<at::Generator>& generator,
+                           bool sparse) {
+  TORCH_CHECK(fused_step != nullptr, "pyembed: no fused optimizer step was set");
+  TORCH_CHECK(!python || python_kernels != nullptr, "pyembed: no Python kernels were set");
+  auto call = python ? &lookup_node<true> : &lookup_node<false>;
+  return call(fused_weight, fused_pos, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
+              padding_idx, scale_grad_by_freq, validate, error_record, dropout_p, generator, sparse);
 }
 
 bool built_coalesced(const at::Tensor& grad) {

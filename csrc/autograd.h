@@ -73,6 +73,35 @@ at::Tensor embedding_python_kernels(const at::Tensor& ids, const at::Tensor& wei
                                     bool scale_grad_by_freq, bool validate, int64_t error_record, double dropout_p,
                                     const std::optional<at::Generator>& generator, bool sparse);
 
+// The update of the tables whose optimizer runs in the backward (pyembed/_autograd.py's
+// fused_step, pyembed/optim.py's step_tables), which the node of embedding_fused calls
+// before it computes its gradients: each table given (the others are None) whose gradient
+// is needed is updated from grad_out and ids. Returns the gradients still needed
+// (weight's, pos_weight's). python: the kernels are Python (triton), else the device's ops.
+struct FusedStep {
+  virtual ~FusedStep() = default;
+  virtual std::tuple<bool, bool> operator()(
+      bool python, const at::Tensor& grad_out, const at::Tensor& ids, const std::optional<at::Tensor>& position_ids,
+      const std::optional<at::Tensor>& dropout_key, const std::optional<at::Tensor>& weight,
+      const std::optional<at::Tensor>& pos_weight, bool need_weight_grad, bool need_pos_grad, double scale,
+      int64_t offset, std::optional<int64_t> padding_idx, bool scale_grad_by_freq, double dropout_p,
+      bool sparse) const = 0;
+};
+
+// Set at import, as set_python_kernels (never freed; a second set replaces it).
+void set_fused_step(std::unique_ptr<FusedStep> step);
+
+// pyembed::embedding's call on tables of which fused_weight / fused_pos say which have their
+// optimizer in the backward: the same checks and node, whose backward updates those tables
+// (FusedStep) and gives them no gradient. python: the kernels set_python_kernels gave.
+// Called directly, not through the dispatcher (an eager call only: pyembed/functional.py).
+at::Tensor embedding_fused(bool python, bool fused_weight, bool fused_pos, const at::Tensor& ids,
+                           const at::Tensor& weight, const std::optional<at::Tensor>& pos_weight,
+                           const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding, double scale,
+                           int64_t offset, std::optional<int64_t> padding_idx, bool scale_grad_by_freq, bool validate,
+                           int64_t error_record, double dropout_p, const std::optional<at::Generator>& generator,
+                           bool sparse);
+
 // ``grad`` still holds the storages of a coalesced sparse gradient pyembed::embedding's
 // node built (and its nnz): pyembed/_coalesced.py sets the flag AccumulateGrad dropped.
 bool built_coalesced(const at::Tensor& grad);

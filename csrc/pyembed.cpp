@@ -164,6 +164,29 @@ struct PythonKernels final : pyembed::LookupKernels {
   }
 };
 
+// The update of tables whose optimizer runs in the backward, for the node of
+// embedding_fused: pyembed/_autograd.py's fused_step (pyembed/optim.py's step_tables), on
+// autograd's thread with the GIL taken, as PythonKernels' backward.
+struct PythonFusedStep final : pyembed::FusedStep {
+  py::object step;
+
+  explicit PythonFusedStep(py::object step) : step(std::move(step)) {}
+
+  std::tuple<bool, bool> operator()(bool python, const at::Tensor& grad_out, const at::Tensor& ids,
+                                    const std::optional<at::Tensor>& position_ids,
+                                    const std::optional<at::Tensor>& dropout_key,
+                                    const std::optional<at::Tensor>& weight,
+                                    const std::optional<at::Tensor>& pos_weight, bool need_weight_grad,
+                                    bool need_pos_grad, double scale, int64_t offset,
+                                    std::optional<int64_t> padding_idx, bool scale_grad_by_freq, double dropout_p,
+                                    bool sparse) const override {
+    py::gil_scoped_acquire gil;
+    return step(python, grad_out, ids, position_ids, dropout_key, weight, pos_weight, need_weight_grad,
+                need_pos_grad, scale, offset, padding_idx, scale_grad_by_freq, dropout_p, sparse)
+        .cast<std::tuple<bool, bool>>();
+  }
+};
+
 // Typed dispatcher calls of the backends' ops, for eager Python callers (the Backend record's
 // eager_forward / eager_backward and the optimizer's ops, pyembed/_extension.py): the same
 // dispatch (by device, through any dispatch mode), without the boxed call's parsing of
@@ -273,6 +296,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   def_embedding_call(m, "embedding_python_kernels", &pyembed::embedding_python_kernels,
                      "pyembed::embedding's call (its checks and C++ autograd node) with the kernels "
                      "set_python_kernels gave");
+  m.def(
+      "set_fused_step",
+      [](py::object step) { pyembed::set_fused_step(std::make_unique<PythonFusedStep>(std::move(step))); },
+      "the update embedding_fused's node runs in its backward (csrc/autograd.h, FusedStep)", py::arg("step"));
+  // Positional (python, fused_weight, fused_pos, then pyembed::embedding's arguments); the
+  // GIL stays held, as for embedding_python_kernels.
+  m.def("embedding_fused", &pyembed::embedding_fused,
+        "pyembed::embedding's call (its checks and C++ autograd node) on tables of which some have their optimizer "
+        "in the backward, which the node updates");
   def_typed_ops(m);
   m.def("built_coalesced", &pyembed::built_coalesced,
         "whether a sparse .grad still holds the storages of a coalesced gradient pyembed::embedding built");

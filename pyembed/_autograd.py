@@ -4,14 +4,16 @@
 Routes, each for a reason torch imposes:
 - the C++ backends' ``pyembed::embedding`` op with its C++ autograd node: plain eager
   calls (the fewest host microseconds); on ``triton`` the same checks and node running its
-  Python kernels (pyembed._triton._lookup_op);
+  Python kernels (pyembed._triton._lookup_ops); on tables whose optimizer runs in the
+  backward, the same node, whose backward calls ``fused_step`` (pyembed.optim) first;
 - ``FusedEmbeddingFunctionWithJvp``: other eager calls (dropout, sparse, forward-mode AD);
 - ``FusedEmbeddingFunctorch``: under torch.func transforms (setup_context + vmap rule);
 - ``FusedEmbeddingFunction``: what torch.compile traces (Dynamo cannot trace a custom jvp);
 - ``pyembed::sparse_grad_embedding``: a sparse gradient under torch.compile (AOTAutograd
   builds it from a custom op's registered backward; Dynamo cannot hold it).
-Every backward goes through ``_gradients``, the one seam where a table's gradient rows
-become a dense gradient, a sparse one, or (pyembed.optim) an optimizer update.
+Every Python backward goes through ``_gradients``, the one seam where a table's gradient
+rows become a dense gradient, a sparse one, or (pyembed.optim) an optimizer update; the C++
+node's makes the same choice (csrc/autograd.cpp), its update through ``fused_step``.
 """
 
 from __future__ import annotations
@@ -180,6 +182,24 @@ def _gradients(ctx, grad_out):
             device=values.device, is_coalesced=True)
         _coalesced.remember(grad_weight)
     return grad_weight if need_weight_grad else None, pos_grad if need_pos_grad else None
+
+
+def fused_step(python: bool, grad_out, ids, position_ids, dropout_key, weight, pos_weight, need_weight_grad: bool,
+               need_pos_grad: bool, scale: float, offset: int, padding_idx: Optional[int], scale_grad_by_freq: bool,
+               dropout_p: float, sparse: bool) -> tuple[bool, bool]:
+    """What _gradients does for a Function's fused tables, for the C++ node of a lookup on
+    them (the backends' fused_autograd_op; csrc/autograd.h's FusedStep calls this from the
+    node's backward): optim.step_tables on the tables given (weight, pos_weight: each only
+    if its optimizer runs in the backward), dropout_key the forward's when the ops apply
+    the mask. python: the node's kernels are triton's, else the C++ ops of grad_out's
+    device. Returns the gradients still needed."""
+    backend = dispatch.get("triton" if python else grad_out.device.type)
+    # The fields step_tables reads (the gradient's arguments); the positional table's kind
+    # is the node's (need_pos_grad is False unless it is learned).
+    config = FusedConfig("learned", scale, offset, padding_idx, scale_grad_by_freq, sparse, False, backend.name,
+                         dropout_p)
+    return optim.step_tables(backend, config, grad_out, ids, position_ids, (weight, pos_weight),
+                             (need_weight_grad, need_pos_grad), dropout_key)
 
 
 def _gradient_op(forward, function, functorch_form, *arguments, dropout_key=None):

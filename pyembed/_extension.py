@@ -6,12 +6,13 @@ once, says why, and the reference backend serves (DESIGN §5).
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import warnings
 
 import torch
 
-from . import _coalesced, _ops, dispatch
+from . import _autograd, _coalesced, _ops, dispatch
 
 # pyembed is installed from a checkout of its sources (it is not on PyPI).
 REBUILD = "in the pyembed checkout: pip install --no-build-isolation --no-deps --force-reinstall ."
@@ -98,7 +99,9 @@ if _C is not None:
     # Eager callers take the ops through typed calls (_C's, csrc/pyembed.cpp): the dispatcher
     # without the boxed call's host time (the lookup, the general route's forward and dense
     # backward, the optimizer's ops, which run eagerly only); torch.compile traces the ops.
-    _lookup = dict(autograd_op=_C.embedding, compiled_op=torch.ops.pyembed.embedding.default, compiled_dropout=True,
+    _C.set_fused_step(_autograd.fused_step)  # what embedding_fused's node runs in its backward
+    _lookup = dict(autograd_op=_C.embedding, fused_autograd_op=functools.partial(_C.embedding_fused, False),
+                   compiled_op=torch.ops.pyembed.embedding.default, compiled_dropout=True,
                    eager_forward=_C.embedding_forward, eager_backward=_C.embedding_backward)
     _optimizer_ops = dict(touched_rows=_C.embedding_touched_rows, optimizer_update=_C.optimizer_update)
     dispatch.register_backend(dispatch.Backend("cpu", *_backend_ops, _why_cpu_unavailable, **_lookup, **_optimizer_ops,

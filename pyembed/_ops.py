@@ -38,8 +38,13 @@ class Backend:
     why_unavailable: Callable[[torch.device], Optional[str]]  # None when it can run there
     # The lookup that checks its arguments and holds its own autograd, for plain eager calls
     # (the C++ backends' pyembed::embedding, with a C++ node; triton's call of that op's
-    # checks and node with its Python kernels, pyembed._triton._lookup_op); None: the general route.
+    # checks and node with its Python kernels, pyembed._triton._lookup_ops); None: the general route.
     autograd_op: Optional[Callable] = None
+    # The same lookup on tables of which some have their optimizer in the backward
+    # (pyembed.optim), called (fused_weight, fused_pos, *autograd_op's arguments): the same
+    # checks and C++ node, whose backward updates those tables (csrc/autograd.h,
+    # embedding_fused); None: the general route's Python Function.
+    fused_autograd_op: Optional[Callable] = None
     # The same lookup as an op for torch.compile to trace, with the schema of
     # torch.ops.pyembed.embedding (the C++ backends' own; triton's pyembed::triton_lookup),
     # whose autograd AOTAutograd splits into the forward and backward ops; None: the general

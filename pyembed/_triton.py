@@ -446,23 +446,24 @@ def position_update(grad_out, ids, offset: int, dropout_key: Optional[torch.Tens
 _ops.register_fakes("pyembed::triton_forward", "pyembed::triton_backward", "pyembed::triton_sparse_backward")
 
 
-def _lookup_op():
-    """The lookup op of plain eager calls (pyembed.functional's first route, the Backend's
-    autograd_op): pyembed::embedding's call -- its argument checks and its C++ autograd node
-    (csrc/autograd.cpp) -- with this module's forward, backward and sparse_backward as the
-    node's kernels (csrc/pyembed.cpp, PythonKernels). A Python autograd.Function and the
-    checks in Python cost a one-token lookup with a gradient ~6 us more on the development
-    VM (stand-in driver: ``python -m bench.triton_host``), its backward another layer of
+def _lookup_ops() -> dict:
+    """The lookup ops of plain eager calls (pyembed.functional's first route, the Backend's
+    autograd_op and fused_autograd_op): pyembed::embedding's call -- its argument checks and
+    its C++ autograd node (csrc/autograd.cpp) -- with this module's forward, backward and
+    sparse_backward as the node's kernels (csrc/pyembed.cpp, PythonKernels); the second on
+    tables whose optimizer its backward runs. A Python autograd.Function and the checks in
+    Python cost a one-token lookup with a gradient ~6 us more on the development VM
+    (stand-in driver: ``python -m bench.triton_host``), its backward another layer of
     Python. None (the general route, a Python Function) without the compiled extension."""
     if _C is None or not hasattr(_C, "embedding_python_kernels"):
-        return None
+        return {}
     _C.set_python_kernels(forward, backward, sparse_backward)
-    return _C.embedding_python_kernels
+    return dict(autograd_op=_C.embedding_python_kernels, fused_autograd_op=functools.partial(_C.embedding_fused, True))
 
 
 dispatch.register_backend(dispatch.Backend(
     "triton", torch.ops.pyembed.triton_forward, torch.ops.pyembed.triton_backward,
-    torch.ops.pyembed.triton_sparse_backward, _why_unavailable, autograd_op=_lookup_op(),
+    torch.ops.pyembed.triton_sparse_backward, _why_unavailable, **_lookup_ops(),
     compiled_op=torch.ops.pyembed.triton_lookup.default, checks_in_kernel=True,
     eager_forward=forward, eager_backward=backward, touched_rows=touched_rows, optimizer_update=optimizer_update,
     optimizer_backward=optimizer_backward, position_update=position_update,

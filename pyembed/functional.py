@@ -4,7 +4,8 @@
 A plain eager call goes straight to its backend's lookup op: on a C++ backend
 ``pyembed::embedding``, which checks every argument itself, with the messages the Python
 checks below use, and has a C++ autograd node (csrc/autograd.cpp); on ``triton`` the same
-checks and node with Python kernels (pyembed._triton._lookup_op). Its bad-input errors
+checks and node with Python kernels (pyembed._triton._lookup_ops); a table whose
+optimizer runs in the backward the same, its node updating it there. Its bad-input errors
 are raised as pyembed's exception types (checks.from_cpp), anything else as it is. Under
 torch.compile the same call is checked here and traced as one lookup op
 (``_compiled_lookup``). The general route below runs for every other call. Checks here
@@ -83,10 +84,11 @@ def fused_embedding(
         forward mode too, and under ``torch.func`` transforms (``vmap``, ``grad``).
     """
     fused_table = optim.tables_are_fused and (optim.fused_optimizer(weight) or optim.fused_optimizer(pos_weight))
-    if (type(dropout_p) in (float, int) and type(offset) is int and not fused_table
+    if (type(dropout_p) in (float, int) and type(offset) is int
             and type(weight) in _PLAIN_TENSORS and type(ids) is torch.Tensor and weight.is_floating_point()):
         # The common call -- plain tensors, a float table, with or without dropout (GPT-2's
-        # embedding dropout), a dense or sparse gradient.
+        # embedding dropout), a dense or sparse gradient, a table with or without its
+        # optimizer in the backward.
         if _autograd.autograd_may_be_cpp():
             # Eager, no forward-mode AD, no torch.func transform: its backend's lookup op,
             # which checks its arguments and holds its autograd node (the C++ backends'
@@ -98,7 +100,12 @@ def fused_embedding(
                 fast = dispatch.resolve(backend, device)
             except (RuntimeError, ValueError):
                 fast = None  # the general route raises it, after the argument checks
-            if fast is not None and fast.autograd_op is not None:
+            lookup_op = None if fast is None else fast.fused_autograd_op if fused_table else fast.autograd_op
+            if lookup_op is not None:
+                fused = ()  # which tables the node's backward updates (pyembed.optim)
+                if fused_table:
+                    optim.check_call(weight, pos_weight, sparse)
+                    fused = (optim.fused_optimizer(weight) is not None, optim.fused_optimizer(pos_weight) is not None)
                 if pos_encoding is None or pos_encoding == "none":
                     pos_encoding = "learned" if pos_weight is not None else "none"
                 sync_check, error_record = range_checks(validate, fast, device)
@@ -107,12 +114,13 @@ def fused_embedding(
                 if sparse:
                     _coalesced.keep_flag(weight)  # .grad stays flagged coalesced (optimizers skip a re-sort)
                 try:
-                    return fast.autograd_op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
-                                            padding_idx, scale_grad_by_freq, sync_check, error_record,
-                                            float(dropout_p), generator, bool(sparse))
+                    return lookup_op(*fused, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
+                                     padding_idx, scale_grad_by_freq, sync_check, error_record, float(dropout_p),
+                                     generator, bool(sparse))
                 except (RuntimeError, TypeError, ValueError) as error:
                     raise checks.from_cpp(error) from None
-        elif not sparse and generator is None and torch.compiler.is_compiling() and _autograd.no_transform():
+        elif (not fused_table and not sparse and generator is None and torch.compiler.is_compiling()
+              and _autograd.no_transform()):
             looked_up = _compiled_lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
                                          padding_idx, scale_grad_by_freq, validate, backend, dropout_p)
             if looked_up is not None:
@@ -120,9 +128,10 @@ def fused_embedding(
     options = (pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, sparse, validate, dropout_p, generator,
                backend)
     if fused_table:
-        # A table whose optimizer runs in the backward (pyembed.optim): the Python Function,
-        # whose backward updates it, run outside any compiled graph (a graph break under
-        # torch.compile: AOTAutograd cannot mutate a parameter in a backward).
+        # A table whose optimizer runs in the backward (pyembed.optim), on a call the route
+        # above does not take (torch.compile, forward-mode AD, the reference backend): the
+        # Python Function, whose backward updates it, run outside any compiled graph (a
+        # graph break under torch.compile: AOTAutograd cannot mutate a parameter in a backward).
         return optim.outside_compiled_graphs(_fused_embedding, ids, weight, pos_weight, position_ids, options,
                                              cpp_autograd=False)
     return _fused_embedding(ids, weight, pos_weight, position_ids, options)

@@ -9,6 +9,8 @@
 - what cannot be fused raises, clearly.
 """
 
+import copy
+import dataclasses
 import io
 import itertools
 import math
@@ -190,6 +192,90 @@ def test_fused_training_equals_torch_optimizer(config, backend):
             else:
                 assert got == value, key
         assert fused_opt.state_dict()["param_groups"] == plain_opt.state_dict()["param_groups"]
+
+
+# The backends whose eager lookups on fused tables take a C++ autograd node (fused_autograd_op).
+NODE_BACKENDS = [name for name in CPU_BACKENDS + GPU_KERNELS
+                 if dispatch.get(name.partition("@")[0]).fused_autograd_op is not None]
+
+
+def train_through_node_and_function(start, fuse, monkeypatch, steps=3):
+    """Copies of ``start`` (an EmbeddingLayer) trained ``steps`` steps after ``fuse(layer)``
+    (which returns the fused optimizers): first through its backend's C++ node
+    (fused_autograd_op), then with the registry's fused_autograd_op removed, through the
+    Python Function. Each run: (layer, optimizers, whether each forward's grad_fn was a
+    Python Function's); the .grad of an unfused table kept."""
+    name = start.backend
+
+    def train_copy():
+        layer = copy.deepcopy(start)
+        optimizers = fuse(layer)
+        torch.manual_seed(1)  # the dropout masks
+        routes = set()
+        for ids, _ in batches(steps):
+            out = layer(ids.to(layer.pos_embedding.device))
+            routes.add(isinstance(out.grad_fn, torch.autograd.function.BackwardCFunction))
+            (out * torch.linspace(-1, 1, D, device=out.device)).sum().backward()
+        return layer, optimizers, routes
+
+    node_run = train_copy()
+    monkeypatch.setitem(dispatch._registry, name, dataclasses.replace(dispatch.get(name), fused_autograd_op=None))
+    monkeypatch.setattr(dispatch, "_resolved", {})
+    return node_run, train_copy()
+
+
+def assert_same_training(node_run, function_run):
+    (node_layer, node_opts, node_routes), (function_layer, function_opts, function_routes) = node_run, function_run
+    assert (node_routes, function_routes) == ({False}, {True})
+    for got, want in zip(node_layer.parameters(), function_layer.parameters()):
+        assert torch.equal(got, want)
+        assert (got.grad is None) == (want.grad is None)
+        assert got.grad is None or torch.equal(got.grad, want.grad)
+    for got, want in zip(node_opts, function_opts):
+        got_state, want_state = got.state_dict()["state"], want.state_dict()["state"]
+        assert got_state.keys() == want_state.keys()
+        for key, value in want_state.get(0, {}).items():
+            assert torch.equal(torch.as_tensor(got_state[0][key]), torch.as_tensor(value)), key
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("backend", NODE_BACKENDS)
+def test_the_cpp_node_updates_the_tables_as_the_python_function(config, backend, monkeypatch):
+    """An eager lookup on tables whose optimizer runs in the backward takes its backend's C++
+    autograd node (fused_autograd_op), whose backward updates them through
+    _autograd.fused_step; the general route's Python Function updates them through
+    _gradients. The same steps both ways -- with dropout for three configs (the mask applied
+    by the update's reads) -- give the same tables and optimizer states, bit for bit; the
+    node is what the first run took, the Function the second."""
+    cls, kwargs, sparse = CONFIGS[config]
+    name, _, device = backend.partition("@")
+    dropout = 0.2 if config in ("AdamW", "SGD-momentum-wd", "SparseAdam") else 0.0
+    torch.manual_seed(0)
+    start = pyembed.EmbeddingLayer(V, D, MAX_LEN, scale_embeddings=True, padding_idx=PAD, sparse=sparse,
+                                   dropout=dropout, backend=name, device=device or "cpu")
+
+    def fuse(layer):
+        return (pyembed.apply_optimizer_in_backward(cls, [layer.token_embedding.weight], kwargs)
+                + pyembed.apply_optimizer_in_backward(POS_OPTIMIZER[0], [layer.pos_embedding], POS_OPTIMIZER[1]))
+    assert_same_training(*train_through_node_and_function(start, fuse, monkeypatch))
+
+
+@pytest.mark.parametrize("fused", ["token table", "positions"])
+@pytest.mark.parametrize("backend", NODE_BACKENDS)
+def test_the_cpp_node_gives_the_unfused_table_its_gradient(fused, backend, monkeypatch):
+    """One table fused, the other not: the node updates the first and gives the second the
+    gradient the Python Function gives it (accumulated over the steps, bit for bit)."""
+    name, _, device = backend.partition("@")
+    torch.manual_seed(0)
+    start = pyembed.EmbeddingLayer(V, D, MAX_LEN, padding_idx=PAD, backend=name, device=device or "cpu")
+
+    def fuse(layer):
+        table = layer.token_embedding.weight if fused == "token table" else layer.pos_embedding
+        return pyembed.apply_optimizer_in_backward(torch.optim.AdamW, [table], {"lr": 0.1})
+    node_run, function_run = train_through_node_and_function(start, fuse, monkeypatch)
+    assert_same_training(node_run, function_run)
+    unfused = node_run[0].pos_embedding if fused == "token table" else node_run[0].token_embedding.weight
+    assert unfused.grad is not None and unfused.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("config", ["AdamW", "AdamW-fused", "SGD-momentum-wd", "SparseAdam"])
