@@ -211,9 +211,10 @@ def host_only_costs(backends, calls=40, rounds=3):
     more where the node is Python (`triton`: 548 against 273 us; `cuda`, a C++ node: 210
     against 97). So the same for ``x * 2`` as a C++ node and inside a trivial Python
     autograd.Function (what a Python node costs there, whatever it runs), for each backend
-    with dropout, and for each backend with AdamW inside its backward (a Python node on
-    every backend). Beside each, the wall time per call spent inside pyembed's Python
-    backward (``_autograd._gradients``, on whichever thread runs it): at de2aee7 a `triton`
+    with dropout, and for each backend with AdamW inside its backward (since 3fa9b56 the C++
+    node, its update a Python call). Beside each, the wall time per call spent inside pyembed's Python
+    backward (``_autograd._gradients``, triton's backward kernel, the node's update
+    ``_autograd.fused_step``; on whichever thread runs it): at de2aee7 a `triton`
     fwd+bwd took 722 us with the threads and 279 without (with dropout 377 / 234), against
     202 / 80 for ``x * 2`` in a Python Function -- whether that is the handoff or Python
     running slower on the device thread, this says. Then the parts of pyembed's backward:
@@ -258,7 +259,7 @@ def host_only_costs(backends, calls=40, rounds=3):
         pyembed.apply_optimizer_in_backward(torch.optim.AdamW, tables, {"lr": 1e-4})
         layers[f"pyembed {b}, AdamW inside the backward"] = (
             lambda b=b, tables=tables: pyembed.fused_embedding(ids, *tables, scale=scale, backend=b).backward(dout))
-    spent = [0.0, 0]  # seconds inside _gradients (or triton's node's backward), its calls
+    spent = [0.0, 0]  # seconds inside _gradients (or triton's node's backward, or fused_step), its calls
     gradients = _autograd._gradients
     timed_gradients = _timed(gradients, spent)
     _autograd._gradients = timed_gradients  # read as a global by every Function's backward
@@ -270,6 +271,10 @@ def host_only_costs(backends, calls=40, rounds=3):
 
         python_kernels = (_triton.forward, _triton.backward, _triton.sparse_backward)
         _extension._C.set_python_kernels(python_kernels[0], _timed(python_kernels[1], spent), python_kernels[2])
+    # A fused table's node runs the update through the fused_step registered with _C.
+    has_fused_step = getattr(_extension._C, "set_fused_step", None) is not None
+    if has_fused_step:
+        _extension._C.set_fused_step(_timed(_autograd.fused_step, spent))
     try:
         for threads in (True, False):
             with torch.autograd.set_multithreading_enabled(threads):
@@ -284,6 +289,8 @@ def host_only_costs(backends, calls=40, rounds=3):
         _autograd._gradients = gradients
         if python_kernels is not None:
             _extension._C.set_python_kernels(*python_kernels)
+        if has_fused_step:
+            _extension._C.set_fused_step(_autograd.fused_step)
     for backend in backends:
         # The op (through the dispatcher) and, where the backend has one, the eager body
         # the autograd path calls (triton: its launches replayed from a plan after two calls;
