@@ -63,8 +63,9 @@ TORCH_LIBRARY(pyembed, m) {
   // The optimizer inside the backward (pyembed/optim.py, csrc/optim.h). touched_rows: the
   // sparse backward's (rows, values) with no host sync -- on a GPU sized min(tokens, V),
   // unused slots marked row -1 (the CPU gives the exact rows). optimizer_update: table rows
-  // `rows` got the gradient rows `values` (rows outside the table are skipped on a GPU,
-  // refused on the CPU); all_rows updates every row, the rest with g = 0.
+  // `rows` (ascending, as those two give them) got the gradient rows `values` (rows outside
+  // the table -- the -1 slots, last -- are skipped on a GPU, refused on the CPU, as
+  // unsorted ones are); all_rows updates every row, the rest with g = 0.
   m.def(
       "embedding_touched_rows(Tensor grad_out, Tensor ids, int num_embeddings, float scale, int? padding_idx, "
       "bool scale_grad_by_freq, Tensor? dropout_key=None, float dropout_p=0.0) -> (Tensor, Tensor)");

@@ -211,7 +211,7 @@ def update_source(dtype, dim, rule):
     code, flags = UPDATE_RULES[rule]
     block_d = k._blocks(dim)[1]
     args = {"param_ptr": f"*{dtype}", "state1_ptr": f"*{dtype}", "state2_ptr": f"*{dtype}", "rows_ptr": "*i64",
-            "row_slot_ptr": "*i64", "values_ptr": f"*{dtype}", "num_rows": 50257, "touched": TOKENS, "dim": dim,
+            "values_ptr": f"*{dtype}", "num_rows": 50257, "touched": TOKENS, "dim": dim,
             **{name: 0.5 for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening",
                                       "bias_correction1", "bias_correction2_sqrt")}}
     return _source(k._optimizer_update_kernel, args, {
@@ -330,9 +330,6 @@ def sources():
         out[f"position_update adamw dropout {dtype} d=768"] = (position_update_source, (dtype, 768, "adamw"),
                                                                {"dropout": True})
     out["position_update adamw fp64 d=768"] = (position_update_source, ("fp64", 768, "adamw"), {})
-    out["scatter_row_slots"] = (lambda: _source(k._scatter_row_slots_kernel, {
-        "rows_ptr": "*i64", "row_slot_ptr": "*i64", "touched": TOKENS, "num_rows": 50257},
-        {"BLOCK": k.BOUNDS_BLOCK}), (), {})
     return out
 
 
