@@ -397,24 +397,29 @@ def _merge_tiles_kernel(
     """Words i, each stored at its sorted position: the number of words below it, the sum
     of its lower bounds in every tile (in its own, its index there). Each lower bound is a
     binary search of at most TILE words (L2-resident: 4 bytes per token), a program's
-    BLOCK x MAX_TILES searches at once."""
+    MAX_TILES x BLOCK searches at once."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
     word = tl.load(words_ptr + i, mask=ok, other=0).to(tl.uint32, bitcast=True)
+    # Tiles down, words across: a warp's threads take neighbouring words (one tile's, BLOCK
+    # dividing TILE), whose searches in another tile probe the same or neighbouring words,
+    # a cache line or few per load. Words down and tiles across, a warp's 32 probes lay in
+    # 32 tiles, 32 lines per load: the H200 at 1b594a4 ran that form in ~22 us at GPT-2's
+    # 8x2048 tokens, most of the tile sort's 28.
     tile_start = tl.arange(0, MAX_TILES) * TILE
-    searched = ok[:, None] & (tile_start < n)[None, :]
+    searched = (tile_start < n)[:, None] & ok[None, :]
     # Each tile's words (its length: the last one may be short), searched with one bound
     # that steps past smaller words, in a loop, not unrolled: Inductor's
     # mutation analysis walks every path through a kernel's ops, and unrolled steps multiply
     # them (a two-bound search, unrolled, took tracing a backward past five minutes).
-    length = tl.minimum(n - tile_start, TILE)[None, :]
-    lo = tl.zeros([BLOCK, MAX_TILES], dtype=tl.int32)
+    length = tl.minimum(n - tile_start, TILE)[:, None]
+    lo = tl.zeros([MAX_TILES, BLOCK], dtype=tl.int32)
     for s in range(TILE.bit_length() - 1, -1, -1):
         step = lo + (1 << s)
         inside = searched & (step <= length)
-        probe = tl.load(words_ptr + tile_start[None, :] + step - 1, mask=inside, other=0).to(tl.uint32, bitcast=True)
-        lo = tl.where(inside & (probe < word[:, None]), step, lo)
-    _store_sorted_words(sorted_ptr, order_ptr, tl.sum(tl.where(searched, lo, 0), axis=1), word, ok)
+        probe = tl.load(words_ptr + tile_start[:, None] + step - 1, mask=inside, other=0).to(tl.uint32, bitcast=True)
+        lo = tl.where(inside & (probe < word[None, :]), step, lo)
+    _store_sorted_words(sorted_ptr, order_ptr, tl.sum(tl.where(searched, lo, 0), axis=0), word, ok)
 
 
 @triton.jit

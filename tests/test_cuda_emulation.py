@@ -166,17 +166,33 @@ def test_emulated_rows_at_the_sort_keys_width_edges_sum_exactly(emulated, vocab)
     assert rows.tolist() == used and torch.equal(values.double(), exact[used])
 
 
-@pytest.mark.parametrize("num_tokens, vocab", [(4097, 50257), (16384, 200000)])
-def test_emulated_sorted_paths_sum_each_row_in_token_order(emulated, num_tokens, vocab):
-    """A stable sort keeps each row's tokens in token order, and its sums follow it: the
-    sizes where a GPU sorts in one thread block (csrc/cuda/embedding_cuda.cu; here its
-    words and stores around the host's stable sort, EmulatedLaunch::one_block_sort),
-    checked on the GPU by tests/gpu/test_gpu_parity.py."""
+# (tokens, rows) of the word sorts (csrc/cuda/embedding_kernels.cuh: up to 2^14 tokens over
+# keys of at most 18 bits): the tile sort's single tile and its edge (512, 513: a last tile
+# of one), several tiles, all 32 of them, keys of 18 bits; CUB's sort past 2^14 tokens.
+SORT_CASES = [(300, 1000), (512, 50257), (513, 50257), (4097, 50257), (16384, 2**18 - 1), (16385, 50257)]
+
+
+@pytest.mark.parametrize("sort", ["tile", "block", "cub"])
+@pytest.mark.parametrize("num_tokens, vocab", SORT_CASES, ids=str)
+def test_emulated_sorted_paths_sum_each_row_in_token_order(emulated, monkeypatch, sort, num_tokens, vocab):
+    """A stable sort keeps each row's tokens in token order, and its sums follow it, in the
+    dense and the sparse backward, whichever sort PYEMBED_CUDA_SORT asks for: the tile sort
+    (the default: its real kernels), the one-block sort (4096 < n: its words and stores
+    around the host's stable sort, EmulatedLaunch::one_block_sort) or CUB's (a stable sort
+    here). Checked on the GPU by tests/gpu/test_gpu_parity.py."""
+    monkeypatch.setenv("PYEMBED_CUDA_SORT", sort)
     ids, dout, expected, padding_idx = token_order_ids_and_grad(num_tokens, vocab)
     used = torch.unique(ids[(ids >= 0) & (ids < vocab) & (ids != padding_idx)])
     for id_dtype in ID_DTYPES:
+        emulated.take_launch_counts()
         dw, _ = backward(emulated, dout, ids.to(id_dtype), num_embeddings=vocab, padding_idx=padding_idx)
         assert torch.equal(dw, expected)
+        kernels, sorts = emulated.take_launch_counts()
+        if sort == "tile" and num_tokens <= 2**14:  # every case's keys fit 18 bits
+            # rank (and merge past one tile), chunk, finish: no library sort
+            assert (kernels, sorts) == (3 + (num_tokens > 512), 0)
+        else:  # the one-block sort (4096 < n <= 2^14), else sort_inputs and CUB's; chunk, finish
+            assert (kernels, sorts) == (3, 1)
         rows, values = emulated.embedding_sparse_backward(dout, ids.to(id_dtype), vocab, 1.0, padding_idx, False)
         assert torch.equal(rows, used) and torch.equal(values, expected[used])
 

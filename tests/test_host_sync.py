@@ -136,10 +136,12 @@ def test_triton_dense_backward_is_a_few_ops(interpreted_launches):
 # Launches per dense backward, the contract of issue #30 (at most four at GPT-2's 8x2048
 # tokens, hot rows included): the sort, one pass over the sorted positions (segment bounds,
 # the long segments' pieces), one over the table's rows; the learned positions' batch sums
-# are extra blocks of the last one. cuda sorts in one launch with the sort's inputs;
-# triton in two (its tile sort), or around torch's sort (PYEMBED_TRITON_TILE_SORT=0, and
-# past 2^14 tokens or 2^18 rows). Each launch costs the host microseconds and the GPU a
-# ramp; the reduction tree, scans and fills this replaced were ~25 launches at this size.
+# are extra blocks of the last one. Both backends sort in two launches (their tile sorts,
+# the first setting the sort's inputs), or around a library sort (PYEMBED_CUDA_SORT=cub,
+# PYEMBED_TRITON_TILE_SORT=0, and past 2^14 tokens or 2^18 rows); cuda's one-block sort
+# (PYEMBED_CUDA_SORT=block) is the sort's inputs and the sort in one. Each launch costs the
+# host microseconds and the GPU a ramp; the reduction tree, scans and fills this replaced
+# were ~25 launches at this size.
 def _gpt2_backward_inputs():
     gen = torch.Generator().manual_seed(8)
     ids = torch.randint(0, 50257, (8, 2048), generator=gen)
@@ -147,11 +149,13 @@ def _gpt2_backward_inputs():
     return ids, torch.randn(8, 2048, 8, generator=gen)
 
 
-def test_emulated_cuda_dense_backward_is_three_kernels_around_one_sort(emulated):
+@pytest.mark.parametrize("sort, launches", [("tile", (4, 0)), ("block", (3, 1)), ("cub", (3, 1))])
+def test_emulated_cuda_dense_backward_is_four_kernels_or_three_around_a_sort(emulated, monkeypatch, sort, launches):
+    monkeypatch.setenv("PYEMBED_CUDA_SORT", sort)
     ids, dout = _gpt2_backward_inputs()
     emulated.take_launch_counts()
     dw, dp = emulated.embedding_backward(dout, ids, None, 0, 50257, 2048, 1.0, None, False, True, True)
-    assert emulated.take_launch_counts() == (3, 1)  # (kernels, sorts), learned positions included
+    assert emulated.take_launch_counts() == launches  # (kernels, sorts), learned positions included
     torch.testing.assert_close(dw[13].double(), dout[:, :1500].double().sum((0, 1)), rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(dp.double(), dout.double().sum(0), rtol=1e-5, atol=1e-4)
 
@@ -288,8 +292,8 @@ def test_short_batch_gradient_is_one_kernel_with_the_sorted_paths_sums(request, 
         dw_sorted, dp_sorted, kernels, sorts = _short_batch_backward(
             backend, emulated, torch.cat([unused, dout]), torch.cat([torch.full((40,), -1), ids]),
             torch.cat([torch.full((40,), -1), positions]), by_freq)
-        # Per gradient: three kernels around a sort (cuda); on triton the tile sort (one tile here), no torch sort
-        assert (sorts, kernels) == (2, 6) if backend == "cuda" else (
+        # Per gradient: the tile sort (one tile here: one launch), chunks, finish; no library sort
+        assert (sorts, kernels) == (0, 6) if backend == "cuda" else (
             sorts == 0 and interpreted_launches.count("_tile_rank_kernel") == 2), (kernels, sorts)
         assert torch.equal(dw, dw_sorted) and torch.equal(dp, dp_sorted)
 
@@ -345,8 +349,8 @@ def test_short_batch_touched_rows_are_one_kernel_with_the_sorted_paths_sums(requ
         sorted_rows, sorted_values, _, _, kernels, sorts = _short_batch_rows(
             backend, emulated, torch.cat([torch.randn(40, dim, dtype=torch.float64).to(dtype), dout]),
             torch.cat([torch.full((40,), -1), ids]), by_freq)
-        # Per call: the sort's inputs, starts, chunks, finish around a sort (cuda); triton: the tile sort
-        assert (sorts, kernels) == (1, 4) if backend == "cuda" else (
+        # Per call: the tile sort (one launch), starts, chunks, finish; no library sort
+        assert (sorts, kernels) == (0, 4) if backend == "cuda" else (
             sorts == 0 and interpreted_launches.count("_tile_rank_kernel") == 2), (kernels, sorts)
         # min(tokens, V) slots, those past the used rows marked -1 (as the sort's inputs start them)
         assert sorted_rows.tolist() == used.tolist() + [-1] * (sorted_rows.numel() - used.numel())
@@ -554,16 +558,20 @@ def test_calls_that_need_no_gradient_skip_the_autograd_function(monkeypatch, bac
 
 
 @pytest.mark.parametrize("position_ids", [False, True])
-def test_emulated_cuda_dense_gradient_is_written_once_and_sorted_on_narrow_keys(emulated, position_ids):
+@pytest.mark.parametrize("sort", ["tile", "cub"])
+def test_emulated_cuda_dense_gradient_is_written_once_and_sorted_on_narrow_keys(emulated, monkeypatch, position_ids,
+                                                                              sort):
     """The (V, d) gradient gets no zero fill before its kernels (a whole extra pass over
     the table: ~47 us of a GPT-2 backward on an H100): the last kernel runs over every row,
-    writing sums or zeros. The sort sees 32-bit keys, of which CUB sorts the bits V needs
-    (the emulation checks every key fits them). Memory that held NaNs before is reused, so a
-    row the kernels missed would show."""
+    writing sums or zeros. The tile sort orders 32-bit words (no torch op); CUB's sort
+    (PYEMBED_CUDA_SORT=cub) sees 32-bit keys, of which it sorts the bits V needs (the
+    emulation checks every key fits them). Memory that held NaNs before is reused, so a row
+    the kernels missed would show."""
+    monkeypatch.setenv("PYEMBED_CUDA_SORT", sort)
     ids, dout, positions = _written_once_inputs(position_ids)
     with HostSyncRecorder() as rec:
         dw, dp = emulated.embedding_backward(dout, ids, positions, 0, 300, 40, 1.5, 5, False, True, position_ids)
-    _assert_written_once(rec, ids, dout, positions, dw, dp, key_dtype=torch.int32)
+    _assert_written_once(rec, ids, dout, positions, dw, dp, key_dtype=torch.int32 if sort == "cub" else None)
 
 
 def _written_once_inputs(position_ids: bool):
@@ -621,7 +629,7 @@ def test_learned_positions_write_the_one_token_rows_bit_for_bit(request, backend
             emulated.take_launch_counts()
             grads = emulated.embedding_backward(dout, ids, None, offset, SOLO_VOCAB, 120, -0.5, 5, by_freq, True,
                                                 need_pos_grad)
-            assert emulated.take_launch_counts() == (3, 1)
+            assert emulated.take_launch_counts() == (3, 0)  # the tile sort (one tile), chunks, finish
             return grads
     else:
         if os.environ.get("TRITON_INTERPRET") != "1":

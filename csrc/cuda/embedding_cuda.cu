@@ -8,7 +8,6 @@
 #include <c10/cuda/CUDAException.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <mutex>
 #include <string_view>
 
@@ -18,8 +17,9 @@
 namespace pyembed::cuda {
 namespace {
 
-// The sort's inputs and a stable sort of up to kBlockSortMax keys in one launch: block 0
-// sorts the words of embedding_kernels.cuh's block_sort_word in shared memory, the other
+// PYEMBED_CUDA_SORT=block: the sort's inputs and a stable sort of up to kWordSortMax keys in
+// one launch (the default before the tile sort; kept while a GPU run compares them): block 0
+// sorts the words of embedding_kernels.cuh's sort_word in shared memory, the other
 // blocks set the segment bounds' starting values (what sort_inputs_kernel and CUB's
 // device-wide radix sort do in eight GPU operations at 8x2048 tokens: a histogram, a
 // onesweep pass per 8 bits, four memsets -- ~25 us of GPU time and ~10 us of host time per
@@ -29,7 +29,7 @@ namespace {
 // holds positions 16t..16t+15), so equal keys keep their token order, as CUB's device sort
 // keeps it: the same output, bit for bit.
 constexpr int kBlockSortThreads = 1024, kBlockSortItems = 16, kBlockSortRadixBits = 5;
-static_assert(kBlockSortThreads * kBlockSortItems == kBlockSortMax);
+static_assert(kBlockSortThreads * kBlockSortItems == kWordSortMax);
 constexpr int64_t kBoundsBlocks = 1024;  // at most, after the sorting block: grid-stride beyond
 using BlockSort = cub::BlockRadixSort<uint32_t, kBlockSortThreads, kBlockSortItems, cub::NullType,
                                       kBlockSortRadixBits, /*MEMOIZE_OUTER_SCAN=*/false>;
@@ -52,24 +52,21 @@ one_block_sort_kernel(const index_t* __restrict__ ids, int n, int64_t num_rows, 
   uint32_t words[kBlockSortItems];
 #pragma unroll
   for (int i = 0; i < kBlockSortItems; ++i) {
-    words[i] = block_sort_word(ids, static_cast<int>(threadIdx.x) * kBlockSortItems + i, n, num_rows, skip);
+    words[i] = sort_word(ids, static_cast<int>(threadIdx.x) * kBlockSortItems + i, n, num_rows, skip);
   }
   // Word i of thread t ends at sorted position 1024 i + t: coalesced stores below.
-  BlockSort(temp).SortBlockedToStriped(words, kBlockSortPositionBits, kBlockSortPositionBits + bits);
+  BlockSort(temp).SortBlockedToStriped(words, kWordPositionBits, kWordPositionBits + bits);
 #pragma unroll
   for (int i = 0; i < kBlockSortItems; ++i) {
     const int r = i * kBlockSortThreads + static_cast<int>(threadIdx.x);
-    if (r < n) store_block_sort_word(words[i], r, sorted, order);
+    if (r < n) store_sort_word(words[i], r, sorted, order);
   }
 }
 
-// Whether one_block_sort_kernel can run on `device`: its shared memory needs the opt-in
-// above 48 KB, which sm_80+ allow (sm_75's 64 KB does not), set here once per device.
-// PYEMBED_CUDA_BLOCK_SORT=0 keeps CUB's device sort everywhere, read by every call (a
-// getenv: well under a microsecond), so gpu-check compares the two in one process.
+// Whether one_block_sort_kernel can run on `device` (PYEMBED_CUDA_SORT=block asks for it:
+// embedding_kernels.cuh's requested_key_sort): its shared memory needs the opt-in above
+// 48 KB, which sm_80+ allow (sm_75's 64 KB does not), set here once per device.
 bool one_block_sort_available(int device) {
-  const char* env = std::getenv("PYEMBED_CUDA_BLOCK_SORT");
-  if (env != nullptr && std::string_view(env) == "0") return false;
   constexpr int kMaxDevices = 64;
   static std::once_flag once[kMaxDevices];
   static bool fits[kMaxDevices] = {};
@@ -110,8 +107,8 @@ struct CudaLaunch {
     return {sorted, order};
   }
 
-  // sorted_segments' sort inputs and sort in one launch (one_block_sort_kernel), for the
-  // sizes of fits_one_block_sort, on a device with the shared memory for it.
+  // sorted_segments' sort inputs and sort in one launch (one_block_sort_kernel), when asked
+  // for at 4096 < n <= 16384 keys of at most 18 bits, on a device with the shared memory for it.
   static bool one_block_sort_runs(const at::Tensor& ids) { return one_block_sort_available(ids.get_device()); }
 
   // sorted (n,) int32 and order (n,) int64 from the ids; bounds as sort_inputs_kernel sets them.

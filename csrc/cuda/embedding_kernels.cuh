@@ -10,7 +10,7 @@
 // scales it, adds the learned row or a sinusoid computed in registers, rounds once.
 // An out-of-range id (validate=false) reads nothing and yields a zero row (no positional term either).
 //
-// Backward: sort the keys (a stable radix sort on the bits the table needs: the order
+// Backward: sort the keys (stably, on the bits the table needs: the order
 // then depends on the data alone), find each segment of equal used keys, and sum its
 // tokens in sorted order in fp32. A segment longer than kChunkRows (a row used 12000
 // times must not be summed by one thread group) is summed in pieces by the chunks of
@@ -18,16 +18,14 @@
 // so the result is bitwise deterministic. The dense backward never waits for the device:
 // every size the host needs is bounded by the token count or the table, and the segment
 // bounds are indexed by table row, so it can be captured in a CUDA graph. Each launch
-// costs the host microseconds and the GPU a ramp, so a dense gradient is three kernels
-// around the sort (Launch::sort_pairs: CUB's radix sort, a histogram and a pass per 8
-// bits, one kernel up to ~4.8K keys): the sort's inputs; one pass over the sorted
-// positions (segment bounds, the long segments' pieces); one over the table's rows (each
-// written once, untouched rows as zeros: no zero fill before). For 4096 < n <= 16384
-// tokens the GPU build sorts in one thread block, in the launch that sets the sort's
-// inputs (block_sort_word): three launches at 8x2048 tokens. That kernel alone uses
-// shared memory and block barriers (CUB's block radix sort), as the device-wide sort it
-// replaces did; the emulation runs the words and stores around it, a stable sort in its
-// place. A batch of at most kFewTokens tokens skips the sort: one kernel reads every key
+// costs the host microseconds and the GPU a ramp, so a dense gradient is the sort and
+// two kernels: one pass over the sorted positions (segment bounds, the long segments'
+// pieces); one over the table's rows (each written once, untouched rows as zeros: no zero
+// fill before). Up to 16384 tokens over tables below 2^18 rows the sort is the tile sort,
+// two launches of independent threads, the first also setting the sort's inputs (see
+// tile_rank_kernel): four launches at 8x2048 tokens. Beyond, sort_inputs_kernel and CUB's
+// radix sort (Launch::sort_pairs: a histogram and a pass per 8 bits, one kernel up to ~4.8K
+// keys). A batch of at most kFewTokens tokens skips the sort: one kernel reads every key
 // per group of rows (few_tokens_gradient_kernel), same sums.
 // Learned positions (p = offset + t) are summed over the batch by extra blocks of the
 // table's last kernel (PositionSums): no launch of their own; they also write the table
@@ -310,35 +308,133 @@ __global__ void sort_inputs_kernel(const index_t* __restrict__ keys, int64_t n, 
   iota[r] = r;
 }
 
-// The GPU build sorts 4096 < n <= 16384 tokens in one thread block, in the launch that
-// sets the sort's inputs (Launch::one_block_sort: embedding_cuda.cu's one_block_sort_kernel,
-// CUB's block radix sort in shared memory; the host emulation stands a stable sort in for
-// it, around the same words and stores below). Each position r < 2^14 travels in the low
-// 14 bits of its key's 32-bit word, (key << 14) | r, and the sort orders the words on the
-// key's bits alone (bits 14 and up): keys-only, no value array. Positions in [n, 16384)
-// get a key whose bits are all ones: they sort after every real key (after equal ones
-// too, being later, the sort being stable) and are not stored.
-constexpr int kBlockSortPositionBits = 14;
+// The word sorts, for 0 < n <= 2^14 tokens over keys of at most 18 bits (GPT-2, BERT,
+// Llama-2 and Llama-3 tables up to 8x2048 tokens): each position r travels in the low 14
+// bits of its key's 32-bit word, (key << 14) | r. The words are distinct, so ordering them
+// orders the keys stably with no values beside them, and a word's sorted position is the
+// number of words below it. Two sorts use them:
+//   - the tile sort (the default): tile_rank_kernel places each word within its tile of
+//     kSortTile positions by counting the tile's words below it, merge_tiles_kernel places
+//     it among all of them by adding its lower bounds in the other tiles, which are sorted
+//     by then. Every thread independent, every SM busy: two launches (one for a single
+//     tile), the first also setting the segment bounds' starting values. The triton
+//     backend's sort (kernels/embedding.py), the same words.
+//   - the one-block sort (PYEMBED_CUDA_SORT=block, 4096 < n): CUB's block radix sort of the
+//     words in shared memory, one thread block in the launch that sets the sort's inputs
+//     (embedding_cuda.cu's one_block_sort_kernel; the host emulation stands a stable sort
+//     in for it, around the same words and stores). It ordered the words on the key's bits
+//     alone (bits 14 and up); positions in [n, 16384) get a key whose bits are all ones, so
+//     they sort after every real key and are not stored. One SM for 28-56 us at GPT-2
+//     8x2048 (H200 at e204d9e, 1b594a4, ncu and profiler), the other 131 idle: the triton
+//     tile sort's two launches took 28 us there (its merge 22 of them), the `cuda` dense
+//     backward's whole ~120 us GPU time held ~49 us of the one-block sort.
+constexpr int kWordPositionBits = 14;
+constexpr int64_t kWordSortMax = int64_t(1) << kWordPositionBits;
+constexpr int kWordKeyBits = 32 - kWordPositionBits;  // keys below 2^18 (Llama-3's 128256 rows: 17 bits)
 constexpr int64_t kBlockSortMin = 4096;  // up to here CUB's own sort is one kernel (its single-tile policy)
-constexpr int64_t kBlockSortMax = int64_t(1) << kBlockSortPositionBits;
-constexpr int kBlockSortKeyBits = 32 - kBlockSortPositionBits;  // keys below 2^18 (Llama-3's 128256 rows: 17 bits)
 
-inline bool fits_one_block_sort(int64_t n, int64_t bits) {
-  return n > kBlockSortMin && n <= kBlockSortMax && bits <= kBlockSortKeyBits;
-}
+inline bool fits_word_sort(int64_t n, int64_t bits) { return n > 0 && n <= kWordSortMax && bits <= kWordKeyBits; }
 
 template <typename index_t>
-__device__ __forceinline__ uint32_t block_sort_word(const index_t* __restrict__ ids, int r, int n, int64_t num_rows,
-                                                    int64_t skip) {
+__device__ __forceinline__ uint32_t sort_word(const index_t* __restrict__ ids, int r, int n, int64_t num_rows,
+                                              int64_t skip) {
   const uint32_t key = r < n ? static_cast<uint32_t>(sort_key(static_cast<int64_t>(ids[r]), num_rows, skip)) : ~0u;
-  return key << kBlockSortPositionBits | static_cast<uint32_t>(r);
+  return key << kWordPositionBits | static_cast<uint32_t>(r);
 }
 
 // Sorted position r (< n) of the sorted words: its key and its token.
-__device__ __forceinline__ void store_block_sort_word(uint32_t word, int r, int32_t* __restrict__ sorted,
-                                                      int64_t* __restrict__ order) {
-  sorted[r] = static_cast<int32_t>(word >> kBlockSortPositionBits);
-  order[r] = word & ((1u << kBlockSortPositionBits) - 1);
+__device__ __forceinline__ void store_sort_word(uint32_t word, int r, int32_t* __restrict__ sorted,
+                                                int64_t* __restrict__ order) {
+  sorted[r] = static_cast<int32_t>(word >> kWordPositionBits);
+  order[r] = word & ((1u << kWordPositionBits) - 1);
+}
+
+// 512 positions a tile: a word's rank in its tile is 512 comparisons, each a load every
+// thread of the warp makes at once (one broadcast), and its place among 32 tiles at most
+// is 32 lower bounds of 10 steps (the triton backend's sizes).
+constexpr int kSortTile = 512;
+constexpr int kSortMaxTiles = static_cast<int>(kWordSortMax / kSortTile);
+// Threads a block of tile_rank_kernel / merge_tiles_kernel: one a word, so 8x2048 tokens
+// in kThreadsPerBlock's 256 would be 64 blocks, half of an H100's 132 SMs idle; these make
+// 128 / 256 blocks (a rank thread's loop is long, a merge thread's loads latency-bound).
+constexpr int kRankThreads = 128, kMergeThreads = 64;
+
+// Blocks [0, rank_blocks): word r stored at its tile's start plus the number of the tile's
+// words below it -- with a single tile (n <= kSortTile) that is the sort, stored as keys
+// and tokens, else `words`, each tile sorted, for merge_tiles_kernel. The blocks after
+// set the segment bounds' starting values (sort_inputs_kernel's), one a thread.
+template <typename index_t>
+__global__ void tile_rank_kernel(const index_t* __restrict__ ids, int n, int64_t num_rows, int64_t skip,
+                                 uint32_t* __restrict__ words, int32_t* __restrict__ sorted,
+                                 int64_t* __restrict__ order, int64_t* __restrict__ bounds, int64_t num_zeros,
+                                 int64_t num_bounds, int64_t rank_blocks) {
+  if (blockIdx.x >= rank_blocks) {
+    const int64_t b = (static_cast<int64_t>(blockIdx.x) - rank_blocks) * blockDim.x + threadIdx.x;
+    if (b < num_bounds) bounds[b] = first_bound(b, num_zeros);
+    return;
+  }
+  const int r = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (r >= n) return;
+  const uint32_t word = sort_word(ids, r, n, num_rows, skip);
+  const int tile_start = r - r % kSortTile, tile_end = n - tile_start < kSortTile ? n : tile_start + kSortTile;
+  int below = 0;
+#pragma unroll 8
+  for (int other = tile_start; other < tile_end; ++other) below += sort_word(ids, other, n, num_rows, skip) < word;
+  if (n <= kSortTile) {
+    store_sort_word(word, below, sorted, order);
+  } else {
+    words[tile_start + below] = word;
+  }
+}
+
+// Word i of `words` (each tile sorted: tile_rank_kernel) stored at its sorted position: the
+// sum over the tiles of its lower bound in each (in its own tile, its index there). Each
+// bound is a branch-free binary search, the tiles' searches side by side: every step loads
+// one probe of each tile first (never out of its tile, so unconditionally), then compares,
+// so a thread has 32 loads in flight where one search would have one. The words (4 bytes a
+// token) stay in L2, and the 32 threads of a warp hold neighbouring words of one tile, so
+// their searches in another tile share their first steps' probes.
+__global__ void merge_tiles_kernel(const uint32_t* __restrict__ words, int n, int32_t* __restrict__ sorted,
+                                   int64_t* __restrict__ order) {
+  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i >= n) return;
+  const uint32_t word = words[i];
+  const int tiles = (n + kSortTile - 1) / kSortTile;
+  int below[kSortMaxTiles];  // in tile t: how many of its words are below `word`
+#pragma unroll
+  for (int t = 0; t < kSortMaxTiles; ++t) below[t] = 0;
+#pragma unroll 1
+  for (int step = kSortTile; step > 0; step /= 2) {  // 512 too: a whole tile may be below
+    uint32_t probe[kSortMaxTiles];
+#pragma unroll
+    for (int t = 0; t < kSortMaxTiles; ++t) {
+      const int length = t < tiles - 1 ? kSortTile : n - t * kSortTile;  // <= 0 past the last tile
+      const int next = below[t] + step;
+      probe[t] = t < tiles ? words[t * kSortTile + (next < length ? next : length) - 1] : 0u;
+    }
+#pragma unroll
+    for (int t = 0; t < kSortMaxTiles; ++t) {
+      const int length = t < tiles - 1 ? kSortTile : n - t * kSortTile;
+      if (below[t] + step <= length && probe[t] < word) below[t] += step;
+    }
+  }
+  int rank = 0;
+#pragma unroll
+  for (int t = 0; t < kSortMaxTiles; ++t) rank += below[t];
+  store_sort_word(word, rank, sorted, order);
+}
+
+// Which sort sorted_segments asks for where a word sort fits: the tile sort, unless
+// PYEMBED_CUDA_SORT says "block" (the one-block sort, 4096 < n) or "cub" (CUB's device sort
+// everywhere), read by every call (a getenv: well under a microsecond), so gpu-check times
+// the three in one process.
+enum class KeySort { kTile, kOneBlock, kLibrary };
+
+inline KeySort requested_key_sort() {
+  const char* env = std::getenv("PYEMBED_CUDA_SORT");
+  if (env == nullptr) return KeySort::kTile;
+  const std::string_view name(env);
+  return name == "block" ? KeySort::kOneBlock : name == "cub" ? KeySort::kLibrary : KeySort::kTile;
 }
 
 // starts[r] = 1 where sorted position r begins a segment: a used key (< num_rows, after
@@ -1034,10 +1130,33 @@ struct SortedSegments {
   at::Tensor partials;    // (2 * chunks, d) in the compute dtype, or undefined: no segment is longer than a chunk
 };
 
+// The tile sort of n keys (fits_word_sort): sorted (n,) int32 and order (n,) int64, and
+// the bounds' starting values as sort_inputs_kernel sets them. `words`: n int32 of scratch
+// (the tiles' words; unused for one tile).
+template <class Launch>
+void tile_sort(const at::Tensor& keys, int64_t num_rows, int64_t skip, int32_t* sorted, int64_t* order,
+               int32_t* words, const at::Tensor& bounds, int64_t num_zeros) {
+  const int n = static_cast<int>(keys.numel());
+  const int64_t rank_blocks = (n + kRankThreads - 1) / kRankThreads;
+  const int64_t bound_blocks = (bounds.numel() + kRankThreads - 1) / kRankThreads;
+  uint32_t* const tiles = reinterpret_cast<uint32_t*>(words);
+  AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_tile_sort", [&] {
+    Launch::run(dim3(static_cast<unsigned>(rank_blocks + bound_blocks)), dim3(kRankThreads),
+                tile_rank_kernel<index_t>, keys.data_ptr<index_t>(), n, num_rows, skip, tiles, sorted, order,
+                bounds.data_ptr<int64_t>(), num_zeros, bounds.numel(), rank_blocks);
+  });
+  if (n > kSortTile) {
+    Launch::run(dim3(static_cast<unsigned>((n + kMergeThreads - 1) / kMergeThreads)), dim3(kMergeThreads),
+                merge_tiles_kernel, static_cast<const uint32_t*>(tiles), n, sorted, order);
+  }
+}
+
 // Keys outside [0, num_rows) (out-of-range ids, validate=False) and `skip` (the padding
-// row) are left out. Launches, with no device->host sync: sort_inputs, the radix sort
-// (Launch::sort_pairs, on the bits num_rows needs) -- or both in one
-// (Launch::one_block_sort) --, [by slot: starts and their scan], chunk_kernel.
+// row) are left out. Launches, with no device->host sync: the tile sort's one or two (up
+// to 2^14 tokens over keys of at most 18 bits; the first sets the sort's inputs), else
+// sort_inputs and the radix sort (Launch::sort_pairs, on the bits num_rows needs) -- or
+// both in one (Launch::one_block_sort, when asked for: requested_key_sort) --, [by slot:
+// starts and their scan], chunk_kernel.
 template <class Launch, typename T>
 SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in, int64_t num_rows, int64_t skip,
                                bool by_row, bool with_solo = false, const Dropout& dropout = {}) {
@@ -1060,7 +1179,13 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
   const bool narrow = num_rows < std::numeric_limits<int32_t>::max();
   const int64_t bits = key_bits(num_rows);
   at::Tensor sorted;
-  if (narrow && fits_one_block_sort(n, bits) && Launch::one_block_sort_runs(keys)) {
+  const KeySort method = narrow && fits_word_sort(n, bits) ? requested_key_sort() : KeySort::kLibrary;
+  if (method == KeySort::kTile) {
+    // the sorted keys, then the tiles' words (scratch)
+    sorted = at::empty({n > kSortTile ? 2 * n : n}, keys.options().dtype(at::kInt));
+    tile_sort<Launch>(keys, num_rows, skip, sorted.data_ptr<int32_t>(), seg.order.data_ptr<int64_t>(),
+                      sorted.data_ptr<int32_t>() + n, bounds, 3 * entries);
+  } else if (method == KeySort::kOneBlock && n > kBlockSortMin && Launch::one_block_sort_runs(keys)) {
     sorted = at::empty({n}, keys.options().dtype(at::kInt));  // the sort's inputs and the sort in one launch
     Launch::one_block_sort(keys, num_rows, skip, bits, sorted, seg.order, bounds, 3 * entries);
   } else {

@@ -63,7 +63,7 @@ struct EmulatedLaunch {
   }
 
   // CudaLaunch's one-block sort (the sort's inputs and a stable sort in one launch): the
-  // same words and stores (embedding_kernels.cuh's block_sort_word), with a stable sort on
+  // same words and stores (embedding_kernels.cuh's sort_word), with a stable sort on
   // their key bits standing in for CUB's block radix sort, all run serially.
   // Defined after the kernels, in tests/emulation/cuda_emulated.cpp.
   static bool one_block_sort_runs(const at::Tensor&) { return true; }

@@ -20,15 +20,15 @@ void EmulatedLaunch::one_block_sort(const at::Tensor& ids, int64_t num_rows, int
   int64_t* b = bounds.data_ptr<int64_t>();  // the other blocks' work
   for (int64_t r = 0; r < bounds.numel(); ++r) b[r] = first_bound(r, num_zeros);
   const int n = static_cast<int>(ids.numel());
-  std::vector<uint32_t> words(kBlockSortMax);  // every position of the block, the padding ones too
+  std::vector<uint32_t> words(kWordSortMax);  // every position of the block, the padding ones too
   AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "pyembed_emulated_block_sort", [&] {
-    for (int r = 0; r < kBlockSortMax; ++r) words[r] = block_sort_word(ids.data_ptr<index_t>(), r, n, num_rows, skip);
+    for (int r = 0; r < kWordSortMax; ++r) words[r] = sort_word(ids.data_ptr<index_t>(), r, n, num_rows, skip);
   });
   const uint32_t key_mask = bits >= 32 ? ~0u : (1u << bits) - 1;
   std::stable_sort(words.begin(), words.end(), [&](uint32_t a, uint32_t b) {  // on bits [14, 14 + bits)
-    return (a >> kBlockSortPositionBits & key_mask) < (b >> kBlockSortPositionBits & key_mask);
+    return (a >> kWordPositionBits & key_mask) < (b >> kWordPositionBits & key_mask);
   });
-  for (int r = 0; r < n; ++r) store_block_sort_word(words[r], r, sorted.data_ptr<int32_t>(), order.data_ptr<int64_t>());
+  for (int r = 0; r < n; ++r) store_sort_word(words[r], r, sorted.data_ptr<int32_t>(), order.data_ptr<int64_t>());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

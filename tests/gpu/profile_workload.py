@@ -527,24 +527,26 @@ def step_profile(backends, batch=8, seq_len=2048):
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
 
 
-# Each GPU backend's own sort and the library sort it falls back to, by the variable that
-# asks for the latter (read by every call): (backend, variable, own, library).
-SORTS = (("cuda", "PYEMBED_CUDA_BLOCK_SORT", "one-block sort", "CUB device sort"),
-         ("triton", "PYEMBED_TRITON_TILE_SORT", "tile sort", "torch's sort"))
+# Each GPU backend's sorts, by the variable that chooses among them (read by every call):
+# (backend, variable, ((name, value), ...)), its default first, the library sort last.
+SORTS = (("cuda", "PYEMBED_CUDA_SORT",
+          (("tile sort", "tile"), ("one-block sort", "block"), ("CUB device sort", "cub"))),
+         ("triton", "PYEMBED_TRITON_TILE_SORT", (("tile sort", "1"), ("torch's sort", "0"))))
 
 
 def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
     """The dense backward op at GPT-2 and Llama-3 8x2048 (fp32, bf16, learned positions),
-    per GPU backend with its own sort and with the library sort (SORTS): GPU time
-    (do_bench, and a CUDA graph's replay: the kernels alone), host time with the GPU held
-    by a sleep kernel, GPU ops per call. At 79bdffb (H200) CUB's sort was 7 of `cuda`'s 10
-    GPU ops, ~23 us; torch's, 7 of `triton`'s 10 (its host time 41 us)."""
+    per GPU backend with each of its sorts (SORTS): GPU time (do_bench, and a CUDA graph's
+    replay: the kernels alone), host time with the GPU held by a sleep kernel, GPU ops per
+    call. At 79bdffb (H200) CUB's sort was 7 of `cuda`'s 10 GPU ops, ~23 us; torch's, 7 of
+    `triton`'s 10 (its host time 41 us). At 1b594a4 the one-block sort (then `cuda`'s
+    default) was ~49 of its ~124 us at GPT-2 fp32 (profiler), the tile sort ~28 of `triton`'s."""
     import os
 
-    for backend, variable, own, library in SORTS:
+    for backend, variable, sorts in SORTS:
         if backend not in backends:
             continue
-        for which, env_value in ((own, "1"), (library, "0")):
+        for which, env_value in sorts:
             os.environ[variable] = env_value
             if backend == "triton":
                 from pyembed import _triton
@@ -553,7 +555,7 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
             for table in (GPT2, LLAMA3):
                 for dtype in (torch.float32, torch.bfloat16):
                     sort_case(backend, which, table, dtype, batch, seq_len, calls)
-            if env_value == "1":
+            if (which, env_value) == sorts[0]:
                 # Rows used more than a chunk's 128 times, which real text always has: the
                 # chunk kernels' pieces (at e204d9e ~61-64 us each with a 12000-use row,
                 # ncu; since loaded several rows ahead of their adds).

@@ -156,20 +156,24 @@ def test_learned_positions_gradient_in_the_tables_kernel_is_the_standalone_ones(
     torch.testing.assert_close(dp.cpu().double(), exact, rtol=1e-5, atol=1e-4)
 
 
-# (tokens, rows) around the cuda backend's one-block sort (csrc/cuda/embedding_cuda.cu:
-# 4096 < tokens <= 16384, keys of at most 18 bits) and CUB's device sort on either side.
+# (tokens, rows) of the GPU backends' tile sorts (up to 16384 tokens over keys of at most
+# 18 bits; cuda's one-block sort, PYEMBED_CUDA_SORT=block, from 4097 tokens) and of the
+# library sorts past them.
 TOKEN_ORDER_CASES = [(4096, 50257), (4097, 50257), (12345, 2**17), (16384, 50257), (16384, 200000), (16385, 50257),
                      (16384, 300000)]
 
 
-@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("backend", ["cuda", "cuda one-block sort", "triton"])
 @pytest.mark.parametrize("num_tokens, vocab", TOKEN_ORDER_CASES, ids=str)
-def test_sorted_paths_sum_each_row_in_token_order(num_tokens, vocab, backend):
+def test_sorted_paths_sum_each_row_in_token_order(num_tokens, vocab, backend, monkeypatch):
     """The sort is stable, so each row's float32 sum adds its tokens in token order, bit
     for bit, in the dense, sparse and touched-rows backwards, int64 and int32 ids, a
     padding row and two out-of-range ids among them (tokens of mixed magnitudes: another
     order gives other bits, tests/helpers.py). The dense gradient gets memory that held NaNs
     (the caching allocator's last block of its size): a row no kernel wrote would show."""
+    if backend == "cuda one-block sort":
+        backend = "cuda"
+        monkeypatch.setenv("PYEMBED_CUDA_SORT", "block")
     ids_cpu, dout, expected, pad = token_order_ids_and_grad(num_tokens, vocab)
     ops = _kernel_ops(backend)
     dout, used = dout.cuda(), torch.unique(ids_cpu[(ids_cpu >= 0) & (ids_cpu < vocab) & (ids_cpu != pad)])
@@ -185,17 +189,17 @@ def test_sorted_paths_sum_each_row_in_token_order(num_tokens, vocab, backend):
 
 
 # A dense backward's GPU operations at 6000-16384 tokens over GPT-2's table, by backend.
-BACKWARD_KERNELS = {"cuda": ("one_block_sort_kernel", "chunk_kernel", "finish_segments_kernel"),
+BACKWARD_KERNELS = {"cuda": ("tile_rank_kernel", "merge_tiles_kernel", "chunk_kernel", "finish_segments_kernel"),
                     "triton": ("_tile_rank_kernel", "_merge_tiles_kernel", "_chunk_kernel", "_finish_segments_kernel")}
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("batch, seq_len", [(8, 2048), (3, 2000)], ids=str)
-def test_dense_backward_is_three_or_four_gpu_operations(backend, batch, seq_len):
+def test_dense_backward_is_four_gpu_operations(backend, batch, seq_len):
     """Issue #30: at most four launches per dense backward at 8x2048 (no memsets, no host
-    sync). `cuda`'s are three: the sort's inputs with the one-block sort, the chunk pass,
-    the table's kernel (the learned positions inside it); `triton`'s four, its tile sort
-    two. The library sorts they replace (CUB's, torch's) were seven GPU operations each."""
+    sync): the tile sort's two (the first setting the sort's inputs), the chunk pass, the
+    table's kernel (the learned positions inside it). The library sorts they replace (CUB's,
+    torch's) were seven GPU operations each."""
     ops = _kernel_ops(backend)
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, 50257, (batch, seq_len), device="cuda", generator=g)

@@ -150,7 +150,7 @@ def test_default_check_runs_in_the_kernel_and_reports_at_the_next_call(backend, 
     pyembed.check_errors("cuda")  # cleared: nothing more to raise
 
 
-@pytest.mark.parametrize("seq_len", [256, 2048])  # 4 x 2048 tokens: `cuda`'s one-block sort, `triton`'s 16 tiles
+@pytest.mark.parametrize("seq_len", [256, 2048])  # 4 x 2048 tokens: the tile sorts' 16 tiles
 def test_forward_and_dense_backward_capture_in_a_cuda_graph(backend, seq_len):
     _check_backend(backend)
     torch.manual_seed(3)
