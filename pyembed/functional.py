@@ -83,7 +83,12 @@ def fused_embedding(
         ``ids.shape + (d,)`` tensor of ``weight.dtype``. Differentiable to any order, in
         forward mode too, and under ``torch.func`` transforms (``vmap``, ``grad``).
     """
-    fused_table = optim.tables_are_fused and (optim.fused_optimizer(weight) or optim.fused_optimizer(pos_weight))
+    # Which tables have their optimizer in the backward (pyembed.optim); a plain flag read
+    # when none do, so torch.compile guards on nothing more.
+    fused = (False, False)
+    if optim.tables_are_fused:
+        fused = (optim.fused_optimizer(weight) is not None, optim.fused_optimizer(pos_weight) is not None)
+    fused_table = fused[0] or fused[1]
     if (type(dropout_p) in (float, int) and type(offset) is int
             and type(weight) in _PLAIN_TENSORS and type(ids) is torch.Tensor and weight.is_floating_point()):
         # The common call -- plain tensors, a float table, with or without dropout (GPT-2's
@@ -102,10 +107,8 @@ def fused_embedding(
                 fast = None  # the general route raises it, after the argument checks
             lookup_op = None if fast is None else fast.fused_autograd_op if fused_table else fast.autograd_op
             if lookup_op is not None:
-                fused = ()  # which tables the node's backward updates (pyembed.optim)
                 if fused_table:
                     optim.check_call(weight, pos_weight, sparse)
-                    fused = (optim.fused_optimizer(weight) is not None, optim.fused_optimizer(pos_weight) is not None)
                 if pos_encoding is None or pos_encoding == "none":
                     pos_encoding = "learned" if pos_weight is not None else "none"
                 sync_check, error_record = range_checks(validate, fast, device)
@@ -114,9 +117,9 @@ def fused_embedding(
                 if sparse:
                     _coalesced.keep_flag(weight)  # .grad stays flagged coalesced (optimizers skip a re-sort)
                 try:
-                    return lookup_op(*fused, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
-                                     padding_idx, scale_grad_by_freq, sync_check, error_record, float(dropout_p),
-                                     generator, bool(sparse))
+                    return lookup_op(*(fused if fused_table else ()), ids, weight, pos_weight, position_ids,
+                                     pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, sync_check,
+                                     error_record, float(dropout_p), generator, bool(sparse))
                 except (RuntimeError, TypeError, ValueError) as error:
                     raise checks.from_cpp(error) from None
         elif (not fused_table and not sparse and generator is None and torch.compiler.is_compiling()
