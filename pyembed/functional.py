@@ -132,11 +132,18 @@ def fused_embedding(
                backend)
     if fused_table:
         # A table whose optimizer runs in the backward (pyembed.optim), on a call the route
-        # above does not take (torch.compile, forward-mode AD, the reference backend): the
-        # Python Function, whose backward updates it, run outside any compiled graph (a
-        # graph break under torch.compile: AOTAutograd cannot mutate a parameter in a backward).
-        return optim.outside_compiled_graphs(_fused_embedding, ids, weight, pos_weight, position_ids, options,
-                                             cpp_autograd=False)
+        # above does not take. Under torch.compile: a graph break (AOTAutograd cannot mutate
+        # a parameter in a backward), this call run again eagerly, where the route above
+        # applies as to any eager call (once: Dynamo is off in there). Otherwise (forward-mode
+        # AD, torch.func, the reference backend, tensor subclasses): the Python Function,
+        # whose backward updates the tables.
+        if torch.compiler.is_compiling():
+            return optim.outside_compiled_graphs(
+                fused_embedding, ids, weight, pos_weight, pos_encoding=pos_encoding, scale=scale,
+                position_ids=position_ids, offset=offset, padding_idx=padding_idx,
+                scale_grad_by_freq=scale_grad_by_freq, sparse=sparse, validate=validate, dropout_p=dropout_p,
+                generator=generator, backend=backend)
+        return _fused_embedding(ids, weight, pos_weight, position_ids, options, cpp_autograd=False)
     return _fused_embedding(ids, weight, pos_weight, position_ids, options)
 
 

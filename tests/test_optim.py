@@ -199,21 +199,23 @@ NODE_BACKENDS = [name for name in CPU_BACKENDS + GPU_KERNELS
                  if dispatch.get(name.partition("@")[0]).fused_autograd_op is not None]
 
 
-def train_through_node_and_function(start, fuse, monkeypatch, steps=3):
+def train_through_node_and_function(start, fuse, monkeypatch, steps=3, compiled=False):
     """Copies of ``start`` (an EmbeddingLayer) trained ``steps`` steps after ``fuse(layer)``
     (which returns the fused optimizers): first through its backend's C++ node
     (fused_autograd_op), then with the registry's fused_autograd_op removed, through the
-    Python Function. Each run: (layer, optimizers, whether each forward's grad_fn was a
-    Python Function's); the .grad of an unfused table kept."""
+    Python Function; each under torch.compile if ``compiled``. Each run: (layer,
+    optimizers, whether each forward's grad_fn was a Python Function's); the .grad of an
+    unfused table kept."""
     name = start.backend
 
     def train_copy():
         layer = copy.deepcopy(start)
         optimizers = fuse(layer)
+        forward = torch.compile(layer, backend="eager") if compiled else layer
         torch.manual_seed(1)  # the dropout masks
         routes = set()
         for ids, _ in batches(steps):
-            out = layer(ids.to(layer.pos_embedding.device))
+            out = forward(ids.to(layer.pos_embedding.device))
             routes.add(isinstance(out.grad_fn, torch.autograd.function.BackwardCFunction))
             (out * torch.linspace(-1, 1, D, device=out.device)).sum().backward()
         return layer, optimizers, routes
@@ -339,6 +341,23 @@ def test_torch_finds_the_fused_optimizers_where_its_own_live():
     [opt] = pyembed.apply_optimizer_in_backward(torch.optim.AdamW, [layer.token_embedding.weight], {"lr": 1e-3})
     assert _get_in_backward_optimizers(layer) == [opt]
     assert isinstance(opt, torch.optim.AdamW)
+
+
+@pytest.mark.parametrize("backend", NODE_BACKENDS)
+def test_under_torch_compile_the_call_takes_the_cpp_node_eagerly(backend, monkeypatch):
+    """Under torch.compile a lookup on fused tables is a graph break, the call run eagerly
+    as any eager call: through the C++ node where its backend has one (the same training,
+    bit for bit, as through the Python Function, which it took before)."""
+    name, _, device = backend.partition("@")
+    torch.manual_seed(0)
+    start = pyembed.EmbeddingLayer(V, D, MAX_LEN, scale_embeddings=True, padding_idx=PAD, dropout=0.2,
+                                   backend=name, device=device or "cpu")
+    torch._dynamo.reset()
+    node_run, function_run = train_through_node_and_function(
+        start, lambda layer: pyembed.apply_optimizer_in_backward(torch.optim.AdamW, layer.parameters(), {"lr": 0.1}),
+        monkeypatch, compiled=True)
+    torch._dynamo.reset()
+    assert_same_training(node_run, function_run)
 
 
 def test_under_torch_compile_the_call_runs_eagerly_and_trains_the_same():
