@@ -639,6 +639,22 @@ PositionSums<T> position_sums(int64_t rows, const at::Tensor& ids, int64_t offse
   return pos;
 }
 
+// Rows of dout a position row's thread loads before adding any (the batch's rows at its
+// position; the adds keep their order: the same sums), in finish_segments_kernel's bf16
+// form with 16-byte accesses and no dropout. There the loop also writes the table's
+// one-token rows (kSolo), and the compiler cannot tell those stores from the next row's
+// load: one row at a time, each load waits for the store before it, batch-many dependent
+// round trips to memory per column pass -- at Llama-3 8x2048 the 2048 position blocks come
+// first and hold the SMs alone for several waves (Llama-3 bf16 is where the dense backward
+// is furthest from its bytes floor). Four rows in flight cost that kernel no occupancy
+// (sm_90: 66 -> 72 registers, the same allocation granule of 8); in the others they
+// would: fp32 62 -> 72 and fp16 64 -> 72 (a block fewer per SM), one element a thread
+// 48 -> 56, the dropout kernels spill. Those keep one row at a time.
+template <typename T, int VEC, bool kSolo, bool kDropout>
+constexpr int position_rows_in_flight() {
+  return kSolo && !kDropout && VEC > 1 && std::is_same_v<T, c10::BFloat16> ? 4 : 1;
+}
+
 // Row p of pos.out, this thread's columns. kSolo: the launch may write one-token rows
 // (pos.solo, checked at run time) into `table`, scaled by `scale`, as the table's blocks
 // would; the kernels that never do are compiled without that path (it took the bf16
@@ -647,6 +663,7 @@ template <int VEC, bool kSolo, typename T, bool kDropout>
 __device__ __forceinline__ void position_sum_row(const Dout<T, kDropout>& dout, const PositionSums<T>& pos, int64_t p,
                                                  int64_t dim, T* table, acc_t<T> scale) {
   using A = acc_t<T>;
+  constexpr int kInFlight = position_rows_in_flight<T, VEC, kSolo, kDropout>();
   if (p >= pos.rows) return;
   const int64_t t = p - pos.offset;
   const int64_t count = t >= 0 && t < pos.steps ? pos.batch : 0;
@@ -654,18 +671,27 @@ __device__ __forceinline__ void position_sum_row(const Dout<T, kDropout>& dout, 
     A acc[VEC];
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] = A(0);
-    for (int64_t b = 0; b < count; ++b) {
-      const int64_t token = b * pos.seq_len + t;
-      const int64_t solo_row = kSolo && pos.solo != nullptr ? pos.solo[token] : -1;
-      A x[VEC];
-      dout.template load<VEC>(token, j, x);
+    for (int64_t b0 = 0; b0 < count; b0 += kInFlight) {
+      A x[kInFlight][VEC];
+      int64_t solo_row[kInFlight];
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[i] += x[i];
-      if (solo_row >= 0) {  // as finish_segments_kernel writes a one-token row
-        A row[VEC];
+      for (int k = 0; k < kInFlight; ++k) {
+        const int64_t token = (b0 + k) * pos.seq_len + t;
+        const bool inside = b0 + k < count;
+        solo_row[k] = inside && kSolo && pos.solo != nullptr ? pos.solo[token] : -1;
+        if (inside) dout.template load<VEC>(token, j, x[k]);
+      }
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) row[i] = (A(0) + x[i]) * scale;
-        store_pack<VEC>(table + solo_row * dim + j, row);
+      for (int k = 0; k < kInFlight; ++k) {
+        if (b0 + k >= count) break;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] += x[k][i];
+        if (solo_row[k] >= 0) {  // as finish_segments_kernel writes a one-token row
+          A row[VEC];
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) row[i] = (A(0) + x[k][i]) * scale;
+          store_pack<VEC>(table + solo_row[k] * dim + j, row);
+        }
       }
     }
     store_pack<VEC>(pos.out + p * dim + j, acc);
