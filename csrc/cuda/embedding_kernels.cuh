@@ -322,12 +322,11 @@ __global__ void sort_inputs_kernel(const index_t* __restrict__ keys, int64_t n, 
 //   - the one-block sort (PYEMBED_CUDA_SORT=block, 4096 < n): CUB's block radix sort of the
 //     words in shared memory, one thread block in the launch that sets the sort's inputs
 //     (embedding_cuda.cu's one_block_sort_kernel; the host emulation stands a stable sort
-//     in for it, around the same words and stores). It ordered the words on the key's bits
+//     in for it, around the same words and stores). It orders the words on the key's bits
 //     alone (bits 14 and up); positions in [n, 16384) get a key whose bits are all ones, so
-//     they sort after every real key and are not stored. One SM for 28-56 us at GPT-2
-//     8x2048 (H200 at e204d9e, 1b594a4, ncu and profiler), the other 131 idle: the triton
-//     tile sort's two launches took 28 us there (its merge 22 of them), the `cuda` dense
-//     backward's whole ~120 us GPU time held ~49 us of the one-block sort.
+//     they sort after every real key and are not stored. One SM for ~28 us of a ~107 us
+//     dense backward at GPT-2 8x2048 (H200 at e204d9e, ncu), the other 131 idle; the
+//     triton tile sort's two launches took 28 us there (its merge 22 of them, 1b594a4).
 constexpr int kWordPositionBits = 14;
 constexpr int64_t kWordSortMax = int64_t(1) << kWordPositionBits;
 constexpr int kWordKeyBits = 32 - kWordPositionBits;  // keys below 2^18 (Llama-3's 128256 rows: 17 bits)
