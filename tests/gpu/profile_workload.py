@@ -539,8 +539,8 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
     per GPU backend with each of its sorts (SORTS): GPU time (do_bench, and a CUDA graph's
     replay: the kernels alone), host time with the GPU held by a sleep kernel, GPU ops per
     call. At 79bdffb (H200) CUB's sort was 7 of `cuda`'s 10 GPU ops, ~23 us; torch's, 7 of
-    `triton`'s 10 (its host time 41 us). At 1b594a4 the one-block sort (then `cuda`'s
-    default) was ~49 of its ~124 us at GPT-2 fp32 (profiler), the tile sort ~28 of `triton`'s."""
+    `triton`'s 10 (its host time 41 us). At de2aee7 the one-block sort (then `cuda`'s
+    default) was ~28 of its ~107 us at GPT-2 fp32 (ncu); at 1b594a4 the tile sort ~28 of `triton`'s."""
     import os
 
     for backend, variable, sorts in SORTS:
