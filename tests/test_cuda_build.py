@@ -112,6 +112,22 @@ def test_forward_moves_rows_with_128_bit_accesses(ptxas_report, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_finish_segments_stores_every_pack_whole(ptxas_report, arch):
+    """The dense backward's last kernel writes every row of the (V, d) gradient, and its
+    learned positions' blocks the rows used by one token (72-88% of the touched rows at
+    8x2048): 16 bytes per store on 16-byte rows. nvcc 13 had split those one-token rows'
+    stores into one per element (st.global.u16 x 8 for bf16, st.global.f32 x 4 for fp32)."""
+    ptx = ptxas_report[1][arch]
+    element_store = re.compile(r"st\.global(\.\w+)?\.(f32|f64|b16|u16|b32|u32)\s+\[%rd\d+\+\d+\]")
+    for kernel in ("finish_segments_kernel", "finish_segments_dropout_kernel"):
+        for fragment in (f"{kernel}IffLi4E", f"{kernel}IN3c108BFloat16EfLi8E", f"{kernel}IN3c104HalfEfLi8E",
+                         f"{kernel}IddLi2E"):
+            body = _entry_body(ptx, fragment)
+            assert re.search(r"st\.global(\.wb)?\.v[24]\.", body), f"{fragment}: no 16-byte store"
+            assert not element_store.search(body), f"{fragment}: a pack stored element by element"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_optimizer_update_moves_the_table_with_128_bit_accesses(ptxas_report, arch):
     """The optimizer inside the backward is one pass over p and its state (three (V, d)
     tables for Adam): 16 bytes per access on 16-byte rows, as torch's fused AdamW."""

@@ -198,18 +198,19 @@ def test_emulated_sorted_paths_sum_each_row_in_token_order(emulated, monkeypatch
 
 
 @pytest.mark.parametrize("batch", [2, 5, 8])
-def test_emulated_position_blocks_write_the_batch_rows_in_any_grouping(emulated, batch):
-    """bf16, 16-byte rows: the learned positions' blocks load four batch rows before adding
-    them (position_rows_in_flight), a group cut short when the batch is not a multiple of
-    four, and write the table rows used by one token from them. The gradients are exact
-    (integer-valued dout: every sum is exact in bf16)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_emulated_position_blocks_write_the_batch_rows_in_any_grouping(emulated, batch, dtype):
+    """16-byte rows: the learned positions' blocks load four (bf16) or two (fp32) batch rows
+    before adding them (position_rows_in_flight), a group cut short when the batch is not a
+    multiple of that, and write the table rows used by one token from them. The gradients
+    are exact (integer-valued dout: every sum is exact in bf16)."""
     gen = torch.Generator().manual_seed(3)
     vocab, seq_len, dim = 500, 30, 16
     ids = torch.randint(0, vocab, (batch, seq_len), generator=gen)
-    dout = torch.randint(-3, 4, (batch, seq_len, dim), generator=gen).to(torch.bfloat16)
+    dout = torch.randint(-3, 4, (batch, seq_len, dim), generator=gen).to(dtype)
     dw, dp = backward(emulated, dout, ids, num_embeddings=vocab, num_positions=seq_len, need_pos_grad=True)
-    assert torch.equal(dw, exact_row_sums(ids, dout, vocab).to(torch.bfloat16))
-    assert torch.equal(dp, dout.double().sum(0).to(torch.bfloat16))
+    assert torch.equal(dw, exact_row_sums(ids, dout, vocab).to(dtype))
+    assert torch.equal(dp, dout.double().sum(0).to(dtype))
 
 
 def test_emulated_position_ids_and_out_of_range_ids(emulated):

@@ -74,6 +74,29 @@ __device__ __forceinline__ void store_pack(D* p, const A (&in)[VEC]) {
   *reinterpret_cast<Pack<D, VEC>*>(p) = pack;
 }
 
+// store_pack as one 16-byte store whatever the compiler makes of the pack. Where the
+// learned positions' blocks write the table's one-token rows (position_sum_row), nvcc 13
+// split store_pack's 16 bytes into one store per element (PTX: st.global.f32 x 4 for fp32,
+// st.global.u16 x 8 for bf16 / fp16): 4-8 store instructions a thread where one does,
+// and as many L2 requests, for the rows of 72-88% of the tokens at 8x2048. Elsewhere the
+// compiler keeps store_pack whole; forcing it there changed registers both ways (some
+// kernels a granule up), so only that site takes this.
+template <int VEC, typename D, typename A>
+__device__ __forceinline__ void store_pack_whole(D* p, const A (&in)[VEC]) {
+#ifdef __CUDACC__
+  if constexpr (sizeof(D) * VEC == 16) {
+    Pack<D, VEC> pack;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) pack.val[i] = static_cast<D>(in[i]);
+    uint4 bits;
+    memcpy(&bits, &pack, sizeof(bits));
+    __stwb(reinterpret_cast<uint4*>(p), bits);
+    return;
+  }
+#endif
+  store_pack<VEC>(p, in);
+}
+
 __device__ __forceinline__ void sincos_acc(float x, float* s, float* c) { sincosf(x, s, c); }
 __device__ __forceinline__ void sincos_acc(double x, double* s, double* c) { sincos(x, s, c); }
 __device__ __forceinline__ float exp_acc(float x) { return expf(x); }
@@ -639,19 +662,20 @@ PositionSums<T> position_sums(int64_t rows, const at::Tensor& ids, int64_t offse
 }
 
 // Rows of dout a position row's thread loads before adding any (the batch's rows at its
-// position; the adds keep their order: the same sums), in finish_segments_kernel's bf16
-// form with 16-byte accesses and no dropout. There the loop also writes the table's
-// one-token rows (kSolo), and the compiler cannot tell those stores from the next row's
-// load: one row at a time, each load waits for the store before it, batch-many dependent
-// round trips to memory per column pass -- at Llama-3 8x2048 the 2048 position blocks come
-// first and hold the SMs alone for several waves (Llama-3 bf16 is where the dense backward
-// is furthest from its bytes floor). Four rows in flight cost that kernel no occupancy
-// (sm_90: 66 -> 72 registers, the same allocation granule of 8); in the others they
-// would: fp32 62 -> 72 and fp16 64 -> 72 (a block fewer per SM), one element a thread
-// 48 -> 56, the dropout kernels spill. Those keep one row at a time.
+// position; the adds keep their order: the same sums), in finish_segments_kernel's forms
+// with 16-byte accesses and no dropout. There the loop also writes the table's one-token
+// rows (kSolo), and the compiler cannot tell those stores from the next row's load: one
+// row at a time, each load waits for the store before it, batch-many dependent round
+// trips to memory per column pass -- at 8x2048 the 2048 position blocks come first and
+// hold the SMs alone for several waves (Llama-3 bf16 is where the dense backward is
+// furthest from its bytes floor). bf16: four rows (sm_90: 66 registers with one, 76 with
+// four and store_pack_whole: 4 blocks of 192 or 3 of 256 threads per SM either way); fp32:
+// two (62 -> 60; four took 72, a block fewer per SM). fp16 (64: any more is a block fewer
+// per SM), one element a thread (48 -> 56) and the dropout kernels (they spilled) keep one.
 template <typename T, int VEC, bool kSolo, bool kDropout>
 constexpr int position_rows_in_flight() {
-  return kSolo && !kDropout && VEC > 1 && std::is_same_v<T, c10::BFloat16> ? 4 : 1;
+  if constexpr (!kSolo || kDropout || VEC == 1) return 1;
+  return std::is_same_v<T, c10::BFloat16> ? 4 : std::is_same_v<T, float> ? 2 : 1;
 }
 
 // Row p of pos.out, this thread's columns. kSolo: the launch may write one-token rows
@@ -689,7 +713,7 @@ __device__ __forceinline__ void position_sum_row(const Dout<T, kDropout>& dout, 
           A row[VEC];
 #pragma unroll
           for (int i = 0; i < VEC; ++i) row[i] = (A(0) + x[k][i]) * scale;
-          store_pack<VEC>(table + solo_row[k] * dim + j, row);
+          store_pack_whole<VEC>(table + solo_row[k] * dim + j, row);
         }
       }
     }
