@@ -409,6 +409,11 @@ __global__ void tile_rank_kernel(const index_t* __restrict__ ids, int n, int64_t
   }
 }
 
+// Words in tile t of n sorted words: kSortTile but in the last tile, <= 0 past it.
+__device__ __forceinline__ int tile_length(int t, int tiles, int n) {
+  return t < tiles - 1 ? kSortTile : n - t * kSortTile;
+}
+
 // Word i of `words` (each tile sorted: tile_rank_kernel) stored at its sorted position: the
 // sum over the tiles of its lower bound in each (in its own tile, its index there). Each
 // bound is a branch-free binary search, the tiles' searches side by side: every step loads
@@ -430,14 +435,13 @@ __global__ void merge_tiles_kernel(const uint32_t* __restrict__ words, int n, in
     uint32_t probe[kSortMaxTiles];
 #pragma unroll
     for (int t = 0; t < kSortMaxTiles; ++t) {
-      const int length = t < tiles - 1 ? kSortTile : n - t * kSortTile;  // <= 0 past the last tile
+      const int length = tile_length(t, tiles, n);
       const int next = below[t] + step;
       probe[t] = t < tiles ? words[t * kSortTile + (next < length ? next : length) - 1] : 0u;
     }
 #pragma unroll
     for (int t = 0; t < kSortMaxTiles; ++t) {
-      const int length = t < tiles - 1 ? kSortTile : n - t * kSortTile;
-      if (below[t] + step <= length && probe[t] < word) below[t] += step;
+      if (below[t] + step <= tile_length(t, tiles, n) && probe[t] < word) below[t] += step;
     }
   }
   int rank = 0;
