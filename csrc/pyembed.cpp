@@ -301,11 +301,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "set_fused_step",
       [](py::object step) { pyembed::set_fused_step(std::make_unique<PythonFusedStep>(std::move(step))); },
       "the update embedding_fused's node runs in its backward (csrc/autograd.h, FusedStep)", py::arg("step"));
-  // Positional (python, fused_weight, fused_pos, then pyembed::embedding's arguments); the
-  // GIL stays held, as for embedding_python_kernels.
-  m.def("embedding_fused", &pyembed::embedding_fused,
-        "pyembed::embedding's call (its checks and C++ autograd node) on tables of which some have their optimizer "
-        "in the backward, which the node updates");
+  // Positional (python, fused_weight, fused_pos, then pyembed::embedding's arguments). The
+  // GIL is released around the C++ kernels (python=false), as embedding's call releases it,
+  // and held for the Python ones, as for embedding_python_kernels.
+  m.def(
+      "embedding_fused",
+      [](bool python, bool fused_weight, bool fused_pos, const at::Tensor& ids, const at::Tensor& weight,
+         const std::optional<at::Tensor>& pos_weight, const std::optional<at::Tensor>& position_ids,
+         std::string_view pos_encoding, double scale, int64_t offset, std::optional<int64_t> padding_idx,
+         bool scale_grad_by_freq, bool validate, int64_t error_record, double dropout_p,
+         const std::optional<at::Generator>& generator, bool sparse) {
+        std::optional<py::gil_scoped_release> no_gil;
+        if (!python) no_gil.emplace();
+        return pyembed::embedding_fused(python, fused_weight, fused_pos, ids, weight, pos_weight, position_ids,
+                                        pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, validate,
+                                        error_record, dropout_p, generator, sparse);
+      },
+      "pyembed::embedding's call (its checks and C++ autograd node) on tables of which some have their optimizer "
+      "in the backward, which the node updates");
   def_typed_ops(m);
   m.def("built_coalesced", &pyembed::built_coalesced,
         "whether a sparse .grad still holds the storages of a coalesced gradient pyembed::embedding built");

@@ -16,6 +16,9 @@ import itertools
 import math
 import pathlib
 import re
+import sys
+import threading
+import time
 import types
 
 import pytest
@@ -278,6 +281,47 @@ def test_the_cpp_node_gives_the_unfused_table_its_gradient(fused, backend, monke
     assert_same_training(node_run, function_run)
     unfused = node_run[0].pos_embedding if fused == "token table" else node_run[0].token_embedding.weight
     assert unfused.grad is not None and unfused.grad.abs().sum() > 0
+
+
+def test_the_fused_tables_call_lets_other_threads_run_while_its_cpp_kernels_do():
+    """The C++ node's call on tables whose optimizer runs in the backward
+    (``_C.embedding_fused``, python=False: the `cpu` and `cuda` kernels) lets go of the GIL
+    around its work, as a plain lookup's call (``_C.embedding``) does: another Python thread
+    runs meanwhile. With Python's switch interval out of reach, that thread can run during a
+    call only if the call releases the GIL; it held it before (ten 8x2048 `cpu` lookups under
+    pytest: 0 turns of the other thread in most, at most 12 in one)."""
+    from pyembed import _extension
+
+    layer = pyembed.EmbeddingLayer(1000, 256, 2048, backend="cpu")
+    pyembed.apply_optimizer_in_backward(torch.optim.SGD, list(layer.parameters()), {"lr": 0.1})
+    ids = torch.randint(0, 1000, (8, 2048))
+    turns, stop = [0], threading.Event()
+
+    def other():
+        while not stop.is_set():
+            turns[0] += 1
+            time.sleep(0)  # gives the GIL back each turn: the lookup's thread takes it at once
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    thread = threading.Thread(target=other)
+    try:
+        thread.start()
+        during = []
+        for _ in range(10):
+            before = turns[0]
+            out = _extension._C.embedding_fused(False, True, True, ids, layer.token_embedding.weight,
+                                                layer.pos_embedding, None, "learned", 1.0, 0, None, False, True, 0,
+                                                0.0, None, False)
+            during.append(turns[0] - before)
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    expected = pyembed.fused_embedding(ids, layer.token_embedding.weight.detach(), layer.pos_embedding.detach(),
+                                       backend="reference")
+    torch.testing.assert_close(out, expected)
+    assert sorted(during)[len(during) // 2] > 5, during  # in most calls (16-300 turns each since)
 
 
 @pytest.mark.parametrize("config", ["AdamW", "AdamW-fused", "SGD-momentum-wd", "SparseAdam"])
