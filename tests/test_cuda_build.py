@@ -114,7 +114,7 @@ def test_forward_moves_rows_with_128_bit_accesses(ptxas_report, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_finish_segments_stores_every_pack_whole(ptxas_report, arch):
     """The dense backward's last kernel writes every row of the (V, d) gradient, and its
-    learned positions' blocks the rows used by one token (72-88% of the touched rows at
+    learned positions' blocks the rows used by one token (those of 72-88% of the tokens at
     8x2048): 16 bytes per store on 16-byte rows. nvcc 13 had split those one-token rows'
     stores into one per element (st.global.u16 x 8 for bf16, st.global.f32 x 4 for fp32)."""
     ptx = ptxas_report[1][arch]
