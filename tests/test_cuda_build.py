@@ -118,7 +118,8 @@ def test_finish_segments_stores_every_pack_whole(ptxas_report, arch):
     8x2048): 16 bytes per store on 16-byte rows. nvcc 13 had split those one-token rows'
     stores into one per element (st.global.u16 x 8 for bf16, st.global.f32 x 4 for fp32)."""
     ptx = ptxas_report[1][arch]
-    element_store = re.compile(r"st\.global(\.\w+)?\.(f32|f64|b16|u16|b32|u32)\s+\[%rd\d+\+\d+\]")
+    # a scalar store (cache qualifiers allowed, no vector width) at an offset into a pack
+    element_store = re.compile(r"st\.global(\.(wb|cg|cs|wt))?\.(f32|f64|b16|u16|b32|u32)\s+\[%rd\d+\+\d+\]")
     for kernel in ("finish_segments_kernel", "finish_segments_dropout_kernel"):
         for fragment in (f"{kernel}IffLi4E", f"{kernel}IN3c108BFloat16EfLi8E", f"{kernel}IN3c104HalfEfLi8E",
                          f"{kernel}IddLi2E"):
