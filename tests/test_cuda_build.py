@@ -112,20 +112,23 @@ def test_forward_moves_rows_with_128_bit_accesses(ptxas_report, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_finish_segments_stores_every_pack_whole(ptxas_report, arch):
+def test_the_dense_backward_stores_every_pack_whole(ptxas_report, arch):
     """The dense backward's last kernel writes every row of the (V, d) gradient, and its
     learned positions' blocks the rows used by one token (those of 72-88% of the tokens at
-    8x2048): 16 bytes per store on 16-byte rows. nvcc 13 had split those one-token rows'
-    stores into one per element (st.global.u16 x 8 for bf16, st.global.f32 x 4 for fp32)."""
+    8x2048); the chunk pass writes the long segments' partial sums: 16 bytes per store on
+    16-byte rows. nvcc 13 had split the one-token rows' stores into one per element
+    (st.global.u16 x 8 for bf16, st.global.f32 x 4 for fp32) and float64 partials in two."""
     ptx = ptxas_report[1][arch]
     # a scalar store (cache qualifiers allowed, no vector width) at an offset into a pack
     element_store = re.compile(r"st\.global(\.(wb|cg|cs|wt))?\.(f32|f64|b16|u16|b32|u32)\s+\[%rd\d+\+\d+\]")
-    for kernel in ("finish_segments_kernel", "finish_segments_dropout_kernel"):
-        for fragment in (f"{kernel}IffLi4E", f"{kernel}IN3c108BFloat16EfLi8E", f"{kernel}IN3c104HalfEfLi8E",
-                         f"{kernel}IddLi2E"):
-            body = _entry_body(ptx, fragment)
-            assert re.search(r"st\.global(\.wb)?\.v[24]\.", body), f"{fragment}: no 16-byte store"
-            assert not element_store.search(body), f"{fragment}: a pack stored element by element"
+    fragments = [f"{kernel}{types}" for kernel in ("finish_segments_kernel", "finish_segments_dropout_kernel")
+                 for types in ("IffLi4E", "IN3c108BFloat16EfLi8E", "IN3c104HalfEfLi8E", "IddLi2E")]
+    fragments += [f"chunk_kernelIi{types}ELb{dropout}E" for types in ("ffLi4", "N3c108BFloat16EfLi8", "ddLi2")
+                  for dropout in (0, 1)]
+    for fragment in fragments:
+        body = _entry_body(ptx, fragment)
+        assert re.search(r"st\.global(\.wb)?\.v[24]\.", body), f"{fragment}: no 16-byte store"
+        assert not element_store.search(body), f"{fragment}: a pack stored element by element"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

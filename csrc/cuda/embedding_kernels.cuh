@@ -78,9 +78,10 @@ __device__ __forceinline__ void store_pack(D* p, const A (&in)[VEC]) {
 // learned positions' blocks write the table's one-token rows (position_sum_row), nvcc 13
 // split store_pack's 16 bytes into one store per element (PTX: st.global.f32 x 4 for fp32,
 // st.global.u16 x 8 for bf16 / fp16): 4-8 store instructions a thread where one does,
-// and as many L2 requests, for the rows of 72-88% of the tokens at 8x2048. Elsewhere the
-// compiler keeps store_pack whole; forcing it there changed registers both ways (some
-// kernels a granule up), so only that site takes this.
+// and as many L2 requests, for the rows of 72-88% of the tokens at 8x2048; and the chunk
+// pass's float64 partial sums into two 8-byte stores (sum_piece). Elsewhere the compiler
+// keeps store_pack whole; forcing it everywhere changed registers both ways (some kernels
+// a granule up), so only those sites take this (tests/test_cuda_build.py checks them).
 template <int VEC, typename D, typename A>
 __device__ __forceinline__ void store_pack_whole(D* p, const A (&in)[VEC]) {
 #ifdef __CUDACC__
@@ -553,7 +554,7 @@ __device__ __forceinline__ void sum_piece(const Dout<T, kDropout>& dout, const i
         for (int i = 0; i < VEC; ++i) acc[i] += x[i];
       }
     }
-    store_pack<VEC>(d_row + j, acc);
+    store_pack_whole<VEC>(d_row + j, acc);  // float64 partials were split in two
   }
 }
 
