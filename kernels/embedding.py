@@ -653,15 +653,16 @@ def _finish_segments_kernel(
     dropout_key_ptr, dropout_threshold, dropout_scale: tl.float64,  # the forward's dropout (_dout_rows)
     DIVIDE_BY_COUNT: tl.constexpr, ZERO_EMPTY: tl.constexpr, HAS_PARTIALS: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     HAS_SOLO: tl.constexpr, HAS_DROPOUT: tl.constexpr, COMPUTE_F64: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROW_TILES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """out[g] = factor * (sum of the dout rows of segment g), summed in sorted (= token)
     order, rounded once; factor = scale, or scale / the segment's token count. A segment
     longer than CHUNK adds its pieces' partial sums (_chunk_kernel) instead. An empty
     segment is written as zeros with ZERO_EMPTY (a dense gradient by table row: every row
-    written once, no fill before), else not at all. BLOCK_R segments per program; the
-    programs after table_programs write the learned positions' gradient (HAS_POSITIONS),
-    and with HAS_SOLO the one-token segments' rows too, which these programs then skip."""
+    written once, no fill before), else not at all. ROW_TILES tiles of BLOCK_R segments
+    per program, summed one tile at a time; the programs after table_programs write the
+    learned positions' gradient (HAS_POSITIONS), BLOCK_R rows each, and with HAS_SOLO the
+    one-token segments' rows too, which these programs then skip."""
     if tl.program_id(0) >= table_programs:
         if HAS_POSITIONS:  # solo: a dense gradient's bounds, by table row (three parts), then by token
             _position_sums(dout_ptr, pos_out_ptr, tl.program_id(0) - table_programs, pos_rows, batch, seq_len, steps,
@@ -669,11 +670,8 @@ def _finish_segments_kernel(
                            dropout_threshold, dropout_scale, HAS_SOLO, HAS_DROPOUT, COMPUTE_F64, BLOCK_R, BLOCK_D)
     else:
         acc_dtype = tl.float64 if COMPUTE_F64 else tl.float32
-        g = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
         cols = (tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D))[None, :]
-        g_ok = g < num_segments
         col_ok = cols < dim
-        begin, length = _segment_bounds(bounds_ptr, g, g_ok, entries)
         # Streaming stores (evict-first in L2): the table is written once and never read
         # back here, and a 1 GB gradient (Llama-3 bf16) stored normally pushes the 3 MB of
         # bounds out of L2, so that each program's first load -- the chain every tile waits
@@ -682,26 +680,52 @@ def _finish_segments_kernel(
         # A tile with no segment to sum -- each empty, or (HAS_SOLO) of one token, whose row
         # the position programs write -- only writes its empty rows' zeros, in a branch of
         # its own: most tiles, at 8x2048 uniform ids with learned positions 97% of Llama-3's
-        # 4-row tiles and 70% of GPT-2's 8-row ones (60% / 7% hold no used row at all). The
-        # H200 at de2aee7 ran this op at Llama-3 8x2048 in 565 us (bf16) / 756 us (fp32), the
-        # `cuda` one in 403 / 660, and one token's backward, whose kernel writes the same
-        # table, in 246 us (bf16): this kernel was issue-bound (ncu: 67% SM, 48% DRAM), every
-        # tile running the summing code on masked loads -- ~356 SASS instructions a thread
-        # (sm_90, bf16, d = 4096) for 16 zeros; ~100 in this branch (test_triton_aot checks
-        # its size), whose stores wait on the bounds alone, not on a dout row as well.
-        summed = length > 0
-        if HAS_SOLO:
-            summed = summed & (length != 1)
-        if tl.max(tl.max(summed.to(tl.int32), 1), 0) > 0:
-            acc = _segment_sums(dout_ptr, order_ptr, partials_ptr, bounds_ptr, g, g_ok, begin, length, cols, col_ok,
-                                entries, dim, dropout_key_ptr, dropout_threshold, dropout_scale, HAS_PARTIALS, HAS_SOLO,
-                                HAS_DROPOUT, COMPUTE_F64, CHUNK, BLOCK_R, BLOCK_D)
-            acc = acc * _segment_factor(scale, length, DIVIDE_BY_COUNT, acc_dtype)
-            write = g_ok & (summed | ((length == 0) & ZERO_EMPTY))
-            tl.store(out_ptr + g * dim + cols, _rounded(acc, out_ptr), mask=write & col_ok, cache_modifier=".cs")
-        elif ZERO_EMPTY:
-            tl.store(out_ptr + g * dim + cols, tl.zeros([BLOCK_R, BLOCK_D], out_ptr.dtype.element_ty),
-                     mask=g_ok & (length == 0) & col_ok, cache_modifier=".cs")
+        # 4-row tiles and 70% of GPT-2's 8-row ones. Before it (H200) every tile ran the
+        # summing code on masked loads, ~356 SASS instructions a thread (sm_90, bf16,
+        # d = 4096) for 16 zeros, and the kernel was issue-bound (ncu at 1b594a4: 67% SM, 48%
+        # DRAM; the op at de2aee7: Llama-3 bf16 565 us, `cuda` 403); ~100 in this branch
+        # (test_triton_aot checks it).
+        # With ROW_TILES > 1 (finish_row_tiles) a program first loads all its rows' bounds
+        # and, with nothing to sum among them, stores their zeros at once and ends: 4 tiles
+        # of 4 KB stored after one bounds round trip, not one.
+        first = tl.program_id(0).to(tl.int64) * (ROW_TILES * BLOCK_R)
+        to_sum = 1
+        if ROW_TILES > 1:
+            rows = (first + tl.arange(0, ROW_TILES * BLOCK_R))[:, None]
+            rows_ok = rows < num_segments
+            _, rows_length = _segment_bounds(bounds_ptr, rows, rows_ok, entries)
+            to_sum = tl.max(tl.max(_summed(rows_length, HAS_SOLO).to(tl.int32), 1), 0)
+            if ZERO_EMPTY and to_sum == 0:
+                tl.store(out_ptr + rows * dim + cols,
+                         tl.zeros([ROW_TILES * BLOCK_R, BLOCK_D], out_ptr.dtype.element_ty),
+                         mask=rows_ok & (rows_length == 0) & col_ok, cache_modifier=".cs")
+        if to_sum > 0:
+            for tile in range(0, ROW_TILES):  # the bounds again, from L1: held, they cost registers
+                g = (first + tile * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
+                g_ok = g < num_segments
+                begin, length = _segment_bounds(bounds_ptr, g, g_ok, entries)
+                summed = _summed(length, HAS_SOLO)
+                empty = g_ok & (length == 0) & ZERO_EMPTY
+                if tl.max(tl.max(summed.to(tl.int32), 1), 0) > 0:
+                    acc = _segment_sums(dout_ptr, order_ptr, partials_ptr, bounds_ptr, g, g_ok, begin, length, cols,
+                                        col_ok, entries, dim, dropout_key_ptr, dropout_threshold, dropout_scale,
+                                        HAS_PARTIALS, HAS_SOLO, HAS_DROPOUT, COMPUTE_F64, CHUNK, BLOCK_R, BLOCK_D)
+                    acc = acc * _segment_factor(scale, length, DIVIDE_BY_COUNT, acc_dtype)  # +0 where empty
+                    tl.store(out_ptr + g * dim + cols, _rounded(acc, out_ptr), mask=((g_ok & summed) | empty) & col_ok,
+                             cache_modifier=".cs")
+                elif ZERO_EMPTY:
+                    tl.store(out_ptr + g * dim + cols, tl.zeros([BLOCK_R, BLOCK_D], out_ptr.dtype.element_ty),
+                             mask=empty & col_ok, cache_modifier=".cs")
+
+
+@triton.jit
+def _summed(length, HAS_SOLO: tl.constexpr):
+    """Whether segments of ``length`` tokens are summed by the table's programs: not empty,
+    and with HAS_SOLO not of one token (the position programs write those rows)."""
+    summed = length > 0
+    if HAS_SOLO:
+        summed = summed & (length != 1)
+    return summed
 
 
 @triton.jit
@@ -1275,10 +1299,12 @@ def _position_args(positions: Optional[PositionSums], dout2d) -> tuple:
     return positions.launch_args() if positions is not None else (dout2d, 0, 0, 0, 0, 0)
 
 
-def _programs_with_positions(rows: int, block_r: int, positions: Optional[PositionSums]) -> tuple[int, int]:
-    """(the programs over a table's `rows`, all programs along axis 0): those after the
-    table's write ``positions``' rows, BLOCK_R each (csrc/cuda's add_position_blocks)."""
-    table_programs = _cdiv(rows, block_r)
+def _programs_with_positions(rows: int, block_r: int, positions: Optional[PositionSums],
+                             row_tiles: int = 1) -> tuple[int, int]:
+    """(the programs over a table's `rows`, row_tiles * block_r each; all programs along
+    axis 0): those after the table's write ``positions``' rows, BLOCK_R each (csrc/cuda's
+    add_position_blocks)."""
+    table_programs = _cdiv(rows, block_r * row_tiles)
     return table_programs, table_programs + (0 if positions is None else _cdiv(positions.out.shape[0], block_r))
 
 
@@ -1291,6 +1317,28 @@ def _segment_blocks(dim: int, dtype: torch.dtype, dropout: bool = False) -> tupl
     return min(max(1, block_r // 2) if dtype == torch.float64 else block_r, MAX_SEGMENT_ROWS), block_d
 
 
+def finish_row_tiles(dtype: torch.dtype, dim, rows, zero_empty: bool) -> int:
+    """_finish_segments_kernel's ROW_TILES for a ``rows`` x ``dim`` gradient: 4 for a dense
+    one of 2-byte elements in 16-byte rows and 2^16 rows or more (Llama-3's 128256), else 1.
+    A 4 KB tile is 32 bytes a thread; a program of four stores 128 (as `cuda`'s blocks do)
+    after its one bounds round trip when none of its rows is summed -- most programs of a
+    table that large (with learned positions, 8x2048 uniform ids leave 88% of Llama-3's
+    programs so, GPT-2's 24%: a program that sums goes tile by tile, four in a row, so for
+    GPT-2 four would serialise more than it saves). sm_90 registers at d = 4096: bf16 64 ->
+    78 (8 -> 6 blocks an SM), 93 without positions, 109 with dropout; fp32 tiles are 64
+    bytes a thread, and four took 80 -> 112. A sparse gradient's rows are all summed.
+    PYEMBED_TRITON_ROW_TILES (1, 2 or 4; read when a call is planned) overrides, so that a
+    GPU run can time each (tests/gpu/profile_workload.py)."""
+    chosen = os.environ.get("PYEMBED_TRITON_ROW_TILES")
+    if chosen is not None:
+        if chosen not in ("1", "2", "4"):
+            raise ValueError(f"PYEMBED_TRITON_ROW_TILES must be 1, 2 or 4, not {chosen!r}")
+        return int(chosen)
+    static = type(dim) is int and type(rows) is int  # under torch.compile's dynamic shapes: 1, no guard
+    wide = static and dtype.itemsize == 2 and dim * 2 % 16 == 0 and rows >= 2**16
+    return 4 if zero_empty and wide else 1
+
+
 def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool, out, zero_empty: bool,
                     launch=_direct, positions: Optional[PositionSums] = None, dropout: Optional[DoutDropout] = None):
     """out[g] = factor(g) * (sum of the dout rows of segment g) for the first out.shape[0]
@@ -1300,7 +1348,8 @@ def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: b
     ``segments`` has their tokens (``solo``). dropout: dout read through the forward's mask."""
     rows, dim = out.shape
     block_r, block_d = _segment_blocks(dim, dout2d.dtype, dropout is not None)
-    table_programs, programs = _programs_with_positions(rows, block_r, positions)
+    row_tiles = finish_row_tiles(out.dtype, dim, rows, zero_empty)
+    table_programs, programs = _programs_with_positions(rows, block_r, positions, row_tiles)
     if programs == 0 or dim == 0:
         return
     partials = segments.partials
@@ -1311,7 +1360,7 @@ def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: b
         DIVIDE_BY_COUNT=divide_by_count, ZERO_EMPTY=zero_empty, HAS_PARTIALS=partials is not None,
         HAS_POSITIONS=positions is not None, HAS_SOLO=positions is not None and segments.with_solo,
         HAS_DROPOUT=dropout is not None, COMPUTE_F64=dout2d.dtype == torch.float64, CHUNK=CHUNK_ROWS,
-        BLOCK_R=block_r, BLOCK_D=block_d,
+        ROW_TILES=row_tiles, BLOCK_R=block_r, BLOCK_D=block_d,
     )
 
 

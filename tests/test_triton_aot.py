@@ -96,7 +96,8 @@ def test_finish_segments_writes_a_tile_of_untouched_rows_without_the_summing_cod
     # sm_90 to store 16 zeros, which left the kernel issue-bound on the H200. A
     # tile with no segment to sum takes its own branch: zeros stored, nothing loaded, in at
     # most 128 PTX instructions -- the summing code is several hundred (91 at most here:
-    # d = 100, whose rows are not 16-byte multiples, stored element by element).
+    # d = 100, whose rows are not 16-byte multiples, stored element by element). So does a
+    # program of four tiles with none to sum: all its rows' zeros at once (68 at most).
     finishes = [k for k in report if k.startswith("finish_segments") and k.endswith(arch)]
     assert len(finishes) >= 20
     branches = {k: report[k]["zero_tile_blocks"] for k in finishes}

@@ -93,16 +93,60 @@ def test_triton_sorted_paths_sum_each_row_in_token_order(num_tokens, vocab):
         assert (rows[used.numel():] == -1).all()
 
 
+def _row_tiles(row_tiles, monkeypatch):
+    """The dense gradient's last pass with ``row_tiles`` tiles a program (PYEMBED_TRITON_ROW_TILES),
+    planned afresh (a plan replays the launch it was bound with)."""
+    from pyembed import _triton
+
+    monkeypatch.setenv("PYEMBED_TRITON_ROW_TILES", row_tiles)
+    monkeypatch.setattr(_triton, "_backward_plans", {})
+    return int(row_tiles)
+
+
+def _assert_every_kind_of_tile(summed_rows, tile_rows, row_tiles):
+    """Among the programs' rows (row_tiles tiles of tile_rows each), a program with no row to
+    sum (its zeros stored at once) and one with some; with several tiles a program, in a
+    program with sums also a tile without (its zeros stored by the tile)."""
+    rows = row_tiles * tile_rows
+    padded = torch.nn.functional.pad(summed_rows, (0, -summed_rows.numel() % rows))  # the last program's
+    groups = padded.view(-1, row_tiles, tile_rows).any(2)  # (programs, tiles): a row to sum
+    assert (~groups.any(1)).any() and groups.any(1).any()
+    assert row_tiles == 1 or (groups.any(1, keepdim=True) & ~groups).any()
+
+
+def test_finish_row_tiles_takes_four_only_for_large_two_byte_tables(monkeypatch):
+    """Four tiles a program where most programs hold nothing to sum and a tile is 32 bytes a
+    thread: a dense gradient of 2-byte elements, 16-byte rows, 2^16 rows or more. The
+    variable's other settings are for a GPU run to time, and a bad one is refused."""
+    from pyembed.kernels import embedding as k
+
+    monkeypatch.delenv("PYEMBED_TRITON_ROW_TILES", raising=False)
+    assert k.finish_row_tiles(torch.bfloat16, 4096, 128256, True) == 4  # Llama-3
+    assert k.finish_row_tiles(torch.float16, 8, 2**16, True) == 4
+    assert k.finish_row_tiles(torch.bfloat16, 768, 50257, True) == 1  # GPT-2: 76% of its programs would sum
+    assert k.finish_row_tiles(torch.float32, 4096, 128256, True) == 1  # 64 bytes a thread already
+    assert k.finish_row_tiles(torch.bfloat16, 100, 128256, True) == 1  # 200-byte rows: stored element-wise
+    assert k.finish_row_tiles(torch.bfloat16, 4096, 128256, False) == 1  # a sparse gradient's rows
+    monkeypatch.setenv("PYEMBED_TRITON_ROW_TILES", "2")
+    assert k.finish_row_tiles(torch.float32, 768, 50257, False) == 2
+    monkeypatch.setenv("PYEMBED_TRITON_ROW_TILES", "3")
+    with pytest.raises(ValueError, match="PYEMBED_TRITON_ROW_TILES must be 1, 2 or 4"):
+        k.finish_row_tiles(torch.bfloat16, 4096, 128256, True)
+
+
+@pytest.mark.parametrize("row_tiles", ["1", "2", "4"], ids=lambda r: f"{r} tiles")
 @pytest.mark.parametrize("by_freq", [False, True], ids=["plain", "by_freq"])
-def test_triton_dense_gradient_writes_untouched_tiles_and_rows_as_plus_zero(by_freq):
-    """The dense gradient's last pass writes a tile of untouched rows by a branch of its
-    own (zeros, nothing summed) and a tile with some used rows by summing: under a negative
-    scale both kinds of untouched row are +0.0, as a zero fill (not +0 * scale = -0.0), and
-    the used rows are the float64 reference's. 300 tokens over 20000 rows of d = 64
-    (32-row tiles): most tiles hold no used row, the others mix used and untouched rows."""
+def test_triton_dense_gradient_writes_untouched_tiles_and_rows_as_plus_zero(by_freq, row_tiles, monkeypatch):
+    """The dense gradient's last pass writes the zeros of a program's untouched rows by a
+    branch of its own where none of its rows is used (nothing summed), else tile by tile,
+    a tile of untouched rows by zeros alone, one with some used rows by summing: under a
+    negative scale every kind of untouched row is +0.0, as a zero fill (not +0 * scale =
+    -0.0), and the used rows are the float64 reference's. 300 tokens over 20000 rows of
+    d = 64 (32-row tiles), with 1, 2 and 4 tiles a program: most hold no used row."""
     from pyembed import _triton, reference
     from pyembed.kernels import embedding as k
 
+    row_tiles = _row_tiles(row_tiles, monkeypatch)
     vocab, scale = 20000, -0.75
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, vocab, (2, 150), generator=g)
@@ -113,25 +157,28 @@ def test_triton_dense_gradient_writes_untouched_tiles_and_rows_as_plus_zero(by_f
     untouched = torch.ones(vocab, dtype=torch.bool)
     untouched[ids.flatten()] = False
     assert k._segment_blocks(64, torch.float32)[0] == 32  # the tiles' rows
-    tiles = untouched.view(-1, 32).all(1)
-    assert tiles.float().mean() > 0.5 and untouched.view(-1, 32)[~tiles].any()  # both kinds of tile
+    _assert_every_kind_of_tile(~untouched, 32, row_tiles)
+    assert untouched.view(-1, 32)[~untouched.view(-1, 32).all(1)].any()  # tiles that mix both
     assert not dw[untouched].any() and not dw[untouched].signbit().any()
 
 
+@pytest.mark.parametrize("row_tiles", ["1", "4"], ids=lambda r: f"{r} tiles")
 @pytest.mark.parametrize("reverse", [False, True], ids=["in order", "in reverse"])
-def test_triton_dense_gradient_with_positions_writes_each_row_once(reverse, monkeypatch):
+def test_triton_dense_gradient_with_positions_writes_each_row_once(reverse, row_tiles, monkeypatch):
     """With learned positions reaching every token, the dense gradient's last launch writes
     the rows used once from its position programs and every other row from its table
     programs; a tile whose rows are all empty or used once writes only its empty rows'
     zeros. The interpreter runs programs one after another, position programs last, so a
     table program that also wrote a once-used row (zeros, or a sum) would be overwritten
     unseen: the launch runs in reverse program order too (on a GPU they race). 300 tokens
-    over 20000 rows of d = 64 (32-row tiles), a row used 5 times and one twice among them."""
+    over 20000 rows of d = 64 (32-row tiles, 1 or 4 a program), a row used 5 times and
+    one twice among them."""
     from triton.runtime import interpreter
 
     from pyembed import _triton, reference
     from pyembed.kernels import embedding as k
 
+    row_tiles = _row_tiles(row_tiles, monkeypatch)
     if reverse:
         builder = interpreter.interpreter_builder
         in_order = builder.set_grid_idx
@@ -153,3 +200,4 @@ def test_triton_dense_gradient_with_positions_writes_each_row_once(reverse, monk
     tiles = uses.view(-1, 32)
     summed = (tiles > 1).any(1)
     assert summed.sum() == 2 and ((tiles == 1).any(1) & ~summed).any()  # both kinds of tile
+    _assert_every_kind_of_tile(uses > 1, 32, row_tiles)

@@ -119,12 +119,12 @@ def _position_args(dtype, batch, seq_len):
             "steps": min(seq_len, 2045), "offset": 3}
 
 
-def finish_source(dtype, dim, *, divide, partials=True, positions=True, solo=None, dropout=False):
+def finish_source(dtype, dim, *, divide, partials=True, positions=True, solo=None, dropout=False, row_tiles=1):
     """One pass over a dense gradient's rows (with scale_grad_by_freq's division or not;
     partials=False: a backward of at most one chunk of tokens), and the learned positions'
     (positions=False: none, or by position_ids), which write the one-token rows too unless
     solo=False (a position past the table: validate=False); dropout: dout read through the
-    forward's mask."""
+    forward's mask; row_tiles tiles a program (kernels' finish_row_tiles)."""
     acc = "fp64" if dtype == "fp64" else "fp32"
     block_r, block_d = k._segment_blocks(dim, torch.float64 if dtype == "fp64" else torch.float32, dropout)
     args = {"dout_ptr": f"*{dtype}", "order_ptr": "*i64", "partials_ptr": f"*{acc}", "bounds_ptr": "*i64",
@@ -134,7 +134,7 @@ def finish_source(dtype, dim, *, divide, partials=True, positions=True, solo=Non
     return _source(k._finish_segments_kernel, args, {
         "DIVIDE_BY_COUNT": divide, "ZERO_EMPTY": True, "HAS_PARTIALS": partials, "HAS_POSITIONS": positions,
         "HAS_SOLO": positions if solo is None else solo, "HAS_DROPOUT": dropout, "COMPUTE_F64": acc == "fp64",
-        "CHUNK": k.CHUNK_ROWS, "BLOCK_R": block_r, "BLOCK_D": block_d})
+        "CHUNK": k.CHUNK_ROWS, "ROW_TILES": row_tiles, "BLOCK_R": block_r, "BLOCK_D": block_d})
 
 
 def few_tokens_source(dtype, dim, *, divide, id_type="i64", positions=True, dropout=False):
@@ -298,6 +298,19 @@ def sources():
             out[f"few_slots dropout {dtype} by_freq d={dim}"] = (few_slots_source, (dtype, dim), {
                 "divide": True, "dropout": True})
     out["few_tokens fp32 int32-ids d=768"] = (few_tokens_source, ("fp32", 768), {"divide": False, "id_type": "i32"})
+    # Four tiles a program: a 2-byte table of 16-byte rows and 2^16 rows or more
+    # (finish_row_tiles), in each form; and PYEMBED_TRITON_ROW_TILES's other settings.
+    for dtype, dim in itertools.product(("fp16", "bf16"), (8, 64, 768, 4096)):
+        for form, kwargs in (("", {}), ("by_freq ", {"divide": True}), ("no-positions ", {"positions": False}),
+                             ("positions-past-the-table ", {"solo": False}), ("short ", {"partials": False}),
+                             ("dropout by_freq ", {"divide": True, "dropout": True})):
+            if dtype == "fp16" and "dropout" in kwargs:
+                continue  # as above
+            out[f"finish_segments row_tiles=4 {form}{dtype} d={dim}"] = (finish_source, (dtype, dim), {
+                "divide": False, **kwargs, "row_tiles": 4})
+    for dtype, row_tiles in (("fp32", 2), ("fp32", 4), ("bf16", 2)):
+        out[f"finish_segments row_tiles={row_tiles} {dtype} d=4096"] = (finish_source, (dtype, 4096), {
+            "divide": False, "row_tiles": row_tiles})
     # A backward of at most CHUNK_ROWS tokens has no partials. Not at d = 100: for bf16 on
     # sm_80 ptxas spills 40 B there (the direct loop's scalar loads; the same before the
     # column-tile form of finish_segments), in a launch of at most 128 tokens.
@@ -386,8 +399,8 @@ def fusable_rule_sums(llir: str) -> list[str]:
 
 def zero_tile_blocks(ptx: str) -> list[dict]:
     """Each basic block of ``ptx`` that stores only a register that is always 0 (a tile of
-    zeros): its instruction count and global loads -- what a tile that only writes zeros
-    runs (kernels' _finish_segments_kernel)."""
+    zeros): its instruction count and global loads -- what a tile, or a program of
+    several, that only writes zeros runs (kernels' _finish_segments_kernel)."""
     body = ptx.split(".entry", 1)[1]
     code = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)\s+(%\w+)?", re.M)  # opcode, first operand
     defined = {}

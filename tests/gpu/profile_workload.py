@@ -473,6 +473,15 @@ def ncu_kernels(backends):
     for backend in backends:
         dispatch.get(backend).backward(dout, ids, None, 0, LLAMA3[0], pos_weight.shape[0], 64.0, None, False, True,
                                        True)
+    if "triton" in backends:  # and triton's with one tile a program (ROW_TILES), as at 1b594a4
+        from pyembed import _triton
+
+        os.environ[ROW_TILES[0]] = "1"
+        _triton._backward_plans.clear()
+        dispatch.get("triton").backward(dout, ids, None, 0, LLAMA3[0], pos_weight.shape[0], 64.0, None, False, True,
+                                        True)
+        del os.environ[ROW_TILES[0]]
+        _triton._backward_plans.clear()
     # The optimizer inside the backward: AdamW over every row of a Llama-2 bf16 table (p, m
     # and v each read and written once), 2048 rows with a gradient.
     table = torch.randn(32000, 4096, device="cuda", dtype=torch.bfloat16)
@@ -534,13 +543,21 @@ SORTS = (("cuda", "PYEMBED_CUDA_SORT",
          ("triton", "PYEMBED_TRITON_TILE_SORT", (("tile sort", "1"), ("torch's sort", "0"))))
 
 
+# `triton`'s finish_segments: tiles of rows a program (kernels' finish_row_tiles; by
+# default 4 for 2-byte tables, else 1), by the variable that overrides it when a call is
+# planned. Each program stores its empty rows' zeros after one bounds load: at Llama-3
+# bf16 (1b594a4) the one-tile programs' 32 bytes a thread left the kernel at 48% of DRAM.
+ROW_TILES = ("PYEMBED_TRITON_ROW_TILES", ("1", "2", "4"))
+
+
 def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
     """The dense backward op at GPT-2 and Llama-3 8x2048 (fp32, bf16, learned positions),
     per GPU backend with each of its sorts (SORTS): GPU time (do_bench, and a CUDA graph's
     replay: the kernels alone), host time with the GPU held by a sleep kernel, GPU ops per
     call. At 79bdffb (H200) CUB's sort was 7 of `cuda`'s 10 GPU ops, ~23 us; torch's, 7 of
     `triton`'s 10 (its host time 41 us). At de2aee7 the one-block sort (then `cuda`'s
-    default) was ~28 of its ~107 us at GPT-2 fp32 (ncu); at 1b594a4 the tile sort ~28 of `triton`'s."""
+    default) was ~28 of its ~107 us at GPT-2 fp32 (ncu); at 1b594a4 the tile sort ~28 of `triton`'s.
+    Then `triton`'s with each of ROW_TILES' settings."""
     import os
 
     for backend, variable, sorts in SORTS:
@@ -561,6 +578,17 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
                 # ncu; since loaded several rows ahead of their adds).
                 for dist in ("zipf", "onehot"):
                     sort_case(backend, which, GPT2, torch.float32, batch, seq_len, calls, dist)
+        del os.environ[variable]
+    if "triton" in backends:  # its table pass's tiles a program, each setting for every dtype
+        from pyembed import _triton
+
+        variable, settings = ROW_TILES
+        for tiles in settings:
+            os.environ[variable] = tiles
+            _triton._backward_plans.clear()
+            for table in (GPT2, LLAMA3):
+                for dtype in (torch.float32, torch.bfloat16):
+                    sort_case("triton", f"tile sort, {tiles} row tiles", table, dtype, batch, seq_len, calls)
         del os.environ[variable]
 
 
