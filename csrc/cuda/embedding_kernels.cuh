@@ -82,6 +82,9 @@ __device__ __forceinline__ void store_pack(D* p, const A (&in)[VEC]) {
 // pass's float64 partial sums into two 8-byte stores (sum_piece). Elsewhere the compiler
 // keeps store_pack whole; forcing it everywhere changed registers both ways (some kernels
 // a granule up), so only those sites take this (tests/test_cuda_build.py checks them).
+// (Its packing loop repeats store_pack's: one shared helper returning the pack left every
+// kernel's registers as they were but changed nvcc's unrolling of the fp16 finish kernel's
+// one-token rows, 7 copies of this store -> 3, unmeasured either way.)
 template <int VEC, typename D, typename A>
 __device__ __forceinline__ void store_pack_whole(D* p, const A (&in)[VEC]) {
 #ifdef __CUDACC__
