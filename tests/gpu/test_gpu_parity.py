@@ -405,3 +405,39 @@ def test_triton_calls_through_the_cpp_node_equal_the_python_function_on_cuda(mon
     for options, got in zip(calls, fast):
         for g, want in zip(got, lookup_results(triton, ids, weight, pos_weight, **options), strict=True):
             torch.testing.assert_close(g, want, rtol=0, atol=0, msg=str(options))
+
+
+@pytest.mark.parametrize("positions", [True, False], ids=["learned positions", "no positions"])
+def test_triton_dense_gradient_of_a_large_two_byte_table_is_the_same_in_any_row_tiles(positions, monkeypatch):
+    """A bf16 table of 2^17 rows takes `triton`'s finish_segments in programs of four tiles
+    (kernels' finish_row_tiles), most of them storing only zeros; one and two tiles a
+    program (PYEMBED_TRITON_ROW_TILES) give the same bits, as the interpreter shows on CPU,
+    and the gradients are the float64 reference's within bf16 rounding."""
+    ops = _kernel_ops("triton")
+    from pyembed import _triton
+    from pyembed.kernels import embedding as k
+
+    vocab, dim, num_positions = 2**17, 64, 512
+    assert k.finish_row_tiles(torch.bfloat16, dim, vocab, True) == 4
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, vocab, (8, 512), generator=g)
+    ids[:, :100] = 70000  # a hot row, summed from the chunks' pieces
+    dout = torch.randn(8, 512, dim, generator=g).to(torch.bfloat16)
+    args = (None, 0, vocab, num_positions if positions else 0, 2.0, None, False, True, positions)
+    results = {}
+    for tiles in (None, "1", "2"):
+        if tiles is None:
+            monkeypatch.delenv("PYEMBED_TRITON_ROW_TILES", raising=False)
+        else:
+            monkeypatch.setenv("PYEMBED_TRITON_ROW_TILES", tiles)
+        monkeypatch.setattr(_triton, "_backward_plans", {})
+        results[tiles] = ops.backward(dout.cuda(), ids.cuda(), *args)
+    dw, dp = results[None]
+    for tiles in ("1", "2"):
+        assert torch.equal(results[tiles][0], dw), tiles
+        assert (dp is None and results[tiles][1] is None) or torch.equal(results[tiles][1], dp), tiles
+    exact_w = torch.zeros(vocab, dim, dtype=torch.float64).index_add_(0, ids.reshape(-1),
+                                                                        dout.reshape(-1, dim).double()) * 2.0
+    torch.testing.assert_close(dw.cpu().double(), exact_w, rtol=2**-7, atol=2**-7 * exact_w.abs().max().item())
+    untouched = exact_w.abs().sum(1) == 0
+    assert not dw.cpu()[untouched].any() and not dw.cpu()[untouched].signbit().any()  # +0.0, as a zero fill
