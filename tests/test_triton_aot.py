@@ -108,6 +108,20 @@ def test_finish_segments_writes_a_tile_of_untouched_rows_without_the_summing_cod
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_a_four_tile_program_with_nothing_to_sum_stores_four_tiles_of_zeros_at_once(report, arch):
+    # A large 2-byte table's programs take four tiles (kernels' finish_row_tiles): one
+    # bounds round trip, then all their zeros -- at d = 768 / 4096 a tile's zeros are two
+    # 16-byte stores a thread (32 bytes), the program's eight (128, as `cuda`'s blocks);
+    # with dropout's half-height tiles one and four.
+    four = [k for k in report if k.startswith("finish_segments row_tiles=4") and k.endswith(arch)
+            and re.search(r"(bf16|fp16) d=(768|4096) ", k)]
+    assert len(four) == 2 * 2 * 6 - 2  # dtypes x d x forms, fp16 without dropout
+    stores = {k: sorted(b["stores"] for b in report[k]["zero_tile_blocks"]) for k in four}
+    wrong = {k: counts for k, counts in stores.items() if counts != ([1, 4] if "dropout" in k else [2, 8])}
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_optimizer_update_reads_and_writes_the_table_in_128_bit_accesses(report, arch):
     # The update is one pass over p and its state: at d = 768 / 4096 every row is 16-byte aligned.
     wide = [k for k in report if k.startswith("optimizer_update") and k.endswith(arch) and "fp64" not in k

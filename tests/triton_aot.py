@@ -399,8 +399,8 @@ def fusable_rule_sums(llir: str) -> list[str]:
 
 def zero_tile_blocks(ptx: str) -> list[dict]:
     """Each basic block of ``ptx`` that stores only a register that is always 0 (a tile of
-    zeros): its instruction count and global loads -- what a tile, or a program of
-    several, that only writes zeros runs (kernels' _finish_segments_kernel)."""
+    zeros): its instruction count, global loads and stores -- what a tile, or a program
+    of several, that only writes zeros runs (kernels' _finish_segments_kernel)."""
     body = ptx.split(".entry", 1)[1]
     code = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)\s+(%\w+)?", re.M)  # opcode, first operand
     defined = {}
@@ -412,7 +412,8 @@ def zero_tile_blocks(ptx: str) -> list[dict]:
     for block in re.split(r"^\$L__BB\d+_\d+:.*$", body, flags=re.M):
         stored = re.findall(r"st\.global[\.\w]*\s+\[[^\]]*\],\s*\{\s*(%\w+)(?:,\s*\1)*\s*\}", block)
         if stored and any(r in zeros for r in stored):
-            found.append({"instructions": len(code.findall(block)), "loads": len(re.findall(r"ld\.global", block))})
+            found.append({"instructions": len(code.findall(block)), "loads": len(re.findall(r"ld\.global", block)),
+                          "stores": len(stored)})
     return found
 
 
