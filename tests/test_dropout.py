@@ -117,6 +117,10 @@ def _backend_ops(request, ops: str) -> _Ops:
         pytest.skip("the triton ops on CPU tensors need the Triton interpreter (no GPU here)")
     from pyembed import _triton
 
+    if ops == "triton, four tiles":  # finish_segments in programs of four tiles (a large 2-byte table's)
+        monkeypatch = request.getfixturevalue("monkeypatch")
+        monkeypatch.setenv("PYEMBED_TRITON_ROW_TILES", "4")
+        monkeypatch.setattr(_triton, "_backward_plans", {})
     launched = request.getfixturevalue("interpreted_launches")
 
     def take():
@@ -149,7 +153,7 @@ def _masked(ops: _Ops, dout, key):
 OPS = ["cuda (emulated)", "cpu", "triton", "reference"]
 
 
-@pytest.mark.parametrize("ops", OPS)
+@pytest.mark.parametrize("ops", OPS + ["triton, four tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("case", list(BACKWARD_CASES))
 def test_dense_backward_ops_apply_the_mask_as_masking_first_does_bit_for_bit(request, ops, dtype, case):
