@@ -473,7 +473,7 @@ def ncu_kernels(backends):
     for backend in backends:
         dispatch.get(backend).backward(dout, ids, None, 0, LLAMA3[0], pos_weight.shape[0], 64.0, None, False, True,
                                        True)
-    if "triton" in backends:  # and triton's with one tile a program (ROW_TILES), as at 1b594a4
+    if "triton" in backends:  # and triton's with one tile a program (ROW_TILES): the zero branch alone
         from pyembed import _triton
 
         os.environ[ROW_TILES[0]] = "1"
@@ -544,9 +544,10 @@ SORTS = (("cuda", "PYEMBED_CUDA_SORT",
 
 
 # `triton`'s finish_segments: tiles of rows a program (kernels' finish_row_tiles; by
-# default 4 for 2-byte tables, else 1), by the variable that overrides it when a call is
-# planned. Each program stores its empty rows' zeros after one bounds load: at Llama-3
-# bf16 (1b594a4) the one-tile programs' 32 bytes a thread left the kernel at 48% of DRAM.
+# default 4 for a 2-byte table of 2^16 rows or more, else 1), by the variable that
+# overrides it when a call is planned. A program with nothing to sum stores its rows'
+# zeros after one bounds load: at Llama-3 bf16 (1b594a4, one tile, before the zero
+# branch) the kernel ran at 48% of DRAM, 32 bytes a thread per load.
 ROW_TILES = ("PYEMBED_TRITON_ROW_TILES", ("1", "2", "4"))
 
 
