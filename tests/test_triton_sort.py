@@ -158,7 +158,8 @@ def test_triton_dense_gradient_writes_untouched_tiles_and_rows_as_plus_zero(by_f
     untouched[ids.flatten()] = False
     assert k._segment_blocks(64, torch.float32)[0] == 32  # the tiles' rows
     _assert_every_kind_of_tile(~untouched, 32, row_tiles)
-    assert untouched.view(-1, 32)[~untouched.view(-1, 32).all(1)].any()  # tiles that mix both
+    tiles = untouched.view(-1, 32).all(1)
+    assert tiles.float().mean() > 0.5 and untouched.view(-1, 32)[~tiles].any()  # most untouched; some mixed
     assert not dw[untouched].any() and not dw[untouched].signbit().any()
 
 
