@@ -592,13 +592,14 @@ def _segment_bounds(bounds_ptr, g, g_ok, entries):
 def _segment_sums(dout_ptr, order_ptr, partials_ptr, bounds_ptr, g, g_ok, begin, length, cols, col_ok, entries, dim,
                   dropout_key_ptr, dropout_threshold, dropout_scale, HAS_PARTIALS: tl.constexpr,
                   HAS_SOLO: tl.constexpr, HAS_DROPOUT: tl.constexpr, COMPUTE_F64: tl.constexpr,
-                  CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                  CHUNK: tl.constexpr, SUM_STAGES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """The sums of the dout rows of segments ``g`` (a (BLOCK_R, 1) column; ``begin``,
     ``length``: _segment_bounds) at ``cols``: each summed from +0 in sorted (= token)
     order, a segment longer than CHUNK from its pieces' partial sums (_chunk_kernel); an
     empty segment's is +0. HAS_SOLO: one-token segments are left at 0 (the position
     programs write their rows, _position_sums). Shared by the dense gradient's last pass
     and the optimizer's (_segment_update_kernel): the same sums, so the same bits.
+    SUM_STAGES > 1 pipelines the rows' loop (finish_sum_stages); the adds keep their order.
 
     Every per-segment value is a (BLOCK_R, 1) column of the tile, not a vector broadcast
     into it: with vectors, Triton 3.6's layout pass fails to compile the direct loop for
@@ -613,7 +614,15 @@ def _segment_sums(dout_ptr, order_ptr, partials_ptr, bounds_ptr, g, g_ok, begin,
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=acc_dtype)  # + x: a sum from +0, as every backend's
     acc += _dout_rows(dout_ptr, lead, cols, (direct > 0) & col_ok, dim, dropout_key_ptr, dropout_threshold,
                       dropout_scale, HAS_DROPOUT, COMPUTE_F64, BLOCK_R, BLOCK_D)
-    for k in range(1, tl.max(tl.max(direct, 1), 0)):
+    # Row by row, each a chain of two dependent loads (its order entry, then its dout row):
+    # a tile's time is its longest segment's, 2L round trips for L tokens. Real text's
+    # frequent rows have 100-128 uses (Zipf ids at GPT-2 8x2048), and the H200 at 1b594a4
+    # ran the op in 193 us with Zipf ids, 106 with uniform ones. Pipelined (SUM_STAGES > 1),
+    # a row's entry and then its dout row are copied (cp.async, through shared memory) an
+    # iteration or more ahead of its add: ~one round trip a row. Not by loading ahead into
+    # registers: ptxas then reused the rows' registers for the entries, issued after the
+    # first add's wait, and the chain stayed two round trips a row (SASS, sm_90).
+    for k in tl.range(1, tl.max(tl.max(direct, 1), 0), num_stages=SUM_STAGES):
         take = k < direct
         token = tl.load(order_ptr + begin + k, mask=take, other=0)
         acc += _dout_rows(dout_ptr, token, cols, take & col_ok, dim, dropout_key_ptr, dropout_threshold,
@@ -653,7 +662,7 @@ def _finish_segments_kernel(
     dropout_key_ptr, dropout_threshold, dropout_scale: tl.float64,  # the forward's dropout (_dout_rows)
     DIVIDE_BY_COUNT: tl.constexpr, ZERO_EMPTY: tl.constexpr, HAS_PARTIALS: tl.constexpr, HAS_POSITIONS: tl.constexpr,
     HAS_SOLO: tl.constexpr, HAS_DROPOUT: tl.constexpr, COMPUTE_F64: tl.constexpr, CHUNK: tl.constexpr,
-    ROW_TILES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    SUM_STAGES: tl.constexpr, ROW_TILES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """out[g] = factor * (sum of the dout rows of segment g), summed in sorted (= token)
     order, rounded once; factor = scale, or scale / the segment's token count. A segment
@@ -709,7 +718,8 @@ def _finish_segments_kernel(
                 if tl.max(tl.max(summed.to(tl.int32), 1), 0) > 0:
                     acc = _segment_sums(dout_ptr, order_ptr, partials_ptr, bounds_ptr, g, g_ok, begin, length, cols,
                                         col_ok, entries, dim, dropout_key_ptr, dropout_threshold, dropout_scale,
-                                        HAS_PARTIALS, HAS_SOLO, HAS_DROPOUT, COMPUTE_F64, CHUNK, BLOCK_R, BLOCK_D)
+                                        HAS_PARTIALS, HAS_SOLO, HAS_DROPOUT, COMPUTE_F64, CHUNK, SUM_STAGES, BLOCK_R,
+                                        BLOCK_D)
                     acc = acc * _segment_factor(scale, length, DIVIDE_BY_COUNT, acc_dtype)  # +0 where empty
                     tl.store(out_ptr + g * dim + cols, _rounded(acc, out_ptr), mask=((g_ok & summed) | empty) & col_ok,
                              cache_modifier=".cs")
@@ -1001,7 +1011,7 @@ def _segment_update_kernel(
     begin, length = _segment_bounds(bounds_ptr, row, row_ok, num_rows)
     acc = _segment_sums(dout_ptr, order_ptr, partials_ptr, bounds_ptr, row, row_ok, begin, length, cols, col_ok,
                         num_rows, dim, dropout_key_ptr, dropout_threshold, dropout_scale, HAS_PARTIALS, False,
-                        HAS_DROPOUT, COMPUTE_F64, CHUNK, BLOCK_R, BLOCK_D)
+                        HAS_DROPOUT, COMPUTE_F64, CHUNK, 1, BLOCK_R, BLOCK_D)
     acc = acc * _segment_factor(scale, length, DIVIDE_BY_COUNT, acc_dtype)
     # The gradient as stored. The select is not for the value (an empty row's is +0
     # already): it keeps the NVPTX backend from fusing the fp32 product into the rule's first
@@ -1339,6 +1349,23 @@ def finish_row_tiles(dtype: torch.dtype, dim, rows, zero_empty: bool) -> int:
     return 4 if zero_empty and wide else 1
 
 
+def finish_sum_stages(dtype: torch.dtype, dropout: bool) -> int:
+    """_finish_segments_kernel's SUM_STAGES: 1 (the rows' loop as written) unless
+    PYEMBED_TRITON_SUM_STAGES (1, 2 or 3; read when a call is planned) asks for a pipelined
+    one, which tests/gpu/profile_workload.py times against it with Zipf and uniform ids.
+    Not the default before a GPU has timed it: every tile pays in registers, where only the
+    tiles with a long segment gain -- two stages at sm_90, Triton 3.6 / 3.8: fp32 d = 768
+    94 -> 118 / 92 -> 101 (5 -> 4 blocks an SM), bf16 72 -> 72 / 64 -> 72, four-tile bf16
+    80 -> 96 / 78 -> 80, plus 4-8 KB of shared memory. Always 1 with dropout or float64,
+    where the pipelined loop spilled 8-24 bytes."""
+    chosen = os.environ.get("PYEMBED_TRITON_SUM_STAGES")
+    if chosen is None:
+        return 1
+    if chosen not in ("1", "2", "3"):
+        raise ValueError(f"PYEMBED_TRITON_SUM_STAGES must be 1, 2 or 3, not {chosen!r}")
+    return 1 if dropout or dtype == torch.float64 else int(chosen)
+
+
 def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool, out, zero_empty: bool,
                     launch=_direct, positions: Optional[PositionSums] = None, dropout: Optional[DoutDropout] = None):
     """out[g] = factor(g) * (sum of the dout rows of segment g) for the first out.shape[0]
@@ -1349,6 +1376,7 @@ def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: b
     rows, dim = out.shape
     block_r, block_d = _segment_blocks(dim, dout2d.dtype, dropout is not None)
     row_tiles = finish_row_tiles(out.dtype, dim, rows, zero_empty)
+    sum_stages = finish_sum_stages(dout2d.dtype, dropout is not None)
     table_programs, programs = _programs_with_positions(rows, block_r, positions, row_tiles)
     if programs == 0 or dim == 0:
         return
@@ -1360,7 +1388,7 @@ def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: b
         DIVIDE_BY_COUNT=divide_by_count, ZERO_EMPTY=zero_empty, HAS_PARTIALS=partials is not None,
         HAS_POSITIONS=positions is not None, HAS_SOLO=positions is not None and segments.with_solo,
         HAS_DROPOUT=dropout is not None, COMPUTE_F64=dout2d.dtype == torch.float64, CHUNK=CHUNK_ROWS,
-        ROW_TILES=row_tiles, BLOCK_R=block_r, BLOCK_D=block_d,
+        SUM_STAGES=sum_stages, ROW_TILES=row_tiles, BLOCK_R=block_r, BLOCK_D=block_d,
     )
 
 

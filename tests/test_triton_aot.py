@@ -122,6 +122,18 @@ def test_a_four_tile_program_with_nothing_to_sum_stores_four_tiles_of_zeros_at_o
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_dense_gradients_rows_loop_copies_ahead_only_when_asked(report, arch):
+    # PYEMBED_TRITON_SUM_STAGES (kernels' finish_sum_stages): 2 or 3 pipeline the loop that
+    # sums a segment's rows (cp.async into shared memory, a row or more ahead of its add);
+    # by default (1) the loop is as written, with no copy and no shared memory for it.
+    finishes = [k for k in report if k.startswith("finish_segments") and k.endswith(arch)]
+    piped = [k for k in finishes if "sum_stages=" in k]
+    assert len(piped) == 2 * 3 * 5 * 4 + 2 * 2  # stages x dtypes x d x forms, four-tile ones
+    assert not [k for k in piped if not report[k]["async_copies"]]
+    assert not [k for k in finishes if k not in piped and report[k]["async_copies"]]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_optimizer_update_reads_and_writes_the_table_in_128_bit_accesses(report, arch):
     # The update is one pass over p and its state: at d = 768 / 4096 every row is 16-byte aligned.
     wide = [k for k in report if k.startswith("optimizer_update") and k.endswith(arch) and "fp64" not in k

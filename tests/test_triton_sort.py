@@ -134,6 +134,58 @@ def test_finish_row_tiles_takes_four_only_for_large_two_byte_tables(monkeypatch)
         k.finish_row_tiles(torch.bfloat16, 4096, 128256, True)
 
 
+def test_finish_sum_stages_pipelines_the_rows_loop_only_on_request(monkeypatch):
+    """The loop summing a segment's rows runs as written (1) unless PYEMBED_TRITON_SUM_STAGES
+    asks for a pipelined one (2 or 3), for a GPU run to time; never with dropout or float64
+    (the pipelined loop spilled there); a bad setting is refused."""
+    from pyembed.kernels import embedding as k
+
+    monkeypatch.delenv("PYEMBED_TRITON_SUM_STAGES", raising=False)
+    assert k.finish_sum_stages(torch.float32, False) == 1
+    assert k.finish_sum_stages(torch.bfloat16, False) == 1
+    monkeypatch.setenv("PYEMBED_TRITON_SUM_STAGES", "2")
+    assert k.finish_sum_stages(torch.float32, False) == 2
+    assert k.finish_sum_stages(torch.bfloat16, True) == 1  # dropout
+    assert k.finish_sum_stages(torch.float64, False) == 1
+    monkeypatch.setenv("PYEMBED_TRITON_SUM_STAGES", "3")
+    assert k.finish_sum_stages(torch.float16, False) == 3
+    monkeypatch.setenv("PYEMBED_TRITON_SUM_STAGES", "4")
+    with pytest.raises(ValueError, match="PYEMBED_TRITON_SUM_STAGES must be 1, 2 or 3"):
+        k.finish_sum_stages(torch.float32, False)
+
+
+@pytest.mark.parametrize("positions", [False, True], ids=["no positions", "learned positions"])
+def test_triton_dense_gradient_is_the_same_at_any_sum_stages(positions, monkeypatch):
+    """Zipf-distributed ids (real text: a few rows used hundreds of times, summed from the
+    chunks' pieces, many 2-128 times, summed row by row): the dense gradient with the rows'
+    loop as written and pipelined (PYEMBED_TRITON_SUM_STAGES 2, 3) is the same, bit for bit
+    -- the adds keep their order -- and the float64 reference's. The interpreter runs the
+    pipelined loop as a plain one: here the setting's way to the kernel is what is checked;
+    tests/gpu runs the compiled ones."""
+    from pyembed import _triton, reference
+    from pyembed.kernels import embedding as k
+
+    vocab, dim = 3000, 16
+    g = torch.Generator().manual_seed(5)
+    ids = torch.multinomial(torch.arange(1, vocab + 1, dtype=torch.float64).pow(-1.1), 2 * 600, replacement=True,
+                            generator=g).view(2, 600)
+    uses = torch.bincount(ids.flatten(), minlength=vocab)
+    assert uses.max() > k.CHUNK_ROWS and ((uses > 1) & (uses <= k.CHUNK_ROWS)).sum() > 10
+    dout = torch.randn(2, 600, dim, generator=g)
+    args = (None, 0, vocab, 600 if positions else 0, 1.5, None, False, True, positions)
+    results = {}
+    for stages in ("1", "2", "3"):
+        monkeypatch.setenv("PYEMBED_TRITON_SUM_STAGES", stages)
+        monkeypatch.setattr(_triton, "_backward_plans", {})
+        results[stages] = _triton.backward(dout, ids, *args)
+    for stages in ("2", "3"):
+        for got, want in zip(results[stages], results["1"]):
+            assert (got is None and want is None) or torch.equal(got, want), stages
+    exact_w, exact_p = reference.embedding_backward(dout.double(), ids, *args)
+    assert torch.allclose(results["1"][0].double(), exact_w, rtol=1e-5, atol=1e-5)
+    assert not positions or torch.allclose(results["1"][1].double(), exact_p, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("row_tiles", ["1", "2", "4"], ids=lambda r: f"{r} tiles")
 @pytest.mark.parametrize("by_freq", [False, True], ids=["plain", "by_freq"])
 def test_triton_dense_gradient_writes_untouched_tiles_and_rows_as_plus_zero(by_freq, row_tiles, monkeypatch):

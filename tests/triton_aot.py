@@ -119,12 +119,14 @@ def _position_args(dtype, batch, seq_len):
             "steps": min(seq_len, 2045), "offset": 3}
 
 
-def finish_source(dtype, dim, *, divide, partials=True, positions=True, solo=None, dropout=False, row_tiles=1):
+def finish_source(dtype, dim, *, divide, partials=True, positions=True, solo=None, dropout=False, row_tiles=1,
+                  sum_stages=1):
     """One pass over a dense gradient's rows (with scale_grad_by_freq's division or not;
     partials=False: a backward of at most one chunk of tokens), and the learned positions'
     (positions=False: none, or by position_ids), which write the one-token rows too unless
     solo=False (a position past the table: validate=False); dropout: dout read through the
-    forward's mask; row_tiles tiles a program (kernels' finish_row_tiles)."""
+    forward's mask; row_tiles tiles a program (kernels' finish_row_tiles); sum_stages: the
+    rows' loop pipelined (kernels' finish_sum_stages)."""
     acc = "fp64" if dtype == "fp64" else "fp32"
     block_r, block_d = k._segment_blocks(dim, torch.float64 if dtype == "fp64" else torch.float32, dropout)
     args = {"dout_ptr": f"*{dtype}", "order_ptr": "*i64", "partials_ptr": f"*{acc}", "bounds_ptr": "*i64",
@@ -134,7 +136,8 @@ def finish_source(dtype, dim, *, divide, partials=True, positions=True, solo=Non
     return _source(k._finish_segments_kernel, args, {
         "DIVIDE_BY_COUNT": divide, "ZERO_EMPTY": True, "HAS_PARTIALS": partials, "HAS_POSITIONS": positions,
         "HAS_SOLO": positions if solo is None else solo, "HAS_DROPOUT": dropout, "COMPUTE_F64": acc == "fp64",
-        "CHUNK": k.CHUNK_ROWS, "ROW_TILES": row_tiles, "BLOCK_R": block_r, "BLOCK_D": block_d})
+        "CHUNK": k.CHUNK_ROWS, "SUM_STAGES": sum_stages, "ROW_TILES": row_tiles, "BLOCK_R": block_r,
+        "BLOCK_D": block_d})
 
 
 def few_tokens_source(dtype, dim, *, divide, id_type="i64", positions=True, dropout=False):
@@ -311,6 +314,16 @@ def sources():
     for dtype, row_tiles in (("fp32", 2), ("fp32", 4), ("bf16", 2)):
         out[f"finish_segments row_tiles={row_tiles} {dtype} d=4096"] = (finish_source, (dtype, 4096), {
             "divide": False, "row_tiles": row_tiles})
+    # PYEMBED_TRITON_SUM_STAGES (finish_sum_stages): the rows' loop pipelined, in every
+    # form it applies to (not dropout, not float64), four tiles a program where those apply.
+    for stages, dtype, dim in itertools.product((2, 3), ("fp32", "fp16", "bf16"), DIMS + (64,)):
+        for form, kwargs in (("", {}), ("by_freq ", {"divide": True}), ("no-positions ", {"positions": False}),
+                             ("positions-past-the-table ", {"solo": False})):
+            out[f"finish_segments sum_stages={stages} {form}{dtype} d={dim}"] = (finish_source, (dtype, dim), {
+                "divide": False, **kwargs, "sum_stages": stages})
+    for stages, dtype in itertools.product((2, 3), ("fp16", "bf16")):
+        out[f"finish_segments sum_stages={stages} row_tiles=4 {dtype} d=4096"] = (finish_source, (dtype, 4096), {
+            "divide": False, "row_tiles": 4, "sum_stages": stages})
     # A backward of at most CHUNK_ROWS tokens has no partials. Not at d = 100: for bf16 on
     # sm_80 ptxas spills 40 B there (the direct loop's scalar loads; the same before the
     # column-tile form of finish_segments), in a launch of at most 128 tokens.
@@ -430,6 +443,8 @@ def compile_one(job):
         # Streaming (evict-first) stores: st.global.cs, and those 128 bits wide.
         "cs_stores": len(re.findall(r"st\.global\.cs\.", ptx)),
         "cs_v4_stores": len(re.findall(r"st\.global\.cs\.v4\.", ptx)),
+        # Loads copied ahead into shared memory: a loop Triton pipelined (num_stages).
+        "async_copies": len(re.findall(r"cp\.async\.c[ag]\.", ptx)),
         "float_params": re.findall(r"\.param \.(f32|f64)", params),
         # A 64-bit division or remainder: a ~70-instruction subroutine per value in SASS.
         "div64": len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx)),

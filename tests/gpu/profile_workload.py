@@ -549,6 +549,12 @@ SORTS = (("cuda", "PYEMBED_CUDA_SORT",
 # zeros after one bounds load: at Llama-3 bf16 (1b594a4, one tile, before the zero
 # branch) the kernel ran at 48% of DRAM, 32 bytes a thread per load.
 ROW_TILES = ("PYEMBED_TRITON_ROW_TILES", ("1", "2", "4"))
+# `triton`'s finish_segments: the loop summing a segment's rows as written (1, the default)
+# or pipelined (kernels' finish_sum_stages). Row by row it is two dependent loads a row, and
+# a tile takes as long as its longest segment: Zipf ids (rows of 100-128 uses at GPT-2)
+# cost 193 against 106 us uniform at 1b594a4. Pipelined, ~one round trip a row, for more
+# registers in every tile (fp32 92 -> 101 at two stages, sm_90): timed with both.
+SUM_STAGES = ("PYEMBED_TRITON_SUM_STAGES", ("1", "2", "3"))
 
 
 def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
@@ -558,7 +564,7 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
     call. At 79bdffb (H200) CUB's sort was 7 of `cuda`'s 10 GPU ops, ~23 us; torch's, 7 of
     `triton`'s 10 (its host time 41 us). At de2aee7 the one-block sort (then `cuda`'s
     default) was ~28 of its ~107 us at GPT-2 fp32 (ncu); at 1b594a4 the tile sort ~28 of `triton`'s.
-    Then `triton`'s with each of ROW_TILES' settings."""
+    Then `triton`'s with each of ROW_TILES' settings, and of SUM_STAGES' (uniform and Zipf ids)."""
     import os
 
     for backend, variable, sorts in SORTS:
@@ -591,6 +597,15 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
                 for dtype in (torch.float32, torch.bfloat16):
                     sort_case("triton", f"tile sort, {tiles} row tiles", table, dtype, batch, seq_len, calls)
         del os.environ[variable]
+        variable, settings = SUM_STAGES  # and its rows' loop, pipelined or not
+        for stages in settings:
+            os.environ[variable] = stages
+            _triton._backward_plans.clear()
+            for table, dtype, dist in ((GPT2, torch.float32, "uniform"), (GPT2, torch.float32, "zipf"),
+                                       (GPT2, torch.bfloat16, "uniform"), (GPT2, torch.bfloat16, "zipf"),
+                                       (LLAMA3, torch.bfloat16, "uniform"), (LLAMA3, torch.bfloat16, "zipf")):
+                sort_case("triton", f"tile sort, {stages} sum stages", table, dtype, batch, seq_len, calls, dist)
+        del os.environ[variable]
 
 
 def sort_case(backend, which, table, dtype, batch, seq_len, calls, dist="uniform"):
@@ -598,9 +613,10 @@ def sort_case(backend, which, table, dtype, batch, seq_len, calls, dist="uniform
     num_positions, (vocab, dim) = pos_weight.shape[0], table
     del weight, pos_weight
     if dist != "uniform":
-        from bench.cases import Case, make_ids
+        from bench.cases import SHAPES, Case, make_ids
 
-        ids = make_ids(Case("gpt2", batch, seq_len, "bwd", dist=dist), ids.device, torch.Generator().manual_seed(0))
+        shape = next(name for name, value in SHAPES.items() if value == table)
+        ids = make_ids(Case(shape, batch, seq_len, "bwd", dist=dist), ids.device, torch.Generator().manual_seed(0))
     op = dispatch.get(backend).backward
 
     def call():
