@@ -1011,7 +1011,7 @@ def _segment_update_kernel(
     begin, length = _segment_bounds(bounds_ptr, row, row_ok, num_rows)
     acc = _segment_sums(dout_ptr, order_ptr, partials_ptr, bounds_ptr, row, row_ok, begin, length, cols, col_ok,
                         num_rows, dim, dropout_key_ptr, dropout_threshold, dropout_scale, HAS_PARTIALS, False,
-                        HAS_DROPOUT, COMPUTE_F64, CHUNK, 1, BLOCK_R, BLOCK_D)
+                        HAS_DROPOUT, COMPUTE_F64, CHUNK, 1, BLOCK_R, BLOCK_D)  # 1: as written (finish_sum_stages)
     acc = acc * _segment_factor(scale, length, DIVIDE_BY_COUNT, acc_dtype)
     # The gradient as stored. The select is not for the value (an empty row's is +0
     # already): it keeps the NVPTX backend from fusing the fp32 product into the rule's first
