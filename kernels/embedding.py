@@ -1327,6 +1327,17 @@ def _segment_blocks(dim: int, dtype: torch.dtype, dropout: bool = False) -> tupl
     return min(max(1, block_r // 2) if dtype == torch.float64 else block_r, MAX_SEGMENT_ROWS), block_d
 
 
+def _setting(variable: str, choices: tuple[str, ...]) -> Optional[int]:
+    """The value ``variable`` sets, one of ``choices``, or None where it is unset; any other
+    value is refused. For the settings a GPU run times against each other (finish_row_tiles,
+    finish_sum_stages), read when a call is planned."""
+    chosen = os.environ.get(variable)
+    if chosen is not None and chosen not in choices:
+        allowed = ", ".join(choices[:-1]) + " or " + choices[-1]
+        raise ValueError(f"{variable} must be {allowed}, not {chosen!r}")
+    return None if chosen is None else int(chosen)
+
+
 def finish_row_tiles(dtype: torch.dtype, dim, rows, zero_empty: bool) -> int:
     """_finish_segments_kernel's ROW_TILES for a ``rows`` x ``dim`` gradient: 4 for a dense
     one of 2-byte elements in 16-byte rows and 2^16 rows or more (Llama-3's 128256), else 1.
@@ -1339,11 +1350,9 @@ def finish_row_tiles(dtype: torch.dtype, dim, rows, zero_empty: bool) -> int:
     bytes a thread, and four took 80 -> 112. A sparse gradient's rows are all summed.
     PYEMBED_TRITON_ROW_TILES (1, 2 or 4; read when a call is planned) overrides, so that a
     GPU run can time each (tests/gpu/profile_workload.py)."""
-    chosen = os.environ.get("PYEMBED_TRITON_ROW_TILES")
+    chosen = _setting("PYEMBED_TRITON_ROW_TILES", ("1", "2", "4"))
     if chosen is not None:
-        if chosen not in ("1", "2", "4"):
-            raise ValueError(f"PYEMBED_TRITON_ROW_TILES must be 1, 2 or 4, not {chosen!r}")
-        return int(chosen)
+        return chosen
     static = type(dim) is int and type(rows) is int  # under torch.compile's dynamic shapes: 1, no guard
     wide = static and dtype.itemsize == 2 and dim * 2 % 16 == 0 and rows >= 2**16
     return 4 if zero_empty and wide else 1
@@ -1358,12 +1367,8 @@ def finish_sum_stages(dtype: torch.dtype, dropout: bool) -> int:
     94 -> 118 / 92 -> 101 (5 -> 4 blocks an SM), bf16 72 -> 72 / 64 -> 72, four-tile bf16
     80 -> 96 / 78 -> 80, plus 4-8 KB of shared memory. Always 1 with dropout or float64,
     where the pipelined loop spilled 8-24 bytes."""
-    chosen = os.environ.get("PYEMBED_TRITON_SUM_STAGES")
-    if chosen is None:
-        return 1
-    if chosen not in ("1", "2", "3"):
-        raise ValueError(f"PYEMBED_TRITON_SUM_STAGES must be 1, 2 or 3, not {chosen!r}")
-    return 1 if dropout or dtype == torch.float64 else int(chosen)
+    chosen = _setting("PYEMBED_TRITON_SUM_STAGES", ("1", "2", "3"))
+    return 1 if chosen is None or dropout or dtype == torch.float64 else chosen
 
 
 def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool, out, zero_empty: bool,
