@@ -587,25 +587,28 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
                     sort_case(backend, which, GPT2, torch.float32, batch, seq_len, calls, dist)
         del os.environ[variable]
     if "triton" in backends:  # its table pass's tiles a program, each setting for every dtype
-        from pyembed import _triton
+        triton_setting_cases(ROW_TILES, "row tiles", [(table, dtype, "uniform") for table in (GPT2, LLAMA3)
+                                                      for dtype in (torch.float32, torch.bfloat16)],
+                             batch, seq_len, calls)
+        # and its rows' loop, pipelined or not
+        triton_setting_cases(SUM_STAGES, "sum stages", [(table, dtype, dist) for table, dtype in (
+            (GPT2, torch.float32), (GPT2, torch.bfloat16), (LLAMA3, torch.bfloat16)) for dist in ("uniform", "zipf")],
+                             batch, seq_len, calls)
 
-        variable, settings = ROW_TILES
-        for tiles in settings:
-            os.environ[variable] = tiles
-            _triton._backward_plans.clear()
-            for table in (GPT2, LLAMA3):
-                for dtype in (torch.float32, torch.bfloat16):
-                    sort_case("triton", f"tile sort, {tiles} row tiles", table, dtype, batch, seq_len, calls)
-        del os.environ[variable]
-        variable, settings = SUM_STAGES  # and its rows' loop, pipelined or not
-        for stages in settings:
-            os.environ[variable] = stages
-            _triton._backward_plans.clear()
-            for table, dtype, dist in ((GPT2, torch.float32, "uniform"), (GPT2, torch.float32, "zipf"),
-                                       (GPT2, torch.bfloat16, "uniform"), (GPT2, torch.bfloat16, "zipf"),
-                                       (LLAMA3, torch.bfloat16, "uniform"), (LLAMA3, torch.bfloat16, "zipf")):
-                sort_case("triton", f"tile sort, {stages} sum stages", table, dtype, batch, seq_len, calls, dist)
-        del os.environ[variable]
+
+def triton_setting_cases(setting, label, cases, batch, seq_len, calls):
+    """`triton`'s dense backward op at each of ``setting``'s values ((variable, values)),
+    over ``cases`` ((table, dtype, ids' distribution)), each setting planned afresh (a plan
+    replays the launch it was bound with)."""
+    from pyembed import _triton
+
+    variable, values = setting
+    for value in values:
+        os.environ[variable] = value
+        _triton._backward_plans.clear()
+        for table, dtype, dist in cases:
+            sort_case("triton", f"tile sort, {value} {label}", table, dtype, batch, seq_len, calls, dist)
+    del os.environ[variable]
 
 
 def sort_case(backend, which, table, dtype, batch, seq_len, calls, dist="uniform"):
