@@ -332,6 +332,28 @@ def test_torch_export_with_dynamic_shapes_keeps_the_checks(backend, pos_encoding
         exported(torch.tensor([[1, 70]]))
 
 
+@pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the cpu backend (the C++ extension) is not built")
+def test_an_aotinductor_package_of_an_exported_model_runs_the_cpu_ops_with_their_checks(tmp_path):
+    # Deployment past torch.export: AOTInductor compiles the exported graph into a package
+    # whose C++ runtime calls pyembed's registered C++ ops (pyembed::check_ranges,
+    # pyembed::embedding_forward) through the dispatcher -- loaded in a process that
+    # imported pyembed. New batch and sequence sizes give eager's output bit for bit; an
+    # out-of-range id is refused by the op's check (a RuntimeError: the C++ runtime passes
+    # errors on as RuntimeError, its message pyembed's).
+    torch.manual_seed(9)
+    model = nn.Sequential(pyembed.EmbeddingLayer(50, 16, 32, scale_embeddings=True, backend="cpu")).eval()
+    batch, seq = torch.export.Dim("batch", max=64), torch.export.Dim("seq", max=32)
+    exported = torch.export.export(model, (torch.randint(0, 50, (2, 8)),),
+                                   dynamic_shapes={"input": {0: batch, 1: seq}})
+    path = torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "model.pt2"))
+    loaded = torch._inductor.aoti_load_package(path)
+    other = torch.randint(0, 50, (3, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(other), model(other), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="max id 70, but the embedding table has V=50"):
+        loaded(torch.tensor([[1, 70]]))
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_under_autocast_the_lookup_keeps_its_dtype_and_gradients_as_nn_embedding(backend):
     """Mixed-precision training wraps the model in torch.autocast. nn.Embedding is on none
