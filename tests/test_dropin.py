@@ -3,7 +3,6 @@
 torch.func per-sample gradients, integer tables, zero-width tables and Hugging Face's
 (1, T) position_ids, on every backend that runs here."""
 
-
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
