@@ -263,7 +263,10 @@ def test_compiled_host_breakdown_times_the_graph_dynamo_runs():
     torch.testing.assert_close(graph(*graph_args)[0], compiled_host.nn_layer(*args))
     parts = compiled_host.breakdown({"nn": compiled_host.nn_layer, "pyembed": layer}, args, calls=2, rounds=1)
     for timed in parts.values():
-        assert set(timed) == {"fwd", "guards", "graph", "frame", "bwd"}
+        assert set(timed) == {"fwd", "guards", "graph", "frame", "bwd", "check", "count"}
         assert timed["fwd"] > 0 and timed["graph"] > 0 and timed["bwd"] > 0
+        # the guards timed by themselves: checked against the frame's own arguments (a
+        # failing check raises), at least one per input tensor's metadata
+        assert timed["check"] > 0 and timed["count"] >= 3
     assert weight.grad is None and pos_weight.grad is None  # each timing clears what it accumulated
     torch._dynamo.reset()
