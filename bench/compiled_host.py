@@ -72,14 +72,19 @@ class HostTimer:
         return us
 
 
+def _compiled_entry(layer):
+    """Dynamo's cache entry for ``layer``'s code: its one compiled frame."""
+    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(layer.__code__)
+    if len(entries) != 1:
+        raise RuntimeError(f"expected one compiled frame of {layer.__name__}, found {len(entries)}")
+    return entries[0]
+
+
 def _graph_call(layer, compiled, args):
     """(the compiled function Dynamo's frame for ``layer`` calls, the arguments it passes),
     found by wrapping that function once (after a call that compiles it, if none has)."""
     compiled(*args)
-    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(layer.__code__)
-    if len(entries) != 1:
-        raise RuntimeError(f"expected one compiled frame of {layer.__name__}, found {len(entries)}")
-    entry = entries[0]
+    entry = _compiled_entry(layer)
     name = next(n for n in entry.code.co_names if n.startswith("__compiled_fn"))
     namespace = layer.__globals__
     graph, seen = namespace[name], []
@@ -94,8 +99,7 @@ def _graph_call(layer, compiled, args):
 def _guard_check(layer, args):
     """(a call of the guard check of ``layer``'s compiled frame on ``args``, the number of
     guards it evaluates), found in Dynamo's cache entry for the layer's code."""
-    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(layer.__code__)
-    manager = entries[0].guard_manager
+    manager = _compiled_entry(layer).guard_manager
     code = layer.__code__
     f_locals = dict(zip(code.co_varnames[:code.co_argcount], args))
     f_locals.update(zip(code.co_freevars, (cell.cell_contents for cell in layer.__closure__ or ())))
