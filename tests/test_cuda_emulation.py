@@ -213,6 +213,31 @@ def test_emulated_position_blocks_write_the_batch_rows_in_any_grouping(emulated,
     assert torch.equal(dp, dout.double().sum(0).to(dtype))
 
 
+@pytest.mark.parametrize("need_pos_grad", [False, True], ids=["no positions", "learned positions"])
+@pytest.mark.parametrize("layout", ["consecutive", "spread"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_emulated_finish_rows_in_either_layout_are_the_exact_sums(emulated, monkeypatch, dtype, layout, need_pos_grad):
+    """finish_segments' first pass (rows of at most one token) over consecutive segments, the
+    default, or `groups` apart (PYEMBED_CUDA_FINISH_ROWS=spread); its longer segments always
+    `groups` apart: neighbouring hot rows (as a tokenizer numbers frequent tokens), one longer
+    than a chunk (summed in pieces), rows of one token (with learned positions, written by
+    the position blocks), untouched rows, and a row count that is no multiple of four. Every
+    row is its exact sum (integer-valued dout: every sum is exact in bf16)."""
+    monkeypatch.setenv("PYEMBED_CUDA_FINISH_ROWS", layout)
+    gen = torch.Generator().manual_seed(5)
+    vocab, batch, seq_len, dim = 203, 2, 400, 16
+    ids = torch.randint(4, vocab, (batch, seq_len), generator=gen)
+    flat = ids.view(-1)
+    hot = torch.randperm(flat.numel(), generator=gen)
+    for row, (start, uses) in enumerate([(0, 150), (150, 60), (210, 40), (250, 30)]):
+        flat[hot[start:start + uses]] = row
+    dout = torch.randint(-3, 4, (batch, seq_len, dim), generator=gen).to(dtype)
+    dw, dp = backward(emulated, dout, ids, num_embeddings=vocab, num_positions=seq_len, need_pos_grad=need_pos_grad)
+    assert torch.equal(dw, exact_row_sums(ids, dout, vocab).to(dtype))
+    if need_pos_grad:
+        assert torch.equal(dp, dout.double().sum(0).to(dtype))
+
+
 def test_emulated_position_ids_and_out_of_range_ids(emulated):
     ids, weight, pos_weight, dout = make_inputs(2, 10, 30, 16, torch.float32, pos_rows=12, seed=13)
     position_ids = torch.randint(0, 12, ids.shape, generator=torch.Generator().manual_seed(1))

@@ -791,25 +791,34 @@ constexpr int kSegmentsPerGroup = 4;
 // positions' gradient instead (PositionSums; add_position_blocks with positions_first),
 // and with positions.solo the one-token rows too, which the table's blocks leave alone.
 //
-// Each thread group takes kSegmentsPerGroup segments, `groups` apart (segment group +
-// k * groups). Those of at most one token -- the common case: 8x2048 uniform ids over
-// GPT-2's 50257 rows leave 72% of the rows untouched and touch 85% of the others once --
-// are written by one pass over the group, its loads issued for every segment at once;
-// longer ones, one after another, by the loop after it. Kept apart, the common pass holds
-// a few registers per segment: with the longer segments' loops unrolled into it per
-// segment the kernel took 118-174. Not consecutive segments: real text's frequent tokens
-// are neighbouring ids (a tokenizer numbers them by frequency; Zipf ids at GPT-2 8x2048 give
-// rows 12-15 145, 123, 119 and 102 uses), and a group of such rows summed them one after
-// another, each a chain of dependent loads: the H200 at de2aee7 ran the dense backward op in
-// 173 us with Zipf ids against 107 with uniform ones. Spread apart, each lands in another
-// group, summed side by side. A segment's sum is the same either way, bit for bit.
+// Each thread group writes kSegmentsPerGroup segments' rows in its first pass: those of
+// at most one token -- the common case: 8x2048 uniform ids over GPT-2's 50257 rows leave
+// 72% of the rows untouched and touch 85% of the others once -- its loads issued for every
+// segment at once. The segments of two or more tokens are summed by the loop after it, one
+// after another. Kept apart, the common pass holds a few registers per segment: with the
+// longer segments' loops unrolled into it per segment the kernel took 118-174.
+//
+// The loop's segments are `groups` apart (segment group + k * groups), not consecutive:
+// real text's frequent tokens are neighbouring ids (a tokenizer numbers them by frequency;
+// Zipf ids at GPT-2 8x2048 give rows 12-15 145, 123, 119 and 102 uses), and a group of
+// such rows summed them one after another, each a chain of dependent loads: the H200 at
+// de2aee7 ran the dense backward op in 173 us with Zipf ids against 107 with uniform ones.
+// Spread apart, each lands in another group, summed side by side (a segment's sum is the
+// same either way, bit for bit). The first pass's segments are consecutive (`consecutive`:
+// group * kSegmentsPerGroup + k): with them spread too (1b12bd6) the H200 at 26f0ba6 ran
+// this kernel in 85.8 us at GPT-2 fp32 against 61.4 at de2aee7, whose groups were
+// consecutive in both passes, and at Llama-3 bf16 -- 88% of the rows zeros -- at 55% of
+// DRAM bandwidth: a block's stores then land in four rows far apart, its bounds' loads in
+// four cache lines. Not measured on a GPU yet: PYEMBED_CUDA_FINISH_ROWS=spread (read each
+// call) spreads the first pass too, so that gpu-check times both.
 template <typename T, typename A, int VEC, bool kDropout>
 __device__ __forceinline__ void finish_segments_body(Dout<T, kDropout> dout, const int64_t* __restrict__ order,
                                                      const A* __restrict__ partials, const int64_t* __restrict__ begin,
                                                      const int64_t* __restrict__ end,
                                                      const int64_t* __restrict__ first_token, T* __restrict__ out,
                                                      A scale, bool divide_by_count, bool zero_empty,
-                                                     int64_t num_segments, int64_t dim, PositionSums<T> positions) {
+                                                     int64_t num_segments, int64_t dim, PositionSums<T> positions,
+                                                     bool consecutive) {
   dout.start();
   if (position_block<VEC, /*kSolo=*/true, /*kFirst=*/true>(dout, positions, dim, out, scale)) return;
   constexpr int kRows = kSegmentsPerGroup;
@@ -820,14 +829,16 @@ __device__ __forceinline__ void finish_segments_body(Dout<T, kDropout> dout, con
   const int64_t groups = (num_segments + kRows - 1) / kRows;
   const int64_t group = (static_cast<int64_t>(blockIdx.x) - positions.blocks) * blockDim.y + threadIdx.y;
   if (group >= groups) return;
+  // The first pass's segment k: first_segment + k * segment_step.
+  const int64_t first_segment = consecutive ? group * kRows : group, segment_step = consecutive ? 1 : groups;
   // Every segment's bounds and first token, all loads together, not a chain per segment
   // (the rows past num_segments read the last row's).
   int64_t length[kRows], token[kRows];  // token: of a one-token segment, else kEmpty / kLonger
   unsigned stores = 0;  // bit k: the pass below writes segment k's row (registers: a word, not a test per k)
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
-    const bool past = group + k * groups >= num_segments;
-    const int64_t g = past ? num_segments - 1 : group + k * groups;
+    const bool past = first_segment + k * segment_step >= num_segments;
+    const int64_t g = past ? num_segments - 1 : first_segment + k * segment_step;
     token[k] = first_token[g];
     length[k] = past ? 0 : end[g] - begin[g];
     if (!past && (length[k] == 1 ? !solo_by_positions : length[k] == 0 && zero_empty)) stores |= 1u << k;
@@ -836,8 +847,17 @@ __device__ __forceinline__ void finish_segments_body(Dout<T, kDropout> dout, con
   for (int k = 0; k < kRows; ++k) {
     token[k] = length[k] == 1 ? (solo_by_positions ? kByPositions : token[k]) : length[k] == 0 ? kEmpty : kLonger;
   }
-  T* const group_out = out + group * dim;  // segment k's row: group_out + k * segment_stride
-  const int64_t segment_stride = groups * dim;
+  // Bit k: segment group + k * groups has two or more tokens (the loop after the first
+  // pass), known before that pass: with consecutive first segments these bounds are other
+  // cache lines, loaded here beside the first pass's, not one round trip a k after it.
+  unsigned longer = 0;
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    const int64_t g = group + k * groups;
+    if (g < num_segments && end[g] - begin[g] >= 2) longer |= 1u << k;
+  }
+  T* const group_out = out + first_segment * dim;  // segment k's row: group_out + k * segment_stride
+  const int64_t segment_stride = segment_step * dim;
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
     // With dropout, the rows' keep bits first, one row's Philox calls at a time: computed
     // beside the rows' loads, or unrolled, the kernel held Philox states and loaded rows at
@@ -871,14 +891,13 @@ __device__ __forceinline__ void finish_segments_body(Dout<T, kDropout> dout, con
       store_pack<VEC>(group_out + k * segment_stride + j, sum);
     }
   }
-  // Segments of two or more tokens. A loop, not unrolled, so its bounds are read again
-  // (from cache): first[k] with k known at run time only would live in local memory.
+  // Segments of two or more tokens, `groups` apart. A loop, not unrolled, so its bounds are
+  // read again (from cache): first[k] with k known at run time only would live in local memory.
 #pragma unroll 1
   for (int k = 0; k < kRows; ++k) {
+    if (!(longer >> k & 1u)) continue;
     const int64_t g = group + k * groups;
-    if (g >= num_segments) break;
     const int64_t b = begin[g], e = end[g];
-    if (e - b < 2) continue;
     T* d_row = out + g * dim;
     const A factor = divide_by_count ? scale / static_cast<A>(e - b) : scale;
     if (e - b <= kChunkRows) {
@@ -894,9 +913,9 @@ __global__ void finish_segments_kernel(Dout<T, false> dout, const int64_t* __res
                                        const A* __restrict__ partials, const int64_t* __restrict__ begin,
                                        const int64_t* __restrict__ end, const int64_t* __restrict__ first_token,
                                        T* __restrict__ out, A scale, bool divide_by_count, bool zero_empty,
-                                       int64_t num_segments, int64_t dim, PositionSums<T> positions) {
+                                       int64_t num_segments, int64_t dim, PositionSums<T> positions, bool consecutive) {
   finish_segments_body<T, A, VEC>(dout, order, partials, begin, end, first_token, out, scale, divide_by_count,
-                                  zero_empty, num_segments, dim, positions);
+                                  zero_empty, num_segments, dim, positions, consecutive);
 }
 
 // The same with the forward's dropout applied as dout is read. The keep bits' Philox
@@ -908,9 +927,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 3)
                                    const A* __restrict__ partials, const int64_t* __restrict__ begin,
                                    const int64_t* __restrict__ end, const int64_t* __restrict__ first_token,
                                    T* __restrict__ out, A scale, bool divide_by_count, bool zero_empty,
-                                   int64_t num_segments, int64_t dim, PositionSums<T> positions) {
+                                   int64_t num_segments, int64_t dim, PositionSums<T> positions, bool consecutive) {
   finish_segments_body<T, A, VEC>(dout, order, partials, begin, end, first_token, out, scale, divide_by_count,
-                                  zero_empty, num_segments, dim, positions);
+                                  zero_empty, num_segments, dim, positions, consecutive);
 }
 
 // A dense gradient of at most kFewTokens tokens (a one-token step, a short batch) in one
@@ -1094,13 +1113,20 @@ void with_dout(const at::Tensor& dout, const Dropout& dropout, F&& run) {
 // token read its positional row from L2: at Llama-3 8x2048 bf16 as many bytes as the
 // table's rows (the H200 at 1b594a4: 87% of L2 throughput, 70% of DRAM's, 84% of copy
 // bandwidth; Triton's kernel, whose programs hold 4 tokens of a position, 91% / 76% / 92%,
-// with 26% of its loads L1 hits against the CUDA kernel's 3%). Not measured on a GPU yet:
-// 1 (row_grid's shape) unless PYEMBED_CUDA_FORWARD_ROWS=4, read each call (a getenv) so
-// that gpu-check times both in one process (tests/gpu/profile_workload.py).
-inline int64_t forward_min_rows_per_block(PosEncoding mode, bool has_position_ids) {
+// with 26% of its loads L1 hits against the CUDA kernel's 3%). The H200 at 26f0ba6 (the
+// op replayed from a CUDA graph, against a graphed copy; tests/gpu/profile_workload.py):
+// four rows a block reached GPT-2 fp32 91% (one: 82%), bf16 77% (74%), Llama-3 bf16 88%
+// (82%), but Llama-3 fp32 88% (91%): a 16 KB row keeps enough bytes in flight a block
+// alone. So four rows where a row is at most 8 KB, else one; PYEMBED_CUDA_FORWARD_ROWS=1|4,
+// read each call (a getenv), chooses either for every call, so that gpu-check times both.
+constexpr int64_t kFourRowsMaxRowBytes = 8192;
+
+inline int64_t forward_min_rows_per_block(PosEncoding mode, bool has_position_ids, int64_t row_bytes) {
   if (mode != PosEncoding::kLearned || has_position_ids) return 1;
   const char* env = std::getenv("PYEMBED_CUDA_FORWARD_ROWS");
-  return env != nullptr && std::string_view(env) == "4" ? 4 : 1;
+  if (env != nullptr && std::string_view(env) == "1") return 1;
+  if (env != nullptr && std::string_view(env) == "4") return 4;
+  return row_bytes <= kFourRowsMaxRowBytes ? 4 : 1;
 }
 
 template <class Launch, typename T, typename index_t>
@@ -1111,7 +1137,8 @@ void launch_forward(const at::Tensor& ids, const at::Tensor& weight, const at::T
   const int64_t num_tokens = ids.numel(), dim = weight.size(1);
   const T* pw = pos_weight.defined() ? pos_weight.data_ptr<T>() : nullptr;
   const int vec = vector_width<T>(dim, {weight.data_ptr(), pw, out.data_ptr()});
-  const RowGrid g = row_grid(num_tokens, dim, vec, forward_min_rows_per_block(mode, position_ids.defined()));
+  const int64_t min_rows = forward_min_rows_per_block(mode, position_ids.defined(), dim * weight.element_size());
+  const RowGrid g = row_grid(num_tokens, dim, vec, min_rows);
   const int64_t* pid = position_ids.defined() ? position_ids.data_ptr<int64_t>() : nullptr;
   const auto neg_log_base_over_dim = static_cast<acc_t<T>>(-std::log(10000.0) / static_cast<double>(sinusoid_dim));
   auto run = [&](auto pos, auto with_dropout) {
@@ -1298,6 +1325,13 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
   return seg;
 }
 
+// finish_segments_body's first pass over consecutive segments, unless PYEMBED_CUDA_FINISH_ROWS
+// says "spread" (read by every call, a getenv, so that gpu-check times both in one process).
+inline bool finish_rows_consecutive() {
+  const char* env = std::getenv("PYEMBED_CUDA_FINISH_ROWS");
+  return env == nullptr || std::string_view(env) != "spread";
+}
+
 // out[g] = factor(g) * (sum of the dout rows of segment g), for the first out.size(0)
 // segments (one launch, finish_segments_kernel): factor = scale, or scale / (the
 // segment's token count) with divide_by_count. zero_empty: empty segments are written as
@@ -1314,6 +1348,7 @@ void finish_segments(const at::Tensor& dout, const SortedSegments& seg, double s
   const int vec = vector_width<T>(dim, {dout.data_ptr(), out.data_ptr(), positions.out});
   const int64_t groups = (rows + kSegmentsPerGroup - 1) / kSegmentsPerGroup;
   const RowGrid g = add_position_blocks(row_grid(groups, dim, vec), groups, positions, /*positions_first=*/true);
+  const bool consecutive = finish_rows_consecutive();
   with_dout<T>(dout, dropout, [&](auto dout_rows) {
     constexpr bool kDropout = decltype(dout_rows)::kMasked;
     auto run = [&](auto v) {
@@ -1327,7 +1362,8 @@ void finish_segments(const at::Tensor& dout, const SortedSegments& seg, double s
       }();
       Launch::run(g.grid, g.block, kernel, dout_rows, seg.order.data_ptr<int64_t>(), partials,
                   seg.begin.data_ptr<int64_t>(), seg.end.data_ptr<int64_t>(), seg.first.data_ptr<int64_t>(),
-                  out.data_ptr<T>(), static_cast<A>(scale), divide_by_count, zero_empty, rows, dim, positions);
+                  out.data_ptr<T>(), static_cast<A>(scale), divide_by_count, zero_empty, rows, dim, positions,
+                  consecutive);
     };
     if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
   });

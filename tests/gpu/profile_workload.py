@@ -450,14 +450,13 @@ def host_cost_targets(backends, weight, ids, per_call, rounds=5):
 def ncu_kernels(backends):
     for dtype in (torch.float32, torch.bfloat16):
         weight, pos_weight, ids, _ = tensors(32000, 4096, 8, 2048, dtype)
-        for backend in backends:
-            with torch.no_grad():
-                pyembed.fused_embedding(ids, weight, pos_weight, scale=64.0, validate=False, backend=backend)
-        if "cuda" in backends:  # and cuda's at four rows a block (FORWARD_ROWS): its L1 hits and L2 throughput
-            os.environ[FORWARD_ROWS[0]] = "4"
-            with torch.no_grad():
-                pyembed.fused_embedding(ids, weight, pos_weight, scale=64.0, validate=False, backend="cuda")
-            del os.environ[FORWARD_ROWS[0]]
+        for backend in backends:  # cuda's in each of FORWARD_ROWS' block shapes: their L1 hits and L2 throughput
+            for rows in FORWARD_ROWS[1] if backend == "cuda" else (None,):
+                if rows is not None:
+                    os.environ[FORWARD_ROWS[0]] = rows
+                with torch.no_grad():
+                    pyembed.fused_embedding(ids, weight, pos_weight, scale=64.0, validate=False, backend=backend)
+                os.environ.pop(FORWARD_ROWS[0], None)
     weight, pos_weight, ids, dout = tensors(*GPT2, 8, 2048, torch.float32)
     ids[:, :1500] = 17  # a hot row: the chunk kernel's long-segment pieces run too
     for backend in backends:  # the backward's kernels: the sort's, chunks, the table's rows, batch sum
@@ -555,6 +554,11 @@ ROW_TILES = ("PYEMBED_TRITON_ROW_TILES", ("1", "2", "4"))
 # cost 193 against 106 us uniform at 1b594a4. Pipelined, ~one round trip a row, for more
 # registers in every tile (fp32 92 -> 101 at two stages, sm_90): timed with both.
 SUM_STAGES = ("PYEMBED_TRITON_SUM_STAGES", ("1", "2", "3"))
+# `cuda`'s finish_segments: a thread group's one-token and untouched rows consecutive (the
+# default since 26f0ba6, where the H200 ran the kernel spread at 85.8 us against de2aee7's
+# consecutive 61.4, GPT-2 fp32) or `groups` apart as its longer segments always are (the
+# form of 1b12bd6, for Zipf ids' neighbouring hot rows): timed with both distributions.
+FINISH_ROWS = ("PYEMBED_CUDA_FINISH_ROWS", ("consecutive", "spread"))
 
 
 def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
@@ -564,7 +568,8 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
     call. At 79bdffb (H200) CUB's sort was 7 of `cuda`'s 10 GPU ops, ~23 us; torch's, 7 of
     `triton`'s 10 (its host time 41 us). At de2aee7 the one-block sort (then `cuda`'s
     default) was ~28 of its ~107 us at GPT-2 fp32 (ncu); at 1b594a4 the tile sort ~28 of `triton`'s.
-    Then `triton`'s with each of ROW_TILES' settings, and of SUM_STAGES' (uniform and Zipf ids)."""
+    Then `triton`'s with each of ROW_TILES' settings, and of SUM_STAGES' (uniform and Zipf ids),
+    and `cuda`'s with each of FINISH_ROWS'."""
     import os
 
     for backend, variable, sorts in SORTS:
@@ -586,20 +591,22 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
                 for dist in ("zipf", "onehot"):
                     sort_case(backend, which, GPT2, torch.float32, batch, seq_len, calls, dist)
         del os.environ[variable]
+    zipf_cases = [(table, dtype, dist) for table, dtype in ((GPT2, torch.float32), (GPT2, torch.bfloat16),
+                                                           (LLAMA3, torch.bfloat16)) for dist in ("uniform", "zipf")]
     if "triton" in backends:  # its table pass's tiles a program, each setting for every dtype
-        triton_setting_cases(ROW_TILES, "row tiles", [(table, dtype, "uniform") for table in (GPT2, LLAMA3)
-                                                      for dtype in (torch.float32, torch.bfloat16)],
-                             batch, seq_len, calls)
+        setting_cases("triton", ROW_TILES, "row tiles", [(table, dtype, "uniform") for table in (GPT2, LLAMA3)
+                                                         for dtype in (torch.float32, torch.bfloat16)],
+                      batch, seq_len, calls)
         # and its rows' loop, pipelined or not
-        triton_setting_cases(SUM_STAGES, "sum stages", [(table, dtype, dist) for table, dtype in (
-            (GPT2, torch.float32), (GPT2, torch.bfloat16), (LLAMA3, torch.bfloat16)) for dist in ("uniform", "zipf")],
-                             batch, seq_len, calls)
+        setting_cases("triton", SUM_STAGES, "sum stages", zipf_cases, batch, seq_len, calls)
+    if "cuda" in backends:  # its first pass's rows, consecutive or spread
+        setting_cases("cuda", FINISH_ROWS, "finish rows", zipf_cases, batch, seq_len, calls)
 
 
-def triton_setting_cases(setting, label, cases, batch, seq_len, calls):
-    """`triton`'s dense backward op at each of ``setting``'s values ((variable, values)),
-    over ``cases`` ((table, dtype, ids' distribution)), each setting planned afresh (a plan
-    replays the launch it was bound with)."""
+def setting_cases(backend, setting, label, cases, batch, seq_len, calls):
+    """``backend``'s dense backward op at each of ``setting``'s values ((variable, values)),
+    over ``cases`` ((table, dtype, ids' distribution)); `triton`'s planned afresh at each (a
+    plan replays the launch it was bound with)."""
     from pyembed import _triton
 
     variable, values = setting
@@ -607,7 +614,7 @@ def triton_setting_cases(setting, label, cases, batch, seq_len, calls):
         os.environ[variable] = value
         _triton._backward_plans.clear()
         for table, dtype, dist in cases:
-            sort_case("triton", f"tile sort, {value} {label}", table, dtype, batch, seq_len, calls, dist)
+            sort_case(backend, f"tile sort, {value} {label}", table, dtype, batch, seq_len, calls, dist)
     del os.environ[variable]
 
 
