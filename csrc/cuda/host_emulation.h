@@ -2,9 +2,13 @@
 // embedding_kernels.cuh unchanged and runs every kernel on CPU tensors (DESIGN §6).
 //
 // A launch runs every block and every thread of the grid serially. That is faithful
-// because the kernels never synchronise threads or share memory: each thread's result
-// depends on its indices alone, so any execution order gives the same output. What it
-// checks is the real indexing, masking, vector-width and reduction code of the kernels.
+// because each thread's result depends on its indices alone, so any execution order gives
+// the same output. What it checks is the real indexing, masking, vector-width and
+// reduction code of the kernels. One kernel shares memory within a block
+// (tile_rank_kernel: its tile's words, computed once a block): here `__shared__` memory is
+// the thread's own and `__syncthreads` does nothing, and block_share (embedding_kernels.cuh)
+// gives each emulated thread the whole of the block's cooperative loop -- the values the
+// block's threads would have written between them.
 #pragma once
 
 #ifdef __CUDACC__
@@ -22,6 +26,13 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __shared__
+#define __align__(n) alignas(n)
+inline void __syncthreads() {}
+
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
 
 struct dim3 {
   unsigned x, y, z;
