@@ -443,63 +443,53 @@ def test_triton_dense_gradient_of_a_large_two_byte_table_is_the_same_in_any_row_
     assert not dw.cpu()[untouched].any() and not dw.cpu()[untouched].signbit().any()  # +0.0, as a zero fill
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("positions", [True, False], ids=["learned positions", "no positions"])
-def test_triton_dense_gradient_with_zipf_ids_is_the_same_at_any_sum_stages(positions, dtype, monkeypatch):
-    """GPT-2's table, 8x2048 Zipf-distributed ids (rows used 2-128 times summed row by row,
-    hotter ones from the chunks' pieces): `triton`'s dense gradient with the rows' loop as
-    written and pipelined (PYEMBED_TRITON_SUM_STAGES 2, 3: cp.async copies ahead) is the
-    same, bit for bit -- the adds keep their order -- and the float64 reference's."""
-    ops = _kernel_ops("triton")
+def _zipf_gradient_is_the_same_at_each(backend, variable, values, dtype, positions, monkeypatch, seed):
+    """GPT-2's table, 8x2048 Zipf-distributed ids: ``backend``'s dense gradient (and the
+    learned positions', with ``positions``) with ``variable`` at each of ``values`` is the
+    same, bit for bit, and the float64 reference's, untouched rows +0 as a zero fill."""
+    ops = _kernel_ops(backend)
     from pyembed import _triton
 
     vocab, dim, num_positions = 50257, 64, 2048
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(seed)
     ids = torch.multinomial(torch.arange(1, vocab + 1, dtype=torch.float64).pow(-1.1), 8 * 2048, replacement=True,
                             generator=g).view(8, 2048)
     dout = torch.randn(8, 2048, dim, generator=g).to(dtype)
     args = (None, 0, vocab, num_positions if positions else 0, 2.0, None, False, True, positions)
     results = {}
-    for stages in ("1", "2", "3"):
-        monkeypatch.setenv("PYEMBED_TRITON_SUM_STAGES", stages)
-        monkeypatch.setattr(_triton, "_backward_plans", {})
-        results[stages] = ops.backward(dout.cuda(), ids.cuda(), *args)
-    dw, dp = results["1"]
-    for stages in ("2", "3"):
-        assert torch.equal(results[stages][0], dw), stages
-        assert (dp is None and results[stages][1] is None) or torch.equal(results[stages][1], dp), stages
-    exact_w = torch.zeros(vocab, dim, dtype=torch.float64).index_add_(0, ids.reshape(-1),
-                                                                        dout.reshape(-1, dim).double()) * 2.0
-    tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(dw.cpu().double(), exact_w, rtol=tol, atol=tol * exact_w.abs().max().item())
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("positions", [True, False], ids=["learned positions", "no positions"])
-def test_cuda_dense_gradient_with_zipf_ids_is_the_same_with_either_finish_rows(positions, dtype, monkeypatch):
-    """GPT-2's table, 8x2048 Zipf-distributed ids (neighbouring hot rows, some summed in
-    pieces, 72%-odd of the rows untouched): `cuda`'s finish_segments with its first pass over
-    consecutive segments (the default; a group of untouched rows stores its zeros alone) and
-    spread `groups` apart (PYEMBED_CUDA_FINISH_ROWS=spread) gives the same gradient, bit for
-    bit -- each segment is summed the same way in either -- and the float64 reference's, with
-    untouched rows +0."""
-    ops = _kernel_ops("cuda")
-    vocab, dim, num_positions = 50257, 64, 2048
-    g = torch.Generator().manual_seed(4)
-    ids = torch.multinomial(torch.arange(1, vocab + 1, dtype=torch.float64).pow(-1.1), 8 * 2048, replacement=True,
-                            generator=g).view(8, 2048)
-    dout = torch.randn(8, 2048, dim, generator=g).to(dtype)
-    args = (None, 0, vocab, num_positions if positions else 0, 2.0, None, False, True, positions)
-    results = {}
-    for layout in ("consecutive", "spread"):
-        monkeypatch.setenv("PYEMBED_CUDA_FINISH_ROWS", layout)
-        results[layout] = ops.backward(dout.cuda(), ids.cuda(), *args)
-    dw, dp = results["consecutive"]
-    assert torch.equal(results["spread"][0], dw)
-    assert (dp is None and results["spread"][1] is None) or torch.equal(results["spread"][1], dp)
+    for value in values:
+        monkeypatch.setenv(variable, value)
+        monkeypatch.setattr(_triton, "_backward_plans", {})  # a plan replays the launches it was bound with
+        results[value] = ops.backward(dout.cuda(), ids.cuda(), *args)
+    dw, dp = results[values[0]]
+    for value in values[1:]:
+        assert torch.equal(results[value][0], dw), value
+        assert (dp is None and results[value][1] is None) or torch.equal(results[value][1], dp), value
     exact_w = torch.zeros(vocab, dim, dtype=torch.float64).index_add_(0, ids.reshape(-1),
                                                                         dout.reshape(-1, dim).double()) * 2.0
     tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(dw.cpu().double(), exact_w, rtol=tol, atol=tol * exact_w.abs().max().item())
     untouched = exact_w.abs().sum(1) == 0
-    assert not dw.cpu()[untouched].any() and not dw.cpu()[untouched].signbit().any()  # +0.0, as a zero fill
+    assert not dw.cpu()[untouched].any() and not dw.cpu()[untouched].signbit().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("positions", [True, False], ids=["learned positions", "no positions"])
+def test_triton_dense_gradient_with_zipf_ids_is_the_same_at_any_sum_stages(positions, dtype, monkeypatch):
+    """Rows used 2-128 times summed row by row, hotter ones from the chunks' pieces: `triton`'s
+    dense gradient with the rows' loop as written and pipelined (PYEMBED_TRITON_SUM_STAGES 2,
+    3: cp.async copies ahead) is the same -- the adds keep their order."""
+    _zipf_gradient_is_the_same_at_each("triton", "PYEMBED_TRITON_SUM_STAGES", ("1", "2", "3"), dtype, positions,
+                                       monkeypatch, seed=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("positions", [True, False], ids=["learned positions", "no positions"])
+def test_cuda_dense_gradient_with_zipf_ids_is_the_same_with_either_finish_rows(positions, dtype, monkeypatch):
+    """Neighbouring hot rows, some summed in pieces, most rows untouched: `cuda`'s
+    finish_segments with its first pass over consecutive segments (the default; a group of
+    untouched rows stores its zeros alone) and spread `groups` apart
+    (PYEMBED_CUDA_FINISH_ROWS=spread) gives the same gradient -- each segment is summed the
+    same way in either."""
+    _zipf_gradient_is_the_same_at_each("cuda", "PYEMBED_CUDA_FINISH_ROWS", ("consecutive", "spread"), dtype,
+                                       positions, monkeypatch, seed=4)
