@@ -1358,17 +1358,24 @@ def finish_row_tiles(dtype: torch.dtype, dim, rows, zero_empty: bool) -> int:
     return 4 if zero_empty and wide else 1
 
 
-def finish_sum_stages(dtype: torch.dtype, dropout: bool) -> int:
-    """_finish_segments_kernel's SUM_STAGES: 1 (the rows' loop as written) unless
-    PYEMBED_TRITON_SUM_STAGES (1, 2 or 3; read when a call is planned) asks for a pipelined
-    one, which tests/gpu/profile_workload.py times against it with Zipf and uniform ids.
-    Not the default before a GPU has timed it: every tile pays in registers, where only the
-    tiles with a long segment gain -- two stages at sm_90, Triton 3.6 / 3.8: fp32 d = 768
-    94 -> 118 / 92 -> 101 (5 -> 4 blocks an SM), bf16 72 -> 72 / 64 -> 72, four-tile bf16
-    80 -> 96 / 78 -> 80, plus 4-8 KB of shared memory. Always 1 with dropout or float64,
-    where the pipelined loop spilled 8-24 bytes."""
+def finish_sum_stages(dtype: torch.dtype, dropout: bool, row_tiles: int = 1) -> int:
+    """_finish_segments_kernel's SUM_STAGES: 3 (the rows' loop pipelined) in programs of four
+    row tiles of a 2-byte table (finish_row_tiles' default for 2^16 rows or more), else 1 (the
+    loop as written); PYEMBED_TRITON_SUM_STAGES (1, 2 or 3; read when a call is planned) overrides,
+    so that tests/gpu/profile_workload.py can time each. The H200 at 26f0ba6 (Triton 3.6,
+    the dense backward op replayed from a CUDA graph, 8x2048): Llama-3 bf16 (four tiles)
+    1 / 2 / 3 stages 373 / 375 / 386 us with uniform ids, 565 / 582 / 500 with Zipf ids --
+    real text's; GPT-2 fp32 105 / 119 / 121 and 162 / 162 / 144, bf16 71 / 79 / 79 and 126 /
+    130 / 106: there a third more with uniform ids for a seventh less with Zipf ones, so 1.
+    Every tile pays in registers, where only the tiles with a long segment gain: sm_90,
+    four-tile bf16 d = 4096, 80 -> 109 (Triton 3.6) / 78 -> 96 (3.8), plus 8 KB of shared
+    memory. Always 1 with dropout or float64, where the pipelined loop spilled 8-24 bytes."""
     chosen = _setting("PYEMBED_TRITON_SUM_STAGES", ("1", "2", "3"))
-    return 1 if chosen is None or dropout or dtype == torch.float64 else chosen
+    if dropout or dtype == torch.float64:
+        return 1
+    if chosen is not None:
+        return chosen
+    return 3 if row_tiles == 4 and dtype.itemsize == 2 else 1
 
 
 def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: bool, out, zero_empty: bool,
@@ -1381,7 +1388,7 @@ def finish_segments(dout2d, segments: Segments, scale: float, divide_by_count: b
     rows, dim = out.shape
     block_r, block_d = _segment_blocks(dim, dout2d.dtype, dropout is not None)
     row_tiles = finish_row_tiles(out.dtype, dim, rows, zero_empty)
-    sum_stages = finish_sum_stages(dout2d.dtype, dropout is not None)
+    sum_stages = finish_sum_stages(dout2d.dtype, dropout is not None, row_tiles)
     table_programs, programs = _programs_with_positions(rows, block_r, positions, row_tiles)
     if programs == 0 or dim == 0:
         return

@@ -122,13 +122,19 @@ def test_a_four_tile_program_with_nothing_to_sum_stores_four_tiles_of_zeros_at_o
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_the_dense_gradients_rows_loop_copies_ahead_only_when_asked(report, arch):
-    # PYEMBED_TRITON_SUM_STAGES (kernels' finish_sum_stages): 2 or 3 pipeline the loop that
-    # sums a segment's rows (cp.async into shared memory, a row or more ahead of its add);
-    # by default (1) the loop is as written, with no copy and no shared memory for it.
+def test_the_dense_gradients_rows_loop_copies_ahead_in_four_tile_programs_or_when_asked(report, arch):
+    # kernels' finish_sum_stages: 2 or 3 stages pipeline the loop that sums a segment's rows
+    # (cp.async into shared memory, a row or more ahead of its add) -- by default in a 2-byte
+    # table's programs of four row tiles without dropout (three), else on request
+    # (PYEMBED_TRITON_SUM_STAGES); otherwise (1) the loop is as written, with no copy and no
+    # shared memory for it.
     finishes = [k for k in report if k.startswith("finish_segments") and k.endswith(arch)]
-    piped = [k for k in finishes if "sum_stages=" in k]
-    assert len(piped) == 2 * 3 * 5 * 4 + 2 * 2  # stages x dtypes x d x forms, four-tile ones
+    asked = [k for k in finishes if re.search(r"sum_stages=[23] ", k)]
+    four_tiles = [k for k in finishes if k.startswith("finish_segments row_tiles=4 ") and "dropout" not in k
+                  and re.search(r"(bf16|fp16) d=", k)]
+    assert len(asked) == 2 * 3 * 5 * 4 + 2  # stages x dtypes x d x forms, four-tile two-stage ones
+    assert len(four_tiles) == 2 * 4 * 5  # dtypes x d x forms
+    piped = asked + four_tiles
     assert not [k for k in piped if not report[k]["async_copies"]]
     assert not [k for k in finishes if k not in piped and report[k]["async_copies"]]
 

@@ -134,19 +134,26 @@ def test_finish_row_tiles_takes_four_only_for_large_two_byte_tables(monkeypatch)
         k.finish_row_tiles(torch.bfloat16, 4096, 128256, True)
 
 
-def test_finish_sum_stages_pipelines_the_rows_loop_only_on_request(monkeypatch):
-    """The loop summing a segment's rows runs as written (1) unless PYEMBED_TRITON_SUM_STAGES
-    asks for a pipelined one (2 or 3), for a GPU run to time; never with dropout or float64
-    (the pipelined loop spilled there); a bad setting is refused."""
+def test_finish_sum_stages_pipelines_the_rows_loop_in_four_tile_programs_or_on_request(monkeypatch):
+    """The loop summing a segment's rows is pipelined (3 stages) in a 2-byte table's programs
+    of four row tiles (a large table, finish_row_tiles), else runs as written (1), unless
+    PYEMBED_TRITON_SUM_STAGES asks for either or 2, for a GPU run to time; never with dropout
+    or float64 (the pipelined loop spilled there); a bad setting is refused."""
     from pyembed.kernels import embedding as k
 
     monkeypatch.delenv("PYEMBED_TRITON_SUM_STAGES", raising=False)
     assert k.finish_sum_stages(torch.float32, False) == 1
     assert k.finish_sum_stages(torch.bfloat16, False) == 1
+    row_tiles = k.finish_row_tiles(torch.bfloat16, 4096, 128256, True)  # Llama-3's table: four
+    assert k.finish_sum_stages(torch.bfloat16, False, row_tiles) == 3
+    assert k.finish_sum_stages(torch.bfloat16, True, row_tiles) == 1  # dropout
+    assert k.finish_sum_stages(torch.float32, False, 4) == 1  # PYEMBED_TRITON_ROW_TILES=4 on fp32: 64-byte rows a thread
     monkeypatch.setenv("PYEMBED_TRITON_SUM_STAGES", "2")
     assert k.finish_sum_stages(torch.float32, False) == 2
     assert k.finish_sum_stages(torch.bfloat16, True) == 1  # dropout
     assert k.finish_sum_stages(torch.float64, False) == 1
+    monkeypatch.setenv("PYEMBED_TRITON_SUM_STAGES", "1")
+    assert k.finish_sum_stages(torch.bfloat16, False, row_tiles) == 1
     monkeypatch.setenv("PYEMBED_TRITON_SUM_STAGES", "3")
     assert k.finish_sum_stages(torch.float16, False) == 3
     monkeypatch.setenv("PYEMBED_TRITON_SUM_STAGES", "4")

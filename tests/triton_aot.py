@@ -302,7 +302,8 @@ def sources():
                 "divide": True, "dropout": True})
     out["few_tokens fp32 int32-ids d=768"] = (few_tokens_source, ("fp32", 768), {"divide": False, "id_type": "i32"})
     # Four tiles a program: a 2-byte table of 16-byte rows and 2^16 rows or more
-    # (finish_row_tiles), in each form; and PYEMBED_TRITON_ROW_TILES's other settings.
+    # (finish_row_tiles), in each form, its rows' loop pipelined but with dropout (three
+    # stages: finish_sum_stages); and PYEMBED_TRITON_ROW_TILES's other settings.
     for dtype, dim in itertools.product(("fp16", "bf16"), (8, 64, 768, 4096)):
         for form, kwargs in (("", {}), ("by_freq ", {"divide": True}), ("no-positions ", {"positions": False}),
                              ("positions-past-the-table ", {"solo": False}), ("short ", {"partials": False}),
@@ -310,18 +311,19 @@ def sources():
             if dtype == "fp16" and "dropout" in kwargs:
                 continue  # as above
             out[f"finish_segments row_tiles=4 {form}{dtype} d={dim}"] = (finish_source, (dtype, dim), {
-                "divide": False, **kwargs, "row_tiles": 4})
+                "divide": False, **kwargs, "row_tiles": 4, "sum_stages": 1 if "dropout" in kwargs else 3})
     for dtype, row_tiles in (("fp32", 2), ("fp32", 4), ("bf16", 2)):
         out[f"finish_segments row_tiles={row_tiles} {dtype} d=4096"] = (finish_source, (dtype, 4096), {
             "divide": False, "row_tiles": row_tiles})
     # PYEMBED_TRITON_SUM_STAGES (finish_sum_stages): the rows' loop pipelined, in every
-    # form it applies to (not dropout, not float64), four tiles a program where those apply.
+    # form it applies to (not dropout, not float64); at four tiles a program, the settings
+    # other than its default three.
     for stages, dtype, dim in itertools.product((2, 3), ("fp32", "fp16", "bf16"), DIMS + (64,)):
         for form, kwargs in (("", {}), ("by_freq ", {"divide": True}), ("no-positions ", {"positions": False}),
                              ("positions-past-the-table ", {"solo": False})):
             out[f"finish_segments sum_stages={stages} {form}{dtype} d={dim}"] = (finish_source, (dtype, dim), {
                 "divide": False, **kwargs, "sum_stages": stages})
-    for stages, dtype in itertools.product((2, 3), ("fp16", "bf16")):
+    for stages, dtype in itertools.product((1, 2), ("fp16", "bf16")):
         out[f"finish_segments sum_stages={stages} row_tiles=4 {dtype} d=4096"] = (finish_source, (dtype, 4096), {
             "divide": False, "row_tiles": 4, "sum_stages": stages})
     # A backward of at most CHUNK_ROWS tokens has no partials. Not at d = 100: for bf16 on
