@@ -344,8 +344,8 @@ __global__ void sort_inputs_kernel(const index_t* __restrict__ keys, int64_t n, 
 //     kSortTile positions by counting the tile's words below it, merge_tiles_kernel places
 //     it among all of them by adding its lower bounds in the other tiles, which are sorted
 //     by then. Every SM busy: two launches (one for a single tile), the first also
-//     setting the segment bounds' starting values. The triton
-//     backend's sort (kernels/embedding.py), the same words.
+//     setting the segment bounds' starting values. The triton backend's sort
+//     (kernels/embedding.py), the same words.
 //   - the one-block sort (PYEMBED_CUDA_SORT=block, 4096 < n): CUB's block radix sort of the
 //     words in shared memory, one thread block in the launch that sets the sort's inputs
 //     (embedding_cuda.cu's one_block_sort_kernel; the host emulation stands a stable sort
@@ -918,7 +918,8 @@ __device__ __forceinline__ void finish_segments_body(Dout<T, kDropout> dout, con
       }
     }
   }
-  for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; sums && j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; sums && j < dim;
+       j += static_cast<int64_t>(blockDim.x) * VEC) {
     // With dropout, the rows' keep bits first, one row's Philox calls at a time: computed
     // beside the rows' loads, or unrolled, the kernel held Philox states and loaded rows at
     // once (96-124 registers for bf16 at sm_90, against 68 without dropout).

@@ -549,10 +549,11 @@ SORTS = (("cuda", "PYEMBED_CUDA_SORT",
 # branch) the kernel ran at 48% of DRAM, 32 bytes a thread per load.
 ROW_TILES = ("PYEMBED_TRITON_ROW_TILES", ("1", "2", "4"))
 # `triton`'s finish_segments: the loop summing a segment's rows as written (1) or pipelined
-# (kernels' finish_sum_stages: by default 3 in a 2-byte table's four-tile programs, else 1). Row by row it is two dependent loads a row, and
-# a tile takes as long as its longest segment: Zipf ids (rows of 100-128 uses at GPT-2)
-# cost 193 against 106 us uniform at 1b594a4. Pipelined, ~one round trip a row, for more
-# registers in every tile (fp32 92 -> 101 at two stages, sm_90): timed with both.
+# (kernels' finish_sum_stages: by default 3 in a 2-byte table's four-tile programs, else 1).
+# Row by row it is two dependent loads a row, and a tile takes as long as its longest
+# segment: Zipf ids (rows of 100-128 uses at GPT-2) cost 193 against 106 us uniform at
+# 1b594a4. Pipelined, ~one round trip a row, for more registers in every tile (fp32 92 ->
+# 101 at two stages, sm_90): timed with both.
 SUM_STAGES = ("PYEMBED_TRITON_SUM_STAGES", ("1", "2", "3"))
 # `cuda`'s finish_segments: a thread group's one-token and untouched rows consecutive (the
 # default since 26f0ba6, where the H200 ran the kernel spread at 85.8 us against de2aee7's
