@@ -147,7 +147,8 @@ def test_finish_sum_stages_pipelines_the_rows_loop_in_four_tile_programs_or_on_r
     row_tiles = k.finish_row_tiles(torch.bfloat16, 4096, 128256, True)  # Llama-3's table: four
     assert k.finish_sum_stages(torch.bfloat16, False, row_tiles) == 3
     assert k.finish_sum_stages(torch.bfloat16, True, row_tiles) == 1  # dropout
-    assert k.finish_sum_stages(torch.float32, False, 4) == 1  # PYEMBED_TRITON_ROW_TILES=4 on fp32: 64-byte rows a thread
+    # PYEMBED_TRITON_ROW_TILES=4 on an fp32 table (64 bytes a thread a tile): as written
+    assert k.finish_sum_stages(torch.float32, False, 4) == 1
     monkeypatch.setenv("PYEMBED_TRITON_SUM_STAGES", "2")
     assert k.finish_sum_stages(torch.float32, False) == 2
     assert k.finish_sum_stages(torch.bfloat16, True) == 1  # dropout
