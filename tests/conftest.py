@@ -25,6 +25,15 @@ if os.environ.get("CI"):
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+# Under pytest-xdist (`make test` runs a worker per core) each worker takes its share of the
+# cores for ATen's threads: two workers of two threads each on two cores left each other's
+# OpenMP threads waiting at every parallel region's barrier (the CPU backend's training
+# test 12 -> 126 s). The kernels' thread-count independence is its own test
+# (test_parity's bitwise-identical-across-thread-counts, at 1 and at least 2 threads).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 
 @pytest.fixture(scope="session")
 def emulated():

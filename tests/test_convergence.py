@@ -41,6 +41,8 @@ MODES = {  # TinyLM arguments; the optimizers follow from `sparse` (train_tiny_l
     "sparse-SparseAdam": dict(pos_encoding="sinusoidal", sparse=True),
 }
 FAST_BACKENDS = [b for b in CPU_BACKENDS if b != "reference"] + ["cuda-emulated"]
+# One pytest-xdist worker runs this module: the reference trainings (a fixture) run once.
+pytestmark = pytest.mark.xdist_group("convergence")
 
 
 def train_losses(mode: str, backend: str, steps: int = STEPS, device: str = "cpu") -> torch.Tensor:

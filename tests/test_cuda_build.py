@@ -17,6 +17,8 @@ from pyembed._cuda_home import find_cuda_home
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CUDA_HOME = find_cuda_home()
 ARCHS = ("80", "90")
+# One pytest-xdist worker runs this module: its nvcc compile (the fixture) runs once.
+pytestmark = pytest.mark.xdist_group("nvcc")
 
 
 @pytest.fixture(scope="module")

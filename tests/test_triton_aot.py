@@ -16,6 +16,9 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+# One pytest-xdist worker runs this module: its compile of every specialisation (the
+# fixture, a pool of processes) runs once.
+pytestmark = pytest.mark.xdist_group("triton_aot")
 
 
 @pytest.fixture(scope="module")
