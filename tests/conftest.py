@@ -36,6 +36,30 @@ if _WORKERS > 1:
 
 
 @pytest.fixture(scope="session")
+def once_per_session(tmp_path_factory):
+    """``once_per_session(name, compute)``: compute()'s JSON-able result, computed by one
+    process of the test session and read back by the others -- pytest-xdist's workers share
+    a temporary folder (pytest-xdist's documented recipe, with filelock, which torch brings).
+    For a fixture whose work is long and the same on every worker (an nvcc compile of the
+    CUDA kernels, the Triton AOT compiles): each worker running it cost ~2 minutes more."""
+    import json
+
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+
+    def get(name: str, compute):
+        path = root / f"{name}.json"
+        with FileLock(f"{path}.lock"):
+            if not path.exists():
+                path.write_text(json.dumps(compute()))
+            return json.loads(path.read_text())
+    return get
+
+
+@pytest.fixture(scope="session")
 def emulated():
     """The CUDA backend's kernels and host code compiled by g++ with the host emulation
     header (csrc/cuda/host_emulation.h), as a module for CPU tensors with the ops' schema.

@@ -41,8 +41,6 @@ MODES = {  # TinyLM arguments; the optimizers follow from `sparse` (train_tiny_l
     "sparse-SparseAdam": dict(pos_encoding="sinusoidal", sparse=True),
 }
 FAST_BACKENDS = [b for b in CPU_BACKENDS if b != "reference"] + ["cuda-emulated"]
-# One pytest-xdist worker runs this module: the reference trainings (a fixture) run once.
-pytestmark = pytest.mark.xdist_group("convergence")
 
 
 def train_losses(mode: str, backend: str, steps: int = STEPS, device: str = "cpu") -> torch.Tensor:
@@ -69,13 +67,11 @@ def assert_same_training(losses: torch.Tensor, expected: torch.Tensor, what: str
 
 
 @pytest.fixture(scope="module")
-def reference_losses():
-    cache = {}
-
+def reference_losses(once_per_session):
+    """The reference backend's curve of a mode, trained once a test session (every worker's)."""
     def get(mode):
-        if mode not in cache:
-            cache[mode] = train_losses(mode, "reference")
-        return cache[mode]
+        losses = once_per_session(f"reference-losses-{mode}", lambda: train_losses(mode, "reference").tolist())
+        return torch.tensor(losses, dtype=torch.float64)
 
     return get
 

@@ -17,16 +17,18 @@ from pyembed._cuda_home import find_cuda_home
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CUDA_HOME = find_cuda_home()
 ARCHS = ("80", "90")
-# One pytest-xdist worker runs this module: its nvcc compile (the fixture) runs once.
-pytestmark = pytest.mark.xdist_group("nvcc")
 
 
 @pytest.fixture(scope="module")
-def ptxas_report(tmp_path_factory):
+def ptxas_report(tmp_path_factory, once_per_session):
+    """(ptxas -v's report, {arch: PTX}), compiled once a test session (every worker's)."""
     if CUDA_HOME is None:
         pytest.skip("no CUDA toolkit (nvcc + libcudart) on this machine")
+    return once_per_session("nvcc", lambda: _compile(tmp_path_factory.mktemp("nvcc")))
+
+
+def _compile(out_dir):
     includes = cpp_extension.include_paths("cpu") + [str(pathlib.Path(CUDA_HOME) / "include"), str(ROOT / "csrc")]
-    out_dir = tmp_path_factory.mktemp("nvcc")
     # -keep leaves the PTX of each architecture in out_dir for the vector-width check.
     # --threads: the architectures compiled side by side (2 cores: 166 -> 100 s, the
     # parsed report the same; nvcc keeps each architecture's ptxas lines together).

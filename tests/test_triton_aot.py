@@ -16,23 +16,24 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-# One pytest-xdist worker runs this module: its compile of every specialisation (the
-# fixture, a pool of processes) runs once.
-pytestmark = pytest.mark.xdist_group("triton_aot")
 
 
 @pytest.fixture(scope="module")
-def report():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real compiler, not the interpreter
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_aot.py")], capture_output=True, text=True,
-                          env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    data = json.loads(proc.stdout)
+def report(once_per_session):
+    data = once_per_session("triton_aot", _compile_every_specialisation)
     (ROOT / "build").mkdir(exist_ok=True)
     (ROOT / "build" / "triton_report.txt").write_text(
         "\n".join(f"{k}: {v['registers']} regs, {v['shared']} B shared, {v['spill_bytes']} B spills" for k, v in
                   data.items()) + "\n")
     return data
+
+
+def _compile_every_specialisation() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real compiler, not the interpreter
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_aot.py")], capture_output=True, text=True,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
 
 
 def test_every_specialisation_compiles_for_sm80_and_sm90_without_spills(report):

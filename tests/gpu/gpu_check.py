@@ -149,7 +149,7 @@ def xdist_args(python: str, workers: int) -> list[str]:
     if workers <= 0:
         return []
     found = subprocess.run([python, "-c", "import xdist"], capture_output=True).returncode == 0
-    return ["-n", str(workers), "--dist", "loadgroup"] if found else []
+    return ["-n", str(workers)] if found else []
 
 
 def junit_counts(path: Path) -> dict:
