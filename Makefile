@@ -13,12 +13,13 @@ BUILD_INPUTS  := setup.py pyproject.toml pyembed/_cuda_home.py $(shell find csrc
 
 .PHONY: test bench install clean gpu-check test-compat
 
-# A pytest-xdist worker per core (TEST_WORKERS=0: none), tests handed out one by one; a
-# fixture whose work is the same on every worker (the nvcc and Triton AOT compiles) runs
-# once (tests/conftest.py's once_per_session). On CI's 2 cores the suite took 21:39 alone.
+# A pytest-xdist worker per core, 8 at most (~1 GB each; TEST_WORKERS=N chooses, 0: none),
+# tests handed out one by one; a fixture whose work is the same on every worker (the nvcc
+# and Triton AOT compiles) runs once (tests/conftest.py's once_per_session). On CI's 2 cores
+# the suite took 21:39 alone.
 TEST_WORKERS ?= auto
 test: $(INSTALL_STAMP)
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --durations=15
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --maxprocesses=8 --durations=15
 
 bench: $(INSTALL_STAMP)
 	$(PY) -m bench $(BENCH_ARGS)
