@@ -307,6 +307,11 @@ def main() -> int:
                            "--section", "SpeedOfLight", "--section", "Occupancy", "--section", "LaunchStats",
                            # L1 / L2 hit rates: whether streaming stores keep the backward's bounds in L2
                            "--section", "MemoryWorkloadAnalysis",
+                           # Sectors per request by access kind, and what warps stall on: at 26f0ba6
+                           # triton's tile merge took 20.7 us at 86% L1 throughput for the searches
+                           # cuda's makes in 8.3 at 11%, and cuda's finish_segments issued at 50% of
+                           # the SMs at 55% of DRAM bandwidth (Llama-3 bf16): neither said why.
+                           "--section", "MemoryWorkloadAnalysis_Tables", "--section", "WarpStateStats",
                            args.python, profiler, "--ncu"], "ncu.log", deadline.timeout(300, after_profile),
                           cwd=stage)
         if not args.rehearse and not args.skip_bench:
