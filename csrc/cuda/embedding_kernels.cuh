@@ -494,10 +494,14 @@ __global__ void merge_tiles_kernel(const uint32_t* __restrict__ words, int n, in
 // the three in one process.
 enum class KeySort { kTile, kOneBlock, kLibrary };
 
+// An environment variable's value, "" when unset: the host code's A/B settings.
+inline std::string_view env_setting(const char* name) {
+  const char* value = std::getenv(name);
+  return value == nullptr ? std::string_view() : std::string_view(value);
+}
+
 inline KeySort requested_key_sort() {
-  const char* env = std::getenv("PYEMBED_CUDA_SORT");
-  if (env == nullptr) return KeySort::kTile;
-  const std::string_view name(env);
+  const std::string_view name = env_setting("PYEMBED_CUDA_SORT");
   return name == "block" ? KeySort::kOneBlock : name == "cub" ? KeySort::kLibrary : KeySort::kTile;
 }
 
@@ -1184,9 +1188,9 @@ constexpr int64_t kFourRowsMaxRowBytes = 8192;
 
 inline int64_t forward_min_rows_per_block(PosEncoding mode, bool has_position_ids, int64_t row_bytes) {
   if (mode != PosEncoding::kLearned || has_position_ids) return 1;
-  const char* env = std::getenv("PYEMBED_CUDA_FORWARD_ROWS");
-  if (env != nullptr && std::string_view(env) == "1") return 1;
-  if (env != nullptr && std::string_view(env) == "4") return 4;
+  const std::string_view rows = env_setting("PYEMBED_CUDA_FORWARD_ROWS");
+  if (rows == "1") return 1;
+  if (rows == "4") return 4;
   return row_bytes <= kFourRowsMaxRowBytes ? 4 : 1;
 }
 
@@ -1388,10 +1392,7 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
 
 // finish_segments_body's first pass over consecutive segments, unless PYEMBED_CUDA_FINISH_ROWS
 // says "spread" (read by every call, a getenv, so that gpu-check times both in one process).
-inline bool finish_rows_consecutive() {
-  const char* env = std::getenv("PYEMBED_CUDA_FINISH_ROWS");
-  return env == nullptr || std::string_view(env) != "spread";
-}
+inline bool finish_rows_consecutive() { return env_setting("PYEMBED_CUDA_FINISH_ROWS") != "spread"; }
 
 // out[g] = factor(g) * (sum of the dout rows of segment g), for the first out.size(0)
 // segments (one launch, finish_segments_kernel): factor = scale, or scale / (the
