@@ -205,6 +205,14 @@ def _compiled_lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale,
     chosen = dispatch.resolve(backend, weight.device)
     if chosen.compiled_op is None or (dropout_p and not chosen.compiled_dropout):
         return None
+    if offset != 0:
+        # A decoder's offset, new every step: from its second value on Dynamo traces it as a
+        # symbolic int, which pyembed::embedding's int argument would make a constant again
+        # (a compile per step, every call eager past the recompile limit). As position_ids it
+        # stays symbolic: one graph for every step after the first.
+        if pos_encoding != "none":
+            position_ids = (torch.arange(ids.shape[-1], device=ids.device) + offset).expand(ids.shape)
+        offset = 0
     if dropout_p:
         checks.check_dropout_p(dropout_p)
     sync_check, error_record = range_checks(validate, chosen, weight.device)

@@ -543,6 +543,30 @@ def test_compiled_layer_takes_new_lengths_without_recompiling(backend):
             torch.testing.assert_close(out, layer(ids), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_compiled_decoding_loop_takes_every_offset_in_two_compiles(backend, pos_encoding):
+    # Incremental decoding under torch.compile: a new offset every step. Dynamo compiles the
+    # first value as a constant and makes the second a symbolic int; an op's int argument
+    # specialised it again -- a compile per step, and after the recompile limit (8) every
+    # call eager. Eager's outputs and gradients, bit for bit, at every step.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    torch.manual_seed(2)
+    layer = pyembed.EmbeddingLayer(100, 16, 64, pos_encoding=pos_encoding, backend=backend)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    for step in range(12):
+        ids = torch.randint(0, 100, (2, 1))
+        out, expected = compiled(ids, offset=step), layer(ids, offset=step)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        dout = torch.randn_like(out)
+        got = torch.autograd.grad(out, list(layer.parameters()), dout)
+        torch.testing.assert_close(got, torch.autograd.grad(expected, list(layer.parameters()), dout), rtol=0, atol=0)
+    assert counter.frame_count == 2
+
+
 def test_a_new_backend_is_one_register_backend_call(monkeypatch):
     # No name list to edit: a backend registered under a new name can be asked for by name,
     # is listed, and "auto" picks it where its rank is the best (here: before cpu on CPU).
