@@ -134,9 +134,15 @@ struct PythonKernels final : pyembed::LookupKernels {
                      const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding, double scale,
                      int64_t offset, const std::optional<at::Tensor>& dropout_key, double dropout_p,
                      int64_t error_record) const override {
+    // An earlier call's finding raised and the output allocated here, not in the Python
+    // body (pyembed._triton.node_forward): in C++ both cost a one-token lookup a fraction.
+    if (error_record != 0) pyembed::raise_recorded_error(error_record, weight.device());
+    std::vector<int64_t> sizes = ids.sizes().vec();
+    sizes.push_back(weight.size(1));
+    at::Tensor out = at::empty(sizes, weight.options());
     py::gil_scoped_acquire gil;
-    return forward_fn(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p, 0,
-                      0, error_record)
+    return forward_fn(out, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
+                      error_record)
         .cast<at::Tensor>();
   }
 
@@ -291,7 +297,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pyembed::set_python_kernels(
             std::make_unique<PythonKernels>(std::move(forward), std::move(backward), std::move(sparse_backward)));
       },
-      "the forward, dense and sparse backward (pyembed/reference.py's schemas) embedding_python_kernels runs",
+      "the forward (pyembed._triton.node_forward's signature), dense and sparse backward (pyembed/reference.py's "
+      "schemas) embedding_python_kernels runs",
       py::arg("forward"), py::arg("backward"), py::arg("sparse_backward"));
   // The GIL stays held: the forward is Python.
   def_embedding_call(m, "embedding_python_kernels", &pyembed::embedding_python_kernels,

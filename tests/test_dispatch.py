@@ -223,12 +223,13 @@ def test_plain_eager_triton_calls_take_the_cpp_node_with_the_same_results_as_the
 def test_the_node_passes_its_python_kernels_every_argument_of_the_reference_schemas():
     # The reference backend's own ops as the node's kernels give the reference backend's
     # results through its Python Function: each argument reaches its kernel in the order of
-    # reference.embedding_forward / _backward / _sparse_backward.
+    # pyembed._triton.node_forward (the forward into the output the node allocated) and
+    # reference.embedding_backward / _sparse_backward.
     from pyembed import _extension, reference
 
     ids = torch.tensor([[1, 2, 2], [3, 1, 6]])  # row 1 twice, 2 (padding) twice
     weight, pos_weight = torch.randn(7, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
-    _extension._C.set_python_kernels(reference.embedding_forward, reference.embedding_backward,
+    _extension._C.set_python_kernels(_node_forward(reference.embedding_forward), reference.embedding_backward,
                                      reference.embedding_sparse_backward)
     try:
         def node(ids, weight, pos_weight, padding_idx=None, scale_grad_by_freq=False, position_ids=None,
@@ -250,6 +251,19 @@ def test_the_node_passes_its_python_kernels_every_argument_of_the_reference_sche
         _restore_python_kernels()
 
 
+def _node_forward(forward):
+    """A forward of reference.embedding_forward's schema as the node calls its Python forward
+    (pyembed._triton.node_forward's arguments): into the output the node allocated, which
+    must be the forward's own shape, dtype and device."""
+    def node_forward(out, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
+                     error_record):
+        result = forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
+                         0, 0, error_record)
+        assert (out.shape, out.dtype, out.device) == (result.shape, result.dtype, result.device)
+        return out.copy_(result)
+    return node_forward
+
+
 def _restore_python_kernels():
     """triton's own kernels back in the node wherever the backend registered them -- on a
     GPU machine too, where it runs only on CUDA tensors (not in CPU_BACKENDS) and the later
@@ -257,7 +271,7 @@ def _restore_python_kernels():
     if "triton" in dispatch._registry:
         from pyembed import _extension, _triton
 
-        _extension._C.set_python_kernels(_triton.forward, _triton.backward, _triton.sparse_backward)
+        _extension._C.set_python_kernels(_triton.node_forward, _triton.backward, _triton.sparse_backward)
 
 
 class _Raised(Exception):
@@ -278,7 +292,7 @@ def test_an_exception_in_a_python_kernel_reaches_the_caller_as_raised():
         _extension._C.set_python_kernels(raising, raising, raising)
         with pytest.raises(_Raised, match="from the kernel"):
             _extension._C.embedding_python_kernels(ids, weight, None, None, "none", 1.0, 0, None, False, True, 0)
-        _extension._C.set_python_kernels(reference.embedding_forward, raising, raising)
+        _extension._C.set_python_kernels(_node_forward(reference.embedding_forward), raising, raising)
         out = _extension._C.embedding_python_kernels(ids, weight, None, None, "none", 1.0, 0, None, False, True, 0)
         torch.testing.assert_close(out, weight.detach()[ids], rtol=0, atol=0)
         with pytest.raises(_Raised, match="from the kernel"):

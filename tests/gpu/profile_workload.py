@@ -269,7 +269,7 @@ def host_only_costs(backends, calls=40, rounds=3):
     if "triton" in backends and getattr(_extension._C, "set_python_kernels", None) is not None:
         from pyembed import _triton
 
-        python_kernels = (_triton.forward, _triton.backward, _triton.sparse_backward)
+        python_kernels = (_triton.node_forward, _triton.backward, _triton.sparse_backward)
         _extension._C.set_python_kernels(python_kernels[0], _timed(python_kernels[1], spent), python_kernels[2])
     # A fused table's node runs the update through the fused_step registered with _C.
     has_fused_step = getattr(_extension._C, "set_fused_step", None) is not None
