@@ -37,10 +37,11 @@ def _compile(out_dir):
     for arch in ARCHS:
         keep = out_dir / f"sm_{arch}"
         keep.mkdir()
-        cmd = [str(pathlib.Path(CUDA_HOME) / "bin" / "nvcc"), "-cubin",
-               str(ROOT / "csrc" / "cuda" / "embedding_cuda.cu"), "-o", str(keep / "embedding_cuda.cubin"), "-keep", f"-keep-dir={keep}", "-O3", "-std=c++20",
-               "-Xptxas", "-v", "-D_GLIBCXX_USE_CXX11_ABI=1", f"-I{sys.prefix}/include",
-               *cpp_extension.COMMON_NVCC_FLAGS, *[f"-I{p}" for p in includes],
+        nvcc = str(pathlib.Path(CUDA_HOME) / "bin" / "nvcc")
+        cmd = [nvcc, "-cubin", str(ROOT / "csrc" / "cuda" / "embedding_cuda.cu"),
+               "-o", str(keep / "embedding_cuda.cubin"), "-keep", f"-keep-dir={keep}", "-O3", "-std=c++20",
+               "-Xptxas", "-v", "-D_GLIBCXX_USE_CXX11_ABI=1",
+               f"-I{sys.prefix}/include", *cpp_extension.COMMON_NVCC_FLAGS, *[f"-I{p}" for p in includes],
                "-gencode", f"arch=compute_{arch},code=sm_{arch}"]
         procs[arch] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     reports = {arch: proc.communicate()[1] for arch, proc in procs.items()}
