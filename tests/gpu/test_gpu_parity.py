@@ -254,6 +254,27 @@ def test_compiled_layer_has_no_graph_breaks_on_gpu(pos_encoding):
         torch.testing.assert_close(grad, layer.token_embedding.weight.grad, msg=backend)
 
 
+@pytest.mark.parametrize("backend", _kernel_backends())
+def test_compiled_decoding_loop_takes_every_offset_in_two_compiles_on_gpu(backend):
+    # tests/test_dispatch.py's decoding loop under Inductor on CUDA tensors: a prefill, then
+    # one token a step at a new offset; two compiles in all, eager's outputs.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    _kernel_ops(backend)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = pyembed.EmbeddingLayer(1000, 128, 256, scale_embeddings=True, backend=backend).cuda()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    with torch.no_grad():
+        ids = torch.randint(0, 1000, (2, 16), device="cuda")
+        torch.testing.assert_close(compiled(ids), layer(ids))
+        for offset in range(16, 28):
+            ids = torch.randint(0, 1000, (2, 1), device="cuda")
+            torch.testing.assert_close(compiled(ids, offset=offset), layer(ids, offset=offset))
+    assert counter.frame_count == 2
+
+
 def test_learned_position_gradient_past_2_to_the_31_elements():
     # dP[t] = sum over b of dout[b, t]: the last batch row starts past element 2^31.
     if torch.cuda.get_device_properties(0).total_memory < 24 * 2**30:
