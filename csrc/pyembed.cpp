@@ -142,7 +142,7 @@ struct PythonKernels final : pyembed::LookupKernels {
     at::Tensor out = at::empty(sizes, weight.options());
     py::gil_scoped_acquire gil;
     return forward_fn(out, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
-                      error_record)
+                      0, 0, error_record)
         .cast<at::Tensor>();
   }
 
@@ -297,8 +297,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pyembed::set_python_kernels(
             std::make_unique<PythonKernels>(std::move(forward), std::move(backward), std::move(sparse_backward)));
       },
-      "the forward (pyembed._triton.node_forward's signature), dense and sparse backward (pyembed/reference.py's "
-      "schemas) embedding_python_kernels runs",
+      "the forward (into the output the node allocates, then pyembed/reference.py's schema: "
+      "pyembed._triton.node_forward), dense and sparse backward (reference.py's schemas) embedding_python_kernels runs",
       py::arg("forward"), py::arg("backward"), py::arg("sparse_backward"));
   // The GIL stays held: the forward is Python.
   def_embedding_call(m, "embedding_python_kernels", &pyembed::embedding_python_kernels,

@@ -106,27 +106,21 @@ def forward(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.
     host time 11 -> 5 us on the development VM (stand-in driver, ``python -m bench.triton_host``)."""
     if error_record:
         checks.raise_pending_error(weight.device)
-    return _lookup(None, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key,
-                   dropout_p, sinusoid_column_offset, sinusoid_dim, error_record)
+    return node_forward(None, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key,
+                        dropout_p, sinusoid_column_offset, sinusoid_dim, error_record)
 
 
-def node_forward(out: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
+def node_forward(out: Optional[torch.Tensor], ids: torch.Tensor, weight: torch.Tensor,
                  pos_weight: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], pos_encoding: str,
                  scale: float, offset: int, dropout_key: Optional[torch.Tensor], dropout_p: float,
-                 error_record: int) -> torch.Tensor:
-    """The forward of pyembed::embedding's C++ node (csrc/pyembed.cpp, PythonKernels), into
-    ``out``, which the node allocated after raising an earlier call's finding itself. In
-    Python the two cost ~1.3 us (new_empty 1.1, the record's check with its torch.device
-    0.3); from C++ a one-token forward took ~1 us less on the development VM (stand-in
-    driver, ``python -m bench.triton_host``, best of three runs each: 14.3 -> 13.3 us with a
-    gradient, 11.0 -> 9.9 under no_grad)."""
-    return _lookup(out, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key,
-                   dropout_p, 0, 0, error_record)
-
-
-def _lookup(out, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
-            sinusoid_column_offset, sinusoid_dim, error_record) -> torch.Tensor:
-    """forward's launch into ``out`` (None: a new tensor), from its plan where it has one."""
+                 sinusoid_column_offset: int, sinusoid_dim: int, error_record: int) -> torch.Tensor:
+    """forward's launch into ``out`` (None: a new tensor), from its plan where it has one,
+    without forward's check of the record. The forward of pyembed::embedding's C++ node
+    (csrc/pyembed.cpp, PythonKernels), which raises an earlier call's finding and allocates
+    ``out`` itself: in Python the two cost ~1.3 us (new_empty 1.1, the record's check with
+    its torch.device 0.3); from C++ a one-token forward took ~1 us less on the development
+    VM (stand-in driver, ``python -m bench.triton_host``, best of three runs each: 14.3 ->
+    13.3 us with a gradient, 11.0 -> 9.9 under no_grad)."""
     plan = None
     plain = (position_ids is None and dropout_key is None and type(scale) is float and type(offset) is int
              and (pos_weight is None or pos_encoding == "learned"))

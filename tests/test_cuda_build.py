@@ -33,11 +33,11 @@ def _compile(out_dir):
     # build's host compile and cudafe++ add nothing to ptxas's report), and two processes
     # overlap where nvcc --threads=2 mostly did not (2 cores: 87 -> 59 s, the parsed report
     # the same). -keep leaves each architecture's PTX in its folder for the vector-width checks.
+    nvcc = str(pathlib.Path(CUDA_HOME) / "bin" / "nvcc")
     procs = {}
     for arch in ARCHS:
         keep = out_dir / f"sm_{arch}"
         keep.mkdir()
-        nvcc = str(pathlib.Path(CUDA_HOME) / "bin" / "nvcc")
         cmd = [nvcc, "-cubin", str(ROOT / "csrc" / "cuda" / "embedding_cuda.cu"),
                "-o", str(keep / "embedding_cuda.cubin"), "-keep", f"-keep-dir={keep}", "-O3", "-std=c++20",
                "-Xptxas", "-v", "-D_GLIBCXX_USE_CXX11_ABI=1",

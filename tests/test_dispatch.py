@@ -223,8 +223,8 @@ def test_plain_eager_triton_calls_take_the_cpp_node_with_the_same_results_as_the
 def test_the_node_passes_its_python_kernels_every_argument_of_the_reference_schemas():
     # The reference backend's own ops as the node's kernels give the reference backend's
     # results through its Python Function: each argument reaches its kernel in the order of
-    # pyembed._triton.node_forward (the forward into the output the node allocated) and
-    # reference.embedding_backward / _sparse_backward.
+    # reference.embedding_forward (after the output the node allocated: pyembed._triton.node_forward)
+    # / _backward / _sparse_backward.
     from pyembed import _extension, reference
 
     ids = torch.tensor([[1, 2, 2], [3, 1, 6]])  # row 1 twice, 2 (padding) twice
@@ -253,12 +253,10 @@ def test_the_node_passes_its_python_kernels_every_argument_of_the_reference_sche
 
 def _node_forward(forward):
     """A forward of reference.embedding_forward's schema as the node calls its Python forward
-    (pyembed._triton.node_forward's arguments): into the output the node allocated, which
-    must be the forward's own shape, dtype and device."""
-    def node_forward(out, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
-                     error_record):
-        result = forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
-                         0, 0, error_record)
+    (pyembed._triton.node_forward): the output the node allocated, which must be the
+    forward's own shape, dtype and device, then the schema's arguments."""
+    def node_forward(out, *arguments):
+        result = forward(*arguments)
         assert (out.shape, out.dtype, out.device) == (result.shape, result.dtype, result.device)
         return out.copy_(result)
     return node_forward
