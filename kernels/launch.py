@@ -170,6 +170,16 @@ class _Given:
     """A stand-in argument of the launcher's probe call (compared by identity)."""
 
 
+def device_getter(driver):
+    """``driver.get_current_device``, or where that is ``torch.cuda.current_device`` (Triton's
+    CUDA driver under torch), the C function it ends in, ``torch._C._cuda_getDevice``, which
+    initialises CUDA itself if need be: the Python function's own lazy-init check first
+    made it ~2.0 us a call on the H200's host, the C function ~0.6 (profile.log at 26f0ba6:
+    seven calls in a `triton` 8x2048 forward + backward, 14.6 us)."""
+    get = driver.get_current_device
+    return torch._C._cuda_getDevice if get is torch.cuda.current_device else get
+
+
 def _jit_context(device) -> tuple:
     """What of the JIT's state a compiled kernel was chosen under: the device and the
     global options that are part of Triton's key."""
@@ -270,7 +280,7 @@ class CachedLauncher:
 
     def launch(self, grid, args: tuple, constexprs: dict):
         driver = triton.runtime.driver.active
-        device = driver.get_current_device()
+        device = device_getter(driver)()
         runtime = knobs.runtime
         # A grid given as a tuple, and no hook that Triton's run calls before compiling or
         # launching; else Triton's own path (a callable grid is evaluated there).
@@ -348,7 +358,8 @@ def _bind(launcher: CachedLauncher, grid: tuple, args: tuple, constexprs: dict, 
           int_positions: list, float_positions: tuple = ()):
     """``bind`` by argument positions: a tuple of positions per tensor, a position per int,
     and per float (``LaunchPlan(floats=True)``'s: a float is not specialised on, only its type)."""
-    context = _jit_context(triton.runtime.driver.active.get_current_device())
+    driver = triton.runtime.driver.active
+    context = _jit_context(device_getter(driver)())
     compiled = launcher.launch(grid, args, constexprs)
     if (compiled is None or not launcher._plain(grid) or _launch_hooks(knobs.runtime)
             or not launcher._in_signature_order(args, constexprs)
@@ -368,11 +379,11 @@ def _bind(launcher: CachedLauncher, grid: tuple, args: tuple, constexprs: dict, 
     replaced = {p for group in tensor_positions for p in group} | set(int_positions) | set(float_positions)
     namespace = {f"A{p}": value for p, value in enumerate(fixed) if p not in replaced}
     namespace.update(knobs=knobs, triton=triton, launch_hooks=_launch_hooks, jit_context=_jit_context,
-                     int_class=int_class, CONTEXT=context,
+                     int_class=int_class, DRIVER=driver, CURRENT_DEVICE=device_getter(driver), CONTEXT=context,
                      CLASSES=tuple(int_class(args[p]) for p in int_positions), COMPILED=compiled,
                      GRID=tuple(grid) + (1,) * (3 - len(grid)), **c_globals)  # c_globals: direct_launch's C call
     replay = types.FunctionType(code, namespace, "replay")
-    replay.layout = layout  # (_given_addresses writes variants of it)
+    replay.layout = layout  # (_unchecked_launch writes a variant of it)
     return replay
 
 
@@ -421,8 +432,9 @@ class LaunchPlan:
     call ran no torch op but allocations and views, and every tensor its launches took was
     one of its inputs or a whole allocation, the call is its allocations and replays alone:
     not the helper's Python either (the `triton` one-token backward op ~13 -> ~6 us, the
-    8x2048 one ~32 -> ~15 us on the development VM, stand-in driver). Not with ``floats``:
-    the floats are no inputs of the call."""
+    8x2048 one ~32 -> ~15 us on the development VM, stand-in driver), and what each replay
+    checks before its launch checked once for all. Not with ``floats``: the floats are no
+    inputs of the call."""
 
     def __init__(self, floats: bool = False):
         # (kernel, the positions of the arguments replaced -- tensors, then floats --, replay
@@ -461,8 +473,8 @@ class LaunchPlan:
     def replay_whole(self, inputs: tuple):
         """The bound call again on new ``inputs`` (as ``bind_call`` had them: same metadata,
         contiguous, the caller's key says so): its allocations made and its launches replayed;
-        None where it was not planned whole or a replay refuses (then nothing the launches
-        before wrote is kept: they write only the call's allocations)."""
+        None, launching nothing, where it was not planned whole or its checks refuse (an
+        input not 16-byte aligned or on another device, another JIT state, a hook)."""
         return None if self.whole is None else self.whole(*inputs)
 
 
@@ -511,8 +523,8 @@ def _whole_call(launches: list, ops: _RecordedOps, inputs: tuple, outputs: tuple
     allocations and views, or a launch took a tensor that is neither an input nor the
     latest allocation at its address (a view at an offset), or an input shares the address
     (empty tensors). Written out as bind's replays are: a function of the inputs that makes
-    the allocations (on the first input's device) and calls each launch's replay with its
-    tensors.
+    the allocations (on the first input's device), checks once what each launch's replay
+    checks, and launches each with its tensors and the stream.
 
     The allocations it returns are made as the call made them; the others, temporaries
     that only its launches see (a sort's keys and order, segment bounds, partial sums), are
@@ -538,15 +550,25 @@ def _whole_call(launches: list, ops: _RecordedOps, inputs: tuple, outputs: tuple
             for extent in shape:
                 numel *= extent
             size += -(-numel * dtype.itemsize // WORKSPACE_ALIGNMENT) * WORKSPACE_ALIGNMENT
-    namespace = {"DTYPES": tuple(dtype for _, _, _, dtype, *_ in ops.allocated), "torch": torch}
+    # The JIT's state each launch was bound under: one for all (bound in one call), checked once.
+    bound = {name: launches[0][2].__globals__[name] for name in ("DRIVER", "CURRENT_DEVICE", "CONTEXT")}
+    if any(replay.__globals__[name] != value for _, _, replay, _, _ in launches for name, value in bound.items()):
+        return None
+    namespace = {"DTYPES": tuple(dtype for _, _, _, dtype, *_ in ops.allocated), "torch": torch, "triton": triton,
+                 "knobs": knobs, "jit_context": _jit_context, "launch_hooks": _launch_hooks, **bound}
     tensors = list(input_names.values())
+    # What each launch's replay checks, checked once here, before any launch: the inputs'
+    # alignment and device (the allocations are aligned, as torch's allocators align every
+    # block, and on the first input's device), the JIT's state (_READY); the launches then
+    # take their tensors' addresses and the stream alone. A misaligned input would make a
+    # later launch refuse after earlier ones ran; an input on another device would reach a
+    # launch as an address.
     lines = [f"def replay_whole({', '.join(f'i{k}' for k in range(len(inputs)))}):",
-             # A misaligned input would make a later launch refuse, after earlier ones ran; an
-             # input on another device would reach a launch as an address.
              f"    if ({' | '.join(f'{name}.data_ptr()' for name in tensors)}) & 15:",
              "        return None"]
     if len(tensors) > 1:
         lines += [f"    if not ({' == '.join(f'{name}.get_device()' for name in tensors)}):", "        return None"]
+    lines.append(_READY.format(refused="None").rstrip("\n"))
     if offsets:
         lines += [f"    workspace = i0.new_empty({size}, dtype=torch.uint8)", "    base = workspace.data_ptr()"]
     for k, (_, _, shape, dtype, *_) in enumerate(ops.allocated):
@@ -566,18 +588,20 @@ def _whole_call(launches: list, ops: _RecordedOps, inputs: tuple, outputs: tuple
             names.append(input_names[address] if latest is None else f"a{latest}")
             if latest in offsets:
                 given.append(j)
-        namespace[f"R{k}"] = _given_addresses(replay, tuple(given)) if given else replay
-        lines += [f"    if not R{k}({', '.join(names)}):", "        return None"]
+        namespace[f"L{k}"] = _unchecked_launch(replay, tuple(given))
+        lines.append(f"    L{k}({', '.join(['stream'] + names)})")
     lines.append(f"    return ({''.join(f'a{j}, ' for j in returned)})")
     exec("\n".join(lines), namespace)
     return namespace["replay_whole"]
 
 
-def _given_addresses(replay, given: tuple):
-    """``replay`` (a bound launch's) taking the tensors at ``given`` (indices among its
-    tensors) as addresses: the same globals, the code written for those."""
+def _unchecked_launch(replay, given: tuple):
+    """``replay``'s launch (a bound launch's) without its checks, ``launch(stream,
+    *tensors)``, taking the tensors at ``given`` (indices among its tensors) as addresses:
+    the same globals, the code written for those."""
     tensors, ints, count, c_call, _, floats = replay.layout
-    return types.FunctionType(_replay_code(tensors, ints, count, c_call, given, floats), replay.__globals__, "replay")
+    code = _replay_code(tensors, ints, count, c_call, given, floats, checked=False)
+    return types.FunctionType(code, replay.__globals__, "launch")
 
 
 class _PlanBinder(_LaunchSeam):
@@ -619,15 +643,30 @@ class _PlanReplayer(_LaunchSeam):
         return launch
 
 
+# What a replay checks of the JIT's state before it launches, and its stream: the driver it
+# was bound under, the current device's context and options as bound, no hook that Triton's
+# run would call. A whole replay checks it once for all its launches.
+_READY = ("    driver, runtime = triton.runtime.driver.active, knobs.runtime\n"
+          "    if driver is not DRIVER:\n"
+          "        return {refused}\n"
+          "    device = CURRENT_DEVICE()\n"
+          "    if (jit_context(device) != CONTEXT or runtime.add_stages_inspection_hook is not None\n"
+          "            or launch_hooks(runtime)):\n"
+          "        return {refused}\n"
+          "    stream = driver.get_current_stream(device)\n")
+
+
 @functools.lru_cache(maxsize=None)
 def _replay_code(tensor_positions: tuple, int_positions: tuple, count: int, c_call: tuple = None, given: tuple = (),
-                 float_positions: tuple = ()):
+                 float_positions: tuple = (), checked: bool = True):
     """The code of bind's replay for tensors at ``tensor_positions`` (a group per tensor),
     ints at ``int_positions`` and floats at ``float_positions`` (its parameters in that
     order), of ``count`` launcher arguments, launched by the launcher's C call of layout
     ``c_call`` (direct_launch's, its fixed values F0, F1, ... by position) or, None, by the
     launcher; the tensors whose indices are in ``given`` are passed as addresses (a whole
-    replay's workspace: the caller checked its device)."""
+    replay's workspace: the caller checked its device). Unchecked, the launch alone,
+    ``launch(stream, *tensors)``: a whole replay's, which checked its inputs and the JIT's
+    state (_READY) once for all its launches."""
     values = {p: f"p{j}" for j, group in enumerate(tensor_positions) for p in group}
     values.update({p: f"i{j}" for j, p in enumerate(int_positions)})
     values.update({p: f"f{j}" for j, p in enumerate(float_positions)})
@@ -640,35 +679,35 @@ def _replay_code(tensor_positions: tuple, int_positions: tuple, count: int, c_ca
     # (cuPointerGetAttribute) on every launch -- as Inductor's static launcher passes them.
     # That check refused a CPU tensor beside CUDA ones; here a tensor on another device
     # than the others refuses the replay (the caller's launch then takes Triton's path).
-    source = (
-        f"def replay({', '.join(tensors + ints + floats)}):\n"
-        + "".join(f"    p{j} = t{j}{'' if j in given else '.data_ptr()'}\n" for j in range(len(tensors))) +
-        f"    if ({' | '.join(f'p{j}' for j in range(len(tensors))) or '0'}) & 15:\n"
-        f"        return False\n"
-        f"    if not ({' == '.join(devices) if len(devices) > 1 else 'True'}):\n"
-        f"        return False\n"
-        f"    if ({''.join(f'int_class({i}), ' for i in ints)}) != CLASSES:\n"
-        f"        return False\n"
-        # an int where a float was bound would be another specialisation (int_class)
-        + (f"    if not ({' and '.join(f'type({f}) is float' for f in floats)}):\n"
-           f"        return False\n" if floats else "") +
-        f"    driver, runtime = triton.runtime.driver.active, knobs.runtime\n"
-        f"    device = driver.get_current_device()\n"
-        f"    if (jit_context(device) != CONTEXT or runtime.add_stages_inspection_hook is not None\n"
-        f"            or launch_hooks(runtime)):\n"
-        f"        return False\n"
-        f"    {_launch_call(c_call, [values.get(p, f'A{p}') for p in range(count)])}\n"
-        f"    return True\n")
+    addresses = "".join(f"    p{j} = t{j}{'' if j in given else '.data_ptr()'}\n" for j in range(len(tensors)))
+    launch = f"    {_launch_call(c_call, [values.get(p, f'A{p}') for p in range(count)])}\n"
+    if not checked:
+        assert not ints and not floats, "a whole replay's launches take tensors alone"
+        source = f"def launch({', '.join(['stream'] + tensors)}):\n" + addresses + launch
+    else:
+        source = (
+            f"def replay({', '.join(tensors + ints + floats)}):\n" + addresses +
+            f"    if ({' | '.join(f'p{j}' for j in range(len(tensors))) or '0'}) & 15:\n"
+            f"        return False\n"
+            f"    if not ({' == '.join(devices) if len(devices) > 1 else 'True'}):\n"
+            f"        return False\n"
+            f"    if ({''.join(f'int_class({i}), ' for i in ints)}) != CLASSES:\n"
+            f"        return False\n"
+            # an int where a float was bound would be another specialisation (int_class)
+            + (f"    if not ({' and '.join(f'type({f}) is float' for f in floats)}):\n"
+               f"        return False\n" if floats else "")
+            + _READY.format(refused="False") + launch + "    return True\n")
     module = compile(source, "<pyembed.kernels.launch.bind>", "exec")
     return next(c for c in module.co_consts if isinstance(c, types.CodeType))
 
 
 def _launch_call(c_call, arguments) -> str:
     """A launch statement: through the launcher, or its C call (``c_call``), given the
-    kernel's ``arguments`` as names (a replay's) or, None, as the tuple ``arguments`` with
-    the grid and stream as grid_x, grid_y, grid_z, stream (_launch_path's)."""
-    grid_and_stream = (["GRID[0]", "GRID[1]", "GRID[2]", "driver.get_current_stream(device)"] if arguments is not None
-                       else ["grid_x", "grid_y", "grid_z", "stream"])
+    kernel's ``arguments`` as names and the grid as GRID (a replay's) or, None, as the tuple
+    ``arguments`` with the grid as grid_x, grid_y, grid_z (_launch_path's); the stream as
+    ``stream``."""
+    grid_and_stream = (["GRID[0]", "GRID[1]", "GRID[2]"] if arguments is not None
+                       else ["grid_x", "grid_y", "grid_z"]) + ["stream"]
     launcher_arguments = grid_and_stream + ["COMPILED.function", "COMPILED.packed_metadata", "None", "None", "None"]
     packed = f"({''.join(a + ', ' for a in arguments)})" if arguments is not None else "arguments"
     if c_call is None:

@@ -65,9 +65,11 @@ _NO_GUARD = contextlib.nullcontext()
 def _on_device(t: torch.Tensor):
     """Triton launches on the *current* CUDA device; make it the tensors' device (a
     torchrun script may move tensors to cuda:rank without set_device). Usually it already
-    is, and then no guard is entered (a device switch costs the host microseconds)."""
+    is, and then no guard is entered (a device switch costs the host microseconds). The
+    current device as kernels.launch.device_getter reads it: torch.cuda.current_device's C
+    function, without the Python function's lazy-init check (~2.0 -> ~0.6 us on a GPU's host)."""
     index = t.get_device()  # -1 on the CPU; cheaper than t.device.type
-    if index < 0 or index == torch.cuda.current_device():
+    if index < 0 or index == torch._C._cuda_getDevice():
         return _NO_GUARD
     return torch.cuda.device(index)
 

@@ -198,7 +198,8 @@ def test_a_launch_makes_the_launchers_c_call_itself_where_the_launcher_makes_one
     namespace = dict(triton=types.SimpleNamespace(runtime=types.SimpleNamespace(driver=types.SimpleNamespace(
                      active=driver))), knobs=types.SimpleNamespace(runtime=types.SimpleNamespace(
                      add_stages_inspection_hook=None)), launch_hooks=lambda runtime: False,
-                     jit_context=lambda device: "context", CONTEXT="context", int_class=launch.int_class, CLASSES=(),
+                     jit_context=lambda device: "context", CONTEXT="context", DRIVER=driver,
+                     CURRENT_DEVICE=driver.get_current_device, int_class=launch.int_class, CLASSES=(),
                      COMPILED=compiled, GRID=(8, 2, 1), A1=2.5, A2="x", **c_globals)
     replay = types.FunctionType(launch._replay_code(((0,),), (), 3, c_call), namespace)
     calls.clear()
