@@ -3,6 +3,7 @@
 // Each op is declared once here; its CPU kernel registers in csrc/cpu/ and its CUDA
 // kernel in csrc/cuda/ (TORCH_LIBRARY_IMPL), so the dispatcher picks by device. The
 // schemas match pyembed/reference.py, whose fake implementations serve these ops too.
+#include <c10/core/DeviceGuard.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <torch/version.h>
@@ -10,6 +11,9 @@
 #include "autograd.h"
 #include "checks.h"
 #include "cpu/kernel_api.h"
+
+#include <cstring>
+#include <limits>
 
 // Set by setup.py when the CUDA kernels are compiled in.
 #ifndef PYEMBED_CUDA_ARCH_LIST
@@ -118,6 +122,41 @@ using EmbeddingOp = at::Tensor(const at::Tensor& ids, const at::Tensor& weight,
                                bool scale_grad_by_freq, bool validate, int64_t error_record, double dropout_p,
                                const std::optional<at::Generator>& generator, bool sparse);
 
+// The launch replays of plain `triton` lookups (no position_ids, no dropout) by metadata:
+// pyembed._triton.node_forward binds one per metadata (kernels/launch.py's bind) and gives it
+// here too (set_forward_replay). The node's forward replays it itself, without node_forward's
+// Python: its 13 arguments made Python objects, its key over them, its device guard. Read
+// and written with the GIL held; never freed (as the kernels: a node may run one at exit).
+static auto* const forward_replays = new std::vector<std::pair<std::vector<int64_t>, py::object>>();
+constexpr size_t kMaxForwardReplays = 64;  // a server's stream of new shapes starts them afresh
+
+// What a plain lookup's replay is bound to besides its tensors' addresses and the offset,
+// as node_forward's key: shapes, dtypes, device, positional mode, scale, the offset's class as
+// Triton specialises an int (kernels/launch.py's int_class), the error record. Empty: not plain.
+static std::vector<int64_t> forward_replay_key(const at::Tensor& ids, const at::Tensor& weight,
+                                               const std::optional<at::Tensor>& pos_weight,
+                                               std::string_view pos_encoding, double scale, int64_t offset,
+                                               int64_t error_record) {
+  const int64_t mode = pos_encoding == "none"         ? 0
+                       : pos_encoding == "learned"    ? 1
+                       : pos_encoding == "sinusoidal" ? 2
+                                                      : -1;
+  if (mode < 0 || (pos_weight.has_value() != (mode == 1))) return {};
+  std::vector<int64_t> key{ids.dim()};
+  key.insert(key.end(), ids.sizes().begin(), ids.sizes().end());
+  int64_t scale_bits;
+  std::memcpy(&scale_bits, &scale, sizeof scale_bits);
+  const bool int32 = offset >= std::numeric_limits<int32_t>::min() && offset <= std::numeric_limits<int32_t>::max();
+  key.insert(key.end(), {static_cast<int64_t>(ids.scalar_type()), weight.size(0), weight.size(1),
+                         static_cast<int64_t>(weight.scalar_type()), static_cast<int64_t>(weight.device().type()),
+                         weight.device().index(), mode, scale_bits,
+                         offset == 1 ? 0 : (int32 ? 1 : 3) + (offset % 16 == 0), error_record});
+  if (pos_weight) {
+    key.insert(key.end(), {pos_weight->size(0), pos_weight->size(1), static_cast<int64_t>(pos_weight->scalar_type())});
+  }
+  return key;
+}
+
 // The kernels of a backend whose launches are Python (triton), for pyembed::embedding's node
 // (csrc/autograd.cpp): its Python autograd.Function and argument checks cost a one-token
 // lookup with a gradient more host time than the launch itself; through the C++ node only
@@ -141,6 +180,20 @@ struct PythonKernels final : pyembed::LookupKernels {
     sizes.push_back(weight.size(1));
     at::Tensor out = at::empty(sizes, weight.options());
     py::gil_scoped_acquire gil;
+    if (!forward_replays->empty() && !position_ids && !dropout_key && ids.is_contiguous() && weight.is_contiguous() &&
+        (!pos_weight || pos_weight->is_contiguous())) {
+      const std::vector<int64_t> key =
+          forward_replay_key(ids, weight, pos_weight, pos_encoding, scale, offset, error_record);
+      for (const auto& [bound, held] : *forward_replays) {
+        if (bound != key) continue;
+        const py::object replay = held;  // held through the call, whatever it sets
+        c10::OptionalDeviceGuard on_device;  // Triton launches on the current device
+        if (weight.is_cuda()) on_device.reset_device(weight.device());
+        // False: it launched nothing (a profiler hook, a misaligned tensor, ...); node_forward decides.
+        if (replay(ids, weight, pos_weight ? *pos_weight : weight, out, offset).cast<bool>()) return out;
+        break;
+      }
+    }
     return forward_fn(out, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
                       0, 0, error_record)
         .cast<at::Tensor>();
@@ -300,6 +353,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "the forward (into the output the node allocates, then pyembed/reference.py's schema: "
       "pyembed._triton.node_forward), dense and sparse backward (reference.py's schemas) embedding_python_kernels runs",
       py::arg("forward"), py::arg("backward"), py::arg("sparse_backward"));
+  m.def(
+      "set_forward_replay",
+      [](const at::Tensor& ids, const at::Tensor& weight, const std::optional<at::Tensor>& pos_weight,
+         std::string_view pos_encoding, double scale, int64_t offset, int64_t error_record, py::object replay) {
+        std::vector<int64_t> key = forward_replay_key(ids, weight, pos_weight, pos_encoding, scale, offset, error_record);
+        if (key.empty()) return;
+        for (auto& [bound, held] : *forward_replays) {
+          if (bound == key) {
+            held = std::move(replay);
+            return;
+          }
+        }
+        if (forward_replays->size() >= kMaxForwardReplays) forward_replays->clear();
+        forward_replays->emplace_back(std::move(key), std::move(replay));
+      },
+      "keep the launch replay pyembed._triton.node_forward bound for a plain lookup of this metadata (its "
+      "arguments), which embedding_python_kernels' node then replays itself: replay(ids, weight, pos_weight or "
+      "weight, out, offset) -> bool",
+      py::arg("ids"), py::arg("weight"), py::arg("pos_weight"), py::arg("pos_encoding"), py::arg("scale"),
+      py::arg("offset"), py::arg("error_record"), py::arg("replay"));
+  m.def("clear_forward_replays", [] { forward_replays->clear(); }, "forget every set_forward_replay");
   // The GIL stays held: the forward is Python.
   def_embedding_call(m, "embedding_python_kernels", &pyembed::embedding_python_kernels,
                      "pyembed::embedding's call (its checks and C++ autograd node) with the kernels "

@@ -14,8 +14,10 @@ registered as ops so ``torch.compile`` sees them:
 Eager calls on real tensors run the forward and dense backward bodies (``forward``,
 ``backward``) directly: a Python custom op's dispatch costs more host time than the
 launch itself (pyembed.dispatch.Backend.eager_forward); from a metadata's second or third
-call on, their launches replay plans kept per metadata (kernels/launch.py). The ops serve
-torch.compile, torch.func and fake-tensor tracing.
+call on, their launches replay plans kept per metadata (kernels/launch.py), and a plain
+lookup's node (pyembed::embedding with these kernels) replays the forward's plan itself,
+from C++ (``set_forward_replay``). The ops serve torch.compile, torch.func and fake-tensor
+tracing.
 
 Imported by pyembed/__init__.py only when the triton package exists; triton itself is
 imported on first use, so ``import pyembed`` stays cheap. On CPU tensors
@@ -122,7 +124,9 @@ def node_forward(out: Optional[torch.Tensor], ids: torch.Tensor, weight: torch.T
     ``out`` itself: in Python the two cost ~1.3 us (new_empty 1.1, the record's check with
     its torch.device 0.3); from C++ a one-token forward took ~1 us less on the development
     VM (stand-in driver, ``python -m bench.triton_host``, best of three runs each: 14.3 ->
-    13.3 us with a gradient, 11.0 -> 9.9 under no_grad)."""
+    13.3 us with a gradient, 11.0 -> 9.9 under no_grad). The replay it binds for a plain
+    lookup it gives the node too (``_C.set_forward_replay``), which from then on replays it
+    without calling this function where the call has that metadata and contiguous tensors."""
     plan = None
     plain = (position_ids is None and dropout_key is None and type(scale) is float and type(offset) is int
              and (pos_weight is None or pos_encoding == "learned"))
@@ -151,7 +155,18 @@ def node_forward(out: Optional[torch.Tensor], ids: torch.Tensor, weight: torch.T
                    sinusoid_column_offset, sinusoid_dim, error_record, launch=binding or _direct, out=out)
     if binding is not None:
         _plans[key] = (tuple(out.shape), binding.replay) if binding.replay is not None else _UNPLANNED
+        if binding.replay is not None and hasattr(_C, "set_forward_replay"):
+            # The node (csrc/pyembed.cpp) keeps it too, and replays it without this function.
+            _C.set_forward_replay(ids, weight, pos_weight, pos_encoding, scale, offset, error_record, binding.replay)
     return out
+
+
+def clear_forward_plans() -> None:
+    """Forget every forward plan, the node's replays too: the next call of each metadata is
+    its first (bench.triton_host times one)."""
+    _plans.clear()
+    if hasattr(_C, "clear_forward_replays"):
+        _C.clear_forward_replays()
 
 
 # Launch plans by metadata key, forward's (output shape, replay) and backward's LaunchPlan:

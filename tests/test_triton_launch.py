@@ -67,8 +67,11 @@ def test_a_profilers_launch_hook_sees_cached_launches_as_it_sees_tritons():
     assert result["same_launches"]
 
 
-def test_the_eager_forward_replays_its_plan_and_launches_what_triton_would():
-    result = _worker("planned")
+@pytest.mark.parametrize("entry", ["planned", "planned-node"])
+def test_the_eager_forward_replays_its_plan_and_launches_what_triton_would(entry):
+    # planned-node: through pyembed::embedding's node (a one-token lookup's path), which
+    # replays the plans itself -- the calls listed launched without node_forward's Python.
+    result = _worker(entry)
     assert result["mismatches"] == []  # every call, replayed or not, launched Triton's binary and arguments
     # A metadata's third call on replays (its first is remembered, its second bound), with
     # the call's own tensors; an offset of the bound specialisation (% 16, not 1) replays

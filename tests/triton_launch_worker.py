@@ -224,22 +224,33 @@ def _count_cached_launches() -> list:
     return counts
 
 
-def check_planned_forward():
+def check_planned_forward(through_node: bool = False):
     """pyembed/_triton.py's forward plans (kernels.launch.bind): a call after a call of the
     same metadata replays the bound kernel, and every call -- replayed or declined to
     ``cached`` (an offset of another specialisation, a misaligned or non-contiguous tensor,
     a profiler hook) -- launches what Triton's own run launches for it, with the call's own
-    tensors."""
+    tensors. ``through_node``: each call is a one-token lookup's, pyembed::embedding's node
+    with Python kernels (csrc/pyembed.cpp), which replays the plans node_forward gave it
+    (set_forward_replay) itself: ``replayed`` then lists the calls that launched without
+    node_forward and without the cached launcher."""
     from triton import knobs
 
-    from pyembed import _triton, checks
+    from pyembed import _C, _triton, checks
 
     _triton._INTERPRETED = True
-    _triton._plans.clear()
+    _triton.clear_forward_plans()
     through_cached = _count_cached_launches()
+    node_calls = []
+    if through_node:
+        def counted_node_forward(*args):
+            node_calls[-1] += 1
+            return _triton.node_forward(*args)
+        _C.set_python_kernels(counted_node_forward, _triton.backward, _triton.sparse_backward)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 100, (2, 16), generator=gen)
     weight, pos = torch.randn(100, 64, generator=gen), torch.randn(40, 64, generator=gen)
+    # The node reads an error record before it launches: a real one (its slots stay zero).
+    record = checks.error_record_address(torch.device("cpu")) if through_node else 2**40
     base = dict(ids=ids, weight=weight, pos=pos, encoding="learned", offset=0, record=0)
     hook = lambda metadata: None  # noqa: E731
     calls = [("first", {}), ("second", {}), ("third", {}), ("new tensors", dict(ids=ids.clone(), weight=weight.clone(),
@@ -249,14 +260,21 @@ def check_planned_forward():
              ("misaligned table", dict(weight=torch.randn(100 * 64 + 1)[1:].view(100, 64))),
              ("non-contiguous ids", dict(ids=ids.t().contiguous().t())),
              ("profiler hook", dict(hook=True)),
-             ("error record", dict(record=2**40)), ("error record again", dict(record=2**40)),
-             ("error record, third", dict(record=2**40)),
+             ("error record", dict(record=record)), ("error record again", dict(record=record)),
+             ("error record, third", dict(record=record)),
              ("int32 ids", dict(ids=ids.int())), ("int32 ids again", dict(ids=ids.int())),
              ("int32 ids, third", dict(ids=ids.int())),
              ("sinusoid", dict(pos=None, encoding="sinusoidal")), ("sinusoid again", dict(pos=None, encoding="sinusoidal")),
              ("sinusoid, third", dict(pos=None, encoding="sinusoidal")),
              ("no positions", dict(pos=None, encoding="none")), ("no positions again", dict(pos=None, encoding="none")),
              ("no positions, third", dict(pos=None, encoding="none"))]
+
+    def lookup(ids, weight, pos, encoding, offset, record):
+        if through_node:
+            return _C.embedding_python_kernels(ids, weight, pos, None, encoding, 2.0, offset, None, False, False,
+                                              record, 0.0, None, False)
+        return _triton.forward(ids, weight, pos, None, encoding, 2.0, offset, None, 0.0, 0, 0, record)
+
     mismatches, replayed, own_tensors, addresses = [], [], [], []
     for name, change in calls:
         call = {**base, **change}
@@ -264,14 +282,14 @@ def check_planned_forward():
             knobs.runtime.launch_enter_hook.add(hook)
         launches.clear()
         through_cached.append(0)
+        node_calls.append(0)
         try:
-            out = _triton.forward(call["ids"], call["weight"], call["pos"], None, call["encoding"], 2.0,
-                                  call["offset"], None, 0.0, 0, 0, call["record"])
+            out = lookup(call["ids"], call["weight"], call["pos"], call["encoding"], call["offset"], call["record"])
         finally:
             if call.get("hook"):
                 knobs.runtime.launch_enter_hook.remove(hook)
         got = launches.pop()
-        if not through_cached[-1]:
+        if not through_cached[-1] and not node_calls[-1]:
             replayed.append(name)
             # A replay launches the call's own tensors (the ids in the unused pointers' places).
             pos_or_weight = call["weight"] if call["pos"] is None else call["pos"]
@@ -289,7 +307,7 @@ def check_planned_forward():
     table, table_ids = torch.randn(300, 64), torch.randint(0, 300, (3, 5))
     held = [weakref.ref(table), weakref.ref(table_ids)]
     for _ in range(3):
-        held.append(weakref.ref(_triton.forward(table_ids, table, None, None, "none", 1.0, 0, None, 0.0)))
+        held.append(weakref.ref(lookup(table_ids, table, None, "none", 0, 0)))
     del table, table_ids
     launches.clear()  # the stand-in driver's record of them
     gc.collect()
@@ -583,6 +601,7 @@ def check_whole_plans():
 
 if __name__ == "__main__":
     {"forward": check_forward_variants, "eager": check_eager_calls, "hooks": check_profiler_hooks,
-     "planned": check_planned_forward, "planned-backward": check_planned_backward,
+     "planned": check_planned_forward, "planned-node": lambda: check_planned_forward(through_node=True),
+     "planned-backward": check_planned_backward,
      "planned-optimizer-backward": check_planned_optimizer_backward,
      "whole": check_whole_plans}[sys.argv[1]]()
