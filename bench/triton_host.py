@@ -66,7 +66,7 @@ def calls(vocab: int, dim: int) -> dict:
         weight.grad = pos_weight.grad = None
 
     def first_call():  # the no-grad forward as the first call of its metadata: no launch plan to replay
-        _triton.clear_forward_plans()
+        _triton.clear_plans(backward=False)
         return pyembed.fused_embedding(ids, frozen, frozen_pos, scale=2.0, backend="triton")
 
     batch_ids = torch.randint(0, vocab, (8, 2048))

@@ -122,16 +122,32 @@ using EmbeddingOp = at::Tensor(const at::Tensor& ids, const at::Tensor& weight,
                                bool scale_grad_by_freq, bool validate, int64_t error_record, double dropout_p,
                                const std::optional<at::Generator>& generator, bool sparse);
 
-// The launch replays of plain `triton` lookups (no position_ids, no dropout) by metadata:
-// pyembed._triton.node_forward binds one per metadata (kernels/launch.py's bind) and gives it
-// here too (set_forward_replay). The node's forward replays it itself, without node_forward's
-// Python: its 13 arguments made Python objects, its key over them, its device guard. Read
-// and written with the GIL held; never freed (as the kernels: a node may run one at exit).
-static auto* const forward_replays = new std::vector<std::pair<std::vector<int64_t>, py::object>>();
-constexpr size_t kMaxForwardReplays = 64;  // a server's stream of new shapes starts them afresh
+// Launch replays of `triton` calls by metadata, which pyembed::embedding's node (PythonKernels
+// below) calls itself, without the Python body it would call: pyembed._triton's node_forward
+// binds a plain lookup's launch (no position_ids, no dropout; kernels/launch.py's bind) and
+// backward a dense backward's allocations and launches whole (LaunchPlan.replay_whole), and
+// each gives its replay here too (set_forward_replay, set_backward_replay). Skipped: the
+// body's 13 arguments made Python objects, its key over them, its plan's lookup, its device
+// guard. Read and written with the GIL held; never freed (as the kernels: a node may run one
+// at exit). A key holds what the body's key holds, in integers.
+using Replays = std::vector<std::pair<std::vector<int64_t>, py::object>>;
+static auto* const forward_replays = new Replays();
+static auto* const backward_replays = new Replays();
+constexpr size_t kMaxReplays = 64;  // per direction: a server's stream of new shapes starts them afresh
 
-// What a plain lookup's replay is bound to besides its tensors' addresses and the offset,
-// as node_forward's key: shapes, dtypes, device, positional mode, scale, the offset's class as
+static int64_t bits_of(double value) {
+  int64_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  return bits;
+}
+
+static void append_sizes(std::vector<int64_t>& key, const at::Tensor& t) {
+  key.push_back(t.dim());
+  key.insert(key.end(), t.sizes().begin(), t.sizes().end());
+  key.push_back(static_cast<int64_t>(t.scalar_type()));
+}
+
+// A plain lookup's: shapes, dtypes, device, positional mode, scale, the offset's class as
 // Triton specialises an int (kernels/launch.py's int_class), the error record. Empty: not plain.
 static std::vector<int64_t> forward_replay_key(const at::Tensor& ids, const at::Tensor& weight,
                                                const std::optional<at::Tensor>& pos_weight,
@@ -142,19 +158,58 @@ static std::vector<int64_t> forward_replay_key(const at::Tensor& ids, const at::
                        : pos_encoding == "sinusoidal" ? 2
                                                       : -1;
   if (mode < 0 || (pos_weight.has_value() != (mode == 1))) return {};
-  std::vector<int64_t> key{ids.dim()};
-  key.insert(key.end(), ids.sizes().begin(), ids.sizes().end());
-  int64_t scale_bits;
-  std::memcpy(&scale_bits, &scale, sizeof scale_bits);
+  std::vector<int64_t> key;
+  append_sizes(key, ids);
+  append_sizes(key, weight);
   const bool int32 = offset >= std::numeric_limits<int32_t>::min() && offset <= std::numeric_limits<int32_t>::max();
-  key.insert(key.end(), {static_cast<int64_t>(ids.scalar_type()), weight.size(0), weight.size(1),
-                         static_cast<int64_t>(weight.scalar_type()), static_cast<int64_t>(weight.device().type()),
-                         weight.device().index(), mode, scale_bits,
+  key.insert(key.end(), {static_cast<int64_t>(weight.device().type()), weight.device().index(), mode, bits_of(scale),
                          offset == 1 ? 0 : (int32 ? 1 : 3) + (offset % 16 == 0), error_record});
-  if (pos_weight) {
-    key.insert(key.end(), {pos_weight->size(0), pos_weight->size(1), static_cast<int64_t>(pos_weight->scalar_type())});
-  }
+  if (pos_weight) append_sizes(key, *pos_weight);
   return key;
+}
+
+// A dense backward's: shapes, dtypes, device, every scalar, the dropout's p.
+static std::vector<int64_t> backward_replay_key(const at::Tensor& grad_out, const at::Tensor& ids,
+                                                const std::optional<at::Tensor>& position_ids, int64_t offset,
+                                                int64_t num_embeddings, int64_t num_positions, double scale,
+                                                std::optional<int64_t> padding_idx, bool scale_grad_by_freq,
+                                                bool need_weight_grad, bool need_pos_grad,
+                                                const std::optional<at::Tensor>& dropout_key, double dropout_p) {
+  std::vector<int64_t> key;
+  append_sizes(key, grad_out);
+  append_sizes(key, ids);
+  key.insert(key.end(), {static_cast<int64_t>(grad_out.device().type()), grad_out.device().index(), offset,
+                         num_embeddings, num_positions, bits_of(scale), padding_idx.has_value(),
+                         padding_idx.value_or(0), scale_grad_by_freq, need_weight_grad, need_pos_grad,
+                         dropout_key.has_value(), dropout_key ? bits_of(dropout_p) : 0, position_ids.has_value()});
+  if (position_ids) append_sizes(key, *position_ids);
+  return key;
+}
+
+// The replay kept under `key`, or None.
+static py::object find_replay(const Replays& replays, const std::vector<int64_t>& key) {
+  for (const auto& [bound, replay] : replays) {
+    if (bound == key) return replay;
+  }
+  return py::none();
+}
+
+// `replay` kept under `key`, in place of one there; all of them forgotten first at kMaxReplays.
+static void keep_replay(Replays& replays, std::vector<int64_t> key, py::object replay) {
+  if (key.empty()) return;
+  for (auto& [bound, held] : replays) {
+    if (bound == key) {
+      held = std::move(replay);
+      return;
+    }
+  }
+  if (replays.size() >= kMaxReplays) replays.clear();
+  replays.emplace_back(std::move(key), std::move(replay));
+}
+
+// A replay's calls run on the tensors' device, as the Python bodies' (Triton launches on the current one).
+static c10::OptionalDeviceGuard on_device_of(const at::Tensor& t) {
+  return c10::OptionalDeviceGuard(t.is_cuda() ? std::optional<c10::Device>(t.device()) : std::nullopt);
 }
 
 // The kernels of a backend whose launches are Python (triton), for pyembed::embedding's node
@@ -182,16 +237,13 @@ struct PythonKernels final : pyembed::LookupKernels {
     py::gil_scoped_acquire gil;
     if (!forward_replays->empty() && !position_ids && !dropout_key && ids.is_contiguous() && weight.is_contiguous() &&
         (!pos_weight || pos_weight->is_contiguous())) {
-      const std::vector<int64_t> key =
-          forward_replay_key(ids, weight, pos_weight, pos_encoding, scale, offset, error_record);
-      for (const auto& [bound, held] : *forward_replays) {
-        if (bound != key) continue;
-        const py::object replay = held;  // held through the call, whatever it sets
-        c10::OptionalDeviceGuard on_device;  // Triton launches on the current device
-        if (weight.is_cuda()) on_device.reset_device(weight.device());
+      const py::object replay =
+          find_replay(*forward_replays, forward_replay_key(ids, weight, pos_weight, pos_encoding, scale, offset,
+                                                           error_record));
+      if (!replay.is_none()) {
+        const auto on_device = on_device_of(weight);
         // False: it launched nothing (a profiler hook, a misaligned tensor, ...); node_forward decides.
         if (replay(ids, weight, pos_weight ? *pos_weight : weight, out, offset).cast<bool>()) return out;
-        break;
       }
     }
     return forward_fn(out, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
@@ -207,6 +259,20 @@ struct PythonKernels final : pyembed::LookupKernels {
                                               const std::optional<at::Tensor>& dropout_key,
                                               double dropout_p) const override {
     py::gil_scoped_acquire gil;
+    if (!backward_replays->empty()) {
+      const py::object replay = find_replay(
+          *backward_replays, backward_replay_key(grad_out, ids, position_ids, offset, num_embeddings, num_positions,
+                                                 scale, padding_idx, scale_grad_by_freq, need_weight_grad,
+                                                 need_pos_grad, dropout_key, dropout_p));
+      if (!replay.is_none()) {
+        const auto on_device = on_device_of(grad_out);
+        // Its inputs as the body planned it with them: contiguous (then None where it refuses).
+        const py::object grads =
+            replay(grad_out.contiguous(), ids.contiguous(),
+                   position_ids ? py::cast(position_ids->contiguous()) : py::none(), dropout_key);
+        if (!grads.is_none()) return grads.cast<std::tuple<at::Tensor, at::Tensor>>();
+      }
+    }
     return backward_fn(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
                        scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p)
         .cast<std::tuple<at::Tensor, at::Tensor>>();
@@ -357,23 +423,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "set_forward_replay",
       [](const at::Tensor& ids, const at::Tensor& weight, const std::optional<at::Tensor>& pos_weight,
          std::string_view pos_encoding, double scale, int64_t offset, int64_t error_record, py::object replay) {
-        std::vector<int64_t> key = forward_replay_key(ids, weight, pos_weight, pos_encoding, scale, offset, error_record);
-        if (key.empty()) return;
-        for (auto& [bound, held] : *forward_replays) {
-          if (bound == key) {
-            held = std::move(replay);
-            return;
-          }
-        }
-        if (forward_replays->size() >= kMaxForwardReplays) forward_replays->clear();
-        forward_replays->emplace_back(std::move(key), std::move(replay));
+        keep_replay(*forward_replays,
+                    forward_replay_key(ids, weight, pos_weight, pos_encoding, scale, offset, error_record),
+                    std::move(replay));
       },
       "keep the launch replay pyembed._triton.node_forward bound for a plain lookup of this metadata (its "
-      "arguments), which embedding_python_kernels' node then replays itself: replay(ids, weight, pos_weight or "
+      "arguments), which embedding_python_kernels' node then calls itself: replay(ids, weight, pos_weight or "
       "weight, out, offset) -> bool",
       py::arg("ids"), py::arg("weight"), py::arg("pos_weight"), py::arg("pos_encoding"), py::arg("scale"),
       py::arg("offset"), py::arg("error_record"), py::arg("replay"));
-  m.def("clear_forward_replays", [] { forward_replays->clear(); }, "forget every set_forward_replay");
+  m.def(
+      "set_backward_replay",
+      [](const at::Tensor& grad_out, const at::Tensor& ids, const std::optional<at::Tensor>& position_ids,
+         int64_t offset, int64_t num_embeddings, int64_t num_positions, double scale,
+         std::optional<int64_t> padding_idx, bool scale_grad_by_freq, bool need_weight_grad, bool need_pos_grad,
+         const std::optional<at::Tensor>& dropout_key, double dropout_p, py::object replay) {
+        keep_replay(*backward_replays,
+                    backward_replay_key(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale,
+                                        padding_idx, scale_grad_by_freq, need_weight_grad, need_pos_grad,
+                                        dropout_key, dropout_p),
+                    std::move(replay));
+      },
+      "keep the whole replay pyembed._triton.backward planned for a dense backward of this metadata (its "
+      "arguments), which embedding_python_kernels' node then calls itself: replay(grad_out, ids, position_ids, "
+      "dropout_key) -> (weight_grad, pos_grad) or None");
+  m.def(
+      "clear_replays",
+      [](bool forward, bool backward) {
+        if (forward) forward_replays->clear();
+        if (backward) backward_replays->clear();
+      },
+      "forget every set_forward_replay, set_backward_replay or both", py::arg("forward") = true,
+      py::arg("backward") = true);
   // The GIL stays held: the forward is Python.
   def_embedding_call(m, "embedding_python_kernels", &pyembed::embedding_python_kernels,
                      "pyembed::embedding's call (its checks and C++ autograd node) with the kernels "

@@ -14,10 +14,10 @@ registered as ops so ``torch.compile`` sees them:
 Eager calls on real tensors run the forward and dense backward bodies (``forward``,
 ``backward``) directly: a Python custom op's dispatch costs more host time than the
 launch itself (pyembed.dispatch.Backend.eager_forward); from a metadata's second or third
-call on, their launches replay plans kept per metadata (kernels/launch.py), and a plain
-lookup's node (pyembed::embedding with these kernels) replays the forward's plan itself,
-from C++ (``set_forward_replay``). The ops serve torch.compile, torch.func and fake-tensor
-tracing.
+call on, their launches replay plans kept per metadata (kernels/launch.py), and a lookup's
+node (pyembed::embedding with these kernels) calls a plain forward's replay and a dense
+backward's whole replay itself, from C++ (``set_forward_replay``, ``set_backward_replay``).
+The ops serve torch.compile, torch.func and fake-tensor tracing.
 
 Imported by pyembed/__init__.py only when the triton package exists; triton itself is
 imported on first use, so ``import pyembed`` stays cheap. On CPU tensors
@@ -161,12 +161,16 @@ def node_forward(out: Optional[torch.Tensor], ids: torch.Tensor, weight: torch.T
     return out
 
 
-def clear_forward_plans() -> None:
-    """Forget every forward plan, the node's replays too: the next call of each metadata is
-    its first (bench.triton_host times one)."""
-    _plans.clear()
-    if hasattr(_C, "clear_forward_replays"):
-        _C.clear_forward_replays()
+def clear_plans(forward: bool = True, backward: bool = True) -> None:
+    """Forget the forward's or the dense backward's plans, or both, the node's replays of them
+    too: the next call of each metadata is its first (bench.triton_host times one; a setting
+    read when a call is planned, e.g. PYEMBED_TRITON_ROW_TILES, applies from then on)."""
+    if forward:
+        _plans.clear()
+    if backward:
+        _backward_plans.clear()
+    if hasattr(_C, "clear_replays"):
+        _C.clear_replays(forward, backward)
 
 
 # Launch plans by metadata key, forward's (output shape, replay) and backward's LaunchPlan:
@@ -194,7 +198,7 @@ def _direct(kernel):
     return _kernels().cached(kernel)
 
 
-def _planned(plans: dict, key, inputs: tuple, run, floats: bool = False):
+def _planned(plans: dict, key, inputs: tuple, run, floats: bool = False, keep=None):
     """``run(launch)`` -- a helper's launches and allocations, returning a tuple of tensors
     -- planned per metadata ``key`` (kernels.launch.LaunchPlan): through the cached launcher
     at the metadata's first call, bound at its second, replayed from its third: whole (its
@@ -202,7 +206,8 @@ def _planned(plans: dict, key, inputs: tuple, run, floats: bool = False):
     else, else launch by launch. ``inputs``: the tensors ``run`` reads (None allowed),
     contiguous, the device's first; ``key`` holds everything else its launches follow from
     -- but the float arguments, with ``floats`` (replayed launch by launch, each with the
-    call's own: an optimizer step's scalars)."""
+    call's own: an optimizer step's scalars). ``keep``: given the call's whole replay
+    (LaunchPlan.replay_whole's function of ``inputs``) when it is planned whole."""
     plan = plans.get(key)
     if plan is None:
         _note_first_call(plans, key)
@@ -213,6 +218,8 @@ def _planned(plans: dict, key, inputs: tuple, run, floats: bool = False):
         plan = _kernels().LaunchPlan(floats)
         result = plan.bind_call(run, inputs)
         plans[key] = plan if plan.complete else _UNPLANNED
+        if keep is not None and plan.whole is not None:
+            keep(plan.whole)
         return result
     with _on_device(inputs[0]):
         result = plan.replay_whole(inputs)
@@ -287,8 +294,10 @@ def backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[t
     launched with the call's tensors without the launch key over their ~20 arguments each;
     where the bound call was allocations and launches alone (every backward but those past
     the tile sort, which take torch's sort), the whole call is: its allocations made and
-    its launches replayed, none of this module's or the kernels' Python run. The key holds
-    everything the launches' other arguments, grids and constexprs follow from."""
+    its launches replayed, none of this module's or the kernels' Python run -- and that whole
+    replay the node (pyembed::embedding with these kernels) keeps too and calls itself,
+    without this function. The key holds everything the launches' other arguments, grids
+    and constexprs follow from."""
     def run(launch):  # the tensors as they are when it runs (made contiguous below for a plan)
         return _backward(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
                          scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p, launch=launch)
@@ -302,7 +311,13 @@ def backward(grad_out: torch.Tensor, ids: torch.Tensor, position_ids: Optional[t
     # The tensors as the bound call had them (its own .contiguous() calls are no-ops then).
     grad_out, ids = grad_out.contiguous(), ids.contiguous()
     position_ids = None if position_ids is None else position_ids.contiguous()
-    return _planned(_backward_plans, key, (grad_out, ids, position_ids, dropout_key), run)
+
+    def keep(whole):  # the node (csrc/pyembed.cpp) keeps it too, and calls it without this function
+        _C.set_backward_replay(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale,
+                               padding_idx, scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key,
+                               dropout_p, whole)
+    return _planned(_backward_plans, key, (grad_out, ids, position_ids, dropout_key), run,
+                    keep=keep if hasattr(_C, "set_backward_replay") else None)
 
 
 triton_backward = torch.library.custom_op("pyembed::triton_backward", mutates_args=())(backward)

@@ -86,6 +86,16 @@ def test_the_eager_forward_replays_its_plan_and_launches_what_triton_would(entry
     assert result["held_after_release"] == 0  # a plan keeps no table, ids or output alive
 
 
+def test_a_lookups_backward_replays_its_plan_from_the_node_and_launches_what_triton_would():
+    result = _worker("planned-node-backward")
+    assert result["mismatches"] == []  # every call's launches, in order, are Triton's binaries and arguments
+    # From a metadata's third call on the node replays the whole plan itself (no
+    # _triton.backward, no cached launch), with the call's own output gradient and ids, into
+    # the tables' gradients; a misaligned output gradient and a profiler hook do not.
+    assert result["replayed"] == ["third", "new tensors", "offset 3, third", "table alone, third", "few tokens, third"]
+    assert result["own_tensors"] and all(result["own_tensors"])
+
+
 def test_the_eager_backward_replays_its_plan_and_launches_what_triton_would():
     result = _worker("planned-backward")
     assert result["mismatches"] == []  # every call's launches, in order, are Triton's binaries and arguments

@@ -238,7 +238,7 @@ def check_planned_forward(through_node: bool = False):
     from pyembed import _C, _triton, checks
 
     _triton._INTERPRETED = True
-    _triton.clear_forward_plans()
+    _triton.clear_plans(backward=False)
     through_cached = _count_cached_launches()
     node_calls = []
     if through_node:
@@ -327,7 +327,7 @@ def check_planned_backward():
     from pyembed import _triton
 
     _triton._INTERPRETED = True
-    _triton._backward_plans.clear()
+    _triton.clear_plans(forward=False)
     through_cached = _count_cached_launches()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 300, (4, 64), generator=gen)
@@ -430,6 +430,74 @@ def check_planned_backward():
     print(json.dumps({"check": "planned backward", "mismatches": mismatches, "replayed": replayed,
                       "by_launch": by_launch, "own_tensors": own_tensors, "allocations": allocations,
                       "held_after_release": sum(ref() is not None for ref in held)}))
+
+
+def check_planned_node_backward():
+    """The dense backward as a lookup's ``.backward()`` runs it (pyembed::embedding's node
+    with Python kernels, csrc/pyembed.cpp): from a metadata's third call on the node calls
+    the whole replay that pyembed._triton.backward planned itself (set_backward_replay),
+    without _triton.backward; every call -- replayed there or not (a misaligned output
+    gradient, a profiler hook: _triton.backward's own path) -- launches what Triton's own run
+    launches for it, in the same order, with the call's own output gradient and ids and
+    into the gradients the tables get."""
+    from triton import knobs
+
+    from pyembed import _C, _triton
+
+    _triton._INTERPRETED = True
+    _triton.clear_plans()
+    through_cached = _count_cached_launches()
+    backward_calls = []
+
+    def counted_backward(*args):
+        backward_calls[-1] += 1
+        return _triton.backward(*args)
+    _C.set_python_kernels(_triton.node_forward, counted_backward, _triton.sparse_backward)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 300, (4, 64), generator=gen)
+    dout = torch.randn(4, 64, 32, generator=gen)
+    table, positions = torch.randn(300, 32, generator=gen), torch.randn(80, 32, generator=gen)
+    few = dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous())
+    hook = lambda metadata: None  # noqa: E731
+    calls = [("first", {}), ("second", {}), ("third", {}), ("new tensors", dict(dout=dout.clone(), ids=ids.clone())),
+             ("misaligned dout", dict(dout=torch.randn(dout.numel() + 1)[1:].view(dout.shape))),
+             ("profiler hook", dict(hook=True)),
+             ("offset 3", dict(offset=3)), ("offset 3 again", dict(offset=3)), ("offset 3, third", dict(offset=3)),
+             ("table alone", dict(pos=False)), ("table alone again", dict(pos=False)),
+             ("table alone, third", dict(pos=False)),
+             ("few tokens", few), ("few tokens again", few), ("few tokens, third", few)]
+    mismatches, replayed, own_tensors = [], [], []
+    for name, change in calls:
+        call = {"dout": dout, "ids": ids, "offset": 0, "pos": True, **change}
+        weight, pos = table.clone().requires_grad_(), positions.clone().requires_grad_(call["pos"])
+        through_cached.append(0)  # (the forward's)
+        out = _C.embedding_python_kernels(call["ids"], weight, pos, None, "learned", 2.0, call["offset"], None, False,
+                                          False, 0, 0.0, None, False)
+        if call.get("hook"):
+            knobs.runtime.launch_enter_hook.add(hook)
+        launches.clear()
+        through_cached.append(0)
+        backward_calls.append(0)
+        try:
+            out.backward(call["dout"])
+        finally:
+            if call.get("hook"):
+                knobs.runtime.launch_enter_hook.remove(hook)
+        got = list(launches)
+        if not through_cached[-1] and not backward_calls[-1]:
+            replayed.append(name)
+            pointers = {_address(a) for *_, arguments in got for a in arguments if isinstance(a, (torch.Tensor, int))}
+            own = [call["dout"], call["ids"], weight.grad] + ([pos.grad] if call["pos"] else [])
+            own_tensors.append({t.data_ptr() for t in own} <= pointers)
+        launches.clear()  # what Triton's own run launches for the same call
+        _triton._backward(call["dout"], call["ids"], None, call["offset"], 300, 80, 2.0, None, False, True,
+                          call["pos"], launch=lambda kernel: kernel)
+        if (len(got) != len(launches) or not all(map(_same_kind, got, launches))
+                or _wiring(got, launches) != _wiring(launches)):
+            mismatches.append(name)
+    launches.clear()
+    print(json.dumps({"check": "planned node backward", "mismatches": mismatches, "replayed": replayed,
+                      "own_tensors": own_tensors}))
 
 
 def check_planned_optimizer_backward():
@@ -602,6 +670,6 @@ def check_whole_plans():
 if __name__ == "__main__":
     {"forward": check_forward_variants, "eager": check_eager_calls, "hooks": check_profiler_hooks,
      "planned": check_planned_forward, "planned-node": lambda: check_planned_forward(through_node=True),
-     "planned-backward": check_planned_backward,
+     "planned-backward": check_planned_backward, "planned-node-backward": check_planned_node_backward,
      "planned-optimizer-backward": check_planned_optimizer_backward,
      "whole": check_whole_plans}[sys.argv[1]]()

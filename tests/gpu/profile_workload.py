@@ -476,11 +476,11 @@ def ncu_kernels(backends):
         from pyembed import _triton
 
         os.environ[ROW_TILES[0]] = "1"
-        _triton._backward_plans.clear()
+        _triton.clear_plans(forward=False)
         dispatch.get("triton").backward(dout, ids, None, 0, LLAMA3[0], pos_weight.shape[0], 64.0, None, False, True,
                                         True)
         del os.environ[ROW_TILES[0]]
-        _triton._backward_plans.clear()
+        _triton.clear_plans(forward=False)
     # The optimizer inside the backward: AdamW over every row of a Llama-2 bf16 table (p, m
     # and v each read and written once), 2048 rows with a gradient.
     table = torch.randn(32000, 4096, device="cuda", dtype=torch.bfloat16)
@@ -581,7 +581,7 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
             if backend == "triton":
                 from pyembed import _triton
 
-                _triton._backward_plans.clear()  # a plan replays the launches of the sort it was bound with
+                _triton.clear_plans(forward=False)  # a plan replays the launches of the sort it was bound with
             for table in (GPT2, LLAMA3):
                 for dtype in (torch.float32, torch.bfloat16):
                     sort_case(backend, which, table, dtype, batch, seq_len, calls)
@@ -613,7 +613,7 @@ def setting_cases(backend, setting, label, cases, batch, seq_len, calls):
     variable, values = setting
     for value in values:
         os.environ[variable] = value
-        _triton._backward_plans.clear()
+        _triton.clear_plans(forward=False)
         for table, dtype, dist in cases:
             sort_case(backend, f"tile sort, {value} {label}", table, dtype, batch, seq_len, calls, dist)
     del os.environ[variable]
