@@ -124,12 +124,12 @@ using EmbeddingOp = at::Tensor(const at::Tensor& ids, const at::Tensor& weight,
 
 // Launch replays of `triton` calls by metadata, which pyembed::embedding's node (PythonKernels
 // below) calls itself, without the Python body it would call: pyembed._triton's node_forward
-// binds a plain lookup's launch (no position_ids, no dropout; kernels/launch.py's bind) and
-// backward a dense backward's allocations and launches whole (LaunchPlan.replay_whole), and
-// each gives its replay here too (set_forward_replay, set_backward_replay). Skipped: the
-// body's 13 arguments made Python objects, its key over them, its plan's lookup, its device
-// guard. Read and written with the GIL held; never freed (as the kernels: a node may run one
-// at exit). A key holds what the body's key holds, in integers.
+// binds a lookup's launch (kernels/launch.py's bind) and backward a dense backward's
+// allocations and launches whole (LaunchPlan.replay_whole), and each gives its replay here too
+// (set_forward_replay, set_backward_replay). Skipped: the body's 13 arguments made Python
+// objects, its key over them, its plan's lookup, its device guard. Read and written with the
+// GIL held; never freed (as the kernels: a node may run one at exit). A key holds what the
+// body's key holds, in integers.
 using Replays = std::vector<std::pair<std::vector<int64_t>, py::object>>;
 static auto* const forward_replays = new Replays();
 static auto* const backward_replays = new Replays();
@@ -147,11 +147,14 @@ static void append_sizes(std::vector<int64_t>& key, const at::Tensor& t) {
   key.push_back(static_cast<int64_t>(t.scalar_type()));
 }
 
-// A plain lookup's: shapes, dtypes, device, positional mode, scale, the offset's class as
-// Triton specialises an int (kernels/launch.py's int_class), the error record. Empty: not plain.
+// A lookup's: shapes, dtypes, device, positional mode, scale, the offset's class as Triton
+// specialises an int (kernels/launch.py's int_class), the error record, the position ids'
+// shape (read where there is an encoding), the dropout's p. Empty: never planned.
 static std::vector<int64_t> forward_replay_key(const at::Tensor& ids, const at::Tensor& weight,
                                                const std::optional<at::Tensor>& pos_weight,
+                                               const std::optional<at::Tensor>& position_ids,
                                                std::string_view pos_encoding, double scale, int64_t offset,
+                                               const std::optional<at::Tensor>& dropout_key, double dropout_p,
                                                int64_t error_record) {
   const int64_t mode = pos_encoding == "none"         ? 0
                        : pos_encoding == "learned"    ? 1
@@ -162,8 +165,12 @@ static std::vector<int64_t> forward_replay_key(const at::Tensor& ids, const at::
   append_sizes(key, ids);
   append_sizes(key, weight);
   const bool int32 = offset >= std::numeric_limits<int32_t>::min() && offset <= std::numeric_limits<int32_t>::max();
+  const bool positions = position_ids.has_value() && mode != 0;
   key.insert(key.end(), {static_cast<int64_t>(weight.device().type()), weight.device().index(), mode, bits_of(scale),
-                         offset == 1 ? 0 : (int32 ? 1 : 3) + (offset % 16 == 0), error_record});
+                         offset == 1 ? 0 : (int32 ? 1 : 3) + (offset % 16 == 0), error_record,
+                         dropout_key.has_value(), dropout_key ? bits_of(dropout_p) : 0, positions,
+                         pos_weight.has_value()});
+  if (positions) key.insert(key.end(), position_ids->sizes().begin(), position_ids->sizes().end());
   if (pos_weight) append_sizes(key, *pos_weight);
   return key;
 }
@@ -235,15 +242,23 @@ struct PythonKernels final : pyembed::LookupKernels {
     sizes.push_back(weight.size(1));
     at::Tensor out = at::empty(sizes, weight.options());
     py::gil_scoped_acquire gil;
-    if (!forward_replays->empty() && !position_ids && !dropout_key && ids.is_contiguous() && weight.is_contiguous() &&
+    if (!forward_replays->empty() && ids.is_contiguous() && weight.is_contiguous() &&
         (!pos_weight || pos_weight->is_contiguous())) {
       const py::object replay =
-          find_replay(*forward_replays, forward_replay_key(ids, weight, pos_weight, pos_encoding, scale, offset,
-                                                           error_record));
+          find_replay(*forward_replays, forward_replay_key(ids, weight, pos_weight, position_ids, pos_encoding, scale,
+                                                           offset, dropout_key, dropout_p, error_record));
       if (!replay.is_none()) {
         const auto on_device = on_device_of(weight);
+        const at::Tensor& table = pos_weight ? *pos_weight : weight;
+        // As node_forward calls it: with position ids or a dropout key, both (the ids for one not given).
+        const bool positions = position_ids && pos_encoding != "none";
+        const py::object done =
+            positions || dropout_key
+                ? replay(ids, positions ? position_ids->to(at::kLong).contiguous() : ids,
+                         dropout_key ? *dropout_key : ids, weight, table, out, offset)
+                : replay(ids, weight, table, out, offset);
         // False: it launched nothing (a profiler hook, a misaligned tensor, ...); node_forward decides.
-        if (replay(ids, weight, pos_weight ? *pos_weight : weight, out, offset).cast<bool>()) return out;
+        if (done.cast<bool>()) return out;
       }
     }
     return forward_fn(out, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
@@ -422,16 +437,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "set_forward_replay",
       [](const at::Tensor& ids, const at::Tensor& weight, const std::optional<at::Tensor>& pos_weight,
-         std::string_view pos_encoding, double scale, int64_t offset, int64_t error_record, py::object replay) {
+         const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding, double scale, int64_t offset,
+         const std::optional<at::Tensor>& dropout_key, double dropout_p, int64_t error_record, py::object replay) {
         keep_replay(*forward_replays,
-                    forward_replay_key(ids, weight, pos_weight, pos_encoding, scale, offset, error_record),
+                    forward_replay_key(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
+                                       dropout_key, dropout_p, error_record),
                     std::move(replay));
       },
-      "keep the launch replay pyembed._triton.node_forward bound for a plain lookup of this metadata (its "
-      "arguments), which embedding_python_kernels' node then calls itself: replay(ids, weight, pos_weight or "
-      "weight, out, offset) -> bool",
-      py::arg("ids"), py::arg("weight"), py::arg("pos_weight"), py::arg("pos_encoding"), py::arg("scale"),
-      py::arg("offset"), py::arg("error_record"), py::arg("replay"));
+      "keep the launch replay pyembed._triton.node_forward bound for a lookup of this metadata (its arguments), "
+      "which embedding_python_kernels' node then calls itself: replay(ids, weight, pos_weight or weight, out, "
+      "offset) -> bool, or with position ids or dropout replay(ids, position_ids or ids, dropout_key or ids, "
+      "weight, pos_weight or weight, out, offset)",
+      py::arg("ids"), py::arg("weight"), py::arg("pos_weight"), py::arg("position_ids"), py::arg("pos_encoding"),
+      py::arg("scale"), py::arg("offset"), py::arg("dropout_key"), py::arg("dropout_p"), py::arg("error_record"),
+      py::arg("replay"));
   m.def(
       "set_backward_replay",
       [](const at::Tensor& grad_out, const at::Tensor& ids, const std::optional<at::Tensor>& position_ids,

@@ -1146,11 +1146,15 @@ def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scal
 
 
 # The forward's parameters that change between lookups of the same metadata (shapes,
-# dtypes, positional encoding, scale, error record; no position_ids or dropout): the tensors
-# -- the unused pointers take the ids, and the positional table's the table when there is
-# none, as embedding_forward passes them -- and the offset (a decoder's position).
+# dtypes, positional encoding, scale, error record, whether position_ids and a dropout key
+# are given, the dropout's p): the tensors -- the unused pointers take the ids, and the
+# positional table's the table when there is none, as embedding_forward passes them -- and
+# the offset (a decoder's position). FORWARD_REPLAYED for a lookup without position_ids or
+# dropout; FORWARD_REPLAYED_ALL with either: its replay takes both (the ids where one is not given).
 FORWARD_REPLAYED = dict(tensors=(("ids_ptr", "position_ids_ptr", "dropout_key_ptr"), "weight_ptr", "pos_weight_ptr",
                                  "out_ptr"), ints=("offset",))
+FORWARD_REPLAYED_ALL = dict(tensors=("ids_ptr", "position_ids_ptr", "dropout_key_ptr", "weight_ptr", "pos_weight_ptr",
+                                     "out_ptr"), ints=("offset",))
 
 
 BOUNDS_BLOCK = 1024  # sorted positions per program of the sort-input and segment-start kernels

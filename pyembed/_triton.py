@@ -124,40 +124,52 @@ def node_forward(out: Optional[torch.Tensor], ids: torch.Tensor, weight: torch.T
     ``out`` itself: in Python the two cost ~1.3 us (new_empty 1.1, the record's check with
     its torch.device 0.3); from C++ a one-token forward took ~1 us less on the development
     VM (stand-in driver, ``python -m bench.triton_host``, best of three runs each: 14.3 ->
-    13.3 us with a gradient, 11.0 -> 9.9 under no_grad). The replay it binds for a plain
-    lookup it gives the node too (``_C.set_forward_replay``), which from then on replays it
-    without calling this function where the call has that metadata and contiguous tensors."""
+    13.3 us with a gradient, 11.0 -> 9.9 under no_grad). The replay it binds it gives the
+    node too (``_C.set_forward_replay``), which from then on replays it without calling this
+    function where the call has that metadata and contiguous tensors."""
     plan = None
-    plain = (position_ids is None and dropout_key is None and type(scale) is float and type(offset) is int
-             and (pos_weight is None or pos_encoding == "learned"))
-    if plain:
+    positions = position_ids is not None and pos_encoding != "none"  # (without an encoding: unread)
+    planned = type(scale) is float and type(offset) is int and (pos_weight is None or pos_encoding == "learned")
+    if planned:
         # Everything the launch's fixed arguments, grid and binary depend on: of the offset (a
-        # decoder's position, new each step) only what Triton specialises it on; the
-        # tensors' alignment is checked by the replay.
+        # decoder's position, new each step) only what Triton specialises it on; of the
+        # position ids (as Hugging Face models pass them) their shape; of the dropout its p
+        # (the key is new each call). The tensors' alignment is checked by the replay.
         key = (ids.shape, ids.dtype, weight.shape, weight.dtype, weight.device,
                None if pos_weight is None else (pos_weight.shape, pos_weight.dtype), pos_encoding, scale,
-               _kernels().int_class(offset), sinusoid_column_offset, sinusoid_dim, error_record)
+               _kernels().int_class(offset), sinusoid_column_offset, sinusoid_dim, error_record,
+               position_ids.shape if positions else None, None if dropout_key is None else dropout_p)
         plan = _plans.get(key)
         if (type(plan) is tuple and ids.is_contiguous() and weight.is_contiguous()
                 and (pos_weight is None or pos_weight.is_contiguous())):
             out_shape, replay = plan
             if out is None:
                 out = weight.new_empty(*out_shape)  # ints: a torch.Size costs the host ~1.5 us more
+            table = weight if pos_weight is None else pos_weight
             with _on_device(weight):
-                if replay(ids, weight, weight if pos_weight is None else pos_weight, out, offset):
-                    return out
+                if positions or dropout_key is not None:  # (bound with FORWARD_REPLAYED_ALL)
+                    done = replay(ids, position_ids.long().contiguous() if positions else ids,
+                                  ids if dropout_key is None else dropout_key, weight, table, out, offset)
+                else:
+                    done = replay(ids, weight, table, out, offset)
+            if done:
+                return out
         elif plan is None:
             _note_first_call(_plans, key)
     reference.check_sinusoid_columns(pos_encoding, sinusoid_column_offset, sinusoid_dim, weight.shape[1])
     # A metadata's second call: launched through a Binding, which keeps the replay.
-    binding = _kernels().Binding(**_kernels().FORWARD_REPLAYED) if plan is _SEEN else None
+    binding = None
+    if plan is _SEEN:
+        k = _kernels()
+        binding = k.Binding(**(k.FORWARD_REPLAYED_ALL if positions or dropout_key is not None else k.FORWARD_REPLAYED))
     out = _forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
                    sinusoid_column_offset, sinusoid_dim, error_record, launch=binding or _direct, out=out)
     if binding is not None:
         _plans[key] = (tuple(out.shape), binding.replay) if binding.replay is not None else _UNPLANNED
         if binding.replay is not None and hasattr(_C, "set_forward_replay"):
             # The node (csrc/pyembed.cpp) keeps it too, and replays it without this function.
-            _C.set_forward_replay(ids, weight, pos_weight, pos_encoding, scale, offset, error_record, binding.replay)
+            _C.set_forward_replay(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key,
+                                  dropout_p, error_record, binding.replay)
     return out
 
 

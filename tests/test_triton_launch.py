@@ -77,8 +77,12 @@ def test_the_eager_forward_replays_its_plan_and_launches_what_triton_would(entry
     # the call's own tensors; an offset of the bound specialisation (% 16, not 1) replays
     # the same plan; a misaligned table, non-contiguous ids, a profiler hook and offsets of
     # another specialisation (1; 5, whose key is new until its second call) do not.
+    # Position ids (int32 ones converted, as the kernel reads int64) and dropout keys are the
+    # call's own too.
     assert result["replayed"] == ["third", "new tensors", "offset 16", "offset 7", "error record, third",
-                                  "int32 ids, third", "sinusoid, third", "no positions, third"]
+                                  "int32 ids, third", "sinusoid, third", "no positions, third",
+                                  "position ids, third", "new position ids", "int32 position ids", "dropout, third",
+                                  "dropout, position ids, third"]
     assert all(result["own_tensors"])
     # Their addresses, as ints: Triton's launcher then neither calls data_ptr() nor asks the
     # driver about each pointer (cuPointerGetAttribute) on every launch.

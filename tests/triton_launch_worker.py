@@ -229,13 +229,14 @@ def check_planned_forward(through_node: bool = False):
     same metadata replays the bound kernel, and every call -- replayed or declined to
     ``cached`` (an offset of another specialisation, a misaligned or non-contiguous tensor,
     a profiler hook) -- launches what Triton's own run launches for it, with the call's own
-    tensors. ``through_node``: each call is a one-token lookup's, pyembed::embedding's node
+    tensors, position ids (as Hugging Face models pass them) and dropout key among them.
+    ``through_node``: each call is a lookup's, pyembed::embedding's node
     with Python kernels (csrc/pyembed.cpp), which replays the plans node_forward gave it
     (set_forward_replay) itself: ``replayed`` then lists the calls that launched without
     node_forward and without the cached launcher."""
     from triton import knobs
 
-    from pyembed import _C, _triton, checks
+    from pyembed import _C, _triton, checks, reference
 
     _triton._INTERPRETED = True
     _triton.clear_plans(backward=False)
@@ -251,7 +252,9 @@ def check_planned_forward(through_node: bool = False):
     weight, pos = torch.randn(100, 64, generator=gen), torch.randn(40, 64, generator=gen)
     # The node reads an error record before it launches: a real one (its slots stay zero).
     record = checks.error_record_address(torch.device("cpu")) if through_node else 2**40
-    base = dict(ids=ids, weight=weight, pos=pos, encoding="learned", offset=0, record=0)
+    position_ids = torch.randint(0, 40, (2, 16), generator=gen)
+    base = dict(ids=ids, weight=weight, pos=pos, encoding="learned", offset=0, record=0, position_ids=None,
+                dropout=False)
     hook = lambda metadata: None  # noqa: E731
     calls = [("first", {}), ("second", {}), ("third", {}), ("new tensors", dict(ids=ids.clone(), weight=weight.clone(),
                                                                                  pos=pos.clone())),
@@ -267,13 +270,29 @@ def check_planned_forward(through_node: bool = False):
              ("sinusoid", dict(pos=None, encoding="sinusoidal")), ("sinusoid again", dict(pos=None, encoding="sinusoidal")),
              ("sinusoid, third", dict(pos=None, encoding="sinusoidal")),
              ("no positions", dict(pos=None, encoding="none")), ("no positions again", dict(pos=None, encoding="none")),
-             ("no positions, third", dict(pos=None, encoding="none"))]
+             ("no positions, third", dict(pos=None, encoding="none")),
+             ("position ids", dict(position_ids=position_ids)), ("position ids again", dict(position_ids=position_ids)),
+             ("position ids, third", dict(position_ids=position_ids)),
+             ("new position ids", dict(position_ids=position_ids.clone())),
+             ("int32 position ids", dict(position_ids=position_ids.int())),
+             ("dropout", dict(dropout=True)), ("dropout again", dict(dropout=True)),
+             ("dropout, third", dict(dropout=True)),
+             ("dropout, position ids", dict(dropout=True, position_ids=position_ids)),
+             ("dropout, position ids again", dict(dropout=True, position_ids=position_ids)),
+             ("dropout, position ids, third", dict(dropout=True, position_ids=position_ids))]
+    keys = torch.Generator().manual_seed(1)  # the dropout keys' (the node draws them from it)
 
-    def lookup(ids, weight, pos, encoding, offset, record):
+    def lookup(ids, weight, pos, encoding, offset, record, position_ids=None, dropout=False):
+        """The output, and the dropout key the call used (None without dropout)."""
+        state = keys.get_state()
+        key = reference.draw_dropout_key(torch.device("cpu"), keys) if dropout else None
         if through_node:
-            return _C.embedding_python_kernels(ids, weight, pos, None, encoding, 2.0, offset, None, False, False,
-                                              record, 0.0, None, False)
-        return _triton.forward(ids, weight, pos, None, encoding, 2.0, offset, None, 0.0, 0, 0, record)
+            keys.set_state(state)  # drawn again by the node: the same key
+            out = _C.embedding_python_kernels(ids, weight, pos, position_ids, encoding, 2.0, offset, None, False,
+                                              False, record, 0.1 if dropout else 0.0, keys, False)
+            return out, key
+        return _triton.forward(ids, weight, pos, position_ids, encoding, 2.0, offset, key, 0.1 if dropout else 0.0,
+                               0, 0, record), key
 
     mismatches, replayed, own_tensors, addresses = [], [], [], []
     for name, change in calls:
@@ -284,21 +303,30 @@ def check_planned_forward(through_node: bool = False):
         through_cached.append(0)
         node_calls.append(0)
         try:
-            out = lookup(call["ids"], call["weight"], call["pos"], call["encoding"], call["offset"], call["record"])
+            out, key = lookup(call["ids"], call["weight"], call["pos"], call["encoding"], call["offset"],
+                              call["record"], call["position_ids"], call["dropout"])
         finally:
             if call.get("hook"):
                 knobs.runtime.launch_enter_hook.remove(hook)
         got = launches.pop()
+        positions = None if call["position_ids"] is None else call["position_ids"].long()
         if not through_cached[-1] and not node_calls[-1]:
             replayed.append(name)
-            # A replay launches the call's own tensors (the ids in the unused pointers' places).
+            # A replay launches the call's own tensors (the ids in the unused pointers' places);
+            # not compared: int32 position ids' int64 copy, the key the node drew (the same values).
             pos_or_weight = call["weight"] if call["pos"] is None else call["pos"]
-            own_tensors.append(all(_address(a) == b.data_ptr() for a, b in zip(
-                got[3][:6], (call["ids"], call["weight"], pos_or_weight, call["ids"], call["ids"], out))))
+            own = (call["ids"], call["weight"], pos_or_weight, call["ids"] if positions is None else positions,
+                   call["ids"] if key is None else key, out)
+            copies = {3} if positions is not None and positions is not call["position_ids"] else set()
+            copies |= {4} if key is not None and through_node else set()
+            own_tensors.append(all(_address(a) == b.data_ptr() for j, (a, b) in enumerate(zip(got[3][:6], own))
+                                   if j not in copies))
             addresses.append(all(type(a) is int for a in got[3][:6]))
         launches.clear()  # what Triton's own run launches for the same call
-        k.embedding_forward(call["ids"].contiguous(), call["weight"].contiguous(), call["pos"], None,
-                            checks.POS_CODES[call["encoding"]], 2.0, call["offset"], None, 0, 1.0, 0, 64, out,
+        k.embedding_forward(call["ids"].contiguous(), call["weight"].contiguous(), call["pos"], positions,
+                            checks.POS_CODES[call["encoding"]], 2.0, call["offset"], key,
+                            reference.dropout_threshold(0.1) if key is not None else 0,
+                            reference.dropout_scale(0.1) if key is not None else 1.0, 0, 64, out,
                             launch=lambda kernel: kernel, error_record=call["record"])
         if not _same_kind(got, launches.pop()):
             mismatches.append(name)
@@ -307,7 +335,7 @@ def check_planned_forward(through_node: bool = False):
     table, table_ids = torch.randn(300, 64), torch.randint(0, 300, (3, 5))
     held = [weakref.ref(table), weakref.ref(table_ids)]
     for _ in range(3):
-        held.append(weakref.ref(lookup(table_ids, table, None, "none", 0, 0)))
+        held.append(weakref.ref(lookup(table_ids, table, None, "none", 0, 0)[0]))
     del table, table_ids
     launches.clear()  # the stand-in driver's record of them
     gc.collect()
