@@ -15,7 +15,7 @@ Eager calls on real tensors run the forward and dense backward bodies (``forward
 ``backward``) directly: a Python custom op's dispatch costs more host time than the
 launch itself (pyembed.dispatch.Backend.eager_forward); from a metadata's second or third
 call on, their launches replay plans kept per metadata (kernels/launch.py), and a lookup's
-node (pyembed::embedding with these kernels) calls a plain forward's replay and a dense
+node (pyembed::embedding with these kernels) calls a forward's replay and a dense
 backward's whole replay itself, from C++ (``set_forward_replay``, ``set_backward_replay``).
 The ops serve torch.compile, torch.func and fake-tensor tracing.
 
