@@ -8,7 +8,7 @@ for sm_90, and a stand-in driver (bench/stand_in_driver.py) takes the launches a
 one-store kernel, the same through pyembed's cached launcher (kernels/launch.py),
 F.embedding on the CPU for scale, and pyembed's one-token forward (no gradient -- also as
 the first call of its metadata, which launches without the plan later calls replay,
-pyembed/_triton.py; with a gradient), forward + backward (also with dropout) -- the
+pyembed/_triton.py; with a gradient; with position_ids), forward + backward (also with dropout) -- the
 default checks as on a GPU (inside the kernel) --, the dense backward op of a batch of
 8x2048 tokens (four launches, the tile sort's two first), as the autograd path calls it
 (replayed whole from its plan: allocations and launches) and through the cached launcher, and last, after the
@@ -54,6 +54,7 @@ def calls(vocab: int, dim: int) -> dict:
     pos_weight = torch.randn(1024, dim, requires_grad=True)
     frozen, frozen_pos = weight.detach(), pos_weight.detach()
     scratch = torch.empty(1)
+    position_ids = torch.tensor([[7]])
 
     def forward_backward():
         out = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="triton")
@@ -84,6 +85,9 @@ def calls(vocab: int, dim: int) -> dict:
                                                                     backend="triton"),
         "triton 1x1 fwd, no grad, first call": first_call,
         "triton 1x1 fwd": lambda: pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="triton"),
+        # as a Hugging Face model's fused wte / wpe is called at each decoding step
+        "triton 1x1 fwd, position_ids": lambda: pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0,
+                                                                         position_ids=position_ids, backend="triton"),
         "triton 1x1 fwd+bwd": forward_backward,
         "triton 1x1 fwd+bwd, dropout": forward_backward_dropout,
         "triton 8x2048 dense backward": batch_backward(_triton.backward),
