@@ -154,7 +154,7 @@ def test_triton_host_timing_runs_without_a_gpu():
     assert lines[0].startswith("host time per call, Triton")
     assert [line.split("  ")[0] for line in lines[1:]] == [
         "raw Triton launch", "raw launch, cached", "F.embedding (CPU)", "triton 1x1 fwd, no grad",
-        "triton 1x1 fwd, no grad, first call", "triton 1x1 fwd",
+        "triton 1x1 fwd, no grad, first call", "triton 1x1 fwd", "triton 1x1 fwd, position_ids",
         "triton 1x1 fwd+bwd", "triton 1x1 fwd+bwd, dropout", "triton 8x2048 dense backward",
         "8x2048 backward, cached launches", "triton 1x1 fused AdamW step", "triton 8x2048 fused AdamW step"]
 
