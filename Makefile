@@ -81,7 +81,7 @@ test-compat: $(INSTALL_STAMP)
 	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_aot.py --quick \
 		| bin/python -c "$$NO_SPILLS"
 	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_launch_worker.py eager
-	for check in planned planned-backward planned-optimizer-backward; do (cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton \
+	for check in planned planned-node planned-backward planned-node-backward planned-optimizer-backward; do (cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton \
 		bin/python $(CURDIR)/tests/triton_launch_worker.py $$check | bin/python -c "import json, sys; \
 		r = json.loads(sys.stdin.read().splitlines()[-1]); print(r); sys.exit(bool(r['mismatches']))") || exit 1; done
 	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_launch_worker.py \
