@@ -1126,7 +1126,7 @@ def embedding_forward(ids, weight, pos_weight, position_ids, pos_mode: int, scal
     takes as its high bits and low 31 bits: Inductor of torch 2.11 fails to compile a user
     kernel given an int beyond int32 ('int' object has no attribute 'xreplace', seen on the
     H100). ``launch`` wraps the kernel (torch.library's wrap_triton when torch.compile traces
-    the op: pyembed/_triton.py; a launch.Binding with FORWARD_REPLAYED, which keeps it)."""
+    the op: pyembed/_triton.py; a launch.Binding with FORWARD_REPLAYED(_ALL), which keeps it)."""
     num_tokens, dim = ids.numel(), weight.shape[1]
     if num_tokens == 0 or dim == 0:
         return
