@@ -264,13 +264,19 @@ def host_only_costs(backends, calls=40, rounds=3):
     timed_gradients = _timed(gradients, spent)
     _autograd._gradients = timed_gradients  # read as a global by every Function's backward
     # A plain `triton` call's backward is the C++ node's Python kernel (csrc/pyembed.cpp), not
-    # _gradients: timed by registering a timed copy of it for the loop.
-    python_kernels = None
+    # _gradients: timed by registering a timed copy of it for the loop -- and, from a
+    # metadata's third call on, the whole replay the node calls instead (set_backward_replay),
+    # its plans made afresh so that the node keeps a timed copy of it.
+    python_kernels = set_backward_replay = None
     if "triton" in backends and getattr(_extension._C, "set_python_kernels", None) is not None:
         from pyembed import _triton
 
         python_kernels = (_triton.node_forward, _triton.backward, _triton.sparse_backward)
         _extension._C.set_python_kernels(python_kernels[0], _timed(python_kernels[1], spent), python_kernels[2])
+        set_backward_replay = getattr(_extension._C, "set_backward_replay", None)
+        if set_backward_replay is not None:
+            _extension._C.set_backward_replay = lambda *args: set_backward_replay(*args[:-1], _timed(args[-1], spent))
+            _triton.clear_plans(forward=False)
     # A fused table's node runs the update through the fused_step registered with _C.
     has_fused_step = getattr(_extension._C, "set_fused_step", None) is not None
     if has_fused_step:
@@ -289,6 +295,9 @@ def host_only_costs(backends, calls=40, rounds=3):
         _autograd._gradients = gradients
         if python_kernels is not None:
             _extension._C.set_python_kernels(*python_kernels)
+        if set_backward_replay is not None:
+            _extension._C.set_backward_replay = set_backward_replay
+            _triton.clear_plans(forward=False)  # (the node's copies are timed)
         if has_fused_step:
             _extension._C.set_fused_step(_autograd.fused_step)
     for backend in backends:
