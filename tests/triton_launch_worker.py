@@ -13,6 +13,7 @@ backward's plans (``kernels.launch.bind``, ``LaunchPlan``) launch what Triton wo
 replayed or not.
 """
 
+import contextlib
 import gc
 import itertools
 import json
@@ -224,6 +225,21 @@ def _count_cached_launches() -> list:
     return counts
 
 
+@contextlib.contextmanager
+def _profiler_hook(on: bool):
+    """A profiler's launch hook (one that does nothing) set while the block runs, where ``on``."""
+    from triton import knobs
+
+    hook = lambda metadata: None  # noqa: E731
+    if on:
+        knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        yield
+    finally:
+        if on:
+            knobs.runtime.launch_enter_hook.remove(hook)
+
+
 def check_planned_forward(through_node: bool = False):
     """pyembed/_triton.py's forward plans (kernels.launch.bind): a call after a call of the
     same metadata replays the bound kernel, and every call -- replayed or declined to
@@ -234,8 +250,6 @@ def check_planned_forward(through_node: bool = False):
     with Python kernels (csrc/pyembed.cpp), which replays the plans node_forward gave it
     (set_forward_replay) itself: ``replayed`` then lists the calls that launched without
     node_forward and without the cached launcher."""
-    from triton import knobs
-
     from pyembed import _C, _triton, checks, reference
 
     _triton._INTERPRETED = True
@@ -255,7 +269,6 @@ def check_planned_forward(through_node: bool = False):
     position_ids = torch.randint(0, 40, (2, 16), generator=gen)
     base = dict(ids=ids, weight=weight, pos=pos, encoding="learned", offset=0, record=0, position_ids=None,
                 dropout=False)
-    hook = lambda metadata: None  # noqa: E731
     calls = [("first", {}), ("second", {}), ("third", {}), ("new tensors", dict(ids=ids.clone(), weight=weight.clone(),
                                                                                  pos=pos.clone())),
              ("offset 16", dict(offset=16)), ("offset 5", dict(offset=5)), ("offset 5 again", dict(offset=5)),
@@ -297,17 +310,12 @@ def check_planned_forward(through_node: bool = False):
     mismatches, replayed, own_tensors, addresses = [], [], [], []
     for name, change in calls:
         call = {**base, **change}
-        if call.get("hook"):
-            knobs.runtime.launch_enter_hook.add(hook)
         launches.clear()
         through_cached.append(0)
         node_calls.append(0)
-        try:
+        with _profiler_hook(call.get("hook")):
             out, key = lookup(call["ids"], call["weight"], call["pos"], call["encoding"], call["offset"],
                               call["record"], call["position_ids"], call["dropout"])
-        finally:
-            if call.get("hook"):
-                knobs.runtime.launch_enter_hook.remove(hook)
         got = launches.pop()
         positions = None if call["position_ids"] is None else call["position_ids"].long()
         if not through_cached[-1] and not node_calls[-1]:
@@ -350,8 +358,6 @@ def check_planned_backward():
     replayed or declined to ``cached`` (a misaligned output gradient, a profiler hook) --
     launches what Triton's own run launches for it, in the same order, with the call's own
     output gradient and ids and into the gradients it returns."""
-    from triton import knobs
-
     from pyembed import _triton
 
     _triton._INTERPRETED = True
@@ -362,7 +368,6 @@ def check_planned_backward():
     dout = torch.randn(4, 64, 32, generator=gen)
     base = dict(dout=dout, ids=ids, position_ids=None, offset=0, rows=300, positions=80, scale=2.0, padding=None,
                 by_freq=False, table=True, pos=True)
-    hook = lambda metadata: None  # noqa: E731
     position_ids = torch.randint(0, 80, (4, 64), generator=gen)
     calls = [("first", {}), ("second", {}), ("third", {}),
              ("new tensors", dict(dout=dout.clone(), ids=ids.clone())),
@@ -417,19 +422,13 @@ def check_planned_backward():
         args = (call["dout"], call["ids"], call["position_ids"], call["offset"], call["rows"], call["positions"],
                 call["scale"], call["padding"], call["by_freq"], call["table"], call["pos"], key,
                 0.0 if key is None else 0.1)
-        if call.get("hook"):
-            knobs.runtime.launch_enter_hook.add(hook)
         if call.get("torch_sort"):
             os.environ["PYEMBED_TRITON_TILE_SORT"] = "0"
         launches.clear()
         through_cached.append(0)
-        try:
-            with _KeepAlive() as kept:
-                grads = _triton.backward(*args)
-            allocations[name] = kept.allocations
-        finally:
-            if call.get("hook"):
-                knobs.runtime.launch_enter_hook.remove(hook)
+        with _profiler_hook(call.get("hook")), _KeepAlive() as kept:
+            grads = _triton.backward(*args)
+        allocations[name] = kept.allocations
         got = list(launches)
         if not through_cached[-1]:
             replayed.append(name)
@@ -468,8 +467,6 @@ def check_planned_node_backward():
     gradient, a profiler hook: _triton.backward's own path) -- launches what Triton's own run
     launches for it, in the same order, with the call's own output gradient and ids and
     into the gradients the tables get."""
-    from triton import knobs
-
     from pyembed import _C, _triton
 
     _triton._INTERPRETED = True
@@ -486,7 +483,6 @@ def check_planned_node_backward():
     dout = torch.randn(4, 64, 32, generator=gen)
     table, positions = torch.randn(300, 32, generator=gen), torch.randn(80, 32, generator=gen)
     few = dict(dout=dout[:1, :8].contiguous(), ids=ids[:1, :8].contiguous())
-    hook = lambda metadata: None  # noqa: E731
     calls = [("first", {}), ("second", {}), ("third", {}), ("new tensors", dict(dout=dout.clone(), ids=ids.clone())),
              ("misaligned dout", dict(dout=torch.randn(dout.numel() + 1)[1:].view(dout.shape))),
              ("profiler hook", dict(hook=True)),
@@ -501,16 +497,11 @@ def check_planned_node_backward():
         through_cached.append(0)  # (the forward's)
         out = _C.embedding_python_kernels(call["ids"], weight, pos, None, "learned", 2.0, call["offset"], None, False,
                                           False, 0, 0.0, None, False)
-        if call.get("hook"):
-            knobs.runtime.launch_enter_hook.add(hook)
         launches.clear()
         through_cached.append(0)
         backward_calls.append(0)
-        try:
+        with _profiler_hook(call.get("hook")):
             out.backward(call["dout"])
-        finally:
-            if call.get("hook"):
-                knobs.runtime.launch_enter_hook.remove(hook)
         got = list(launches)
         if not through_cached[-1] and not backward_calls[-1]:
             replayed.append(name)
