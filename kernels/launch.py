@@ -359,7 +359,8 @@ def _bind(launcher: CachedLauncher, grid: tuple, args: tuple, constexprs: dict, 
     """``bind`` by argument positions: a tuple of positions per tensor, a position per int,
     and per float (``LaunchPlan(floats=True)``'s: a float is not specialised on, only its type)."""
     driver = triton.runtime.driver.active
-    context = _jit_context(device_getter(driver)())
+    current_device = device_getter(driver)
+    context = _jit_context(current_device())
     compiled = launcher.launch(grid, args, constexprs)
     if (compiled is None or not launcher._plain(grid) or _launch_hooks(knobs.runtime)
             or not launcher._in_signature_order(args, constexprs)
@@ -379,7 +380,7 @@ def _bind(launcher: CachedLauncher, grid: tuple, args: tuple, constexprs: dict, 
     replaced = {p for group in tensor_positions for p in group} | set(int_positions) | set(float_positions)
     namespace = {f"A{p}": value for p, value in enumerate(fixed) if p not in replaced}
     namespace.update(knobs=knobs, triton=triton, launch_hooks=_launch_hooks, jit_context=_jit_context,
-                     int_class=int_class, DRIVER=driver, CURRENT_DEVICE=device_getter(driver), CONTEXT=context,
+                     int_class=int_class, DRIVER=driver, CURRENT_DEVICE=current_device, CONTEXT=context,
                      CLASSES=tuple(int_class(args[p]) for p in int_positions), COMPILED=compiled,
                      GRID=tuple(grid) + (1,) * (3 - len(grid)), **c_globals)  # c_globals: direct_launch's C call
     replay = types.FunctionType(code, namespace, "replay")
