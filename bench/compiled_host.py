@@ -31,6 +31,7 @@ of a few rounds in which the parts take turns.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import time
 
@@ -38,6 +39,8 @@ import torch
 
 import pyembed
 from pyembed import dispatch
+
+from .cases import DTYPES
 
 
 def nn_layer(ids, weight, pos_weight, scale):
@@ -167,6 +170,8 @@ def main(argv=None) -> None:
                     help="batch x sequence length, repeatable (default: 1x1, and 8x2048 on a GPU)")
     ap.add_argument("--calls", type=int, default=None,
                     help="calls per timing (default: 200, 20 past 64 tokens: the backward's outputs are made first)")
+    ap.add_argument("--dtype", action="append", choices=sorted(DTYPES), default=None,
+                    help="table dtype, repeatable (default: fp32)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-autograd-threads", action="store_true",
                     help="run backwards on the calling thread (torch.autograd.set_multithreading_enabled(False))")
@@ -179,16 +184,18 @@ def main(argv=None) -> None:
                    if b != "reference"})
     where = torch.cuda.get_device_name(device) if gpu else "CPU"
     parts = ("fwd", "guards", "graph", "frame", "bwd", "check", "count")
-    for shape in args.shape or (["1x1", "8x2048"] if gpu else ["1x1"]):
+    for shape, dtype in itertools.product(args.shape or (["1x1", "8x2048"] if gpu else ["1x1"]),
+                                          args.dtype or ["fp32"]):
         batch, seq_len = (int(n) for n in shape.split("x"))
         calls = args.calls or (200 if batch * seq_len <= 64 else 20)
         g = torch.Generator(device=device).manual_seed(0)
-        weight = torch.randn(vocab, dim, device=device, generator=g).requires_grad_()
-        pos_weight = (0.02 * torch.randn(max(seq_len, 64), dim, device=device, generator=g)).requires_grad_()
+        weight = torch.randn(vocab, dim, device=device, generator=g).to(DTYPES[dtype]).requires_grad_()
+        pos_weight = (0.02 * torch.randn(max(seq_len, 64), dim, device=device, generator=g)).to(
+            DTYPES[dtype]).requires_grad_()
         ids = torch.randint(0, vocab, (batch, seq_len), device=device, generator=g)
         with torch.autograd.set_multithreading_enabled(not args.no_autograd_threads):
             found = breakdown(layers, (ids, weight, pos_weight, math.sqrt(dim)), calls, args.rounds)
-        print(f"\nhost us per call, {shape} tokens, {vocab}x{dim} fp32 table, learned positions, {where}, torch "
+        print(f"\nhost us per call, {shape} tokens, {vocab}x{dim} {dtype} table, learned positions, {where}, torch "
               f"{torch.__version__}, autograd threads {'off' if args.no_autograd_threads else 'on'}; best of "
               f"{args.rounds} rounds x {calls} calls", flush=True)
         print(f"{'layer':28s}" + "".join(f"{part:>9s}" for part in parts))

@@ -292,10 +292,16 @@ def main() -> int:
             # calling thread, and as torch runs them by default (autograd's device thread, as
             # the benchmark does): at 79bdffb (H200) the benchmark's compiled fwd+bwd took
             # 470-550 us more than the first form's host times add up to, for nn ops and pyembed.
-            for threads, log in ((["--no-autograd-threads"], "compiled-host.log"), ([], "compiled-host-threads.log")):
+            # The second also at bf16, 8x2048 only: at 26f0ba6 (H200) every compiled provider's
+            # flushed 8x2048 forward took 28-67 us more in bf16 than in fp32 (GPT-2: compiled
+            # pyembed `cuda` 116 against 49 us, nn ops 96 against 68), the GPU work being half;
+            # this says whether their host time differs.
+            for threads, shapes, log in ((["--no-autograd-threads"], [], "compiled-host.log"),
+                                         ([], ["--shape", "8x2048", "--dtype", "fp32", "--dtype", "bf16"],
+                                          "compiled-host-threads.log")):
                 check.run(f"compiled host time, autograd threads {'off' if threads else 'on'} "
                           "(python -m bench.compiled_host)",
-                          [args.python, "-m", "bench.compiled_host", "--rounds", "3", *threads], log,
+                          [args.python, "-m", "bench.compiled_host", "--rounds", "3", *threads, *shapes], log,
                           deadline.timeout(300, after_profile + PROFILE_MIN * (2 if threads else 1)), cwd=stage)
             ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
             if os.path.exists(ncu):
