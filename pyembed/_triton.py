@@ -166,8 +166,12 @@ def node_forward(out: Optional[torch.Tensor], ids: torch.Tensor, weight: torch.T
                    sinusoid_column_offset, sinusoid_dim, error_record, launch=binding or _direct, out=out)
     if binding is not None:
         _plans[key] = (tuple(out.shape), binding.replay) if binding.replay is not None else _UNPLANNED
-        if binding.replay is not None and hasattr(_C, "set_forward_replay"):
-            # The node (csrc/pyembed.cpp) keeps it too, and replays it without this function.
+        if (binding.replay is not None and sinusoid_column_offset == 0 and sinusoid_dim == 0
+                and hasattr(_C, "set_forward_replay")):
+            # The node (csrc/pyembed.cpp) keeps it too, and replays it without this function:
+            # only a call of the node's form, whose sinusoid is the table's own columns (a
+            # column shard's, offset and width given, would be replayed there for a plain
+            # lookup of the shard's shape: the node's key holds neither).
             _C.set_forward_replay(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key,
                                   dropout_p, error_record, binding.replay)
     return out

@@ -223,3 +223,10 @@ def test_a_launch_makes_the_launchers_c_call_itself_where_the_launcher_makes_one
     assert replay(tensor)
     compiled.run(8, 2, 1, stream, 77, (3, 4), None, None, None, tensor.data_ptr(), 2.5, "x")
     assert len(calls) == 2 and calls[0] == calls[1]
+
+
+def test_the_node_never_replays_a_column_shards_sinusoid_for_a_plain_lookup():
+    # A column shard's forward (DTensor's ColwiseParallel: its sinusoid columns at their
+    # global index) binds a plan of the same shapes as a plain lookup of the shard; the
+    # node, whose replay key holds no sinusoid columns, must not be given it.
+    assert _worker("node-after-column-shard") == {"same": True}

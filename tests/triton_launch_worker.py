@@ -686,9 +686,33 @@ def check_whole_plans():
     print(json.dumps(result))
 
 
+def check_node_after_column_shard():
+    """A sinusoidal lookup through the node, after two calls of the same shapes as a column
+    shard's (sinusoid_column_offset, sinusoid_dim given; the second binds a replay): the node
+    launches what it launches with no plans at all (its key holds no sinusoid columns)."""
+    from pyembed import _C, _triton
+
+    _triton._INTERPRETED = True
+    ids, weight = torch.randint(0, 100, (2, 16)), torch.randn(100, 8)
+
+    def node_launch():
+        launches.clear()
+        _C.embedding_python_kernels(ids, weight, None, None, "sinusoidal", 2.0, 0, None, False, False, 0, 0.0,
+                                    None, False)
+        return launches[-1]
+
+    _triton.clear_plans()
+    alone = node_launch()
+    _triton.clear_plans()
+    for _ in range(2):
+        _triton.forward(ids, weight, None, None, "sinusoidal", 2.0, 0, None, 0.0, 2, 16, 0)
+    after_shard = node_launch()
+    print(json.dumps({"same": _same_kind(after_shard, alone) and _wiring([after_shard], [alone]) == _wiring([alone])}))
+
+
 if __name__ == "__main__":
     {"forward": check_forward_variants, "eager": check_eager_calls, "hooks": check_profiler_hooks,
      "planned": check_planned_forward, "planned-node": lambda: check_planned_forward(through_node=True),
      "planned-backward": check_planned_backward, "planned-node-backward": check_planned_node_backward,
      "planned-optimizer-backward": check_planned_optimizer_backward,
-     "whole": check_whole_plans}[sys.argv[1]]()
+     "whole": check_whole_plans, "node-after-column-shard": check_node_after_column_shard}[sys.argv[1]]()
