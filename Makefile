@@ -87,6 +87,9 @@ test-compat: $(INSTALL_STAMP)
 	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_launch_worker.py \
 		whole | bin/python -c "import json, sys; r = json.loads(sys.stdin.read().splitlines()[-1]); print(r); \
 		sys.exit(not (r['copies'] and all(r['replay'].values())) or r['sorts'] or r['offset view'] or r['returns input'])"
+	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_launch_worker.py \
+		node-after-column-shard | bin/python -c "import json, sys; r = json.loads(sys.stdin.read().splitlines()[-1]); \
+		print(r); sys.exit(not r['same'])"
 	$(PY) tests/triton_specs.py record $(CURDIR)/build/triton_specs.json
 	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_specs.py \
 		compile $(CURDIR)/build/triton_specs.json
