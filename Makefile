@@ -90,6 +90,10 @@ test-compat: $(INSTALL_STAMP)
 	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_launch_worker.py \
 		node-after-column-shard | bin/python -c "import json, sys; r = json.loads(sys.stdin.read().splitlines()[-1]); \
 		print(r); sys.exit(not r['same'])"
+	for seed in 0 1 2; do (cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python \
+		$(CURDIR)/tests/triton_launch_worker.py random-calls $$seed | bin/python -c "import json, sys; \
+		r = json.loads(sys.stdin.read().splitlines()[-1]); print(r['seed'], r['mismatches'], r['replayed']); \
+		sys.exit(bool(r['mismatches']))") || exit 1; done
 	$(PY) tests/triton_specs.py record $(CURDIR)/build/triton_specs.json
 	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_specs.py \
 		compile $(CURDIR)/build/triton_specs.json

@@ -10,7 +10,7 @@ stream -- for arguments that differ in each property Triton specialises on, in e
 order; a profiler's launch hook sees its launches as it sees Triton's; pyembed's
 eager forward + backward reach the kernels through it; and the eager forward's and
 backward's plans (``kernels.launch.bind``, ``LaunchPlan``) launch what Triton would,
-replayed or not.
+replayed or not -- also in random interleavings of the entry points that plan them.
 """
 
 import contextlib
@@ -710,9 +710,122 @@ def check_node_after_column_shard():
     print(json.dumps({"same": _same_kind(after_shard, alone) and _wiring([after_shard], [alone]) == _wiring([alone])}))
 
 
+def check_random_calls(seed: int):
+    """Random interleavings of every entry point that keeps launch plans -- pyembed._triton's
+    forward (a column shard's too), the node's forward (embedding_python_kernels, which
+    replays what node_forward gave it) and backward (which replays what backward gave it),
+    and backward itself -- over a few metadata drawn at random, each call with new tensors
+    and a new offset of the same class, now and then a misaligned table or a profiler hook:
+    every call launches what Triton's own run launches for it (binaries, arguments, wiring),
+    whichever entry point planned its metadata before. A plan one entry point made that
+    another replays wrongly (as a column shard's forward was, for the node) shows here."""
+    import random
+
+    from pyembed import _C, _triton, checks, reference
+
+    _triton._INTERPRETED = True
+    _triton.clear_plans()
+    _C.set_python_kernels(_triton.node_forward, _triton.backward, _triton.sparse_backward)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    rows, positions, dim = 100, 400, 32
+    record = checks.error_record_address(torch.device("cpu"))
+    direct = lambda kernel: kernel  # noqa: E731
+
+    choices = dict(shape=[(1, 1), (1, 8), (2, 16), (4, 64), (2, 300), (24,)],  # one token ... two sort tiles
+                   table=[torch.float32, torch.float16], encoding=["none", "learned", "sinusoidal"],
+                   ids=[torch.int64, torch.int32], scale=[1.0, 2.0], offset=[0, 1, 3, 16], record=[0, record],
+                   dropout=[False, False, True], position_ids=[None, "full", "row"])
+
+    def consistent(m):  # position ids only with an encoding and a batch
+        return dict(m, position_ids=None if m["encoding"] == "none" or len(m["shape"]) == 1 else m["position_ids"])
+
+    kinds = [consistent({name: rng.choice(values) for name, values in choices.items()}) for _ in range(6)]
+    through_cached = _count_cached_launches()
+    replayed = []  # calls that launched through no cached launcher: every launch a plan's replay
+    keys = torch.Generator().manual_seed(seed + 1)  # the node's dropout keys (drawn again for the reference)
+    mismatches, calls = [], []
+    for index in range(160):
+        base, changed = rng.randrange(len(kinds)), None
+        m = kinds[base]
+        if rng.random() < 0.25:  # a neighbour: one property other than the drawn metadata's (a key that
+            changed = rng.choice(sorted(choices))  # leaves it out replays the neighbour's plan here)
+            m = consistent(dict(m, **{changed: rng.choice([v for v in choices[changed] if v != m[changed]])}))
+        entry = rng.choice(["forward", "node", "node", "backward"] + ["shard"] * (m["encoding"] == "sinusoidal"))
+        offset = {0: 0, 1: 1, 3: rng.choice([3, 5, 7]), 16: rng.choice([16, 32])}[m["offset"]]
+        offset = 0 if m["position_ids"] else offset  # (position ids take no offset)
+        ids = torch.randint(0, rows, m["shape"], generator=gen).to(m["ids"])
+        weight = torch.randn(rows, dim, generator=gen).to(m["table"])
+        if rng.random() < 0.1:  # a table one element into its buffer: not 16-byte aligned, the replay declines
+            weight = torch.empty(rows * dim + 1, dtype=m["table"])[1:].view(rows, dim).copy_(weight)
+        pos = torch.randn(positions, dim, generator=gen).to(m["table"]) if m["encoding"] == "learned" else None
+        position_ids = None
+        if m["position_ids"]:
+            position_ids = torch.randint(0, positions, (1 if m["position_ids"] == "row" else m["shape"][0],
+                                                        m["shape"][-1]), generator=gen)
+        hook = rng.random() < 0.05
+        calls.append((entry, base, changed, offset))
+        launches.clear()
+        through_cached.append(0)
+        state = keys.get_state()
+        key = reference.draw_dropout_key(torch.device("cpu"), keys) if m["dropout"] and entry != "backward" else None
+        columns = (2, dim + 4) if entry == "shard" else (0, 0)  # the shard's columns at its global index
+        if entry in ("forward", "shard"):
+            expanded = None if position_ids is None else position_ids.expand(ids.shape)
+            with _profiler_hook(hook):
+                out = _triton.forward(ids, weight, pos, expanded, m["encoding"], m["scale"], offset, key,
+                                      0.1 if key is not None else 0.0, *columns, m["record"])
+        elif entry == "node":
+            keys.set_state(state)  # drawn again by the node: the same key
+            weight.requires_grad_()
+            if pos is not None:
+                pos.requires_grad_()
+            with _profiler_hook(hook):
+                out = _C.embedding_python_kernels(ids, weight, pos, position_ids, m["encoding"], m["scale"], offset,
+                                                  None, False, False, m["record"], 0.1 if m["dropout"] else 0.0, keys,
+                                                  False)
+        if entry != "backward":
+            got = launches.pop()
+            launches.clear()  # what Triton's own run launches for the same call (not through the cached launcher)
+            expanded = None if position_ids is None else position_ids.expand(ids.shape).long().contiguous()
+            k.embedding_forward(ids.contiguous(), weight.detach().contiguous(), pos, expanded,
+                                checks.POS_CODES[m["encoding"]], m["scale"], offset, key,
+                                reference.dropout_threshold(0.1) if key is not None else 0,
+                                reference.dropout_scale(0.1) if key is not None else 1.0, columns[0],
+                                columns[1] or dim, out.detach(), launch=direct, error_record=m["record"])
+            if not (_same_kind(got, launches[-1]) and _wiring([got], launches) == _wiring(launches)):
+                mismatches.append((index, "forward"))
+        if entry in ("node", "backward"):
+            dout = torch.randn(*m["shape"], dim, generator=gen).to(m["table"])
+            if entry == "backward":
+                key = torch.randint(0, 2**62, (2,), generator=gen) if m["dropout"] else None
+            saved = None if position_ids is None else position_ids.expand(ids.shape)
+            args = (dout, ids, saved, offset, rows, positions if pos is not None else 0, m["scale"], None, False, True,
+                    pos is not None, key, 0.1 if key is not None else 0.0)
+            launches.clear()
+            with _profiler_hook(hook), _KeepAlive():
+                if entry == "node":
+                    out.backward(dout)
+                else:
+                    _triton.backward(*args)
+            got = list(launches)
+            launches.clear()
+            with _KeepAlive():
+                _triton._backward(*args, launch=direct)
+            if (len(got) != len(launches) or not all(map(_same_kind, got, launches))
+                    or _wiring(got, launches) != _wiring(launches)):
+                mismatches.append((index, "backward"))
+        if not through_cached[-1]:
+            replayed.append(entry)
+    print(json.dumps({"check": "random calls", "seed": seed, "calls": len(calls), "mismatches": mismatches,
+                      "replayed": {entry: replayed.count(entry) for entry in sorted(set(replayed))},
+                      "metadata": [{name: str(v) for name, v in m.items()} for m in kinds],
+                      "first_mismatch_after": calls[:mismatches[0][0] + 1] if mismatches else []}))
+
+
 if __name__ == "__main__":
     {"forward": check_forward_variants, "eager": check_eager_calls, "hooks": check_profiler_hooks,
      "planned": check_planned_forward, "planned-node": lambda: check_planned_forward(through_node=True),
      "planned-backward": check_planned_backward, "planned-node-backward": check_planned_node_backward,
      "planned-optimizer-backward": check_planned_optimizer_backward,
-     "whole": check_whole_plans, "node-after-column-shard": check_node_after_column_shard}[sys.argv[1]]()
+     "whole": check_whole_plans, "node-after-column-shard": check_node_after_column_shard,
+     "random-calls": lambda: check_random_calls(int(sys.argv[2]))}[sys.argv[1]]()
