@@ -270,3 +270,46 @@ def test_compiled_host_breakdown_times_the_graph_dynamo_runs():
         assert timed["check"] > 0 and timed["count"] >= 3
     assert weight.grad is None and pos_weight.grad is None  # each timing clears what it accumulated
     torch._dynamo.reset()
+
+
+def _case_rows(case: Case, times: dict, **fields) -> list[dict]:
+    """Rows of one measured case as report.load_csv gives them: provider -> median ms."""
+    return [{**case.as_dict(), "label": case.label(), "tokens": case.tokens, "provider": name, "status": "ok",
+             "median_ms": ms, **fields} for name, ms in times.items()]
+
+
+def test_bytes_floor_is_the_forward_and_a_whole_gradient_at_the_faster_copy():
+    from bench.targets import floor_ms
+
+    case = Case("gpt2", 8, 2048, "fwd+bwd")
+    vocab, row, used, ids = 50257, 768 * 4, 14000, case.tokens * 8
+    positions, out = 2048 * row, case.tokens * row
+    # The benchmark's minimal bytes: the rows used read, their gradient rows written.
+    minimal = (ids + used * row + positions + out) + (ids + out + used * row + positions)
+    # #30's floor: the forward (ids, the rows used, positions, the output), the backward
+    # (ids, dout, the whole table's gradient, the positions' gradient).
+    floor_bytes = (ids + used * row + positions + out) + (ids + out + vocab * row + positions)
+    r = {**case.as_dict(), "tokens": case.tokens, "min_bytes": minimal, "graph_ms": 0.2, "graph_pct_of_copy": 50.0}
+    assert floor_ms({**r, "copy_ms": 0.05}) == pytest.approx(0.05 * floor_bytes / minimal)  # the flushed copy faster
+    assert floor_ms({**r, "copy_ms": 0.5}) == pytest.approx(0.1 * floor_bytes / minimal)  # the graphed one (0.2 x 50%)
+
+
+def test_targets_are_met_within_two_percent_or_not_and_unmeasured_ones_say_so():
+    from bench import targets
+
+    forward = Case("gpt2", 8, 2048, "fwd")
+    rows = _case_rows(forward, {"eager": 1.0, "compile": 0.5, "pyembed-cuda": 0.44, "pyembed-triton": 0.455},
+                      pct_of_copy=80.0)
+    rows += _case_rows(Case("gpt2", 8, 2048, "fwd", dist="zipf"), {"eager": 1.0, "pyembed-cuda": 2.0})  # no target's
+    found = {(target, case): verdict for _, target, case, _, verdict in targets.targets(rows)}
+    label = forward.label()
+    assert found["forward >= 1.1x the faster of eager / compiled nn ops (cuda)", label] == "met"  # 0.5 / 0.44 = 1.14
+    assert found["forward >= 1.1x the faster of eager / compiled nn ops (triton)", label] == "within 2%"  # 1.099
+    assert found["forward: triton within 1.15x of cuda", label] == "met"  # 0.455 / 0.44 = 1.03
+    assert found["forward >= 85% of a copy of its bytes (cuda)", label] == "not met"
+    assert found["graphed forward + backward <= 1.3x its bytes floor (cuda)", "-"] is None  # no fwd+bwd case
+    assert not any(case == Case("gpt2", 8, 2048, "fwd", dist="zipf").label() for _, case in found)
+    # The four forward targets above were measured; every other target (no case of it) was not.
+    assert targets.markdown(targets.targets(rows)).splitlines()[0] == (
+        "Of 4 (target, case) pairs measured: 2 met, 1 within 2% of the target, 1 not met; "
+        f"{len(targets.specs()) - 4} targets not measured in this run.")

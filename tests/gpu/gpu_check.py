@@ -11,10 +11,12 @@ On a machine whose python already has a CUDA torch, offline:
   4. then alone, torch.profiler and Nsight Compute over tests/gpu/profile_workload.py,
      and compiled pyembed's host time by layer of torch.compile's runtime
      (python -m bench.compiled_host, autograd threads off and on);
-  5. then the GPU benchmark suite (results.csv / .md / PNG);
+  5. then the GPU benchmark suite (results.csv / .md / PNG), and issues #29 and #30's
+     targets against its cases (python -m bench.targets: targets.md);
 and writes everything under GPU_CHECK_OUT (default gpu-check/): logs, junit.xml, the
 benchmark's CSV / markdown / PNG, and summary.md naming the device and versions with
-pass/fail counts, sanitizer error counts, the profile's medians and the benchmark table.
+pass/fail counts, sanitizer error counts, the profile's medians, the benchmark table and
+the targets met or not.
 On the H100 machine (16 cores, at d81f5b2) the build took 76 s, the tests 163 s beside the
 sanitizers (~173 s each), the profile 40 s and the benchmark ~560 s (76 cases, 8
 providers): more than the 10 minutes a command may run there, and than the 15 minutes of
@@ -328,6 +330,12 @@ def main() -> int:
             check.run("benchmark (python -m bench --suite gpu)",
                       [args.python, "-m", "bench", "--suite", "gpu", "--out", str(out / "bench"), *limit,
                        *args.bench_args.split()], "bench.log", bench_timeout, cwd=stage)
+            results_csv, profile_log = out / "bench" / "results.csv", out / "profile.log"
+            if results_csv.exists():  # issues #29 and #30's targets, each case of this run against them
+                check.run("issue targets (python -m bench.targets)",
+                          [args.python, "-m", "bench.targets", str(results_csv),
+                           *(["--profile", str(profile_log)] if profile_log.exists() else [])],
+                          "targets.md", deadline.timeout(60), cwd=stage)
     san_counts = {tool: sanitizer_errors(results[name][1]) for tool, name in san_logs.items()}
 
     summary = write_summary(out, info, check, san_counts, time.time() - started, args.rehearse)
@@ -364,6 +372,9 @@ def write_summary(out: Path, info: dict, check: Check, san_counts: dict, seconds
     tables = sorted((out / "bench").glob("*.md")) if (out / "bench").exists() else []
     for table in tables:
         lines += ["", f"## Benchmark ({table.name})", "", table.read_text()]
+    targets = out / "targets.md"
+    if targets.exists():
+        lines += ["", "## Issue targets (targets.md: python -m bench.targets)", "", targets.read_text()]
     path = out / "summary.md"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -1,0 +1,199 @@
+"""``python -m bench.targets RESULTS.csv [--profile profile.log]``: issues #29 and #30's
+targets, and each case of a GPU benchmark's results.csv that bears on one, met or not,
+with the figures -- what a GPU run answers, in one table (gpu-check's summary ends with
+it). Every ratio is of two providers timed side by side in the run; a target whose cases
+the run did not reach is listed as such, not as met.
+
+The bytes floor of a forward + backward (#30) is its own, not the benchmark's minimal
+bytes: the backward writes the whole (V, d) gradient, not only the rows used. Its time is
+those bytes at the bandwidth of the faster of the run's two copies of the case's minimal
+bytes, L2 flushed (copy_ms) and graphed (graph_ms x graph_pct_of_copy): at 26f0ba6 on the
+H200 the graphed copy was the slower, 1.1 GB in 410 us against 267 (Llama-3 fp32), and the
+`cuda` forward reached 131% of it at GPT-2 -- no ceiling.
+
+A ratio short of its bound by less than 2% is reported as such ("within 2%"), neither met
+nor not: two medians of one run differ by that much from noise alone."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from .cases import DTYPES, SHAPES
+from .report import load_csv
+
+BACKENDS = ("cuda", "triton")
+TRAINING = ("gpt2", "llama2", "llama3")  # "every GPT-2/Llama shape"
+ID_BYTES = 8  # the benchmark's ids are int64 (cases.make_ids)
+
+
+def _by_case(rows: list[dict]) -> dict:
+    """{case key: {provider: row}} of the rows measured (status ok, a median)."""
+    cases = {}
+    for r in rows:
+        if r.get("status") == "ok" and r.get("median_ms"):
+            key = tuple(r[k] for k in ("shape", "batch", "seq_len", "mode", "dtype", "pos", "dist", "grad", "dropout"))
+            cases.setdefault(key, {})[r["provider"]] = r
+    return cases
+
+
+def _training_sized(r: dict) -> bool:
+    """An 8x2048 GPT-2/Llama case of the targets' form: uniform ids, a dense gradient, no dropout."""
+    return ((r["batch"], r["seq_len"]) == (8, 2048) and r["shape"] in TRAINING and r["dist"] == "uniform"
+            and r["grad"] == "dense" and not r.get("dropout"))
+
+
+def _one_token(r: dict) -> bool:
+    return (r["batch"], r["seq_len"]) == (1, 1) and r["grad"] == "dense" and not r.get("dropout")
+
+
+def floor_ms(r: dict) -> float:
+    """#30's bytes floor of a dense forward + backward row, in ms: the benchmark's minimal
+    bytes with the whole gradient written, at the bandwidth of the run's faster copy."""
+    vocab, dim = SHAPES[r["shape"]]
+    row = dim * DTYPES[r["dtype"]].itemsize
+    pos = r["seq_len"] * row if r["pos"] == "learned" else 0
+    # min_bytes = 2 x (ids + rows used + positions + tokens' rows): the rows used, backed out
+    used = r["min_bytes"] // 2 - r["tokens"] * ID_BYTES - pos - r["tokens"] * row
+    floor_bytes = r["min_bytes"] + (vocab * row - used)
+    copy_ms = min(r["copy_ms"], r["graph_pct_of_copy"] / 100 * r["graph_ms"])
+    return copy_ms * floor_bytes / r["min_bytes"]
+
+
+def _us(ms: float) -> str:
+    return f"{ms * 1e3:.0f} us" if ms < 1 else f"{ms:.2f} ms"
+
+
+def _speedup(name: str, over, key: str = "median_ms"):
+    """What a case's providers give for ``name`` against the time ``over(providers)``:
+    (text, over's time / name's time), or None where either is missing."""
+    def measure(p):
+        base = over(p)
+        if base is None or not p.get(name, {}).get(key):
+            return None
+        t = p[name][key]
+        return f"{base / t:.2f}x ({_us(t)} vs {_us(base)})", base / t
+    return measure
+
+
+def _time_of(name: str, key: str = "median_ms"):
+    return lambda p: p.get(name, {}).get(key)
+
+
+def _faster_nn_ops(p):
+    times = [p[n]["median_ms"] for n in ("eager", "compile") if n in p]
+    return min(times) if times else None
+
+
+def _copy_share(p):
+    r = p.get("pyembed-cuda")
+    if r is None:
+        return None
+    graphed = f" (graphed {r['graph_pct_of_copy']:.0f}%)" if r.get("graph_pct_of_copy") else ""
+    return f"{r['pct_of_copy']:.0f}%{graphed}", r["pct_of_copy"] / 100
+
+
+def _within_floor(p):
+    """cuda's graphed time against the floor, with the anchor's beside it (#30: Inductor's
+    compiled nn ops, non-deterministic)."""
+    r = p.get("pyembed-cuda")
+    if r is None or not r.get("graph_ms") or not r.get("graph_pct_of_copy"):
+        return None
+    floor = floor_ms(r)
+    anchor = p.get("compile", {}).get("graph_ms")
+    beside = f"; compiled nn ops {anchor / floor:.2f}x" if anchor else ""
+    return (f"{r['graph_ms'] / floor:.2f}x the floor ({_us(r['graph_ms'])} graphed vs {_us(floor)}{beside})",
+            floor / r["graph_ms"])
+
+
+def _mode(mode: str, more=lambda r: True):
+    return lambda r: r["mode"] == mode and more(r)
+
+
+def specs() -> list[tuple]:
+    """(issue, target, which rows' cases, measure(providers) -> (text, value) or None, bound):
+    a case meets the target when value >= bound."""
+    found = []
+    for b in BACKENDS:
+        found.append(("#29", f"forward >= 1.1x the faster of eager / compiled nn ops ({b})",
+                      _mode("fwd", _training_sized), _speedup(f"pyembed-{b}", _faster_nn_ops), 1.1))
+    found += [("#29", "forward >= 85% of a copy of its bytes (cuda)", _mode("fwd", _training_sized), _copy_share, 0.85),
+              ("#29", "forward: triton within 1.15x of cuda", _mode("fwd", _training_sized),
+               _speedup("pyembed-triton", _time_of("pyembed-cuda")), 1 / 1.15)]
+    for b in BACKENDS:
+        found.append(("#29", f"one-token forward no slower than eager ({b})", _mode("fwd", _one_token),
+                      _speedup(f"pyembed-{b}", _time_of("eager")), 1.0))
+    for b in BACKENDS:
+        found.append(("#29", f"compiled pyembed >= compiled nn ops, every forward ({b})", _mode("fwd"),
+                      _speedup(f"compile(pyembed-{b})", _time_of("compile")), 1.0))
+    for mode in ("fwd", "fwd+bwd", "step"):
+        for b in BACKENDS:
+            found.append(("#29/#30", f"compiled pyembed no slower than eager pyembed, {mode} ({b})", _mode(mode),
+                          _speedup(f"compile(pyembed-{b})", _time_of(f"pyembed-{b}")), 1.0))
+    found += [("#30", "graphed forward + backward <= 1.3x its bytes floor (cuda)", _mode("fwd+bwd", _training_sized),
+               _within_floor, 1 / 1.3),
+              ("#30", "graphed forward + backward: triton within 1.15x of cuda", _mode("fwd+bwd", _training_sized),
+               _speedup("pyembed-triton", _time_of("pyembed-cuda", "graph_ms"), "graph_ms"), 1 / 1.15)]
+    for b in BACKENDS:
+        found.append(("#30", f"forward + backward >= 1.5x the faster of eager / compiled nn ops ({b})",
+                      _mode("fwd+bwd", _training_sized), _speedup(f"pyembed-{b}", _faster_nn_ops), 1.5))
+    for b in BACKENDS:
+        found.append(("#30", f"compiled forward + backward >= 1.2x compiled nn ops ({b})",
+                      _mode("fwd+bwd", _training_sized), _speedup(f"compile(pyembed-{b})", _time_of("compile")), 1.2))
+    for b in BACKENDS:
+        found.append(("#30", f"one-token forward + backward no slower than eager ({b})", _mode("fwd+bwd", _one_token),
+                      _speedup(f"pyembed-{b}", _time_of("eager")), 1.0))
+    return found
+
+
+CLOSE = 0.98  # a value this close to its bound is within a run's noise
+
+
+def targets(rows: list[dict]) -> list[tuple]:
+    """(issue, target, case, measured, verdict) per target and case the run measured; a
+    target none of whose cases it measured once, "not measured". verdict: met, not met,
+    within 2%, or None (not measured)."""
+    cases = [p for p in _by_case(rows).values()]
+    found = []
+    for issue, target, select, measure, bound in specs():
+        hits = [(next(iter(p.values()))["label"], measure(p)) for p in cases if select(next(iter(p.values())))]
+        hits = [(label, m) for label, m in hits if m is not None]
+        for label, (text, value) in hits:
+            verdict = "met" if value >= bound else "within 2%" if value >= CLOSE * bound else "not met"
+            found.append((issue, target, label, text, verdict))
+        if not hits:
+            found.append((issue, target, "-", "not measured in this run", None))
+    return found
+
+
+def host_targets(profile: str) -> list[str]:
+    """profile.log's one-token host-time verdicts (tests/gpu/profile_workload.py prints them)."""
+    return [line for line in profile.splitlines() if re.match(r"host 1x1 target .*\(target .*\)$", line)]
+
+
+def markdown(found: list[tuple], host: list[str] = ()) -> str:
+    verdicts = [f[4] for f in found if f[4] is not None]
+    lines = [f"Of {len(verdicts)} (target, case) pairs measured: {verdicts.count('met')} met, "
+             f"{verdicts.count('within 2%')} within 2% of the target, {verdicts.count('not met')} not met; "
+             f"{len(found) - len(verdicts)} targets not measured in this run.", "",
+             "| issue | target | case | measured | |", "|---|---|---|---|---|"]
+    lines += [f"| {issue} | {target} | {case} | {text} | "
+              f"{'-' if verdict is None else '**not met**' if verdict == 'not met' else verdict} |"
+              for issue, target, case, text, verdict in found]
+    if host:
+        lines += ["", "One-token host time (#29, profile.log):", ""] + [f"- {line}" for line in host]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.targets", description=__doc__.splitlines()[0])
+    ap.add_argument("csv", type=Path, help="a GPU benchmark's results.csv")
+    ap.add_argument("--profile", type=Path, help="the same run's profile.log (one-token host time)")
+    args = ap.parse_args(argv)
+    host = host_targets(args.profile.read_text()) if args.profile else []
+    print(markdown(targets(load_csv(args.csv)), host), end="")
+
+
+if __name__ == "__main__":
+    main()
