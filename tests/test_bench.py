@@ -313,3 +313,22 @@ def test_targets_are_met_within_two_percent_or_not_and_unmeasured_ones_say_so():
     assert targets.markdown(targets.targets(rows)).splitlines()[0] == (
         "Of 4 (target, case) pairs measured: 2 met, 1 within 2% of the target, 1 not met; "
         f"{len(targets.specs()) - 4} targets not measured in this run.")
+
+
+def test_device_calls_counts_the_allocators_driver_calls_and_host_syncs_per_call(monkeypatch):
+    import warnings
+
+    stats = iter([{"num_device_alloc": 4, "num_device_free": 1}, {"num_device_alloc": 10, "num_device_free": 1,
+                                                                  "num_alloc_retries": 3},
+                  {"num_device_alloc": 10}, {"num_device_alloc": 10}])
+    modes = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: next(stats))
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def syncing():  # what torch's sync debug mode "warn" says for a read of device data
+        warnings.warn("called a synchronizing CUDA operation")
+
+    assert run.device_calls(syncing, calls=3) == "2 cudaMalloc, 1 allocation retries, 1 host syncs per call"
+    assert modes == ["warn", 0]  # the mode set for the calls only
+    assert run.device_calls(lambda: None, calls=3) == ""
