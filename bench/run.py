@@ -360,15 +360,23 @@ ALLOCATOR_CALLS = {"num_device_alloc": "cudaMalloc", "num_device_free": "cudaFre
                    "num_alloc_retries": "allocation retries", "num_sync_all_streams": "allocator syncs"}
 
 
-def device_calls(fn, calls: int = 3) -> str:
+def device_calls(fn, calls: int = 3, flushed: bool = False) -> str:
     """What ``calls`` more calls of a warm ``fn`` do besides launching kernels, per call:
     the caching allocator's calls into the driver, and the syncs torch's sync debug mode
-    reports (a read of device data, a stream synchronize); "" when none. At 26f0ba6 (H200)
-    compiled pyembed's forward + backward took 905 us at Llama-3 bf16 8x2048 against eager
-    pyembed's 575, its graphed GPU time the same 568: host work serialised with the GPU's,
-    which either would show here."""
+    reports (a read of device data, a stream synchronize); "" when none. ``flushed``: each
+    call after an L2 flush of do_bench's buffer, as time_gpu times it (the buffer held, its
+    memory taken, as there). At 26f0ba6 (H200) compiled pyembed's forward + backward took
+    905 us at Llama-3 bf16 8x2048 against eager pyembed's 575, its graphed GPU time the
+    same 568: host work serialised with the GPU's, which either would show here."""
     import warnings
 
+    flush = lambda: None  # noqa: E731
+    if flushed:
+        import triton
+
+        driver = triton.runtime.driver.active
+        cache = driver.get_empty_cache_for_benchmark()
+        flush = lambda: driver.clear_cache(cache)  # noqa: E731
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()
     with warnings.catch_warnings(record=True) as caught:
@@ -376,6 +384,7 @@ def device_calls(fn, calls: int = 3) -> str:
         torch.cuda.set_sync_debug_mode("warn")
         try:
             for _ in range(calls):
+                flush()
                 fn()
         finally:
             torch.cuda.set_sync_debug_mode(0)
@@ -448,7 +457,7 @@ def run_case(case: Case, device, provs: list[Provider], args) -> list[dict]:
         if case.mode == "fwd" or (case.mode == "fwd+bwd" and case.tokens >= 4096):
             graphed = time_gpu_graphs(fns)
         for row in rows:  # after every timing: its calls change no figure
-            found = device_calls(fns[row["provider"]]) if row["provider"] in fns else ""
+            found = device_calls(fns[row["provider"]], flushed=timing == "flushed") if row["provider"] in fns else ""
             if found:
                 row["note"] = (row["note"] + "; " if row["note"] else "") + found
     else:

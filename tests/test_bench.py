@@ -332,3 +332,25 @@ def test_device_calls_counts_the_allocators_driver_calls_and_host_syncs_per_call
     assert run.device_calls(syncing, calls=3) == "2 cudaMalloc, 1 allocation retries, 1 host syncs per call"
     assert modes == ["warn", 0]  # the mode set for the calls only
     assert run.device_calls(lambda: None, calls=3) == ""
+
+
+def test_device_calls_of_a_flushed_timing_flush_before_each_call_as_do_bench(monkeypatch):
+    import triton
+
+    events = []
+
+    class Driver:  # do_bench's L2 flush: a buffer made once, cleared before each call
+        def get_empty_cache_for_benchmark(self):
+            events.append("buffer")
+            return "cache"
+
+        def clear_cache(self, cache):
+            events.append(f"clear {cache}")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {})
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    # (reset_active() would make the default driver, which needs a GPU: the attribute is restored instead)
+    monkeypatch.setattr(triton.runtime.driver, "_active", Driver())
+    assert run.device_calls(lambda: events.append("call"), calls=2, flushed=True) == ""
+    assert events == ["buffer", "clear cache", "call", "clear cache", "call"]
