@@ -175,13 +175,16 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-autograd-threads", action="store_true",
                     help="run backwards on the calling thread (torch.autograd.set_multithreading_enabled(False))")
+    ap.add_argument("--layer", action="append", choices=["nn", "cpu", "cuda", "triton"],
+                    help="the layers to time, repeatable: nn (nn ops) or a pyembed backend (default: nn ops and "
+                         "every backend the device has)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     gpu = device.type == "cuda"
     vocab, dim = args.vocab or (50257 if gpu else 100), args.dim or (768 if gpu else 64)
-    layers = {"compile(nn ops)": nn_layer}
+    layers = {"compile(nn ops)": nn_layer} if not args.layer or "nn" in args.layer else {}
     layers.update({f"compile(pyembed-{b})": pyembed_layer(b) for b in dispatch.backends_for(device)
-                   if b != "reference"})
+                   if b != "reference" and (not args.layer or b in args.layer)})
     where = torch.cuda.get_device_name(device) if gpu else "CPU"
     parts = ("fwd", "guards", "graph", "frame", "bwd", "check", "count")
     for shape, dtype in itertools.product(args.shape or (["1x1", "8x2048"] if gpu else ["1x1"]),

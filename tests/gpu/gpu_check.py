@@ -226,7 +226,7 @@ def main() -> int:
     started = time.time()
     deadline = Deadline(args.time_limit)
     after_profile = (0 if args.skip_bench else BENCH_MIN) + SUMMARY_MIN
-    after_tests = after_profile + (0 if args.skip_profile else 4 * PROFILE_MIN)
+    after_tests = after_profile + (0 if args.skip_profile else 5 * PROFILE_MIN)  # profile, 3 compiled-host runs, ncu
 
     # 1. Stage the package the tests import, and build _C into it for this GPU only.
     stage_package(stage)
@@ -287,7 +287,7 @@ def main() -> int:
             # which a host's time limit may cut short (its rows reach the CSV case by case).
             profiler = str(ROOT / "tests" / "gpu" / "profile_workload.py")
             check.run("profile (torch.profiler)", [args.python, profiler], "profile.log",
-                      deadline.timeout(300, after_profile + 3 * PROFILE_MIN), cwd=stage)
+                      deadline.timeout(300, after_profile + 4 * PROFILE_MIN), cwd=stage)
             # Compiled pyembed against compiled nn ops, host time by layer of torch.compile's
             # runtime (guards, graph, frame, backward), 1x1 and GPT-2 8x2048: at d81f5b2
             # compiled pyembed cost ~120 us more host per 8x2048 step. With backwards on the
@@ -304,7 +304,16 @@ def main() -> int:
                 check.run(f"compiled host time, autograd threads {'off' if threads else 'on'} "
                           "(python -m bench.compiled_host)",
                           [args.python, "-m", "bench.compiled_host", "--rounds", "3", *threads, *shapes], log,
-                          deadline.timeout(300, after_profile + PROFILE_MIN * (2 if threads else 1)), cwd=stage)
+                          deadline.timeout(300, after_profile + PROFILE_MIN * (3 if threads else 2)), cwd=stage)
+            # Inductor launches a compiled graph's user-defined Triton kernels (compiled
+            # `triton`'s) through Triton's own launcher, its own kernels through its static
+            # CUDA launcher, unless this setting says otherwise (off by default in torch 2.13
+            # and 2.14; the GPU machine's 2.11 reads it too if it has it, else this run is the
+            # first's): the first run's `triton` row against this one says what it is worth.
+            check.run("compiled host time, user Triton kernels launched statically (python -m bench.compiled_host)",
+                      [args.python, "-m", "bench.compiled_host", "--rounds", "3", "--no-autograd-threads", "--layer",
+                       "triton"], "compiled-host-static-launch.log", deadline.timeout(120, after_profile + PROFILE_MIN),
+                      {"TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS": "1"}, cwd=stage)
             ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
             if os.path.exists(ncu):
                 check.run("ncu on the forward and backward kernels",
@@ -365,7 +374,7 @@ def write_summary(out: Path, info: dict, check: Check, san_counts: dict, seconds
         lines += ["", "## Profile (profile.log: host us per call, medians, GPU ops per call)", ""]
         lines += [f"- {line}" for line in profile.read_text().splitlines()
                   if re.match(r"(\d+x\d+ .*: fwd |host |sort |forward )", line)]
-    for log in ("compiled-host.log", "compiled-host-threads.log"):
+    for log in ("compiled-host.log", "compiled-host-threads.log", "compiled-host-static-launch.log"):
         compiled = out / log
         if compiled.exists():
             lines += ["", f"## Compiled host time ({log})", "", "```", compiled.read_text().strip(), "```"]
