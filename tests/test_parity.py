@@ -490,6 +490,25 @@ def test_sinusoid_of_a_column_shard_is_the_wide_tables_columns(request, backend,
             op(ids, torch.ones(40, width, dtype=dtype), None, None, "sinusoidal", 2.0, 0, None, 0.0, start, full_dim)
 
 
+@pytest.mark.parametrize("backend", BACKENDS + ["cuda-emulated"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_sinusoid_of_a_two_byte_table_is_the_closed_form_rounded_once_up_to_position_99999(request, backend, dtype):
+    """A 2-byte table's sinusoid (on the GPU backends the angle less whole turns, then the
+    SFU's sine and cosine; emulated and interpreted, the accurate ones of that reduced
+    angle) is the float64 closed form rounded once to the table's dtype, within the fp32
+    angle's own error (DESIGN §7) and the SFU's 2^-21.4, at positions from 0 to 99999."""
+    emulated = request.getfixturevalue("emulated") if backend == "cuda-emulated" else None
+    op = _backend_ops(backend, emulated)[0]
+    dim = 64
+    position_ids = torch.tensor([[0, 1, 2, 7, 100, 511, 2047, 5000, 12345, 65535, 99999]])
+    ids = torch.zeros_like(position_ids)
+    out = op(ids, torch.zeros(1, dim, dtype=dtype), None, position_ids, "sinusoidal", 1.0, 0, None, 0.0, 0, dim)
+    angle = position_ids[0, :, None].double() * 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    exact = torch.stack((angle.sin(), angle.cos()), dim=-1).reshape(1, -1, dim)
+    atol = sinusoid_atol(ids, position_ids=position_ids) + 2.0**-21
+    assert_within(out.double(), exact, atol, rtol=torch.finfo(dtype).eps / 2, what=f"{backend} {dtype} sinusoid")
+
+
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b.startswith("triton")])
 @pytest.mark.parametrize("pos_encoding, position_ids", [("learned", False), ("learned", True), ("sinusoidal", False),
                                                         ("none", False)])

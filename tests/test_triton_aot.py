@@ -200,3 +200,14 @@ def test_bf16_is_rounded_by_the_conversion_instruction_on_a_gpu(report):
     # instructions per element, and must not reach a GPU kernel.
     by_hand = {k: v["nan_tests"] for k, v in report.items() if v["nan_tests"]}
     assert not by_hand, by_hand
+
+
+def test_a_two_byte_tables_sinusoid_takes_the_sfus_sine_and_cosine_a_wider_ones_libdevices(report):
+    # kernels' _sin_cos: for bf16 / fp16 outputs the angle less whole turns, then sin.approx
+    # and cos.approx (sm_90 d = 4096 bf16: 856 -> 248 SASS instructions a thread); fp32 and
+    # fp64 tables keep libdevice's accurate functions (DESIGN §7's fp32 bound is tighter).
+    sinusoid = {k: v["sfu_sincos"] for k, v in report.items() if k.startswith("forward") and "sinusoidal" in k}
+    two_byte = {k: n for k, n in sinusoid.items() if " bf16 " in k or " fp16 " in k}
+    assert two_byte and all(two_byte.values()), two_byte
+    wider = {k: n for k, n in sinusoid.items() if k not in two_byte}
+    assert wider and not any(wider.values()), wider

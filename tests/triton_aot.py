@@ -452,6 +452,8 @@ def compile_one(job):
         "div64": len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx)),
         # bf16 rounded by hand (kernels' _rounded, for the interpreter): a NaN test per element.
         "nan_tests": len(re.findall(r"setp\.nan\.", ptx)),
+        # The SFU's sine and cosine (kernels' _sin_cos for 2-byte tables).
+        "sfu_sincos": len(re.findall(r"\b(?:sin|cos)\.approx\.", ptx)),
         "zero_tile_blocks": zero_tile_blocks(ptx),
         "fusable_rule_sums": fusable_rule_sums(compiled.asm["llir"]) if updates else []}
 

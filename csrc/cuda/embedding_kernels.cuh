@@ -103,6 +103,30 @@ __device__ __forceinline__ void store_pack_whole(D* p, const A (&in)[VEC]) {
 
 __device__ __forceinline__ void sincos_acc(float x, float* s, float* c) { sincosf(x, s, c); }
 __device__ __forceinline__ void sincos_acc(double x, double* s, double* c) { sincos(x, s, c); }
+
+// sin and cos of x for a 2-byte table's output: x less a whole number of turns (2*pi as
+// float(2*pi) + the rest, the products inside FMAs: Cody-Waite), then the SFU's
+// approximations (an absolute error below 2^-21.4 on [-pi, pi], against a bf16 / fp16
+// output's half ulp of 2^-9 / 2^-12 at 1): a handful of instructions a pair where
+// sincosf is ~40 with its own reduction -- the bf16 sinusoidal forward's largest cost, as
+// in kernels/embedding.py's _sin_cos (where the Triton form of this went from 856 to 248
+// SASS instructions a thread at d = 4096, sm_90). Host emulation runs sincosf on the
+// reduced angle, so the CPU tests check the reduction.
+__device__ __forceinline__ void fast_sincos(float x, float* s, float* c) {
+  const float turns = floorf(x * 0.15915494309189535f + 0.5f);
+  const float reduced = fmaf(-turns, -1.7484555314695172e-07f, fmaf(-turns, 6.2831854820251465f, x));
+  __sincosf(reduced, s, c);
+}
+
+// A sinusoid pair's sine and cosine for a table of T: the SFU's for 2-byte tables.
+template <typename T, typename A>
+__device__ __forceinline__ void pair_sincos(A x, A* s, A* c) {
+  if constexpr (sizeof(T) == 2) {
+    fast_sincos(x, s, c);
+  } else {
+    sincos_acc(x, s, c);
+  }
+}
 __device__ __forceinline__ float exp_acc(float x) { return expf(x); }
 __device__ __forceinline__ double exp_acc(double x) { return exp(x); }
 
@@ -215,13 +239,13 @@ __global__ void embedding_forward_kernel(
 #pragma unroll
         for (int k = 0; k < VEC / 2; ++k) {
           A s, c;
-          sincos_acc(sinusoid_angle(p, first_pair + k, neg_log_base_over_dim), &s, &c);
+          pair_sincos<T>(sinusoid_angle(p, first_pair + k, neg_log_base_over_dim), &s, &c);
           x[2 * k] += s;
           x[2 * k + 1] += c;
         }
       } else {  // one element: the sine or the cosine of its pair
         A s, c;
-        sincos_acc(sinusoid_angle(p, (sinusoid_column_offset + j) >> 1, neg_log_base_over_dim), &s, &c);
+        pair_sincos<T>(sinusoid_angle(p, (sinusoid_column_offset + j) >> 1, neg_log_base_over_dim), &s, &c);
         x[0] += (j & 1) ? c : s;
       }
     }

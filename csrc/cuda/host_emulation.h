@@ -48,7 +48,10 @@ inline thread_local dim3 thread_idx, block_idx, block_dim, grid_dim;
 #define blockDim (::pyembed::emulation::block_dim)
 #define gridDim (::pyembed::emulation::grid_dim)
 
-// CUDA's sincosf / sincos are glibc's (GNU extensions, declared by <cmath> under g++).
+// CUDA's sincosf / sincos are glibc's (GNU extensions, declared by <cmath> under g++); the
+// SFU's __sincosf is sincosf here: the kernels reduce its argument first, which is what
+// the host run checks (a GPU's approximation is checked on a GPU, tests/gpu).
+inline void __sincosf(float x, float* s, float* c) { sincosf(x, s, c); }
 
 namespace pyembed::emulation {
 
