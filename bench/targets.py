@@ -154,7 +154,7 @@ def targets(rows: list[dict]) -> list[tuple]:
     """(issue, target, case, measured, verdict) per target and case the run measured; a
     target none of whose cases it measured once, "not measured". verdict: met, not met,
     within 2%, or None (not measured)."""
-    cases = [p for p in _by_case(rows).values()]
+    cases = list(_by_case(rows).values())
     found = []
     for issue, target, select, measure, bound in specs():
         hits = [(next(iter(p.values()))["label"], measure(p)) for p in cases if select(next(iter(p.values())))]
