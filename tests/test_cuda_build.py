@@ -187,3 +187,19 @@ def test_few_tokens_gradient_writes_rows_with_128_bit_accesses(ptxas_report, arc
         assert re.search(r"st\.global\.v4\.", body), f"{fragment}: no 128-bit store"
         used = [regs for name, regs in registers.items() if fragment in name]
         assert used and max(used) <= 64, (fragment, used)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_two_byte_tables_sinusoid_takes_the_sfus_sine_and_cosine_a_wider_ones_sincos(ptxas_report, arch):
+    # embedding_kernels.cuh's pair_sincos: for bf16 / fp16 tables the angle less whole turns,
+    # then __sincosf (sin.approx / cos.approx: 688 -> 344 SASS instructions, sm_90, bf16 16-byte
+    # rows); fp32 and fp64 tables keep sincosf / sincos (DESIGN §7's fp32 bound is tighter).
+    ptx = ptxas_report[1][arch]
+    for table in ("N3c108BFloat16E", "N3c104HalfE"):
+        body = _entry_body(ptx, f"embedding_forward_kernelI{table}lLi8ELi2ELb0E")  # sinusoidal, no dropout
+        assert re.search(r"\bsin\.approx\.", body) and re.search(r"\bcos\.approx\.", body), table
+    for table in ("f", "d"):
+        entries = re.findall(r"\.entry (\w*embedding_forward_kernelI" + table + r"lLi\d+ELi2E\w*)\(", ptx)
+        assert entries, table
+        for name in entries:
+            assert not re.search(r"\b(?:sin|cos)\.approx\.", _entry_body(ptx, name)), name
