@@ -13,7 +13,9 @@ Run by tests/test_triton_aot.py in a subprocess: it needs TRITON_INTERPRET unset
 interpreter replaces @triton.jit functions with eager Python ones). Usage:
 ``python tests/triton_aot.py [--quick]`` (--quick: sm_90 only).
 
-``python tests/triton_aot.py --sass [NAME_PART ...]`` instead prints, per sm_90
+``python tests/triton_aot.py --inductor-copies`` instead compiles each kernel as Inductor
+copies a user-defined kernel into a compiled graph's code (JSON: kernel -> "ok" or the
+error). ``python tests/triton_aot.py --sass [NAME_PART ...]`` instead prints, per sm_90
 specialisation whose name holds every NAME_PART (e.g. ``forward bf16 "learned d=4096"``),
 its SASS instruction count (nvdisasm, shipped with Triton) with every subroutine call
 counted at its callee's length: for a kernel without loops (the forward), about what one
@@ -478,7 +480,57 @@ def sass_instructions(name: str, arch: int = 90) -> int:
     return next(iter(lengths.values())) + sum(lengths[callee] for callee in calls)
 
 
+def inductor_copies() -> dict:
+    """{kernel: "ok" or the error}: each Triton kernel as torch.compile's Inductor builds a
+    user-defined one -- the kernel's source and its helpers', copied by Inductor
+    (user_defined_triton_kernel_transitive_closure_source_code) below Inductor's own
+    imports into a module of its own -- with every global name its functions load defined
+    there (whichever constexpr branch loads it: Triton resolves a name only in the branch it
+    compiles), and compiled for sm_90 in the first specialisation of sources() that launches
+    it. Names that copy cannot carry (a module imported under an alias Inductor does not
+    import, a helper it does not copy) fail here, not in a compiled model on a GPU
+    (kernels/embedding.py's `libdevice` is one Inductor imports)."""
+    import builtins
+    import dis
+    import importlib.util
+
+    from torch._inductor.codegen.triton import TritonKernel
+    from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code
+
+    first = {}  # kernel name -> the first specialisation that launches it
+    for name, (factory, args, kwargs) in sources().items():
+        first.setdefault(factory(*args, **kwargs).fn.__name__, name)
+    found = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kernel_name, name in first.items():
+            original = getattr(k, kernel_name)
+            path = os.path.join(tmp, f"{kernel_name}.py")
+            with open(path, "w") as f:
+                f.write(TritonKernel.gen_common_triton_imports() + "\n@triton.jit\n"
+                        + user_defined_triton_kernel_transitive_closure_source_code(original))
+            try:
+                spec = importlib.util.spec_from_file_location(kernel_name, path)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                functions = [v.fn for v in vars(module).values() if isinstance(v, triton.runtime.jit.JITFunction)]
+                missing = sorted({i.argval for fn in functions for i in dis.Bytecode(fn) if i.opname == "LOAD_GLOBAL"}
+                                 - set(vars(module)) - set(vars(builtins)))
+                if missing:
+                    raise NameError(f"not defined in Inductor's copy: {missing}")
+                setattr(k, kernel_name, getattr(module, kernel_name))
+                _compile(name, 90)
+                found[kernel_name] = "ok"
+            except Exception as error:  # noqa: BLE001 - every kernel's outcome is reported
+                found[kernel_name] = f"{name}: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            finally:
+                setattr(k, kernel_name, original)
+    return found
+
+
 def main():
+    if "--inductor-copies" in sys.argv:
+        json.dump(inductor_copies(), sys.stdout, indent=1)
+        return
     if "--sass" in sys.argv:
         parts = sys.argv[sys.argv.index("--sass") + 1:]
         for name in sources():
