@@ -669,8 +669,8 @@ FORWARD_ROWS = ("PYEMBED_CUDA_FORWARD_ROWS", ("1", "4"))
 
 
 def forward_comparison(backends, batch=8, seq_len=2048):
-    """The forward op at GPT-2 and Llama-3 8x2048 (fp32, bf16, learned positions, the
-    default in-kernel range check): the `cuda` kernel in each of FORWARD_ROWS' block
+    """The forward op at GPT-2 and Llama-3 8x2048 (fp32, bf16, learned positions -- and bf16
+    with the sinusoid --, the default in-kernel range check): the `cuda` kernel in each of FORWARD_ROWS' block
     shapes, and `triton`'s, each against a copy of its output's bytes
     (the rows it reads and writes; the positional rows come from L2) -- GPU time by do_bench
     and by a CUDA graph's replay (the kernel alone). At 1b594a4 (H200) the one-token kernel
@@ -687,15 +687,21 @@ def forward_comparison(backends, batch=8, seq_len=2048):
             out = torch.empty(batch, seq_len, table[1], device="cuda", dtype=dtype)
             copy = torch.empty_like(out)
             copy_graphed = triton.testing.do_bench_cudagraph(lambda: copy.copy_(out), return_mode="median")
-            for backend, value in runs:
+            # bf16 with the sinusoid too: its sine and cosine by the SFU since 26f0ba6, where
+            # the Llama-2 bf16 sinusoidal forward ran at 65% of a copy (`cuda`), 0.79x `cuda` (`triton`).
+            sinusoid = [(backend, None, "sinusoidal") for backend in ("cuda", "triton") if backend in backends]
+            for backend, value, encoding in [(b, v, "learned") for b, v in runs] + (
+                    sinusoid if dtype == torch.bfloat16 else []):
                 if value is not None:
                     os.environ[variable] = value
                 op = dispatch.get(backend).forward
+                table_pe = pos_weight if encoding == "learned" else None
 
                 def call():
-                    return op(ids, weight, pos_weight, None, "learned", table[1] ** 0.5, 0, None, 0.0, 0, 0, record)
+                    return op(ids, weight, table_pe, None, encoding, table[1] ** 0.5, 0, None, 0.0, 0, 0, record)
 
-                which = f"{value} row{'s' * (value != '1')} a block" if value else "its kernel"
+                which = ("sinusoid" if encoding == "sinusoidal" else
+                         f"{value} row{'s' * (value != '1')} a block" if value else "its kernel")
                 case = f"the `{backend}` forward op, {table[0]}x{table[1]} {str(dtype)[6:]} {batch}x{seq_len}"
                 try:  # new in this profile: a failure is reported here, and the profile goes on
                     wall = triton.testing.do_bench(call, return_mode="median")
