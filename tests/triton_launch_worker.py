@@ -211,6 +211,12 @@ def _wiring(recorded: list, like: list = None) -> list:
     return wiring
 
 
+def _launched_as_triton(got: list, tritons: list) -> bool:
+    """A call's launches ``got`` agree with ``tritons``, Triton's own run of the same call:
+    as many, in order, each of the same kind (_same_kind), their pointers wired alike (_wiring)."""
+    return len(got) == len(tritons) and all(map(_same_kind, got, tritons)) and _wiring(got, tritons) == _wiring(tritons)
+
+
 def _count_cached_launches() -> list:
     """From now on, each launch through the cached launcher adds one to the list's last entry
     (a call that adds none launched only replays)."""
@@ -439,8 +445,7 @@ def check_planned_backward():
         launches.clear()  # what Triton's own run launches for the same call
         _triton._backward(*args, launch=lambda kernel: kernel)
         os.environ.pop("PYEMBED_TRITON_TILE_SORT", None)
-        if (len(got) != len(launches) or not all(map(_same_kind, got, launches))
-                or _wiring(got, launches) != _wiring(launches)):
+        if not _launched_as_triton(got, launches):
             mismatches.append(name)
     # A plan holds none of the tensors it was bound with.
     # (A batch of the sorted path and one of a few tokens, both replayed whole from their third call.)
@@ -511,8 +516,7 @@ def check_planned_node_backward():
         launches.clear()  # what Triton's own run launches for the same call
         _triton._backward(call["dout"], call["ids"], None, call["offset"], 300, 80, 2.0, None, False, True,
                           call["pos"], launch=lambda kernel: kernel)
-        if (len(got) != len(launches) or not all(map(_same_kind, got, launches))
-                or _wiring(got, launches) != _wiring(launches)):
+        if not _launched_as_triton(got, launches):
             mismatches.append(name)
     launches.clear()
     print(json.dumps({"check": "planned node backward", "mismatches": mismatches, "replayed": replayed,
@@ -600,8 +604,7 @@ def check_planned_optimizer_backward():
             segments = k.sorted_segments(dout2d, call["ids"], 300, skip, by_row=True, launch=direct, dropout=dropout)
             k.optimizer_backward(dout2d, segments, 1.5, call["by_freq"], table, state1, state2, optim.ADAM, hyper,
                                  True, dropout=dropout, launch=direct)
-        if (len(got) != len(launches) or not all(map(_same_kind, got, launches))
-                or _wiring(got, launches) != _wiring(launches)):
+        if not _launched_as_triton(got, launches):
             mismatches.append(name)
     k.LaunchPlan.replaying = replaying
     print(json.dumps({"check": "planned optimizer backward", "mismatches": mismatches, "replayed": replayed,
@@ -792,7 +795,7 @@ def check_random_calls(seed: int):
                                 reference.dropout_threshold(0.1) if key is not None else 0,
                                 reference.dropout_scale(0.1) if key is not None else 1.0, columns[0],
                                 columns[1] or dim, out.detach(), launch=direct, error_record=m["record"])
-            if not (_same_kind(got, launches[-1]) and _wiring([got], launches) == _wiring(launches)):
+            if not _launched_as_triton([got], launches):
                 mismatches.append((index, "forward"))
         if entry in ("node", "backward"):
             dout = torch.randn(*m["shape"], dim, generator=gen).to(m["table"])
@@ -811,8 +814,7 @@ def check_random_calls(seed: int):
             launches.clear()
             with _KeepAlive():
                 _triton._backward(*args, launch=direct)
-            if (len(got) != len(launches) or not all(map(_same_kind, got, launches))
-                    or _wiring(got, launches) != _wiring(launches)):
+            if not _launched_as_triton(got, launches):
                 mismatches.append((index, "backward"))
         if not through_cached[-1]:
             replayed.append(entry)
