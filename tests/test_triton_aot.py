@@ -23,12 +23,17 @@ def report(once_per_session):
     return once_per_session("triton_aot", _compile_every_specialisation)
 
 
-def _compile_every_specialisation() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real compiler, not the interpreter
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_aot.py")], capture_output=True, text=True,
-                          env=env)
+def _triton_aot(*flags: str):
+    """tests/triton_aot.py's JSON, run with ``flags`` by the real compiler (not the interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_aot.py"), *flags], capture_output=True,
+                          text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    data = json.loads(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+def _compile_every_specialisation() -> dict:
+    data = _triton_aot()
     (ROOT / "build").mkdir(exist_ok=True)
     (ROOT / "build" / "triton_report.txt").write_text(
         "\n".join(f"{k}: {v['registers']} regs, {v['shared']} B shared, {v['spill_bytes']} B spills" for k, v in
@@ -219,10 +224,6 @@ def test_inductor_builds_every_kernel_as_it_copies_a_user_defined_one():
     # (tests/triton_aot.py --inductor-copies). Every global name the copy loads must be
     # defined there -- a module under an alias Inductor does not import would fail only in a
     # compiled model on a GPU -- and the copy compiles for sm_90.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_aot.py"), "--inductor-copies"],
-                          capture_output=True, text=True, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    found = json.loads(proc.stdout)
+    found = _triton_aot("--inductor-copies")
     assert "_embedding_forward_kernel" in found and "_finish_segments_kernel" in found
     assert all(outcome == "ok" for outcome in found.values()), found
