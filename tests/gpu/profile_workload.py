@@ -679,6 +679,9 @@ def forward_comparison(backends, batch=8, seq_len=2048):
 
     variable, settings = FORWARD_ROWS
     runs = [("cuda", value) for value in settings if "cuda" in backends] + [("triton", None)] * ("triton" in backends)
+    # bf16 with the sinusoid too: its sine and cosine by the SFU since 26f0ba6, where
+    # the Llama-2 bf16 sinusoidal forward ran at 65% of a copy (`cuda`), 0.79x `cuda` (`triton`).
+    sinusoid = [(backend, None, "sinusoidal") for backend in ("cuda", "triton") if backend in backends]
     for table in (GPT2, LLAMA3):
         for dtype in (torch.float32, torch.bfloat16):
             weight, pos_weight, ids, _ = tensors(*table, batch, seq_len, dtype)
@@ -687,9 +690,6 @@ def forward_comparison(backends, batch=8, seq_len=2048):
             out = torch.empty(batch, seq_len, table[1], device="cuda", dtype=dtype)
             copy = torch.empty_like(out)
             copy_graphed = triton.testing.do_bench_cudagraph(lambda: copy.copy_(out), return_mode="median")
-            # bf16 with the sinusoid too: its sine and cosine by the SFU since 26f0ba6, where
-            # the Llama-2 bf16 sinusoidal forward ran at 65% of a copy (`cuda`), 0.79x `cuda` (`triton`).
-            sinusoid = [(backend, None, "sinusoidal") for backend in ("cuda", "triton") if backend in backends]
             for backend, value, encoding in [(b, v, "learned") for b, v in runs] + (
                     sinusoid if dtype == torch.bfloat16 else []):
                 if value is not None:
