@@ -286,6 +286,26 @@ def test_emulated_forward_at_four_rows_a_block_gives_the_same_bits(emulated, mon
     assert_within(found["4"], exact, atol, rtol, what="four rows a block")
 
 
+# The thread rows row_grid (embedding_kernels.cuh) gives a launch over rows of the widths
+# real models use -- d = 768 (GPT-2, BERT), 1024, 1600 (GPT-2 XL), 2048, 2560, 4096
+# (Llama), 5120, 8192 -- in 16-byte accesses of fp32 (4 elements) and bf16 / fp16 (8), and
+# at four rows or more a block (the forward with learned positions): at most an eighth of
+# a block's lanes idle over its passes, never a whole warp through every pass. Counted
+# independently of row_grid's own rule: the passes a row takes at that width, the lanes
+# they hold, the accesses the row needs. (Four rows at d = 768 bf16 took 64-thread rows,
+# a quarter of the lanes idle, until a width's idle lanes chose it.)
+@pytest.mark.parametrize("min_rows", [1, 4])
+@pytest.mark.parametrize("vec", [4, 8])
+@pytest.mark.parametrize("dim", [768, 1024, 1600, 2048, 2560, 4096, 5120, 8192])
+def test_row_grid_leaves_few_lanes_idle(emulated, dim, vec, min_rows):
+    blocks, width, rows = emulated.row_grid(16384, dim, vec, min_rows)
+    accesses = dim // vec
+    assert width % 32 == 0 and width * rows <= 256 and rows >= min_rows
+    assert blocks == -(-16384 // rows)
+    lanes = -(-accesses // width) * width
+    assert lanes - accesses <= lanes / 8, f"{width} threads a row: {lanes - accesses} of {lanes} lanes idle"
+
+
 def test_emulated_backward_is_deterministic(emulated):
     ids = torch.randint(0, 5, (4, 500), generator=torch.Generator().manual_seed(2))
     dout = torch.randn(4, 500, 32)

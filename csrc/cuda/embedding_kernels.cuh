@@ -1131,6 +1131,15 @@ __global__ void batch_sum_kernel(Dout<T, kDropout> dout, PositionSums<T> positio
 // rows share a block. A row of `per_row` accesses takes the fewest passes of at most
 // kThreadsPerBlock threads, spread evenly in whole warps: d = 768 fp32 (192 accesses) gets
 // 192 threads, not 256 with a quarter idle. Rows under a warp share one (a power of two each).
+//
+// With min_rows_per_block rows a block (the forward's learned positions), narrower rows
+// of whole warps, more passes over each: of the widths up to kThreadsPerBlock /
+// min_rows_per_block, the one whose passes leave the fewest lanes idle (the widest of
+// equals). Taking the widest alone gave d = 768 bf16 / fp16 (96 16-byte accesses) 64
+// threads in two passes, the second with one of its two warps idle -- a quarter of the
+// block's lanes over the row, where 32 threads make three full passes (and eight rows a
+// block); the H200 at 26f0ba6 ran that forward at 77% of a graphed copy (GPT-2 bf16
+// 8x2048, four rows a block), the fp32 one, 192 accesses in three full passes, at 91%.
 struct RowGrid {
   dim3 grid, block;
 };
@@ -1146,8 +1155,12 @@ inline RowGrid row_grid(int64_t rows, int64_t dim, int vec, int64_t min_rows_per
     const int64_t per_pass = (per_row + passes - 1) / passes;
     tx = std::min<int64_t>(kThreadsPerBlock, (per_pass + kWarp - 1) / kWarp * kWarp);
   }
-  if (kThreadsPerBlock / tx < min_rows_per_block) {  // narrower rows, more passes over each
+  if (kThreadsPerBlock / tx < min_rows_per_block) {
+    auto idle_lanes = [&](int64_t width) { return (per_row + width - 1) / width * width - per_row; };
     tx = std::max<int64_t>(kWarp, kThreadsPerBlock / min_rows_per_block / kWarp * kWarp);
+    for (int64_t width = tx - kWarp; width >= kWarp; width -= kWarp) {
+      if (idle_lanes(width) < idle_lanes(tx)) tx = width;
+    }
   }
   const int64_t ty = std::max<int64_t>(1, kThreadsPerBlock / tx);
   const int64_t blocks = std::max<int64_t>(1, (rows + ty - 1) / ty);
@@ -1206,8 +1219,9 @@ void with_dout(const at::Tensor& dout, const Dropout& dropout, F&& run) {
 // op replayed from a CUDA graph, against a graphed copy; tests/gpu/profile_workload.py):
 // four rows a block reached GPT-2 fp32 91% (one: 82%), bf16 77% (74%), Llama-3 bf16 88%
 // (82%), but Llama-3 fp32 88% (91%): a 16 KB row keeps enough bytes in flight a block
-// alone. So four rows where a row is at most 8 KB, else one; PYEMBED_CUDA_FORWARD_ROWS=1|4,
-// read each call (a getenv), chooses either for every call, so that gpu-check times both.
+// alone. So four rows or more where a row is at most 8 KB (row_grid: eight at d = 768 in
+// 2-byte types), else one; PYEMBED_CUDA_FORWARD_ROWS=1|4, read each call (a getenv),
+// chooses either for every call, so that gpu-check times both.
 constexpr int64_t kFourRowsMaxRowBytes = 8192;
 
 inline int64_t forward_min_rows_per_block(PosEncoding mode, bool has_position_ids, int64_t row_bytes) {

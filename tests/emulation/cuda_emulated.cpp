@@ -81,6 +81,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "the CUDA learned positions' backward as their optimizer update, emulated on CPU tensors (same arguments "
         "as torch.ops.pyembed.position_update)");
+  m.def("row_grid",
+        [](int64_t rows, int64_t dim, int64_t vec, int64_t min_rows_per_block) {
+          const auto g = pyembed::cuda::row_grid(rows, dim, static_cast<int>(vec), min_rows_per_block);
+          return std::make_tuple(g.grid.x, g.block.x, g.block.y);
+        },
+        "(blocks, threads a row, rows a block) of a launch over `rows` rows of `dim` elements, `vec` a thread "
+        "access, at least `min_rows_per_block` rows a block where that fits");
   m.def("forward_token_order",
         [](int64_t num_tokens, int64_t seq_len, int64_t pos_mode, bool has_position_ids) {
           auto order = at::empty({num_tokens}, at::kLong);

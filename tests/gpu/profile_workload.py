@@ -663,8 +663,8 @@ def sort_case(backend, which, table, dtype, batch, seq_len, calls, dist="uniform
 
 # The cuda forward's rows per block with learned positions (csrc/cuda/embedding_kernels.cuh,
 # forward_min_rows_per_block), by the variable that sets it for every call: row_grid's
-# shape (one token a block at d >= 256 elements) against four rows a block, whose tokens
-# share a positional row.
+# shape (one token a block at d >= 256 elements) against four rows or more a block, whose
+# tokens share a positional row (eight at d = 768 bf16: row_grid's 32-thread rows).
 FORWARD_ROWS = ("PYEMBED_CUDA_FORWARD_ROWS", ("1", "4"))
 
 
@@ -700,8 +700,8 @@ def forward_comparison(backends, batch=8, seq_len=2048):
                 def call():
                     return op(ids, weight, table_pe, None, encoding, table[1] ** 0.5, 0, None, 0.0, 0, 0, record)
 
-                which = ("sinusoid" if encoding == "sinusoidal" else
-                         f"{value} row{'s' * (value != '1')} a block" if value else "its kernel")
+                which = ("sinusoid" if encoding == "sinusoidal" else  # row_grid may give more rows a block
+                         f"at least {value} row{'s' * (value != '1')} a block" if value else "its kernel")
                 case = f"the `{backend}` forward op, {table[0]}x{table[1]} {str(dtype)[6:]} {batch}x{seq_len}"
                 try:  # new in this profile: a failure is reported here, and the profile goes on
                     wall = triton.testing.do_bench(call, return_mode="median")
