@@ -442,11 +442,8 @@ def _merge_tiles_kernel(
     # mutation analysis walks every path through a kernel's ops, and unrolled steps multiply
     # them (a two-bound search, unrolled, took tracing a backward past five minutes).
     # A probe outside its tile reads as all ones, below no word (a word is at most 2^32 - 1),
-    # so the step is taken on the loaded value alone. With the mask needed again after the
-    # load, ptxas (sm_90, Triton 3.8) issued each probe right behind the previous one's
-    # compare -- at most two loads in flight a thread; four this way (its SASS, nvdisasm).
-    # The cuda backend's merge, whose 32 probes a step all leave before any compare, ran in
-    # 8.3 us where this kernel took 20.7 (H200 at 26f0ba6, GPT-2 8x2048). Not measured yet.
+    # so the step is taken on the loaded value alone: no mask kept live past the loads, which
+    # then all leave before any compare where registers allow (MERGE_OPTIONS).
     length = tl.minimum(n - tile_start, TILE)[:, None]
     lo = tl.zeros([MAX_TILES, BLOCK], dtype=tl.int32)
     for s in range(TILE.bit_length() - 1, -1, -1):
@@ -1194,6 +1191,13 @@ FORWARD_REPLAYED_ALL = dict(tensors=("ids_ptr", "position_ids_ptr", "dropout_key
 
 BOUNDS_BLOCK = 1024  # sorted positions per program of the sort-input and segment-start kernels
 MERGE_BLOCK = 64  # words per program of _merge_tiles_kernel: 64 x 32 lower bounds searched at once
+# _merge_tiles_kernel's launch options (kernels.launch.LAUNCH_OPTIONS): registers a thread
+# may take. Left to its own budget, ptxas issued each of a thread's 16 probes of a search
+# step right after the previous one's compare -- one load in flight with the GPU machine's
+# Triton 3.6, three with 3.8 (sm_90 SASS, nvdisasm; tests/test_triton_aot.py) -- where the
+# cuda backend's merge issues its 32 before any compare (8.3 us against this kernel's 20.7
+# on the H200 at 26f0ba6, GPT-2 8x2048). Given 80, both issue all 16 first (72 registers).
+MERGE_OPTIONS = {"maxnreg": 80}
 CHUNK_ROWS = 128  # sorted positions per chunk: the longest segment summed directly
 # A dense gradient of at most this many tokens skips the sort: one kernel, in which a
 # program reads every key per tile of rows it writes (csrc/cuda's kFewTokens). The sorted
@@ -1276,7 +1280,8 @@ def tile_sort(keys, sorted_keys, order, bounds, num_zeros: int, num_rows: int, s
         ONE_TILE=one_tile, TILE=TILE_SORT_TILE, ROWS=rows, COLUMNS=columns, BLOCK=BOUNDS_BLOCK)
     if not one_tile:
         launch(_merge_tiles_kernel)[(_cdiv(n, merge_block),)](
-            words, sorted_keys, order, n, TILE=TILE_SORT_TILE, MAX_TILES=TILE_SORT_MAX_TILES, BLOCK=merge_block)
+            words, sorted_keys, order, n, TILE=TILE_SORT_TILE, MAX_TILES=TILE_SORT_MAX_TILES, BLOCK=merge_block,
+            **MERGE_OPTIONS)
 
 
 def sorted_segments(dout2d, keys, num_rows: int, skip: int, by_row: bool, launch=_direct,

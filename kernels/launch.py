@@ -31,6 +31,10 @@ the named tensors and ints, checking only what could make Triton choose another 
 them, every tensor argument new: the dense backward's one to four, and where the helper
 ran nothing but allocations, views and those launches, the whole call at once.
 
+A launch may give Triton's compile options (``num_warps``, ``maxnreg``, ...: ``LAUNCH_OPTIONS``)
+beside its constexprs, as ``kernel[grid]`` takes them: they key the launch with the
+constexprs and are left out of what the compiled kernel's launcher is given.
+
 Under the interpreter (TRITON_INTERPRET=1) and on Triton releases before 3.3 (whose
 launcher took other arguments), ``cached`` returns the kernel itself and ``bind`` binds
 nothing. A callable grid, kernels with pre-run hooks, a stage-inspection hook set, or
@@ -57,6 +61,19 @@ except ImportError:  # pragma: no cover - older Triton: every launch takes Trito
     knobs = None
 
 _INT32_MIN, _INT32_END = -(2**31), 2**31
+
+# Triton's compile options a launch may give as keywords beside the constexprs
+# (``kernel[grid](..., maxnreg=80)``): part of the key -- another value, another binary --
+# and never an argument of the compiled kernel's launcher, which has them built in.
+LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
+
+
+def _launcher_constexprs(constexprs: dict):
+    """The constexprs' values as the compiled kernel's launcher takes them: the launch
+    options left out."""
+    if LAUNCH_OPTIONS.isdisjoint(constexprs):
+        return constexprs.values()
+    return [value for name, value in constexprs.items() if name not in LAUNCH_OPTIONS]
 
 
 def _supported() -> bool:
@@ -302,9 +319,9 @@ class CachedLauncher:
             # and, where direct_launch knows the launcher's C call, without its Python.
             run = _launch_path(compiled)[2]
             run(compiled, grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                driver.get_current_stream(device), (*launched, *constexprs.values()))
+                driver.get_current_stream(device), (*launched, *_launcher_constexprs(constexprs)))
         else:
-            compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *constexprs.values())
+            compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *_launcher_constexprs(constexprs))
         return compiled
 
     def _plain(self, grid) -> bool:
@@ -312,9 +329,10 @@ class CachedLauncher:
                 and knobs.runtime.add_stages_inspection_hook is None)
 
     def _in_signature_order(self, args: tuple, constexprs: dict) -> bool:
-        """Every parameter given, keywords in the signature's order: the compiled kernel's
-        launcher takes them positionally."""
-        return self.names == self.names[:len(args)] + tuple(constexprs)
+        """Every parameter given, keywords in the signature's order (launch options aside):
+        the compiled kernel's launcher takes them positionally."""
+        given = tuple(name for name in constexprs if name not in LAUNCH_OPTIONS)
+        return self.names == self.names[:len(args)] + given
 
 
 def _launch_hooks(runtime) -> bool:
@@ -371,7 +389,7 @@ def _bind(launcher: CachedLauncher, grid: tuple, args: tuple, constexprs: dict, 
     # The replay written out for these arguments, as Triton writes its binder: the fixed
     # values are its globals, the new ones its parameters. One code object per layout of
     # the arguments (compiling it is ~150 us), a function of it per bound launch (~us).
-    fixed = (*args, *constexprs.values())
+    fixed = (*args, *_launcher_constexprs(constexprs))
     direct = direct_launch(compiled)
     c_call, c_globals = _c_call_code(direct) if direct is not None else (None, {})
     layout = (tuple(tensor_positions), tuple(int_positions), len(fixed), c_call, (), tuple(float_positions))

@@ -242,6 +242,31 @@ def _planned(plans: dict, key, inputs: tuple, run, floats: bool = False, keep=No
     return result if result is not None else run(plan.replaying())
 
 
+@functools.cache
+def _inductor_takes_launch_options() -> bool:
+    """Whether Inductor compiles a user kernel with the compile options given beside its
+    arguments (``maxnreg``: kernels.launch.LAUNCH_OPTIONS), as torch 2.14 does; before, it
+    would take one for an argument the kernel lacks."""
+    from torch._inductor.runtime import triton_helpers
+
+    return hasattr(triton_helpers, "try_filter_backend_options_for_target")
+
+
+class _Traced:
+    """``launch=`` in a compiled graph: torch.library.wrap_triton, so Inductor gets the kernel
+    itself -- without the launch's ``maxnreg`` (a register budget for ptxas's schedule, not
+    arithmetic) where Inductor would not take it."""
+
+    def __call__(self, kernel):
+        self.wrapped = torch.library.wrap_triton(kernel)
+        return self
+
+    def __getitem__(self, grid):
+        if _inductor_takes_launch_options():
+            return self.wrapped[grid]
+        return lambda *args, maxnreg=None, **kwargs: self.wrapped[grid](*args, **kwargs)
+
+
 triton_forward = torch.library.custom_op("pyembed::triton_forward", mutates_args=())(forward)
 
 
@@ -255,7 +280,7 @@ if not _INTERPRETED:
         # (Under the interpreter kernels run eagerly on data and cannot be traced.) The
         # generated code guards the device itself.
         with mode:
-            return _forward(*args, **kwargs, launch=torch.library.wrap_triton, device_guard=False)
+            return _forward(*args, **kwargs, launch=_Traced(), device_guard=False)
 
 
 def _backward(grad_out, ids, position_ids, offset: int, num_embeddings: int, num_positions: int, scale: float,
@@ -344,7 +369,7 @@ if not _INTERPRETED:
         # As the forward: under a compiled graph's functionalisation Inductor gets the
         # backward's kernels and the torch ops between them (sort, scan), not an opaque call.
         with mode:
-            return _backward(*args, **kwargs, launch=torch.library.wrap_triton, device_guard=False)
+            return _backward(*args, **kwargs, launch=_Traced(), device_guard=False)
 
 
 def compiled_lookup(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.Tensor],

@@ -218,6 +218,21 @@ def test_a_two_byte_tables_sinusoid_takes_the_sfus_sine_and_cosine_a_wider_ones_
     assert wider and not any(wider.values()), wider
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_tile_merge_issues_every_probe_of_a_search_step_before_comparing_any(report, arch):
+    # kernels' _merge_tiles_kernel: each thread searches MAX_TILES x BLOCK / threads tiles a
+    # step, a load each (16 at 4 warps). Left to its own register budget ptxas issued each
+    # probe right behind the previous one's compare (1 in flight with Triton 3.6, 3 with
+    # 3.8); given room (MERGE_OPTIONS' maxnreg) and no mask kept past the loads, all of them
+    # leave first -- as the cuda backend's merge issues its 32.
+    from pyembed.kernels import embedding as k
+
+    probes = k.TILE_SORT_MAX_TILES * k.MERGE_BLOCK // 128
+    found = {name: v["loads_before_a_compare"] for name, v in report.items()
+             if name.startswith("merge_tiles") and name.endswith(arch)}
+    assert len(found) == 3 and all(n == probes for n in found.values()), (probes, found)
+
+
 def test_inductor_builds_every_kernel_as_it_copies_a_user_defined_one():
     # A compiled graph launches the Triton kernels as user-defined ones: Inductor copies each
     # kernel's source and its helpers' below its own imports and compiles that copy

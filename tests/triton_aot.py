@@ -368,9 +368,14 @@ def _triton_tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+# The compile options a kernel's launch gives beside its constexprs (kernels.launch.LAUNCH_OPTIONS).
+LAUNCH_OPTIONS = {"_merge_tiles_kernel": k.MERGE_OPTIONS}
+
+
 def _compile(name: str, arch: int):
     factory, args, kwargs = sources()[name]
-    return triton.compile(factory(*args, **kwargs), target=GPUTarget("cuda", arch, 32))
+    source = factory(*args, **kwargs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=LAUNCH_OPTIONS.get(source.fn.__name__))
 
 
 def ptxas_report(ptx: str) -> dict:
@@ -434,6 +439,22 @@ def zero_tile_blocks(ptx: str) -> list[dict]:
     return found
 
 
+def loads_before_a_compare(cubin: bytes) -> int:
+    """In the kernel's first loop (SASS, nvdisasm): the global loads issued before the first
+    unsigned compare -- for _merge_tiles_kernel, how many of a thread's probes of a search
+    step are in flight before it compares any (a probe compared right after its load: 1)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([_triton_tool("nvdisasm"), "-c", path], capture_output=True, text=True, check=True).stdout
+    label = next(m.group(1) for m in re.finditer(r"^(\.L_x_\d+):", sass, re.M)
+                 if re.search(rf"BRA `\({re.escape(m.group(1))}\)", sass[m.end():]))
+    body = sass.split(f"{label}:", 1)[1].split(f"BRA `({label})", 1)[0]
+    found = re.search(r"ISETP\.\w+\.U32", body)
+    return len(re.findall(r"\bLDG\b", body[:found.start() if found else len(body)]))
+
+
 def compile_one(job):
     name, arch = job
     compiled = _compile(name, arch)
@@ -457,6 +478,7 @@ def compile_one(job):
         # The SFU's sine and cosine (kernels' _sin_cos for 2-byte tables).
         "sfu_sincos": len(re.findall(r"\b(?:sin|cos)\.approx\.", ptx)),
         "zero_tile_blocks": zero_tile_blocks(ptx),
+        "loads_before_a_compare": loads_before_a_compare(compiled.asm["cubin"]) if name.startswith("merge") else None,
         "fusable_rule_sums": fusable_rule_sums(compiled.asm["llir"]) if updates else []}
 
 

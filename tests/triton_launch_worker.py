@@ -133,14 +133,15 @@ def check_forward_variants():
 
 def check_eager_calls():
     """fused_embedding forward + dense backward, twice: the second time every launch is a
-    cache hit and launches what the first launched."""
+    cache hit and launches what the first launched. 600 tokens: two tiles of the tile sort,
+    so its merge too, whose launch gives a compile option (maxnreg) beside its constexprs."""
     import pyembed
     from pyembed import _triton
 
     _triton._INTERPRETED = True  # lets the backend take CPU tensors; the kernels still go through the JIT
     launch._launchers.clear()
-    ids = torch.randint(0, 500, (2, 64), generator=torch.Generator().manual_seed(0))
-    weight, pos = torch.randn(500, 64, requires_grad=True), torch.randn(64, 64, requires_grad=True)
+    ids = torch.randint(0, 500, (2, 300), generator=torch.Generator().manual_seed(0))
+    weight, pos = torch.randn(500, 64, requires_grad=True), torch.randn(300, 64, requires_grad=True)
     jit_runs = []
     run = triton.runtime.jit.JITFunction.run
 
