@@ -290,10 +290,10 @@ def test_emulated_forward_at_four_rows_a_block_gives_the_same_bits(emulated, mon
 # real models use -- d = 768 (GPT-2, BERT), 1024, 1600 (GPT-2 XL), 2048, 2560, 4096
 # (Llama), 5120, 8192 -- in 16-byte accesses of fp32 (4 elements) and bf16 / fp16 (8), and
 # at four rows or more a block (the forward with learned positions): at most an eighth of
-# a block's lanes idle over its passes, never a whole warp through every pass. Counted
-# independently of row_grid's own rule: the passes a row takes at that width, the lanes
-# they hold, the accesses the row needs. (Four rows at d = 768 bf16 took 64-thread rows,
-# a quarter of the lanes idle, until a width's idle lanes chose it.)
+# a block's lanes idle over its passes, counted independently of row_grid's own rule (the
+# passes a row takes at that width, the lanes they hold, the accesses the row needs).
+# Four rows at d = 768 bf16 took 64-thread rows, a quarter of the lanes idle, until the
+# width was chosen by its idle lanes (and d = 1600 bf16: 56 of 256).
 @pytest.mark.parametrize("min_rows", [1, 4])
 @pytest.mark.parametrize("vec", [4, 8])
 @pytest.mark.parametrize("dim", [768, 1024, 1600, 2048, 2560, 4096, 5120, 8192])
