@@ -615,8 +615,31 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
                       batch, seq_len, calls)
         # and its rows' loop, pipelined or not
         setting_cases("triton", SUM_STAGES, "sum stages", zipf_cases, batch, seq_len, calls)
+        # and its tile merge launched without its compile options, against the "tile sort"
+        # rows above: ptxas's own register budget issued a thread's probes one at a time
+        # (Triton 3.6's sm_90 SASS) where MERGE_OPTIONS' maxnreg lets all 16 of a step go
+        # together; 20.7 us on the H200 at 26f0ba6, `cuda`'s merge 8.3 (ncu, GPT-2 8x2048).
+        merge_without_options([(table, dtype, "uniform") for table, dtype in (
+            (GPT2, torch.float32), (GPT2, torch.bfloat16), (LLAMA3, torch.bfloat16))], batch, seq_len, calls)
     if "cuda" in backends:  # its first pass's rows, consecutive or spread
         setting_cases("cuda", FINISH_ROWS, "finish rows", zipf_cases, batch, seq_len, calls)
+
+
+def merge_without_options(cases, batch, seq_len, calls):
+    """`triton`'s dense backward op over ``cases`` ((table, dtype, ids' distribution)) with
+    its tile merge launched without kernels.embedding.MERGE_OPTIONS (tile_sort reads them
+    per call), planned afresh before and after."""
+    from pyembed import _triton
+    from pyembed.kernels import embedding as k
+
+    kept, k.MERGE_OPTIONS = k.MERGE_OPTIONS, {}
+    try:
+        _triton.clear_plans(forward=False)
+        for table, dtype, dist in cases:
+            sort_case("triton", "tile sort, merge without its maxnreg", table, dtype, batch, seq_len, calls, dist)
+    finally:
+        k.MERGE_OPTIONS = kept
+        _triton.clear_plans(forward=False)
 
 
 def setting_cases(backend, setting, label, cases, batch, seq_len, calls):
