@@ -439,15 +439,21 @@ def zero_tile_blocks(ptx: str) -> list[dict]:
     return found
 
 
-def loads_before_a_compare(cubin: bytes) -> int:
-    """In the kernel's first loop (SASS, nvdisasm): the global loads issued before the first
-    unsigned compare -- for _merge_tiles_kernel, how many of a thread's probes of a search
-    step are in flight before it compares any (a probe compared right after its load: 1)."""
+def _sass(cubin: bytes) -> str:
+    """A compiled kernel's SASS, by the nvdisasm Triton ships."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        sass = subprocess.run([_triton_tool("nvdisasm"), "-c", path], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([_triton_tool("nvdisasm"), "-c", path], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def loads_before_a_compare(cubin: bytes) -> int:
+    """In the kernel's first loop (SASS, nvdisasm): the global loads issued before the first
+    unsigned compare -- for _merge_tiles_kernel, how many of a thread's probes of a search
+    step are in flight before it compares any (a probe compared right after its load: 1)."""
+    sass = _sass(cubin)
     label = next(m.group(1) for m in re.finditer(r"^(\.L_x_\d+):", sass, re.M)
                  if re.search(rf"BRA `\({re.escape(m.group(1))}\)", sass[m.end():]))
     body = sass.split(f"{label}:", 1)[1].split(f"BRA `({label})", 1)[0]
@@ -485,11 +491,7 @@ def compile_one(job):
 def sass_instructions(name: str, arch: int = 90) -> int:
     """SASS instructions of `name`'s body, each CALL counted as its subroutine's length
     (a 64-bit division is one: ~70 instructions)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(_compile(name, arch).asm["cubin"])
-        sass = subprocess.run([_triton_tool("nvdisasm"), "-c", path], capture_output=True, text=True, check=True).stdout
+    sass = _sass(_compile(name, arch).asm["cubin"])
     lengths, current, calls = {}, None, []
     for line in sass.splitlines():
         if line.startswith(".text.") or line.startswith("$__internal"):  # the kernel, then its subroutines
