@@ -315,6 +315,29 @@ def test_targets_are_met_within_two_percent_or_not_and_unmeasured_ones_say_so():
         f"{len(targets.specs()) - 4} targets not measured in this run.")
 
 
+def test_a_speedup_asking_less_than_the_bytes_floor_says_so():
+    from bench import targets
+
+    case = Case("llama3", 8, 2048, "fwd+bwd")
+    # the benchmark's minimal bytes (test above): the rows used read, their gradients written
+    row, used = 4096 * 4, 15000
+    minimal = 2 * (case.tokens * 8 + used * row + 2048 * row + case.tokens * row)
+    fields = {"min_bytes": minimal, "copy_ms": 1.0, "graph_ms": 2.0, "graph_pct_of_copy": 50.0}
+    floor = targets.floor_ms({**case.as_dict(), "tokens": case.tokens, **fields})
+    target = "forward + backward >= 1.5x the faster of eager / compiled nn ops (cuda)"
+
+    def found(nn_ops, cuda):
+        rows = _case_rows(case, {"eager": 3 * floor, "compile": nn_ops * floor, "pyembed-cuda": cuda * floor}, **fields)
+        return next((text, verdict) for _, name, label, text, verdict in targets.targets(rows)
+                    if (name, label) == (target, case.label()))
+
+    # Compiled nn ops at 1.3x the floor: 1.5x faster than them is 0.87x the floor, which no kernel reaches.
+    text, verdict = found(1.3, 1.05)
+    assert verdict == "below the floor" and "1.5x asks" in text and "below the bytes floor" in text, text
+    # At 1.8x the floor it asks 1.2x the floor: reachable, so a shortfall is "not met"; a win is "met".
+    assert found(1.8, 1.3)[1] == "not met" and found(1.8, 1.1)[1] == "met"
+
+
 def test_device_calls_counts_the_allocators_driver_calls_and_host_syncs_per_call(monkeypatch):
     import warnings
 
