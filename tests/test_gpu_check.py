@@ -21,16 +21,39 @@ def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_2(tmp_path):
     assert not list(tmp_path.iterdir())  # nothing built, nothing written
 
 
-def test_a_time_limit_gives_each_step_what_is_left_after_the_later_steps_minimum():
-    # --time-limit (one GPU command): a step's timeout is its own cap, cut to what is left
-    # of the limit once the later steps keep their minimum, never under the floor.
+def _gpu_check():
     sys.path.insert(0, str(ROOT / "tests" / "gpu"))
     try:
         import gpu_check
     finally:
         sys.path.remove(str(ROOT / "tests" / "gpu"))
+    return gpu_check
+
+
+def test_a_time_limit_gives_each_step_what_is_left_after_the_later_steps_minimum():
+    # --time-limit (one GPU command): a step's timeout is its own cap, cut to what is left
+    # of the limit once the later steps keep their minimum, never under the floor.
+    gpu_check = _gpu_check()
     assert gpu_check.Deadline(None).timeout(900, reserve=500) == 900  # no limit: the cap
     deadline = gpu_check.Deadline(560)
     assert deadline.timeout(300, reserve=100) == 300  # the cap fits
     assert 455 <= deadline.timeout(900, reserve=100) <= 460  # cut to the limit less the reserve
     assert deadline.timeout(900, reserve=600) == deadline.floor  # nothing left: it still starts
+
+
+def test_test_time_is_summed_by_module_and_the_backend_a_test_names(tmp_path):
+    # junit.xml as pytest writes it: per test its module (classname), name and seconds.
+    cases = [("tests.test_parity", "test_a[triton@cuda-int32]", 3.0),
+             ("tests.test_parity", "test_a[cuda@cuda-int32]", 1.0), ("tests.test_parity", "test_b[triton@cuda]", 2.5),
+             ("tests.gpu.test_gpu_parity", "test_c[768-triton]", 4.0), ("tests.gpu.test_gpu_parity", "test_d", 0.5),
+             ("tests.gpu.test_gpu_parity", "test_e[x-cuda]", 1.0)]
+    body = "".join(f'<testcase classname="{m}" name="{n}" time="{t}" />' for m, n, t in cases)
+    (tmp_path / "junit.xml").write_text(f'<testsuites><testsuite name="pytest">{body}</testsuite></testsuites>')
+    lines = _gpu_check().junit_seconds(tmp_path / "junit.xml")
+    assert lines[0] == "12 worker-seconds over 6 tests; by module and backend:"
+    assert lines[4:] == ["| tests.test_parity | triton | 2 | 6 | 46% |",
+                         "| tests.gpu.test_gpu_parity | triton | 1 | 4 | 33% |",
+                         "| tests.test_parity | cuda | 1 | 1 | 8% |",
+                         "| tests.gpu.test_gpu_parity | cuda | 1 | 1 | 8% |",
+                         "| tests.gpu.test_gpu_parity | - | 1 | 0 | 4% |"]
+    assert _gpu_check().junit_seconds(tmp_path / "missing.xml") == []

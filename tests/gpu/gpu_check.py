@@ -175,6 +175,32 @@ def junit_failures(path: Path, limit: int = 30) -> list[str]:
     return names[:limit]
 
 
+BACKEND_PARAMS = ("cuda", "triton", "reference")
+
+
+def junit_seconds(path: Path, rows: int = 15) -> list[str]:
+    """Where the test step's worker-seconds went: junit.xml's test times summed by module
+    and by the backend a test's parameters name (``triton@cuda`` or ``triton``; "-" for
+    none), the largest first, beside the whole -- the GPU test step's length (issue #29),
+    whose 30 slowest tests were ~15% of it at 26f0ba6."""
+    if not path.exists():
+        return []
+    totals, count = {}, {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = case.get("name") or ""
+        params = name[name.find("[") + 1:-1].split("-") if name.endswith("]") else []
+        backend = next((p.removesuffix("@cuda") for p in params if p.removesuffix("@cuda") in BACKEND_PARAMS), "-")
+        key = (case.get("classname") or "?", backend)
+        totals[key] = totals.get(key, 0.0) + float(case.get("time") or 0)
+        count[key] = count.get(key, 0) + 1
+    whole = sum(totals.values())
+    lines = [f"{whole:.0f} worker-seconds over {sum(count.values())} tests; by module and backend:", "",
+             "| module | backend | tests | seconds | share |", "|---|---|---|---|---|"]
+    for key in sorted(totals, key=totals.get, reverse=True)[:rows]:
+        lines.append(f"| {key[0]} | {key[1]} | {count[key]} | {totals[key]:.0f} | {totals[key] / whole:.0%} |")
+    return lines
+
+
 def sanitizer_errors(text: str) -> int | None:
     """The error count of compute-sanitizer's closing line: "ERROR SUMMARY: N errors"
     (memcheck, initcheck) or "RACECHECK SUMMARY: H hazards displayed (N errors, ...)"."""
@@ -366,6 +392,7 @@ def write_summary(out: Path, info: dict, check: Check, san_counts: dict, seconds
         lines += ["", f"Tests: {passed} passed, {counts['failures']} failed, {counts['errors']} errors, "
                       f"{counts['skipped']} skipped (junit.xml)"]
         lines += [f"- {f}" for f in junit_failures(out / "junit.xml")]
+        lines += ["", "## Test time (junit.xml)", ""] + junit_seconds(out / "junit.xml")
     if san_counts:
         lines += ["", "compute-sanitizer errors: " + ", ".join(
             f"{tool} {'?' if n is None else n}" for tool, n in san_counts.items())]
