@@ -21,7 +21,8 @@ ARCHS = ("80", "90")
 
 @pytest.fixture(scope="module")
 def ptxas_report(tmp_path_factory, once_per_session):
-    """(ptxas -v's report, {arch: PTX}), compiled once a test session (every worker's)."""
+    """(ptxas -v's report, {arch: PTX}, {arch: {kernel: SASS}} for SASS_KERNELS), compiled
+    once a test session (every worker's)."""
     if CUDA_HOME is None:
         pytest.skip("no CUDA toolkit (nvcc + libcudart) on this machine")
     return once_per_session("nvcc", lambda: _compile(tmp_path_factory.mktemp("nvcc")))
@@ -48,7 +49,32 @@ def _compile(out_dir):
     for arch, proc in procs.items():
         assert proc.returncode == 0, reports[arch][-4000:]
     ptx = {arch: (out_dir / f"sm_{arch}" / "embedding_cuda.ptx").read_text() for arch in ARCHS}
-    return "".join(reports.values()), ptx
+    sass = {arch: _sass(out_dir / f"sm_{arch}" / "embedding_cuda.cubin", SASS_KERNELS) for arch in ARCHS}
+    return "".join(reports.values()), ptx, sass
+
+
+# Kernels whose SASS the tests read (by a fragment of the mangled name): chunk_kernel's
+# fp32 and bf16 forms with 16-byte rows (int32 keys, no dropout), whose long-segment pieces
+# (sum_piece) must issue a batch's loads before its adds.
+SASS_KERNELS = ("chunk_kernelIiffLi4ELb0E", "chunk_kernelIiN3c108BFloat16EfLi8ELb0E")
+
+
+def _sass(cubin, fragments):
+    """{fragment: the SASS of the kernel whose mangled name holds it}, by the cuobjdump
+    Triton ships (this toolkit has none), or {} without Triton."""
+    try:
+        import triton
+    except ImportError:
+        return {}
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    names = re.findall(r"Function : (\w+)", subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True,
+                                                            text=True, check=True).stdout)
+    found = {}
+    for fragment in fragments:
+        name = next(n for n in names if fragment in n)
+        found[fragment] = subprocess.run([str(tool), "-sass", "-fun", name, str(cubin)], capture_output=True,
+                                         text=True, check=True).stdout
+    return found
 
 
 def _kernels(report):
@@ -142,6 +168,70 @@ def test_the_dense_backward_stores_every_pack_whole(ptxas_report, arch):
         body = _entry_body(ptx, fragment)
         assert re.search(r"st\.global(\.wb)?\.v[24]\.", body), f"{fragment}: no 16-byte store"
         assert not element_store.search(body), f"{fragment}: a pack stored element by element"
+
+
+def _registers(operand: str, width: int = 1) -> set:
+    """The registers an operand names: R5 -> {R5}; R5.64 or a 64-bit result -> {R5, R6}."""
+    found = set()
+    for number, wide in re.findall(r"\bR(\d+)(\.64)?\b", operand):
+        found.update(f"R{int(number) + i}" for i in range(2 if wide else width))
+    return found
+
+
+def row_load_loops(sass: str) -> list[dict]:
+    """Per innermost loop of the SASS that loads 16-byte rows (LDG.E.128) and adds floats:
+    the row loads issued before its first FADD, and how many of its row loads take their
+    address from an 8-byte load (a token index) of the same pass through the loop -- a chain
+    of two round trips -- followed through the registers each instruction writes."""
+    code = [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []  # (first, last) address of each loop: a branch back
+    for at, op in code:
+        back = re.search(r"\bBRA (0x[0-9a-f]+)", op)
+        if back and int(back.group(1), 16) < at:
+            loops.append((int(back.group(1), 16), at))
+    found = []
+    for start, end in loops:
+        if any(start <= inner_start and inner_end < end for inner_start, inner_end in loops):
+            continue  # holds an inner loop: the inner one is read
+        body = [o for a, o in code if start <= a <= end]
+        first_add = next((i for i, o in enumerate(body) if re.search(r"\bFADD\b", o)), None)
+        if first_add is None or not any("LDG.E.128" in o for o in body):
+            continue
+        tainted, chained = set(), 0
+        for o in body:
+            o = re.sub(r"^@!?P\w+\s+", "", o)
+            name, _, operands = o.partition(" ")
+            parts = [x.strip() for x in operands.split(",")] if operands else []
+            if name.startswith("LDG.E.128"):
+                chained += bool(_registers(parts[1]) & tainted)
+            if not parts or name.startswith(("ST", "BRA", "EXIT")) or not parts[0].startswith("R"):
+                continue
+            width = 4 if ".128" in name else 2 if (".64" in name or ".WIDE" in name) else 1
+            sources = set().union(*(_registers(x) for x in parts[1:]))
+            written = _registers(parts[0], width)
+            if name.startswith("LDG.E.64") or sources & tainted:
+                tainted |= written
+            else:
+                tainted -= written
+        found.append({"rows_before_an_add": sum("LDG.E.128" in o for o in body[:first_add]), "chained": chained})
+    return found
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_long_segments_piece_loads_a_batchs_rows_together_from_tokens_loaded_before(ptxas_report, arch):
+    """chunk_kernel sums a long segment's piece 8 rows a batch, the next batch's 8 token
+    indices loaded behind the rows: in every loop of it that loads rows, 8 row loads go out
+    before the first add, and none takes its address from a token loaded in the same pass
+    (one round trip a batch). Loading a batch's tokens then its rows chained each row to its
+    token's load; under no launch bound ptxas issued each row's load after the previous
+    row's add (sm_90 fp32: 1 to 4 rows before the first add)."""
+    sass = ptxas_report[2].get(arch)
+    if not sass:
+        pytest.skip("no cuobjdump here (Triton ships it): the SASS is not read")
+    for fragment in SASS_KERNELS:
+        loops = row_load_loops(sass[fragment])
+        assert loops and all(loop["rows_before_an_add"] >= 8 and loop["chained"] == 0 for loop in loops), (
+            fragment, loops)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -590,34 +590,78 @@ __device__ __forceinline__ void sum_rows(const Dout<T, kDropout>& dout, const in
 // a time: 16 took sm_90's bf16 kernels to 228 registers (one block per SM for the whole
 // kernel, whose first part is a pass over every sorted position) and past 255 with dropout
 // (spills). finish_segments, whose occupancy counts more, keeps sum_rows.
+//
+// A batch's rows are loaded from tokens already held: the next batch's tokens are loaded
+// behind its rows (clamped to the piece: no predicate), the whole batches first, the last
+// rows after them. Loading a batch's 8 tokens, then its rows, each under a `token >= 0`
+// predicate, took two round trips a batch at best; and ptxas (sm_90 SASS of the fp32
+// kernel) issued each token's load just before its row's and each row's after the previous
+// row's add, to stay at ~70 registers -- a chain of round trips (chunk_kernel's launch bound
+// now lifts that), and with a predicate a row, under that bound, the 8th row's load still
+// waited for the 1st row's add (sm_90 has 7 predicate registers). Now a batch is its 8 row
+// loads and the next 8 tokens' (loaded_here keeps NVVM from loading one of them again
+// beside its row), then the adds: one round trip. At 26f0ba6 (H200, ncu, GPT-2 8x2048 fp32
+// with a 12000-use row) chunk_kernel took 39.8 us, `triton`'s, whose tokens run ahead of
+// its rows (num_stages), 25.2. Not measured on a GPU yet.
 constexpr int kPieceRowsInFlight = 8;
 
+// An empty asm that takes v: v is computed before this point and kept in a register from
+// there, not loaded again later. (NVVM carried one of sum_piece's 8 prefetched tokens
+// across the loop as its address and loaded it again beside its row's load, chaining that
+// row to it.) The host emulation's compiler takes the same statement.
+__device__ __forceinline__ void loaded_here(int64_t v) {
+#ifdef __CUDA_ARCH__
+  asm volatile("" : : "l"(v));
+#else
+  asm volatile("" : : "r"(v));
+#endif
+}
+
+template <int VEC, typename T, bool kDropout, typename A>
+__device__ __forceinline__ void add_piece_row(const Dout<T, kDropout>& dout, const Pack<T, VEC>& row,
+                                              int64_t token, int64_t j, A (&acc)[VEC]) {
+  A x[VEC];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) x[i] = static_cast<A>(row.val[i]);
+  if constexpr (kDropout) dout.template apply<VEC>(dout.template keep_bits<VEC>(token, j), x);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) acc[i] += x[i];
+}
+
+// Rows [r0, r1) of the piece, r0 < r1.
 template <int VEC, typename T, bool kDropout, typename A>
 __device__ __forceinline__ void sum_piece(const Dout<T, kDropout>& dout, const int64_t* __restrict__ src_rows,
                                           int64_t r0, int64_t r1, A* __restrict__ d_row, int64_t dim) {
+  constexpr int kRows = kPieceRowsInFlight;
+  const int64_t batches_end = r0 + (r1 - r0) / kRows * kRows, last = r1 - 1;
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; j < dim; j += static_cast<int64_t>(blockDim.x) * VEC) {
     A acc[VEC];
 #pragma unroll
     for (int i = 0; i < VEC; ++i) acc[i] = A(0);
-    for (int64_t r = r0; r < r1; r += kPieceRowsInFlight) {
-      int64_t token[kPieceRowsInFlight];
+    int64_t token[kRows];  // of rows r .. r + kRows - 1 (past the piece: its last row's)
 #pragma unroll
-      for (int k = 0; k < kPieceRowsInFlight; ++k) token[k] = r + k < r1 ? src_rows[r + k] : -1;
-      Pack<T, VEC> row[kPieceRowsInFlight];
+    for (int k = 0; k < kRows; ++k) token[k] = src_rows[r0 + k < last ? r0 + k : last];
+    for (int64_t r = r0; r < batches_end; r += kRows) {
+      Pack<T, VEC> row[kRows];
+      int64_t held[kRows];
 #pragma unroll
-      for (int k = 0; k < kPieceRowsInFlight; ++k) {
-        if (token[k] >= 0) row[k] = *reinterpret_cast<const Pack<T, VEC>*>(dout.rows + token[k] * dim + j);
+      for (int k = 0; k < kRows; ++k) {
+        held[k] = token[k];
+        row[k] = *reinterpret_cast<const Pack<T, VEC>*>(dout.rows + held[k] * dim + j);
       }
 #pragma unroll
-      for (int k = 0; k < kPieceRowsInFlight; ++k) {
-        if (token[k] < 0) continue;
-        A x[VEC];
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) x[i] = static_cast<A>(row[k].val[i]);
-        if constexpr (kDropout) dout.template apply<VEC>(dout.template keep_bits<VEC>(token[k], j), x);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) acc[i] += x[i];
+      for (int k = 0; k < kRows; ++k) {
+        token[k] = src_rows[r + kRows + k < last ? r + kRows + k : last];
+        loaded_here(token[k]);
       }
+#pragma unroll
+      for (int k = 0; k < kRows; ++k) add_piece_row<VEC>(dout, row[k], held[k], j, acc);
+    }
+#pragma unroll
+    for (int k = 0; k < kRows - 1; ++k) {  // the rows after the whole batches, in order
+      if (batches_end + k >= r1) break;
+      add_piece_row<VEC>(dout, *reinterpret_cast<const Pack<T, VEC>*>(dout.rows + token[k] * dim + j), token[k], j,
+                         acc);
     }
     store_pack_whole<VEC>(d_row + j, acc);  // float64 partials were split in two
   }
@@ -642,12 +686,18 @@ __device__ __forceinline__ int64_t first_piece_slot(int64_t b) {
 // with `solo` (by token, -1 from sort_inputs), the key of each token that is its segment's
 // only one (PositionSums); (2) the partial sums of its long-segment pieces (`partials`
 // nullptr when no segment can be longer than a chunk).
+//
+// Bounded to two blocks of kThreadsPerBlock an SM (up to 128 registers; one with dropout,
+// whose Philox state spilled at 128): under no bound ptxas kept sum_piece's registers to
+// ~70 by issuing each row's load behind the previous row's add (sm_90 SASS: a round trip
+// a row); bounded, a batch's 8 row loads and the next 8 tokens' go out before any add.
 template <typename K, typename T, typename A, int VEC, bool kDropout>
-__global__ void chunk_kernel(const K* __restrict__ sorted, const int64_t* __restrict__ scan, int64_t n,
-                             int64_t num_rows, int64_t* __restrict__ keys, int64_t* __restrict__ begin,
-                             int64_t* __restrict__ end, int64_t* __restrict__ first, int64_t* __restrict__ solo,
-                             Dout<T, kDropout> dout, const int64_t* __restrict__ order, A* __restrict__ partials,
-                             int64_t num_chunks, int64_t dim) {
+__global__ void __launch_bounds__(kThreadsPerBlock, kDropout ? 1 : 2)
+    chunk_kernel(const K* __restrict__ sorted, const int64_t* __restrict__ scan, int64_t n,
+                 int64_t num_rows, int64_t* __restrict__ keys, int64_t* __restrict__ begin,
+                 int64_t* __restrict__ end, int64_t* __restrict__ first, int64_t* __restrict__ solo,
+                 Dout<T, kDropout> dout, const int64_t* __restrict__ order, A* __restrict__ partials,
+                 int64_t num_chunks, int64_t dim) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (c >= num_chunks) return;
   const int64_t c0 = c * kChunkRows, c1 = c0 + kChunkRows < n ? c0 + kChunkRows : n;
