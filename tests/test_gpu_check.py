@@ -57,3 +57,9 @@ def test_test_time_is_summed_by_module_and_the_backend_a_test_names(tmp_path):
                          "| tests.gpu.test_gpu_parity | cuda | 1 | 1 | 8% |",
                          "| tests.gpu.test_gpu_parity | - | 1 | 0 | 4% |"]
     assert _gpu_check().junit_seconds(tmp_path / "missing.xml") == []
+    cut = tmp_path / "cut.xml"  # a test step killed while pytest wrote it
+    cut.write_text('<testsuites><testsuite name="pytest"><testcase classname="a" na')
+    assert _gpu_check().junit_seconds(cut) == [] and _gpu_check().junit_counts(cut) == {}
+    (tmp_path / "zero.xml").write_text('<testsuites><testsuite><testcase classname="m" name="t" time="0" /></testsuite>'
+                                       '</testsuites>')
+    assert _gpu_check().junit_seconds(tmp_path / "zero.xml")[-1] == "| m | - | 1 | 0 | 0% |"

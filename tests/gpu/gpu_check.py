@@ -154,19 +154,29 @@ def xdist_args(python: str, workers: int) -> list[str]:
     return ["-n", str(workers)] if found else []
 
 
+def _junit_root(path: Path):
+    """junit.xml's root element, or None where the file is missing or unreadable (a test step
+    killed while pytest wrote it): the summary is still written."""
+    try:
+        return ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+
+
 def junit_counts(path: Path) -> dict:
-    if not path.exists():
+    root = _junit_root(path)
+    if root is None:
         return {}
-    root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root)
     return {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
 
 
 def junit_failures(path: Path, limit: int = 30) -> list[str]:
-    if not path.exists():
+    root = _junit_root(path)
+    if root is None:
         return []
     names = []
-    for case in ET.parse(path).getroot().iter("testcase"):
+    for case in root.iter("testcase"):
         for tag in ("failure", "error"):
             node = case.find(tag)
             if node is not None:
@@ -183,10 +193,11 @@ def junit_seconds(path: Path, rows: int = 15) -> list[str]:
     and by the backend a test's parameters name (``triton@cuda`` or ``triton``; "-" for
     none), the largest first, beside the whole -- the GPU test step's length (issue #29),
     whose 30 slowest tests were ~15% of it at 26f0ba6."""
-    if not path.exists():
+    root = _junit_root(path)
+    if root is None:
         return []
     totals, count = {}, {}
-    for case in ET.parse(path).getroot().iter("testcase"):
+    for case in root.iter("testcase"):
         name = case.get("name") or ""
         params = name[name.find("[") + 1:-1].split("-") if name.endswith("]") else []
         backend = next((p.removesuffix("@cuda") for p in params if p.removesuffix("@cuda") in BACKEND_PARAMS), "-")
@@ -197,7 +208,7 @@ def junit_seconds(path: Path, rows: int = 15) -> list[str]:
     lines = [f"{whole:.0f} worker-seconds over {sum(count.values())} tests; by module and backend:", "",
              "| module | backend | tests | seconds | share |", "|---|---|---|---|---|"]
     for key in sorted(totals, key=totals.get, reverse=True)[:rows]:
-        lines.append(f"| {key[0]} | {key[1]} | {count[key]} | {totals[key]:.0f} | {totals[key] / whole:.0%} |")
+        lines.append(f"| {key[0]} | {key[1]} | {count[key]} | {totals[key]:.0f} | {totals[key] / (whole or 1):.0%} |")
     return lines
 
 
