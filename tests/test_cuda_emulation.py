@@ -324,3 +324,18 @@ def test_ops_refuse_tensors_on_another_device(emulated):
         backward(emulated, torch.randn(1, 2, 8), ids.to("meta"), num_embeddings=4)
     with pytest.raises(ValueError, match="different devices"):
         emulated.embedding_sparse_backward(torch.randn(1, 2, 8), ids.to("meta"), 4, 1.0, None, False)
+
+
+@pytest.mark.parametrize("num_tokens", [20, 600], ids=["few tokens", "sorted"])
+def test_ops_refuse_an_output_gradient_of_another_token_count(emulated, num_tokens):
+    # A direct torch.ops.pyembed.* call with a gradient of fewer rows than tokens would have
+    # the kernels read past it: every op that reads dout checks its shape first.
+    ids = torch.randint(0, 50, (2, num_tokens // 2))
+    short = torch.randn(2, num_tokens // 2 - 1, 8)
+    with pytest.raises(RuntimeError, match="grad_out of shape"):
+        backward(emulated, short, ids, num_embeddings=50)
+    for op in (emulated.embedding_sparse_backward, emulated.embedding_touched_rows):
+        with pytest.raises(RuntimeError, match="grad_out of shape"):
+            op(short, ids, 50, 1.0, None, False)
+    dw, _ = backward(emulated, torch.ones(2, num_tokens // 2, 8), ids, num_embeddings=50)  # the right shape passes
+    assert torch.equal(dw[:, 0], torch.bincount(ids.reshape(-1), minlength=50).float())

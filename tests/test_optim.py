@@ -627,8 +627,8 @@ def test_position_update_equals_the_positions_gradient_then_update(kernel, varia
 @pytest.mark.parametrize("step_beside_table", [False, True], ids=["step-on-cpu", "fused-step-beside-table"])
 def test_fused_backward_allocates_no_table_sized_gradient_and_reads_nothing_back(kernel, request, monkeypatch,
                                                                                  step_beside_table):
-    """A second AdamW step under a dispatch recorder: no op makes a (V, d)-sized tensor
-    (the gradient torch's optimizer needs is never materialised; the state exists since the
+    """A second AdamW step under a dispatch recorder: no op makes a tensor of the (V, d)
+    table's bytes (the gradient torch's optimizer needs is never materialised; the state exists since the
     first step) and none reads device data back, the step counter included where a fused=True
     group keeps it beside the table (on a GPU: counted on the host); a plain group's step,
     which torch keeps on the CPU, is read (Triton under the interpreter; the CUDA host code
@@ -658,14 +658,14 @@ def test_fused_backward_allocates_no_table_sized_gradient_and_reads_nothing_back
                 self.syncs.remove(func._schema.name)  # torch's CPU step counter (state["step"]), not device data
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor) and not (func._schema.is_mutable or func.is_view):  # new memory
-                    self.largest = max(self.largest, t.numel())
+                    self.largest = max(self.largest, t.numel() * t.element_size())  # bytes: scratch is bytes
             return out
 
     out = layer(ids).sum()
     with Recorder() as recorder:
         out.backward()
     assert recorder.syncs == []
-    assert 0 < recorder.largest < vocab * dim, recorder.largest
+    assert 0 < recorder.largest < vocab * dim * layer.token_embedding.weight.element_size(), recorder.largest
     assert layer.token_embedding.weight.grad is None
     assert [float(optimizer.state[p]["step"]) for p in layer.parameters()] == [2.0, 2.0]
 

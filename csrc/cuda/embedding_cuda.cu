@@ -111,18 +111,16 @@ struct CudaLaunch {
   // for at 4096 < n <= 16384 keys of at most 18 bits, on a device with the shared memory for it.
   static bool one_block_sort_runs(const at::Tensor& ids) { return one_block_sort_available(ids.get_device()); }
 
-  // sorted (n,) int32 and order (n,) int64 from the ids; bounds as sort_inputs_kernel sets them.
-  static void one_block_sort(const at::Tensor& ids, int64_t num_rows, int64_t skip, int64_t bits,
-                             const at::Tensor& sorted, const at::Tensor& order, const at::Tensor& bounds,
-                             int64_t num_zeros) {
+  // sorted (n,) int32 and order (n,) int64 from the ids; bounds (num_bounds) as sort_inputs_kernel sets them.
+  static void one_block_sort(const at::Tensor& ids, int64_t num_rows, int64_t skip, int64_t bits, int32_t* sorted,
+                             int64_t* order, int64_t* bounds, int64_t num_bounds, int64_t num_zeros) {
     const int64_t bounds_blocks =
-        std::min<int64_t>((bounds.numel() + kBlockSortThreads - 1) / kBlockSortThreads, kBoundsBlocks);
+        std::min<int64_t>((num_bounds + kBlockSortThreads - 1) / kBlockSortThreads, kBoundsBlocks);
     AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "pyembed_one_block_sort", [&] {
       one_block_sort_kernel<index_t><<<1 + bounds_blocks, kBlockSortThreads, kBlockSortSharedBytes,
                                        c10::cuda::getCurrentCUDAStream()>>>(
-          ids.data_ptr<index_t>(), static_cast<int>(ids.numel()), num_rows, skip, static_cast<int>(bits),
-          sorted.data_ptr<int32_t>(), order.data_ptr<int64_t>(), bounds.data_ptr<int64_t>(), num_zeros,
-          bounds.numel());
+          ids.data_ptr<index_t>(), static_cast<int>(ids.numel()), num_rows, skip, static_cast<int>(bits), sorted,
+          order, bounds, num_zeros, num_bounds);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

@@ -1246,14 +1246,22 @@ int vector_width(int64_t dim, std::initializer_list<const void*> pointers) {
   return kVec;
 }
 
+// grad_out as the kernels read it, (tokens, d) rows in order: contiguous, checked against
+// the token count and d rather than viewed as (tokens, d) (a view is an op the host pays for).
+inline at::Tensor dout_rows_of(const at::Tensor& grad_out, int64_t num_tokens, int64_t dim) {
+  TORCH_CHECK(grad_out.dim() > 0 && grad_out.size(-1) == dim && grad_out.numel() == num_tokens * dim,
+              "pyembed: grad_out of shape ", grad_out.sizes(), " for ", num_tokens, " tokens of ", dim, " elements");
+  return grad_out.contiguous();
+}
+
 // run(Dout<T, kDropout>) over dout's rows, kDropout = dropout.active(): the dense backward's
 // kernels come in both forms (without dropout, the loads as they were).
 template <typename T, typename F>
 void with_dout(const at::Tensor& dout, const Dropout& dropout, F&& run) {
   if (dropout.active()) {
-    run(Dout<T, true>{dout.data_ptr<T>(), dout.size(1), dropout});
+    run(Dout<T, true>{dout.data_ptr<T>(), dout.size(-1), dropout});
   } else {
-    run(Dout<T, false>{dout.data_ptr<T>(), dout.size(1), dropout});
+    run(Dout<T, false>{dout.data_ptr<T>(), dout.size(-1), dropout});
   }
 }
 
@@ -1357,14 +1365,34 @@ inline int64_t key_bits(int64_t max_key) {
 //     key; slots past the last segment are empty -- min(tokens, num_rows) entries, a size
 //     the host knows without asking the device; `count` (on the device) is how many.
 // Plus the partial sums of the pieces of segments longer than a chunk (chunk_kernel).
+// The arrays live in one allocation, `scratch`: each allocation is a dispatcher call and a
+// caching-allocator lookup the host pays for (a dense backward made five, and four views
+// of them; the H200's host took ~49 us for a GPT-2 8x2048 `cuda` backward op at 26f0ba6,
+// ~21 of them its four launches). By slot, the bounds are a tensor of their own, as the
+// keys among them are returned (touched_rows_op) and should not hold the rest.
 struct SortedSegments {
-  at::Tensor order;       // (tokens,) token index of each sorted position
-  at::Tensor keys;        // by slot: the key of segment s (-1 for an empty slot)
-  at::Tensor begin, end;  // the segment's sorted positions [begin, end)
-  at::Tensor first;       // the segment's first token, order[begin] (0 for an empty one)
-  at::Tensor solo;        // with_solo: per token, its key when it is its segment's only token, else -1
-  at::Tensor count;       // by slot: () int64 on the device, the number of segments
-  at::Tensor partials;    // (2 * chunks, d) in the compute dtype, or undefined: no segment is longer than a chunk
+  at::Tensor scratch, bounds;     // own the arrays below
+  at::Tensor library_keys, library_order;  // the library sort's outputs, where it ran
+  int64_t* order = nullptr;  // (tokens,) token index of each sorted position
+  int64_t* begin = nullptr;  // the segment's sorted positions [begin, end)
+  int64_t* end = nullptr;
+  int64_t* first = nullptr;  // the segment's first token, order[begin] (0 for an empty one)
+  int64_t* solo = nullptr;   // with_solo: per token, its key when it is its segment's only token, else -1
+  void* partials = nullptr;  // (2 * chunks, d) in the compute dtype, or null: no segment is longer than a chunk
+  at::Tensor keys;   // by slot: the key of segment s (-1 for an empty slot)
+  at::Tensor count;  // by slot: () int64 on the device, the number of segments
+};
+
+// Byte offsets of arrays laid out in one allocation, each starting 16-byte aligned (the
+// kernels' vector accesses).
+struct ScratchLayout {
+  int64_t bytes = 0;
+  template <typename E>
+  int64_t take(int64_t count) {
+    const int64_t offset = bytes;
+    bytes += (count * static_cast<int64_t>(sizeof(E)) + 15) / 16 * 16;
+    return offset;
+  }
 };
 
 // The tile sort of n keys (fits_word_sort): sorted (n,) int32 and order (n,) int64, and
@@ -1372,15 +1400,15 @@ struct SortedSegments {
 // (the tiles' words; unused for one tile).
 template <class Launch>
 void tile_sort(const at::Tensor& keys, int64_t num_rows, int64_t skip, int32_t* sorted, int64_t* order,
-               int32_t* words, const at::Tensor& bounds, int64_t num_zeros) {
+               int32_t* words, int64_t* bounds, int64_t num_bounds, int64_t num_zeros) {
   const int n = static_cast<int>(keys.numel());
   const int64_t rank_blocks = (n + kRankThreads - 1) / kRankThreads;
-  const int64_t bound_blocks = (bounds.numel() + kRankThreads - 1) / kRankThreads;
+  const int64_t bound_blocks = (num_bounds + kRankThreads - 1) / kRankThreads;
   uint32_t* const tiles = reinterpret_cast<uint32_t*>(words);
   AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_tile_sort", [&] {
     Launch::run(dim3(static_cast<unsigned>(rank_blocks + bound_blocks)), dim3(kRankThreads),
                 tile_rank_kernel<index_t>, keys.data_ptr<index_t>(), n, num_rows, skip, tiles, sorted, order,
-                bounds.data_ptr<int64_t>(), num_zeros, bounds.numel(), rank_blocks);
+                bounds, num_zeros, num_bounds, rank_blocks);
   });
   if (n > kSortTile) {
     Launch::run(dim3(static_cast<unsigned>((n + kMergeThreads - 1) / kMergeThreads)), dim3(kMergeThreads),
@@ -1393,48 +1421,65 @@ void tile_sort(const at::Tensor& keys, int64_t num_rows, int64_t skip, int32_t* 
 // to 2^14 tokens over keys of at most 18 bits; the first sets the sort's inputs), else
 // sort_inputs and the radix sort (Launch::sort_pairs, on the bits num_rows needs) -- or
 // both in one (Launch::one_block_sort, when asked for: requested_key_sort) --, [by slot:
-// starts and their scan], chunk_kernel.
+// starts and their scan], chunk_kernel. One allocation by row with a word sort (the
+// default for up to 8x2048 tokens), no view.
 template <class Launch, typename T>
 SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in, int64_t num_rows, int64_t skip,
                                bool by_row, bool with_solo = false, const Dropout& dropout = {}) {
   using A = acc_t<T>;
   SortedSegments seg;
-  const at::Tensor keys = keys_in.reshape(-1);
-  const int64_t n = keys.numel(), dim = dout.size(1);
+  const at::Tensor keys = keys_in.contiguous();  // read by the kernels as (n,)
+  const int64_t n = keys.numel(), dim = dout.size(-1);
   num_rows = std::max<int64_t>(num_rows, 0);
   const auto long_options = keys.options().dtype(at::kLong);
   const int64_t entries = by_row ? num_rows : std::min(n, num_rows);
   // begin, end, first token (zeros), [by slot: keys (-1)], [solo (-1), by token]: set by sort_inputs
   const int64_t rows_of_bounds = by_row ? 3 : 4;
-  const at::Tensor bounds = at::empty({rows_of_bounds * entries + (with_solo ? n : 0)}, long_options);
-  seg.begin = bounds.narrow(0, 0, entries), seg.end = bounds.narrow(0, entries, entries);
-  seg.first = bounds.narrow(0, 2 * entries, entries);
-  if (!by_row) seg.keys = bounds.narrow(0, 3 * entries, entries);
-  if (with_solo) seg.solo = bounds.narrow(0, rows_of_bounds * entries, n);
-  seg.order = at::empty({n}, long_options);
+  const int64_t num_bounds = rows_of_bounds * entries + (with_solo ? n : 0), num_zeros = 3 * entries;
   // 32-bit sort keys when V (the unused keys' stand-in) fits: half the bytes and passes.
   const bool narrow = num_rows < std::numeric_limits<int32_t>::max();
   const int64_t bits = key_bits(num_rows);
-  at::Tensor sorted;
-  const KeySort method = narrow && fits_word_sort(n, bits) ? requested_key_sort() : KeySort::kLibrary;
+  const KeySort requested = narrow && fits_word_sort(n, bits) ? requested_key_sort() : KeySort::kLibrary;
+  const KeySort method = requested == KeySort::kOneBlock && !(n > kBlockSortMin && Launch::one_block_sort_runs(keys))
+                             ? KeySort::kLibrary : requested;
+  const int64_t num_chunks = (n + kChunkRows - 1) / kChunkRows;
+  const bool with_partials = n > kChunkRows && dim > 0;
+
+  ScratchLayout layout;
+  const int64_t bounds_at = by_row ? layout.take<int64_t>(num_bounds) : 0;
+  const int64_t order_at = method != KeySort::kLibrary ? layout.take<int64_t>(n) : 0;
+  // the word sorts' keys, then the tile sort's words (its scratch, past one tile)
+  const int64_t sorted_at =
+      method != KeySort::kLibrary ? layout.take<int32_t>(method == KeySort::kTile && n > kSortTile ? 2 * n : n) : 0;
+  const int64_t partials_at = with_partials ? layout.take<A>(2 * num_chunks * dim) : 0;
+  seg.scratch = at::empty({layout.bytes}, keys.options().dtype(at::kByte));
+  uint8_t* const base = seg.scratch.data_ptr<uint8_t>();
+  int64_t* bounds = reinterpret_cast<int64_t*>(base + bounds_at);
+  if (!by_row) {
+    seg.bounds = at::empty({num_bounds}, long_options);
+    bounds = seg.bounds.data_ptr<int64_t>();
+    seg.keys = seg.bounds.narrow(0, 3 * entries, entries);
+  }
+  seg.begin = bounds, seg.end = bounds + entries, seg.first = bounds + 2 * entries;
+  if (with_solo) seg.solo = bounds + rows_of_bounds * entries;
+  if (with_partials) seg.partials = base + partials_at;
+  int64_t* order = reinterpret_cast<int64_t*>(base + order_at);
+  const void* sorted = base + sorted_at;  // K = int32 for the word sorts
+  int32_t* const words = reinterpret_cast<int32_t*>(base + sorted_at);
   if (method == KeySort::kTile) {
-    // the sorted keys, then the tiles' words (scratch)
-    sorted = at::empty({n > kSortTile ? 2 * n : n}, keys.options().dtype(at::kInt));
-    tile_sort<Launch>(keys, num_rows, skip, sorted.data_ptr<int32_t>(), seg.order.data_ptr<int64_t>(),
-                      sorted.data_ptr<int32_t>() + n, bounds, 3 * entries);
-  } else if (method == KeySort::kOneBlock && n > kBlockSortMin && Launch::one_block_sort_runs(keys)) {
-    sorted = at::empty({n}, keys.options().dtype(at::kInt));  // the sort's inputs and the sort in one launch
-    Launch::one_block_sort(keys, num_rows, skip, bits, sorted, seg.order, bounds, 3 * entries);
+    tile_sort<Launch>(keys, num_rows, skip, words, order, words + n, bounds, num_bounds, num_zeros);
+  } else if (method == KeySort::kOneBlock) {  // the sort's inputs and the sort in one launch
+    Launch::one_block_sort(keys, num_rows, skip, bits, words, order, bounds, num_bounds, num_zeros);
   } else {
     const at::Tensor compact = at::empty({n}, keys.options().dtype(narrow ? at::kInt : at::kLong));
-    if (n + bounds.numel() > 0) {
-      const RowGrid g = linear_grid(std::max(n, bounds.numel()));
+    const at::Tensor iota = at::empty({n}, long_options);
+    if (n + num_bounds > 0) {
+      const RowGrid g = linear_grid(std::max(n, num_bounds));
       AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_sort_inputs", [&] {
         auto run = [&](auto key_type) {
           using K = decltype(key_type);
           Launch::run(g.grid, g.block, sort_inputs_kernel<index_t, K>, keys.data_ptr<index_t>(), n, num_rows, skip,
-                      compact.data_ptr<K>(), seg.order.data_ptr<int64_t>(), bounds.data_ptr<int64_t>(),
-                      3 * entries, bounds.numel());
+                      compact.data_ptr<K>(), iota.data_ptr<int64_t>(), bounds, num_zeros, num_bounds);
         };
         if (narrow) run(int32_t{}); else run(int64_t{});
       });
@@ -1443,11 +1488,11 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
       seg.count = at::zeros({}, long_options);
       return seg;
     }
-    std::tie(sorted, seg.order) = Launch::sort_pairs(compact, seg.order, bits);  // stable
+    std::tie(seg.library_keys, seg.library_order) = Launch::sort_pairs(compact, iota, bits);  // stable
+    sorted = seg.library_keys.data_ptr();
+    order = seg.library_order.data_ptr<int64_t>();
   }
-  const int64_t num_chunks = (n + kChunkRows - 1) / kChunkRows;
-  if (n > kChunkRows && dim > 0) seg.partials = at::empty({2 * num_chunks, dim}, dout.options().dtype(
-      c10::CppTypeToScalarType<A>::value));
+  seg.order = order;
   const int vec = vector_width<T>(dim, {dout.data_ptr()});
   auto with_keys = [&](auto key_type) {
     using K = decltype(key_type);
@@ -1455,7 +1500,7 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
     if (!by_row) {
       const RowGrid g = linear_grid(n);
       scan = at::empty({n}, long_options);
-      Launch::run(g.grid, g.block, segment_starts_kernel<K>, sorted.template data_ptr<K>(), n, num_rows,
+      Launch::run(g.grid, g.block, segment_starts_kernel<K>, static_cast<const K*>(sorted), n, num_rows,
                   scan.data_ptr<int64_t>());
       scan.cumsum_(0);
       seg.count = scan[n - 1];
@@ -1465,11 +1510,9 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
       constexpr bool kDropout = decltype(rows)::kMasked;
       auto run = [&](auto v) {
         Launch::run(g.grid, g.block, chunk_kernel<K, T, A, decltype(v)::value, kDropout>,
-                    sorted.template data_ptr<K>(), by_row ? nullptr : scan.data_ptr<int64_t>(), n, num_rows,
-                    by_row ? nullptr : seg.keys.data_ptr<int64_t>(), seg.begin.data_ptr<int64_t>(),
-                    seg.end.data_ptr<int64_t>(), seg.first.data_ptr<int64_t>(),
-                    with_solo ? seg.solo.data_ptr<int64_t>() : nullptr, rows, seg.order.data_ptr<int64_t>(),
-                    seg.partials.defined() ? seg.partials.data_ptr<A>() : nullptr, num_chunks, dim);
+                    static_cast<const K*>(sorted), by_row ? nullptr : scan.data_ptr<int64_t>(), n, num_rows,
+                    by_row ? nullptr : seg.keys.data_ptr<int64_t>(), seg.begin, seg.end, seg.first, seg.solo, rows,
+                    order, static_cast<A*>(seg.partials), num_chunks, dim);
       };
       if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
     });
@@ -1490,11 +1533,10 @@ template <class Launch, typename T>
 void finish_segments(const at::Tensor& dout, const SortedSegments& seg, double scale, bool divide_by_count,
                      bool zero_empty, at::Tensor& out, PositionSums<T> positions = {}, const Dropout& dropout = {}) {
   using A = acc_t<T>;
-  const int64_t dim = dout.size(1), rows = out.size(0);
+  const int64_t dim = dout.size(-1), rows = out.size(0);
   if (dim == 0 || rows + positions.rows == 0) return;
-  const A* partials = seg.partials.defined() ? seg.partials.data_ptr<A>() : nullptr;
   // The position blocks write the one-token rows when the segments mark them (with_solo).
-  if (positions.out != nullptr && seg.solo.defined()) positions.solo = seg.solo.data_ptr<int64_t>();
+  if (positions.out != nullptr && seg.solo != nullptr) positions.solo = seg.solo;
   const int vec = vector_width<T>(dim, {dout.data_ptr(), out.data_ptr(), positions.out});
   const int64_t groups = (rows + kSegmentsPerGroup - 1) / kSegmentsPerGroup;
   const RowGrid g = add_position_blocks(row_grid(groups, dim, vec), groups, positions, /*positions_first=*/true);
@@ -1510,10 +1552,9 @@ void finish_segments(const at::Tensor& dout, const SortedSegments& seg, double s
           return finish_segments_kernel<T, A, kVec>;
         }
       }();
-      Launch::run(g.grid, g.block, kernel, dout_rows, seg.order.data_ptr<int64_t>(), partials,
-                  seg.begin.data_ptr<int64_t>(), seg.end.data_ptr<int64_t>(), seg.first.data_ptr<int64_t>(),
-                  out.data_ptr<T>(), static_cast<A>(scale), divide_by_count, zero_empty, rows, dim, positions,
-                  consecutive);
+      Launch::run(g.grid, g.block, kernel, dout_rows, seg.order, static_cast<const A*>(seg.partials), seg.begin,
+                  seg.end, seg.first, out.data_ptr<T>(), static_cast<A>(scale), divide_by_count, zero_empty, rows,
+                  dim, positions, consecutive);
     };
     if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
   });
@@ -1549,7 +1590,7 @@ void few_tokens_gradient(const at::Tensor& dout, const at::Tensor& keys, int64_t
 template <class Launch, typename T>
 at::Tensor dense_gradient(const at::Tensor& dout, const at::Tensor& keys, int64_t num_rows, int64_t skip,
                           double scale, bool divide_by_count, PositionSums<T> positions, const Dropout& dropout) {
-  at::Tensor grad = at::empty({num_rows, dout.size(1)}, dout.options());
+  at::Tensor grad = at::empty({num_rows, dout.size(-1)}, dout.options());
   if (keys.numel() <= kFewTokens) {
     few_tokens_gradient<Launch, T>(dout, keys.contiguous(), skip, scale, divide_by_count, grad, positions, dropout);
     return grad;
@@ -1578,7 +1619,7 @@ std::tuple<at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out_in, co
                                                double dropout_p = 0.0) {
   check_same_device(grad_out_in.device(), {&ids_in, opt(position_ids_in), opt(dropout_key)});
   const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
-  const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
+  const at::Tensor dout = dout_rows_of(grad_out_in, num_tokens, dim);
   at::Tensor key;  // the forward's dropout, applied to dout as the kernels read it (Dout)
   const Dropout dropout = dropout_of(dropout_key, dropout_p, key);
   const auto options = dout.options();
@@ -1630,7 +1671,7 @@ std::tuple<at::Tensor, at::Tensor> sum_used_rows(const at::Tensor& grad_out_in, 
                                                  double dropout_p) {
   check_same_device(grad_out_in.device(), {&ids_in, opt(dropout_key)});
   const int64_t dim = grad_out_in.size(-1), num_tokens = ids_in.numel();
-  const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
+  const at::Tensor dout = dout_rows_of(grad_out_in, num_tokens, dim);
   at::Tensor key;  // the forward's dropout, applied to dout as the kernels read it (Dout)
   const Dropout dropout = dropout_of(dropout_key, dropout_p, key);
   const int64_t skip = padding_idx.value_or(-1);
@@ -1643,7 +1684,7 @@ std::tuple<at::Tensor, at::Tensor> sum_used_rows(const at::Tensor& grad_out_in, 
       rows = at::empty({slots}, dout.options().dtype(at::kLong));
       values = at::empty({slots, dim}, dout.options());
       if (slots > 0) {
-        const at::Tensor keys = ids_in.reshape(-1).contiguous();
+        const at::Tensor keys = ids_in.contiguous();  // read as (tokens,)
         const int vec = vector_width<T>(dim, {dout.data_ptr(), values.data_ptr()});
         const RowGrid g = row_grid(slots, dim, vec);
         AT_DISPATCH_INDEX_TYPES(keys.scalar_type(), "pyembed_few_tokens_slots", [&] {

@@ -81,9 +81,8 @@ struct EmulatedLaunch {
   // their key bits standing in for CUB's block radix sort, all run serially.
   // Defined after the kernels, in tests/emulation/cuda_emulated.cpp.
   static bool one_block_sort_runs(const at::Tensor&) { return true; }
-  static void one_block_sort(const at::Tensor& ids, int64_t num_rows, int64_t skip, int64_t bits,
-                             const at::Tensor& sorted, const at::Tensor& order, const at::Tensor& bounds,
-                             int64_t num_zeros);
+  static void one_block_sort(const at::Tensor& ids, int64_t num_rows, int64_t skip, int64_t bits, int32_t* sorted,
+                             int64_t* order, int64_t* bounds, int64_t num_bounds, int64_t num_zeros);
 
   // CudaLaunch's CUB radix sort on `bits` bits, as a stable sort; it checks that every
   // key fits in those bits (the CUB sort would silently drop the higher ones).

@@ -226,7 +226,7 @@ void position_update_op(const at::Tensor& grad_out_in, const at::Tensor& ids_in,
   TORCH_CHECK_VALUE(offset >= 0, "pyembed: offset must be >= 0, got ", offset);
   const int64_t num_rows = param.size(0), dim = param.size(1), num_tokens = ids_in.numel();
   if (num_rows == 0 || dim == 0) return;
-  const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
+  const at::Tensor dout = dout_rows_of(grad_out_in, num_tokens, dim);
   at::Tensor key;  // the forward's dropout, applied to dout as the kernel reads it (Dout)
   const Dropout dropout = dropout_of(dropout_key, dropout_p, key);
   const int rule32 = static_cast<int>(rule);
@@ -272,7 +272,7 @@ void optimizer_backward_op(const at::Tensor& grad_out_in, const at::Tensor& ids_
     return;
   }
   if (num_rows == 0 || dim == 0) return;
-  const at::Tensor dout = grad_out_in.contiguous().view({num_tokens, dim});
+  const at::Tensor dout = dout_rows_of(grad_out_in, num_tokens, dim);
   at::Tensor key;  // the forward's dropout, applied to dout as the kernels read it (Dout)
   const Dropout dropout = dropout_of(dropout_key, dropout_p, key);
   const int rule32 = static_cast<int>(rule);
@@ -285,7 +285,6 @@ void optimizer_backward_op(const at::Tensor& grad_out_in, const at::Tensor& ids_
     auto* p = param.data_ptr<T>();
     auto* s1 = state1.numel() ? state1.data_ptr<T>() : nullptr;
     auto* s2 = state2.numel() ? state2.data_ptr<T>() : nullptr;
-    const A* partials = seg.partials.defined() ? seg.partials.data_ptr<A>() : nullptr;
     const int vec = vector_width<T>(dim, {p, s1, s2, dout.data_ptr()});
     const RowGrid g = row_grid(num_rows, dim, vec);
     with_dout<T>(dout, dropout, [&](auto dout_rows) {
@@ -293,9 +292,8 @@ void optimizer_backward_op(const at::Tensor& grad_out_in, const at::Tensor& ids_
       with_dense_rule<T>(rule32, vec, [&](auto rule_constant, auto v) {
         Launch::run(g.grid, g.block, segment_update_kernel<T, A, decltype(rule_constant)::value, decltype(v)::value,
                                                            kDropout>,
-                    dout_rows, seg.order.data_ptr<int64_t>(), partials, seg.begin.data_ptr<int64_t>(),
-                    seg.end.data_ptr<int64_t>(), p, s1, s2, num_rows, dim, static_cast<A>(scale), scale_grad_by_freq,
-                    h, all_rows);
+                    dout_rows, seg.order, static_cast<const A*>(seg.partials), seg.begin, seg.end, p, s1, s2,
+                    num_rows, dim, static_cast<A>(scale), scale_grad_by_freq, h, all_rows);
       });
     });
   });

@@ -12,13 +12,12 @@
 using pyembed::emulation::EmulatedLaunch;
 
 void EmulatedLaunch::one_block_sort(const at::Tensor& ids, int64_t num_rows, int64_t skip, int64_t bits,
-                                    const at::Tensor& sorted, const at::Tensor& order, const at::Tensor& bounds,
+                                    int32_t* sorted, int64_t* order, int64_t* bounds, int64_t num_bounds,
                                     int64_t num_zeros) {
   using namespace pyembed::cuda;
   ++kernel_launches;
   ++sorts;
-  int64_t* b = bounds.data_ptr<int64_t>();  // the other blocks' work
-  for (int64_t r = 0; r < bounds.numel(); ++r) b[r] = first_bound(r, num_zeros);
+  for (int64_t r = 0; r < num_bounds; ++r) bounds[r] = first_bound(r, num_zeros);  // the other blocks' work
   const int n = static_cast<int>(ids.numel());
   std::vector<uint32_t> words(kWordSortMax);  // every position of the block, the padding ones too
   AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "pyembed_emulated_block_sort", [&] {
@@ -28,7 +27,7 @@ void EmulatedLaunch::one_block_sort(const at::Tensor& ids, int64_t num_rows, int
   std::stable_sort(words.begin(), words.end(), [&](uint32_t a, uint32_t b) {  // on bits [14, 14 + bits)
     return (a >> kWordPositionBits & key_mask) < (b >> kWordPositionBits & key_mask);
   });
-  for (int r = 0; r < n; ++r) store_sort_word(words[r], r, sorted.data_ptr<int32_t>(), order.data_ptr<int64_t>());
+  for (int r = 0; r < n; ++r) store_sort_word(words[r], r, sorted, order);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
