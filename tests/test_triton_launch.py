@@ -242,3 +242,49 @@ def test_random_interleavings_of_the_planning_entry_points_launch_what_triton_la
     result = _worker("random-calls", str(seed))
     assert result["mismatches"] == [], result
     assert {"forward", "node", "backward"} <= set(result["replayed"])  # plans were replayed from each
+
+
+# One call's launches (forward, and a backward past a tile and a chunk: every kernel of the
+# dense backward), on CPU tensors: under the interpreter for `record`, through the real JIT
+# with the stand-in driver afterwards.
+_WARM_CALL = """
+import torch, pyembed
+weight = torch.randn(1000, 64, requires_grad=True)
+pos_weight = torch.randn(512, 64, requires_grad=True)
+ids = torch.randint(0, 1000, (2, 300), generator=torch.Generator().manual_seed(0))
+pyembed.fused_embedding(ids, weight, pos_weight, scale=8.0, backend="triton").sum().backward()
+"""
+
+
+def test_warmed_specialisations_are_what_the_same_call_launches_later(tmp_path):
+    """tests/triton_specs.py warm (gpu-check runs it beside its build, so that the test
+    step's workers find their kernels compiled): a call's launches recorded under the
+    interpreter and compiled by `warm` into a fresh Triton cache are the ones the same
+    call, run through the real JIT in another process, finds there -- it compiles nothing
+    (a specialisation or launch option recorded otherwise than launched would be compiled
+    again: a new entry in the cache)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT), str(ROOT / "tests"),
+                                                      str(ROOT / "bench")]))
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    specs = tmp_path / "specs.json"
+
+    def run(*args, interpret=False):
+        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=tmp_path,
+                              env={**env, "TRITON_INTERPRET": "1"} if interpret else env)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc.stdout
+
+    run("-c", f"import triton_specs\nlaunched = triton_specs.recording()\n{_WARM_CALL}\n"
+              f"triton_specs.write_record({str(specs)!r}, launched)", interpret=True)
+    kernels = {name for name, _, _ in json.loads(specs.read_text())}
+    assert kernels == {"_embedding_forward_kernel", "_tile_rank_kernel", "_merge_tiles_kernel", "_chunk_kernel",
+                       "_finish_segments_kernel"}
+    report = run(str(ROOT / "tests" / "triton_specs.py"), "warm", str(specs), "2", "300")
+    assert report.startswith("5 of 5 specialisations compiled"), report
+    warmed = sorted(os.listdir(tmp_path / "cache"))
+    assert len(warmed) == 5
+    # CPU tensors through the JIT: the backend told it is interpreted (as triton_launch_worker does)
+    run("-c", f"import stand_in_driver\nstand_in_driver.install()\nfrom pyembed import _triton\n"
+              f"_triton._INTERPRETED = True\n{_WARM_CALL}")
+    assert sorted(os.listdir(tmp_path / "cache")) == warmed

@@ -2,6 +2,7 @@
 
     python tests/triton_specs.py record OUT.json [pytest args]   # under the interpreter
     python tests/triton_specs.py compile IN.json                 # the real JIT, for sm_90
+    python tests/triton_specs.py warm IN.json [JOBS [SECONDS]]   # into Triton's cache, beside a build
 
 ``record`` runs the triton tests under the interpreter and writes down each launch: the
 kernel, each argument as Triton specialises it (a tensor's dtype and 16-byte alignment,
@@ -10,12 +11,21 @@ the Triton it runs under -- `make test-compat` runs it with the GPU machine's (3
 through its real JIT for sm_90 with a stand-in driver (bench/stand_in_driver.py), and
 fails listing any that do not compile. Triton 3.6 once failed to compile the dense
 backward at d = 16-64, which no test here could see: the interpreter does not compile.
+``warm`` compiles them into Triton's on-disk cache, for this machine's GPU (the stand-in's
+sm_90 where none is visible), in JOBS processes (default: the cores less two), starting no
+compile after SECONDS (default 150); it never fails (a spec that does not compile is named,
+and a test that launches it reports it). gpu-check runs it beside its build, whose CUDA
+compile leaves most cores idle for a minute or more, and each of the test step's 16 workers
+compiles what it launches first for itself (at 26f0ba6, H200, the step's slowest tests were
+mostly small-shape triton ones at 9-23 s, which compiling would explain).
 """
 
 import json
 import os
 import pathlib
+import subprocess
 import sys
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_TESTS = ["tests/test_parity.py", "tests/test_dropout.py", "tests/test_optim.py", "tests/test_host_sync.py",
@@ -30,9 +40,9 @@ def _as_specialised(value):
     return getattr(value, "value", value)  # a constexpr's value, or the int / float / bool / None itself
 
 
-def record(out: str, pytest_args: list) -> int:
-    os.environ["TRITON_INTERPRET"] = "1"
-    import pytest
+def recording() -> dict:
+    """Record every launch of pyembed's kernels from now on, under the interpreter (set
+    before triton is imported): {its JSON: [kernel name, arguments as specialised, constexprs]}."""
     import triton.runtime.interpreter as interpreter
 
     launched = {}
@@ -47,12 +57,75 @@ def record(out: str, pytest_args: list) -> int:
         return launch(self, *args, **kwargs)
 
     interpreter.GridExecutor.__call__ = recording_launch
-    os.chdir(ROOT)  # the default test paths are the repository's
-    code = pytest.main(["-q", "-p", "no:cacheprovider", *(pytest_args or DEFAULT_TESTS)])
+    return launched
+
+
+def write_record(out: str, launched: dict) -> None:
     pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(out).write_text(json.dumps(list(launched.values())))
     print(f"{len(launched)} launches recorded in {out}")
+
+
+def record(out: str, pytest_args: list) -> int:
+    os.environ["TRITON_INTERPRET"] = "1"
+    import pytest
+
+    launched = recording()
+    os.chdir(ROOT)  # the default test paths are the repository's
+    code = pytest.main(["-q", "-p", "no:cacheprovider", *(pytest_args or DEFAULT_TESTS)])
+    write_record(out, launched)
     return int(code)
+
+
+def _specialisations(path: str, device: str) -> list:
+    """(kernel name, arguments, constexprs) of each distinct recorded launch (by the cached
+    launcher's key), the tensors made on ``device`` as they were specialised."""
+    import torch
+
+    from pyembed.kernels.launch import _launch_key
+
+    def argument(value):
+        if isinstance(value, list) and value[:1] == ["tensor"]:
+            base = torch.zeros(64, dtype=getattr(torch, value[1]), device=device)
+            return base if value[2] else base[1:]  # one element in: not 16-byte aligned
+        return value
+
+    entries = {}
+    for name, recorded, constexprs in json.loads(pathlib.Path(path).read_text()):
+        args = tuple(map(argument, recorded))
+        entries.setdefault((name, _launch_key((), args, constexprs)), (name, args, constexprs))
+    return list(entries.values())
+
+
+def _warm_up(entries: list, stop_at: float = float("inf")) -> tuple[int, list]:
+    """Compile each entry through its kernel's JIT (warmup: nothing launched); (how many
+    compiled, the failures), none started after ``stop_at`` (time.time())."""
+    from pyembed.kernels import embedding as kernels
+
+    done, failed = 0, []
+    for name, args, constexprs in entries:
+        if time.time() > stop_at:
+            break
+        try:
+            getattr(kernels, name).warmup(*args, grid=(1,), **constexprs)
+            done += 1
+        except Exception as error:  # noqa: BLE001 - every failure is reported
+            failed.append(f"{name} {constexprs}: {str(error).splitlines()[0][:200]}")
+    return done, failed
+
+
+def _stand_in_unless_gpu() -> str:
+    """The device the specialisations are compiled for: this machine's GPU, else the
+    stand-in driver's sm_90 (CPU tensors)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    sys.path.insert(0, str(ROOT / "bench"))
+    import stand_in_driver
+
+    stand_in_driver.install()
+    return "cpu"
 
 
 def compile_all(path: str) -> int:
@@ -61,33 +134,52 @@ def compile_all(path: str) -> int:
     import stand_in_driver
 
     stand_in_driver.install()
-    import torch
     import triton
 
-    from pyembed.kernels import embedding as kernels
-    from pyembed.kernels.launch import _launch_key
-
-    def argument(value):
-        if isinstance(value, list) and value[:1] == ["tensor"]:
-            base = torch.zeros(64, dtype=getattr(torch, value[1]))
-            return base if value[2] else base[1:]  # one element in: not 16-byte aligned
-        return value
-
-    entries = {}  # one launch per distinct specialisation, by the cached launcher's key
-    for name, recorded, constexprs in json.loads(pathlib.Path(path).read_text()):
-        args = tuple(map(argument, recorded))
-        entries.setdefault((name, _launch_key((), args, constexprs)), (name, args, constexprs))
-    failed = []
-    for name, args, constexprs in entries.values():
-        try:
-            getattr(kernels, name).warmup(*args, grid=(1,), **constexprs)
-        except Exception as error:  # noqa: BLE001 - every failure is reported, then the exit code says it
-            failed.append(f"{name} {constexprs}: {str(error).splitlines()[0][:200]}")
-    print(f"Triton {triton.__version__}: {len(entries) - len(failed)} of {len(entries)} specialisations compiled "
+    entries = _specialisations(path, "cpu")
+    done, failed = _warm_up(entries)
+    print(f"Triton {triton.__version__}: {done} of {len(entries)} specialisations compiled "
           "for sm_90", *failed, sep="\n")
     return 1 if failed else 0
 
 
+def warm(path: str, jobs: int, seconds: float) -> int:
+    """``warm``: the specialisations in ``jobs`` processes, each every jobs-th one."""
+    started = time.time()
+    shards = [subprocess.Popen([sys.executable, __file__, "warm-shard", path, str(k), str(jobs), str(seconds)],
+                               stdout=subprocess.PIPE, text=True) for k in range(jobs)]
+    reports = []
+    for k, shard in enumerate(shards):
+        lines = shard.communicate()[0].strip().splitlines()
+        try:
+            reports.append(json.loads(lines[-1]))
+        except (IndexError, ValueError):  # the shard died: its output says why
+            reports.append({"done": 0, "total": 0, "failed": [f"shard {k}: " + "; ".join(lines[-3:])],
+                            "device": "?"})
+    done, total = sum(r["done"] for r in reports), sum(r["total"] for r in reports)
+    print(f"{done} of {total} specialisations compiled into Triton's cache for {reports[0]['device']} in "
+          f"{time.time() - started:.0f} s, {jobs} processes", *(f for r in reports for f in r["failed"]), sep="\n")
+    return 0
+
+
+def warm_shard(path: str, shard: int, jobs: int, seconds: float) -> None:
+    stop_at = time.time() + seconds
+    os.environ.pop("TRITON_INTERPRET", None)
+    device = _stand_in_unless_gpu()
+    entries = _specialisations(path, device)[shard::jobs]
+    done, failed = _warm_up(entries, stop_at)
+    target = "sm_90 (stand-in)" if device == "cpu" else "this GPU"
+    print(json.dumps({"done": done, "total": len(entries), "failed": failed, "device": target}))
+
+
 if __name__ == "__main__":
     command, path, *rest = sys.argv[1:]
-    sys.exit(record(path, rest) if command == "record" else compile_all(path))
+    if command == "record":
+        sys.exit(record(path, rest))
+    if command == "warm":
+        sys.exit(warm(path, int(rest[0]) if rest else max(1, (os.cpu_count() or 4) - 2),
+                      float(rest[1]) if len(rest) > 1 else 150.0))
+    if command == "warm-shard":
+        warm_shard(path, *map(int, rest[:2]), float(rest[2]))
+        sys.exit(0)
+    sys.exit(compile_all(path))

@@ -4,6 +4,8 @@ On a machine whose python already has a CUDA torch, offline:
   1. stages an importable package under build/gpu-check/site (pyembed + kernels/ as
      pyembed.kernels) and builds pyembed._C into it for the visible GPU's architecture
      only (MAX_JOBS = all cores); the source tree and any installed copy are untouched;
+     beside it, where build/triton_specs.json was carried here, compiles the Triton
+     specialisations it lists (tests/triton_specs.py warm) into Triton's cache;
   2. runs tests/ and tests/gpu/ on it (CUDA tensors wherever a test has a GPU variant),
      with junit XML, pytest-xdist workers where installed; side by side with
   3. compute-sanitizer memcheck, racecheck and initcheck over
@@ -271,10 +273,22 @@ def main() -> int:
     # (2.11 there); this run is how such a version gets tested before it is declared.
     build_env = {"TORCH_CUDA_ARCH_LIST": arch, "MAX_JOBS": str(os.cpu_count() or 4), "PYEMBED_BUILD_CUDA": "1",
                  "PYTHONPATH": "", "PYEMBED_ALLOW_OLD_TORCH": "1"}
-    built, _ = check.run(f"build (sm_{arch.replace('.', '')})",
-                         [args.python, "setup.py", "build_ext", "--build-lib", str(stage), "--build-temp",
-                          str(ROOT / "build" / "gpu-check" / "temp")], "build.log",
-                         deadline.timeout(900, SUMMARY_MIN), build_env)
+    build = f"build (sm_{arch.replace('.', '')})"
+    check.start(build, [args.python, "setup.py", "build_ext", "--build-lib", str(stage), "--build-temp",
+                        str(ROOT / "build" / "gpu-check" / "temp")], "build.log", deadline.timeout(900, SUMMARY_MIN),
+                build_env)
+    # Beside it, the Triton specialisations the tests launch, compiled into Triton's cache
+    # (tests/triton_specs.py warm), where a recorded list was carried here: the build's one
+    # CUDA translation unit leaves the other cores idle, and the test step's workers would
+    # each compile what they launch first. Not a check: a spec that does not compile is the
+    # tests' to report.
+    specs = ROOT / "build" / "triton_specs.json"
+    if specs.exists() and not args.skip_tests:
+        jobs, seconds = max(1, (os.cpu_count() or 4) - 2), 30 if args.rehearse else 90  # about the build's time
+        check.start("Triton specialisations compiled beside the build (tests/triton_specs.py warm)",
+                    [args.python, str(ROOT / "tests" / "triton_specs.py"), "warm", str(specs), str(jobs),
+                     str(seconds)], "triton-warm.log", seconds + 120, cwd=stage)
+    built = check.wait()[build][0]
 
     if built:  # the tests must see the staged build, with its CUDA kernels
         code = ("import pyembed, sys; info = pyembed.build_info(); print(pyembed.__file__, info, "
