@@ -41,6 +41,20 @@ def test_a_time_limit_gives_each_step_what_is_left_after_the_later_steps_minimum
     assert deadline.timeout(900, reserve=600) == deadline.floor  # nothing left: it still starts
 
 
+def test_steps_side_by_side_are_timed_to_their_own_end(tmp_path):
+    # The build and the Triton warm-up, or the tests and the sanitizers, run side by side and
+    # are collected in the order they started: a short step collected after a long one is
+    # still given its own time, not the long one's.
+    gpu_check = _gpu_check()
+    check = gpu_check.Check(tmp_path, {})
+    check.start("long", [sys.executable, "-c", "import time; time.sleep(3)"], "long.log", 60)
+    check.start("short", [sys.executable, "-c", "pass"], "short.log", 60)
+    results = check.wait()
+    assert results["long"][0] and results["short"][0]
+    seconds = {name: took for name, _, took, _ in check.steps}
+    assert seconds["long"] >= 3 > 2 > seconds["short"], seconds
+
+
 def test_test_time_is_summed_by_module_and_the_backend_a_test_names(tmp_path):
     # junit.xml as pytest writes it: per test its module (classname), name and seconds.
     cases = [("tests.test_parity", "test_a[triton@cuda-int32]", 3.0),

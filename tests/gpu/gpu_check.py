@@ -43,6 +43,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -57,7 +58,7 @@ class Check:
     the correctness steps share the GPU without harm, and one device call must hold them."""
 
     def __init__(self, out: Path, env: dict):
-        self.out, self.env, self.steps, self.running = out, env, [], []
+        self.out, self.env, self.steps, self.running, self.ended = out, env, [], [], {}
 
     def start(self, name: str, cmd: list[str], log: str, timeout: int, env: dict | None = None,
               cwd: Path = ROOT) -> None:
@@ -65,6 +66,8 @@ class Check:
         f = (self.out / log).open("w")
         proc = subprocess.Popen(cmd, cwd=cwd, env={**self.env, **(env or {})}, stdout=f, stderr=subprocess.STDOUT)
         self.running.append((name, proc, f, log, time.time(), timeout))
+        # When it ends, which may be before wait() reaches it (steps side by side).
+        threading.Thread(target=lambda: (proc.wait(), self.ended.setdefault(name, time.time())), daemon=True).start()
 
     def wait(self) -> dict[str, tuple[bool, str]]:
         """Wait for every started step. One past its time gets SIGINT first (pytest then still
@@ -87,7 +90,7 @@ class Check:
                 with (self.out / log).open("a") as f:
                     f.write(f"\n[gpu-check: timed out after {timeout} s]\n")
             ok = proc.returncode == 0 and not timed_out
-            seconds = time.time() - start
+            seconds = self.ended.pop(name, time.time()) - start
             self.steps.append((name, ok, seconds, log))
             print(f"gpu-check: {name}: {'ok' if ok else 'FAILED'} ({seconds:.0f} s, {log})", flush=True)
             results[name] = (ok, (self.out / log).read_text(errors="replace"))
