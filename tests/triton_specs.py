@@ -114,6 +114,14 @@ def _warm_up(entries: list, stop_at: float = float("inf")) -> tuple[int, list]:
     return done, failed
 
 
+def _install_stand_in() -> None:
+    """Triton's real JIT for sm_90 with no GPU (bench/stand_in_driver.py), before any compile."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import stand_in_driver
+
+    stand_in_driver.install()
+
+
 def _stand_in_unless_gpu() -> str:
     """The device the specialisations are compiled for: this machine's GPU, else the
     stand-in driver's sm_90 (CPU tensors)."""
@@ -121,19 +129,13 @@ def _stand_in_unless_gpu() -> str:
 
     if torch.cuda.is_available():
         return "cuda"
-    sys.path.insert(0, str(ROOT / "bench"))
-    import stand_in_driver
-
-    stand_in_driver.install()
+    _install_stand_in()
     return "cpu"
 
 
 def compile_all(path: str) -> int:
     os.environ.pop("TRITON_INTERPRET", None)
-    sys.path.insert(0, str(ROOT / "bench"))
-    import stand_in_driver
-
-    stand_in_driver.install()
+    _install_stand_in()
     import triton
 
     entries = _specialisations(path, "cpu")
