@@ -217,7 +217,11 @@ def _record_bad_ranges(record_high, record_low, tok_ok, ids, id_ok, pos, num_emb
         tl.store(record + 3 + at, at + 1, mask=bad_pos)
 
 
-@triton.jit
+# The error record's address parts are not specialised on (divisible by 16, == 1): they
+# differ from process to process, and would key a binary of their own where they happen
+# to differ in those -- each test worker, each rank of a job compiling its own; a warmed
+# cache (tests/triton_specs.py warm) could not know them.
+@triton.jit(do_not_specialize=["error_record_high", "error_record_low"])
 def _embedding_forward_kernel(
     ids_ptr,  # (num_tokens,) int32/int64
     weight_ptr,  # (num_embeddings, dim)

@@ -32,10 +32,12 @@ def test_cached_launches_equal_tritons_for_every_specialisation_in_every_order()
     # them is cached, any other launches the binary and arguments Triton launches for it.
     result = _worker("forward")
     assert result["mismatches"] == []
-    # The variants Triton compiles apart: 6 share the plain call's binary, and the two
-    # offsets past 2^31 one (the offset's % 16 tells the compiler nothing about an address
-    # since learned positions take their tokens in position-major order).
-    assert result["binaries"] == 10
+    # The variants Triton compiles apart: 6 share the plain call's binary, the two offsets
+    # past 2^31 one (the offset's % 16 tells the compiler nothing about an address since
+    # learned positions take their tokens in position-major order), and the three error
+    # records one (the kernel does not specialise on the record's address: a high part of
+    # 1 was a binary of its own).
+    assert result["binaries"] == 9
     assert result["cached"] == 2  # the last pair, each under its own key
     # The unrolled key agrees with the loop wherever it answers; it declines only where an
     # argument's type differs (an int scale) or an int is past 32 bits (the 2^31 offsets).
@@ -280,11 +282,26 @@ def test_warmed_specialisations_are_what_the_same_call_launches_later(tmp_path):
     kernels = {name for name, _, _ in json.loads(specs.read_text())}
     assert kernels == {"_embedding_forward_kernel", "_tile_rank_kernel", "_merge_tiles_kernel", "_chunk_kernel",
                        "_finish_segments_kernel"}
+    # and the forward's other range check: on a GPU the default check is in the kernel
     report = run(str(ROOT / "tests" / "triton_specs.py"), "warm", str(specs), "2", "300")
-    assert report.startswith("5 of 5 specialisations compiled"), report
+    assert report.startswith("6 of 6 specialisations compiled"), report
     warmed = sorted(os.listdir(tmp_path / "cache"))
-    assert len(warmed) == 5
-    # CPU tensors through the JIT: the backend told it is interpreted (as triton_launch_worker does)
-    run("-c", f"import stand_in_driver\nstand_in_driver.install()\nfrom pyembed import _triton\n"
-              f"_triton._INTERPRETED = True\n{_WARM_CALL}")
+    assert len(warmed) == 6
+    # CPU tensors through the JIT: the backend told it is interpreted (as triton_launch_worker
+    # does); the call with the synchronous check recorded, then as a GPU makes it, the
+    # ranges checked in the kernel (bench/triton_host.py's way) into this process's record;
+    # and that forward at a record address whose high part is a multiple of 16, as in one
+    # process of 16 -- which the kernel must not specialise on.
+    checked_elsewhere = f"""
+forward = [e for e in triton_specs._with_both_range_checks(triton_specs._specialisations({str(specs)!r}, "cpu"))
+           if e[0] == "_embedding_forward_kernel" and e[2]["CHECK_RANGES"]][0]
+args = list(forward[1])
+names = _triton._kernels()._embedding_forward_kernel.arg_names
+args[names.index("error_record_high")], args[names.index("error_record_low")] = 32, 4096
+_triton._kernels()._embedding_forward_kernel.warmup(*args, grid=(1,), **forward[2])
+"""
+    run("-c", f"import stand_in_driver, triton_specs\nstand_in_driver.install()\nfrom pyembed import _triton, checks\n"
+              f"_triton._INTERPRETED = True\n{_WARM_CALL}\n"
+              f"checks.KERNEL_CHECKED_DEVICES = (*checks.KERNEL_CHECKED_DEVICES, 'cpu')\n{_WARM_CALL}\n"
+              f"{checked_elsewhere}")
     assert sorted(os.listdir(tmp_path / "cache")) == warmed

@@ -82,19 +82,43 @@ def _specialisations(path: str, device: str) -> list:
     launcher's key), the tensors made on ``device`` as they were specialised."""
     import torch
 
-    from pyembed.kernels.launch import _launch_key
-
     def argument(value):
         if isinstance(value, list) and value[:1] == ["tensor"]:
             base = torch.zeros(64, dtype=getattr(torch, value[1]), device=device)
             return base if value[2] else base[1:]  # one element in: not 16-byte aligned
         return value
 
-    entries = {}
-    for name, recorded, constexprs in json.loads(pathlib.Path(path).read_text()):
-        args = tuple(map(argument, recorded))
-        entries.setdefault((name, _launch_key((), args, constexprs)), (name, args, constexprs))
-    return list(entries.values())
+    return _distinct([(name, tuple(map(argument, recorded)), constexprs)
+                      for name, recorded, constexprs in json.loads(pathlib.Path(path).read_text())])
+
+
+def _with_both_range_checks(entries: list) -> list:
+    """``entries`` and each forward's other CHECK_RANGES variant: the tests ran on CPU
+    tensors, whose default check is synchronous (CHECK_RANGES off), where their GPU runs
+    check inside the kernel -- with a record address of the process's own, which the kernel
+    does not specialise on (any nonzero parts stand in for it)."""
+    from pyembed.kernels import embedding as kernels
+
+    names = kernels._embedding_forward_kernel.arg_names
+    high, low = names.index("error_record_high"), names.index("error_record_low")
+    variants = []
+    for name, args, constexprs in entries:
+        if name == "_embedding_forward_kernel" and "CHECK_RANGES" in constexprs:
+            checked = not constexprs["CHECK_RANGES"]
+            other = list(args)
+            other[high], other[low] = (3, 16) if checked else (0, 0)
+            variants.append((name, tuple(other), {**constexprs, "CHECK_RANGES": checked}))
+    return _distinct(entries + variants)
+
+
+def _distinct(entries: list) -> list:
+    """One entry per distinct launch, by the cached launcher's key."""
+    from pyembed.kernels.launch import _launch_key
+
+    found = {}
+    for name, args, constexprs in entries:
+        found.setdefault((name, _launch_key((), args, constexprs)), (name, args, constexprs))
+    return list(found.values())
 
 
 def _warm_up(entries: list, stop_at: float = float("inf")) -> tuple[int, list]:
@@ -168,7 +192,7 @@ def warm_shard(path: str, shard: int, jobs: int, seconds: float) -> None:
     stop_at = time.time() + seconds
     os.environ.pop("TRITON_INTERPRET", None)
     device = _stand_in_unless_gpu()
-    entries = _specialisations(path, device)[shard::jobs]
+    entries = _with_both_range_checks(_specialisations(path, device))[shard::jobs]
     done, failed = _warm_up(entries, stop_at)
     target = "sm_90 (stand-in)" if device == "cpu" else "this GPU"
     print(json.dumps({"done": done, "total": len(entries), "failed": failed, "device": target}))
