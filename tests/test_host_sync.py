@@ -185,6 +185,24 @@ def test_emulated_cuda_dense_backward_allocates_its_gradients_and_one_scratch(em
         assert dp.shape == (0, 8)
 
 
+@pytest.mark.parametrize("by_freq", [False, True])
+def test_emulated_cuda_scratch_arrays_apart_give_the_same_bits(emulated, monkeypatch, by_freq):
+    # PYEMBED_CUDA_SCRATCH=separate (gpu-check's compute-sanitizer runs): each scratch array
+    # its own allocation -- bounds, order, the sort's keys and words, the partial sums --
+    # so that memcheck sees an access past one; the same sums, bit for bit.
+    ids, dout = _gpt2_backward_inputs()
+    together = emulated.embedding_backward(dout, ids, None, 0, 50257, 2048, 1.0, 5, by_freq, True, True)
+    monkeypatch.setenv("PYEMBED_CUDA_SCRATCH", "separate")
+    with HostSyncRecorder() as rec:
+        apart = emulated.embedding_backward(dout, ids, None, 0, 50257, 2048, 1.0, 5, by_freq, True, True)
+    assert rec.names == ["aten::empty"] * 6, rec.calls  # the two gradients and four arrays
+    assert all(torch.equal(a, b) for a, b in zip(together, apart))
+    sparse_apart = emulated.embedding_sparse_backward(dout, ids, 50257, 1.0, 5, by_freq)
+    monkeypatch.delenv("PYEMBED_CUDA_SCRATCH")
+    sparse_together = emulated.embedding_sparse_backward(dout, ids, 50257, 1.0, 5, by_freq)
+    assert all(torch.equal(a, b) for a, b in zip(sparse_together, sparse_apart))
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
 @pytest.mark.parametrize("tile_sort", [True, False], ids=["tile sort", "torch's sort"])
 def test_triton_dense_backward_is_four_kernels_or_three_around_torchs_sort(interpreted_launches, monkeypatch,

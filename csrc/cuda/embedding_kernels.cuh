@@ -41,6 +41,7 @@
 #include <string_view>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "../checks.h"
 #include "../dropout.h"
@@ -1365,13 +1366,14 @@ inline int64_t key_bits(int64_t max_key) {
 //     key; slots past the last segment are empty -- min(tokens, num_rows) entries, a size
 //     the host knows without asking the device; `count` (on the device) is how many.
 // Plus the partial sums of the pieces of segments longer than a chunk (chunk_kernel).
-// The arrays live in one allocation, `scratch`: each allocation is a dispatcher call and a
+// The arrays live in one allocation (Scratch): each allocation is a dispatcher call and a
 // caching-allocator lookup the host pays for (a dense backward made five, and four views
 // of them; the H200's host took ~49 us for a GPT-2 8x2048 `cuda` backward op at 26f0ba6,
 // ~21 of them its four launches). By slot, the bounds are a tensor of their own, as the
 // keys among them are returned (touched_rows_op) and should not hold the rest.
 struct SortedSegments {
-  at::Tensor scratch, bounds;     // own the arrays below
+  std::vector<at::Tensor> scratch;  // own the arrays below (Scratch)
+  at::Tensor bounds;                // by slot
   at::Tensor library_keys, library_order;  // the library sort's outputs, where it ran
   int64_t* order = nullptr;  // (tokens,) token index of each sorted position
   int64_t* begin = nullptr;  // the segment's sorted positions [begin, end)
@@ -1383,16 +1385,42 @@ struct SortedSegments {
   at::Tensor count;  // by slot: () int64 on the device, the number of segments
 };
 
-// Byte offsets of arrays laid out in one allocation, each starting 16-byte aligned (the
-// kernels' vector accesses).
-struct ScratchLayout {
-  int64_t bytes = 0;
+// Arrays of a call laid out in one allocation, each starting 16-byte aligned (the kernels'
+// vector accesses): take() each, then allocate(), then at(). PYEMBED_CUDA_SCRATCH=separate
+// (read each call: gpu-check's compute-sanitizer runs set it) gives each array an
+// allocation of its own instead, so that an access past an array is past an allocation,
+// which memcheck reports (within one allocation it could not).
+class Scratch {
+ public:
   template <typename E>
-  int64_t take(int64_t count) {
-    const int64_t offset = bytes;
-    bytes += (count * static_cast<int64_t>(sizeof(E)) + 15) / 16 * 16;
-    return offset;
+  int take(int64_t count) {
+    offsets_.push_back(bytes_);
+    sizes_.push_back(count * static_cast<int64_t>(sizeof(E)));
+    bytes_ += (sizes_.back() + 15) / 16 * 16;
+    return static_cast<int>(offsets_.size()) - 1;
   }
+
+  std::vector<at::Tensor> allocate(const at::TensorOptions& options) {
+    const auto bytes = options.dtype(at::kByte);
+    std::vector<at::Tensor> owners;
+    if (env_setting("PYEMBED_CUDA_SCRATCH") == "separate") {
+      for (const int64_t size : sizes_) bases_.push_back(owners.emplace_back(at::empty({size}, bytes)).data_ptr());
+    } else {
+      uint8_t* const base = owners.emplace_back(at::empty({bytes_}, bytes)).data_ptr<uint8_t>();
+      for (const int64_t offset : offsets_) bases_.push_back(base == nullptr ? nullptr : base + offset);
+    }
+    return owners;
+  }
+
+  template <typename E>
+  E* at(int array) const {
+    return static_cast<E*>(bases_[array]);
+  }
+
+ private:
+  int64_t bytes_ = 0;
+  std::vector<int64_t> offsets_, sizes_;
+  std::vector<void*> bases_;
 };
 
 // The tile sort of n keys (fits_word_sort): sorted (n,) int32 and order (n,) int64, and
@@ -1445,27 +1473,28 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
   const int64_t num_chunks = (n + kChunkRows - 1) / kChunkRows;
   const bool with_partials = n > kChunkRows && dim > 0;
 
-  ScratchLayout layout;
-  const int64_t bounds_at = by_row ? layout.take<int64_t>(num_bounds) : 0;
-  const int64_t order_at = method != KeySort::kLibrary ? layout.take<int64_t>(n) : 0;
+  Scratch scratch;
+  const int bounds_array = by_row ? scratch.take<int64_t>(num_bounds) : -1;
+  const int order_array = method != KeySort::kLibrary ? scratch.take<int64_t>(n) : -1;
   // the word sorts' keys, then the tile sort's words (its scratch, past one tile)
-  const int64_t sorted_at =
-      method != KeySort::kLibrary ? layout.take<int32_t>(method == KeySort::kTile && n > kSortTile ? 2 * n : n) : 0;
-  const int64_t partials_at = with_partials ? layout.take<A>(2 * num_chunks * dim) : 0;
-  seg.scratch = at::empty({layout.bytes}, keys.options().dtype(at::kByte));
-  uint8_t* const base = seg.scratch.data_ptr<uint8_t>();
-  int64_t* bounds = reinterpret_cast<int64_t*>(base + bounds_at);
-  if (!by_row) {
+  const int sorted_array =
+      method != KeySort::kLibrary ? scratch.take<int32_t>(method == KeySort::kTile && n > kSortTile ? 2 * n : n) : -1;
+  const int partials_array = with_partials ? scratch.take<A>(2 * num_chunks * dim) : -1;
+  seg.scratch = scratch.allocate(keys.options());
+  int64_t* bounds;
+  if (by_row) {
+    bounds = scratch.at<int64_t>(bounds_array);
+  } else {
     seg.bounds = at::empty({num_bounds}, long_options);
     bounds = seg.bounds.data_ptr<int64_t>();
     seg.keys = seg.bounds.narrow(0, 3 * entries, entries);
   }
   seg.begin = bounds, seg.end = bounds + entries, seg.first = bounds + 2 * entries;
   if (with_solo) seg.solo = bounds + rows_of_bounds * entries;
-  if (with_partials) seg.partials = base + partials_at;
-  int64_t* order = reinterpret_cast<int64_t*>(base + order_at);
-  const void* sorted = base + sorted_at;  // K = int32 for the word sorts
-  int32_t* const words = reinterpret_cast<int32_t*>(base + sorted_at);
+  if (with_partials) seg.partials = scratch.at<A>(partials_array);
+  int64_t* order = order_array >= 0 ? scratch.at<int64_t>(order_array) : nullptr;
+  int32_t* const words = sorted_array >= 0 ? scratch.at<int32_t>(sorted_array) : nullptr;
+  const void* sorted = words;  // K = int32 for the word sorts
   if (method == KeySort::kTile) {
     tile_sort<Launch>(keys, num_rows, skip, words, order, words + n, bounds, num_bounds, num_zeros);
   } else if (method == KeySort::kOneBlock) {  // the sort's inputs and the sort in one launch

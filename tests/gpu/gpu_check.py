@@ -331,8 +331,10 @@ def main() -> int:
             for tool, backend in itertools.product(SANITIZER_TOOLS, ("cuda", "triton")):
                 name = f"compute-sanitizer {tool} ({backend})"
                 cmd = [sanitizer, "--tool", tool, "--print-limit", "50", args.python, workload, "--backend", backend]
+                # Each tensor and each of the cuda backward's scratch arrays an allocation of its
+                # own, so that an access past one is past an allocation, which memcheck reports.
                 check.start(name, cmd, f"sanitizer-{tool}-{backend}.log", tests_timeout,
-                            {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, cwd=stage)
+                            {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1", "PYEMBED_CUDA_SCRATCH": "separate"}, cwd=stage)
                 san_logs[f"{tool} ({backend})"] = name
         results = check.wait()
         if not args.rehearse and not args.skip_profile:

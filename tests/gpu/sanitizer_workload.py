@@ -6,8 +6,9 @@ position_ids, frequency scaling and padding; dropout (d a multiple of 4 or not) 
 and backward; optimizers inside the backward. Every backend that runs on the device.
 
 Run by tests/gpu/gpu_check.py as ``compute-sanitizer --tool X python3 this.py`` with
-PYTORCH_NO_CUDA_MEMORY_CACHING=1 (each tensor its own allocation, so an access past a
-tensor is past an allocation). ``--device cpu`` rehearses it without a GPU (cpu,
+PYTORCH_NO_CUDA_MEMORY_CACHING=1 and PYEMBED_CUDA_SCRATCH=separate (each tensor, and each
+array of the cuda backward's scratch, its own allocation, so an access past one is past an
+allocation). ``--device cpu`` rehearses it without a GPU (cpu,
 reference and, under TRITON_INTERPRET=1, triton). Prints one line per backend.
 """
 
