@@ -4,12 +4,12 @@
     python tests/triton_specs.py compile IN.json                 # the real JIT, for sm_90
     python tests/triton_specs.py warm IN.json [JOBS [SECONDS]]   # into Triton's cache, beside a build
 
-``record`` runs the triton tests under the interpreter and writes down each launch: the
-kernel, each argument as Triton specialises it (a tensor's dtype and 16-byte alignment,
-an int or float as given) and the constexprs. ``compile`` builds each distinct one with
-the Triton it runs under -- `make test-compat` runs it with the GPU machine's (3.6) --
-through its real JIT for sm_90 with a stand-in driver (bench/stand_in_driver.py), and
-fails listing any that do not compile. Triton 3.6 once failed to compile the dense
+``record`` runs the triton tests (and the sanitizer workload) under the interpreter and
+writes down each launch: the kernel, each argument as Triton specialises it (a tensor's
+dtype and 16-byte alignment, an int or float as given) and the constexprs. ``compile``
+builds each distinct one with the Triton it runs under -- `make test-compat` runs it with
+the GPU machine's (3.6) -- through its real JIT for sm_90 with a stand-in driver
+(bench/stand_in_driver.py), and fails listing any that do not compile. Triton 3.6 once failed to compile the dense
 backward at d = 16-64, which no test here could see: the interpreter does not compile.
 ``warm`` compiles them into Triton's on-disk cache, for this machine's GPU (the stand-in's
 sm_90 where none is visible), in JOBS processes (default: the cores less two), starting no
@@ -67,12 +67,25 @@ def write_record(out: str, launched: dict) -> None:
 
 
 def record(out: str, pytest_args: list) -> int:
+    """The triton tests' launches (DEFAULT_TESTS unless ``pytest_args``), and by default the
+    sanitizer workload's too (tests/gpu/sanitizer_workload.py on CPU tensors: gpu-check's
+    compute-sanitizer runs of the triton backend compile what it launches)."""
     os.environ["TRITON_INTERPRET"] = "1"
     import pytest
 
     launched = recording()
     os.chdir(ROOT)  # the default test paths are the repository's
     code = pytest.main(["-q", "-p", "no:cacheprovider", *(pytest_args or DEFAULT_TESTS)])
+    if not pytest_args:
+        import importlib.util
+
+        import torch
+
+        spec = importlib.util.spec_from_file_location("sanitizer_workload", ROOT / "tests" / "gpu" /
+                                                      "sanitizer_workload.py")
+        workload = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(workload)
+        print(f"sanitizer workload: {workload.run_backend('triton', torch.device('cpu'))} triton calls")
     write_record(out, launched)
     return int(code)
 
