@@ -1394,10 +1394,8 @@ class Scratch {
  public:
   template <typename E>
   int take(int64_t count) {
-    offsets_.push_back(bytes_);
     sizes_.push_back(count * static_cast<int64_t>(sizeof(E)));
-    bytes_ += (sizes_.back() + 15) / 16 * 16;
-    return static_cast<int>(offsets_.size()) - 1;
+    return static_cast<int>(sizes_.size()) - 1;
   }
 
   std::vector<at::Tensor> allocate(const at::TensorOptions& options) {
@@ -1405,9 +1403,15 @@ class Scratch {
     std::vector<at::Tensor> owners;
     if (env_setting("PYEMBED_CUDA_SCRATCH") == "separate") {
       for (const int64_t size : sizes_) bases_.push_back(owners.emplace_back(at::empty({size}, bytes)).data_ptr());
-    } else {
-      uint8_t* const base = owners.emplace_back(at::empty({bytes_}, bytes)).data_ptr<uint8_t>();
-      for (const int64_t offset : offsets_) bases_.push_back(base == nullptr ? nullptr : base + offset);
+      return owners;
+    }
+    int64_t total = 0;
+    for (const int64_t size : sizes_) total += round_up16(size);
+    uint8_t* const base = owners.emplace_back(at::empty({total}, bytes)).data_ptr<uint8_t>();
+    int64_t offset = 0;
+    for (const int64_t size : sizes_) {
+      bases_.push_back(base == nullptr ? nullptr : base + offset);
+      offset += round_up16(size);
     }
     return owners;
   }
@@ -1418,8 +1422,9 @@ class Scratch {
   }
 
  private:
-  int64_t bytes_ = 0;
-  std::vector<int64_t> offsets_, sizes_;
+  static int64_t round_up16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+
+  std::vector<int64_t> sizes_;  // bytes, by array
   std::vector<void*> bases_;
 };
 
