@@ -27,7 +27,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <mutex>
 #include <string_view>
 #include <vector>
 
@@ -132,34 +131,11 @@ struct DropoutMaskFunction : public torch::autograd::Function<DropoutMaskFunctio
   }
 };
 
-// The sparse gradients this node built, while they live: AccumulateGrad rebuilds a sparse
-// gradient from its indices and values without the coalesced flag when it stores it in
-// .grad (pytorch/pytorch#105916), and pyembed/_coalesced.py's hook sets the flag back when
-// .grad still holds exactly these storages (built_coalesced below). Weak references: an
-// entry never keeps memory alive, and a freed storage whose address is reused never matches.
-struct BuiltSparse {
-  c10::weak_intrusive_ptr<c10::StorageImpl> values, indices;
-  int64_t nnz;
-};
-std::mutex built_mutex;
-std::vector<BuiltSparse> built;
-
-c10::weak_intrusive_ptr<c10::StorageImpl> weak_storage(const at::Tensor& t) {
-  return c10::weak_intrusive_ptr<c10::StorageImpl>(
-      c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(t.storage().unsafeGetStorageImpl()));
-}
-
 // The coalesced COO gradient of a (num_embeddings, d) table from its rows and their sums.
 at::Tensor sparse_gradient(const at::Tensor& rows, const at::Tensor& values, int64_t num_embeddings) {
-  at::Tensor grad = at::_sparse_coo_tensor_with_dims_and_tensors(
+  return at::_sparse_coo_tensor_with_dims_and_tensors(
       1, 1, {num_embeddings, values.size(1)}, rows.unsqueeze(0), values, values.options().layout(at::kSparse),
       /*is_coalesced=*/true);
-  const std::lock_guard<std::mutex> lock(built_mutex);
-  built.erase(std::remove_if(built.begin(), built.end(),
-                             [](const BuiltSparse& b) { return b.values.expired() || b.indices.expired(); }),
-              built.end());
-  built.push_back({weak_storage(grad._values()), weak_storage(grad._indices()), grad._nnz()});
-  return grad;
 }
 
 // The same gradients as differentiable ATen ops (fp32 sums for half/bf16, one rounding),
@@ -403,19 +379,6 @@ at::Tensor embedding_fused(bool python, bool fused_weight, bool fused_pos, const
   auto call = python ? &lookup_node<true> : &lookup_node<false>;
   return call(fused_weight, fused_pos, ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
               padding_idx, scale_grad_by_freq, validate, error_record, dropout_p, generator, sparse);
-}
-
-bool built_coalesced(const at::Tensor& grad) {
-  if (!grad.is_sparse()) return false;
-  const c10::StorageImpl* values = grad._values().storage().unsafeGetStorageImpl();
-  const c10::StorageImpl* indices = grad._indices().storage().unsafeGetStorageImpl();
-  const int64_t nnz = grad._nnz();
-  const std::lock_guard<std::mutex> lock(built_mutex);
-  for (const BuiltSparse& b : built) {
-    const auto v = b.values.lock(), i = b.indices.lock();
-    if (v.get() == values && i.get() == indices && b.nnz == nnz) return true;
-  }
-  return false;
 }
 
 // The op's kernels: the C++ backends'.

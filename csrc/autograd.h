@@ -102,10 +102,6 @@ at::Tensor embedding_fused(bool python, bool fused_weight, bool fused_pos, const
                            int64_t error_record, double dropout_p, const std::optional<at::Generator>& generator,
                            bool sparse);
 
-// ``grad`` still holds the storages of a coalesced sparse gradient pyembed::embedding's
-// node built (and its nnz): pyembed/_coalesced.py sets the flag AccumulateGrad dropped.
-bool built_coalesced(const at::Tensor& grad);
-
 // grad through the forward's dropout mask (key [seed, offset], p), by the forward's kernel:
 // what the backward sums when the dense op does not apply the mask in its own reads.
 at::Tensor dropout_masked(const at::Tensor& grad, const at::Tensor& key, double dropout_p);

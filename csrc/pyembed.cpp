@@ -501,6 +501,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "pyembed::embedding's call (its checks and C++ autograd node) on tables of which some have their optimizer "
       "in the backward, which the node updates");
   def_typed_ops(m);
-  m.def("built_coalesced", &pyembed::built_coalesced,
-        "whether a sparse .grad still holds the storages of a coalesced gradient pyembed::embedding built");
 }

@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.autograd import forward_ad
 
-from . import _coalesced, checks, dispatch, optim, reference
+from . import checks, dispatch, optim, reference
 
 
 class FusedConfig(NamedTuple):
@@ -180,7 +180,6 @@ def _gradients(ctx, grad_out):
         grad_weight = torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors(
             1, 1, list(weight_shape), rows[None], values, dtype=values.dtype, layout=torch.sparse_coo,
             device=values.device, is_coalesced=True)
-        _coalesced.remember(grad_weight)
     return grad_weight if need_weight_grad else None, pos_grad if need_pos_grad else None
 
 

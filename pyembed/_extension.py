@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from . import _autograd, _coalesced, _ops, dispatch
+from . import _autograd, _ops, dispatch
 
 # pyembed is installed from a checkout of its sources (it is not on PyPI).
 REBUILD = "in the pyembed checkout: pip install --no-build-isolation --no-deps --force-reinstall ."
@@ -90,7 +90,6 @@ if _C is not None and _C.torch_version and _C.torch_version != torch.__version__
     )
 
 if _C is not None:
-    _coalesced.built_elsewhere.append(_C.built_coalesced)  # the sparse gradients of its C++ node
     _ops.register_fakes("pyembed::embedding_forward", "pyembed::embedding_backward",
                         "pyembed::embedding_sparse_backward")
     torch.library.register_fake("pyembed::embedding")(_ops.lookup_fake)
