@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.autograd import forward_ad
 
-from . import checks, dispatch, optim, reference
+from . import _coalesced, checks, dispatch, optim, reference
 
 
 class FusedConfig(NamedTuple):
@@ -447,7 +447,12 @@ def sparse_grad_embedding(ids: torch.Tensor, weight: torch.Tensor, pos_weight: O
                           sinusoid_dim: int = 0) -> torch.Tensor:
     """The lookup with a sparse weight gradient, as one op torch.compile keeps whole: its
     backward (registered below) runs under AOTAutograd, which can build the sparse
-    gradient where Dynamo cannot. Eager code uses FusedEmbeddingFunction."""
+    gradient where Dynamo cannot. Eager code uses FusedEmbeddingFunction.
+
+    A compiled call runs this body with the real table (the only Python of pyembed's it
+    runs): here the table gets the hooks that keep the flag of the coalesced gradient its
+    backward builds (pyembed._coalesced), which the eager routes register in the call."""
+    _coalesced.keep_flag(weight)
     return dispatch.get(backend).forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
                                          dropout_key, dropout_p, sinusoid_column_offset, sinusoid_dim)
 

@@ -39,8 +39,8 @@ _hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 def keep_flag(weight: torch.Tensor) -> None:
     """Register (once per table) the hooks that keep the coalesced flag of ``weight.grad``.
-    Only leaves get a ``.grad``; only eager code registers hooks (the modules register them
-    when built, so that a compiled model's tables have them)."""
+    Only leaves get a ``.grad``; hooks are registered by code that runs eagerly: the call
+    (eager routes) or the op a compiled call runs (pyembed::sparse_grad_embedding)."""
     if _transformed() or not (weight.is_leaf and weight.requires_grad) or weight in _hooked:
         return
     _hooked[weight] = (weight.register_hook(_remember_arrival),

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _coalesced, checks
+from . import checks
 from .checks import check_dropout_p
 from .functional import embedding_renorm_, fused_embedding
 
@@ -44,8 +44,6 @@ class FusedEmbedding(nn.Embedding):
         )
         self.scale = scale
         self.backend = backend
-        if sparse:  # here, not only in the eager call: a compiled model's .grad keeps the flag too
-            _coalesced.keep_flag(self.weight)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.max_norm is not None:
@@ -211,6 +209,4 @@ def _fused_from(old: nn.Embedding, backend: str) -> FusedEmbedding:
     )
     new.weight = old.weight
     new.train(old.training)
-    if new.sparse:
-        _coalesced.keep_flag(new.weight)
     return new

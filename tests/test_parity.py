@@ -187,31 +187,39 @@ def test_dot_grad_is_flagged_coalesced_exactly_while_it_is(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_compiled_models_dot_grad_is_flagged_coalesced_exactly_while_it_is(backend):
+@pytest.mark.parametrize("form", ["module", "functional"])
+def test_compiled_dot_grad_is_flagged_coalesced_exactly_while_it_is(backend, form):
     """A torch.compile'd backward builds the sparse gradient in Inductor's code, where no
-    Python of pyembed's runs: the modules' tables keep the flag all the same (a flag lost
-    there made SparseAdam sort every step again), and the step equals nn.Embedding's."""
+    Python of pyembed's runs: the table's .grad keeps the flag all the same (a flag lost
+    there made SparseAdam sort every step again), and the step equals nn.Embedding's --
+    a module's table, and a plain Parameter given to the functional op in compiled code."""
     name, _, device = backend.partition("@")
     device = device or "cpu"
     torch.manual_seed(8)
     layer = pyembed.EmbeddingLayer(30, 8, 12, sparse=True, backend=name, device=device)
-    reference = torch.nn.Embedding.from_pretrained(layer.token_embedding.weight.detach().clone(), freeze=False,
-                                                   sparse=True)
+    weight = layer.token_embedding.weight
+    if form == "functional":
+        weight = torch.nn.Parameter(weight.detach().clone())
+        pos_weight = layer.pos_embedding.detach()
+
+        def layer(ids):
+            return pyembed.fused_embedding(ids, weight, pos_weight, sparse=True, backend=name)
+    reference = torch.nn.Embedding.from_pretrained(weight.detach().clone(), freeze=False, sparse=True)
     ids = torch.randint(0, 30, (3, 12), device=device)
     dout = torch.randn(3, 12, 8, device=device)
     torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True, backend="inductor")
     compiled(ids).backward(dout)
-    grad = layer.token_embedding.weight.grad
+    grad = weight.grad
     assert grad.is_coalesced() and _sorted_unique_rows(grad)
     reference(ids).backward(dout)
     torch.testing.assert_close(grad.to_dense(), reference.weight.grad.to_dense(), rtol=1e-6, atol=1e-6)
 
-    for module in (layer.token_embedding, reference):
-        torch.optim.SparseAdam([module.weight], lr=0.1).step()
-    torch.testing.assert_close(layer.token_embedding.weight, reference.weight, rtol=1e-6, atol=1e-6)
+    for table in (weight, reference.weight):
+        torch.optim.SparseAdam([table], lr=0.1).step()
+    torch.testing.assert_close(weight, reference.weight, rtol=1e-6, atol=1e-6)
 
-    weight, first = layer.token_embedding.weight, grad.to_dense()
+    first = grad.to_dense()
     compiled(ids).backward(dout)  # summed into .grad: flagged only if the sum has unique rows
     assert not weight.grad.is_coalesced() or _sorted_unique_rows(weight.grad)
     torch.testing.assert_close(weight.grad.to_dense(), 2 * first)

@@ -3,7 +3,8 @@
 of kernels one call launches, and torch.profiler's tables by GPU and by CPU time, at
 GPT-2 8x2048 and 1x1 tokens (fp32, learned positions), after the host microseconds of
 each layer of a one-token call, then an AdamW training step's kernels with torch's
-optimizer and with the optimizer inside pyembed's backward. ``--ncu`` instead runs one forward
+optimizer and with the optimizer inside pyembed's backward, and a sparse step with
+SparseAdam (nn ops, pyembed eager and compiled). ``--ncu`` instead runs one forward
 per backend on a Llama-2 8x2048 table (fp32 and bf16) and one dense backward per backend
 at GPT-2 8x2048 (fp32, a row used 12000 times) and 1x1 (the few-token kernel writing the
 whole table), and one AdamW update inside the backward per backend (a Llama-2 bf16 table:
@@ -550,6 +551,52 @@ def step_profile(backends, batch=8, seq_len=2048):
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
 
 
+def sparse_step_profile(backends, batch=8, seq_len=2048):
+    """A sparse training step, GPT-2 fp32 8x2048 with learned positions: SparseAdam on the
+    token table, torch's fused AdamW on the positions, as the benchmark's sparse `step`
+    cases. At 26f0ba6 the H200 took 1.34 ms with nn ops (whose gradient SparseAdam
+    coalesces), 1.44 with pyembed `cuda` (coalesced by its backward) and 2.08 with that
+    layer compiled, whose .grad then lost its coalesced flag (kept since): the sort and the
+    host syncs of each, and whether .grad reached SparseAdam flagged coalesced."""
+    def nn_layer(ids, weight, pos_weight):
+        return torch.nn.functional.embedding(ids, weight, sparse=True) * GPT2[1] ** 0.5 + pos_weight[:ids.shape[1]]
+
+    def pyembed_layer(backend):
+        def layer(ids, weight, pos_weight):
+            return pyembed.fused_embedding(ids, weight, pos_weight, scale=GPT2[1] ** 0.5, sparse=True, backend=backend)
+        return layer
+
+    variants = [("nn ops", nn_layer)]
+    for backend in backends:
+        variants += [(f"pyembed-{backend}", pyembed_layer(backend)),
+                     (f"compile(pyembed-{backend})", torch.compile(pyembed_layer(backend), fullgraph=True))]
+    for name, layer in variants:
+        weight, pos_weight, ids, dout = tensors(*GPT2, batch, seq_len, torch.float32)
+        weight, pos_weight = torch.nn.Parameter(weight.detach()), torch.nn.Parameter(pos_weight.detach())
+        optimizers = (torch.optim.SparseAdam([weight], lr=1e-4), torch.optim.AdamW([pos_weight], lr=1e-4, fused=True))
+        flagged = []
+
+        def step():
+            layer(ids, weight, pos_weight).backward(dout)
+            flagged.append(weight.grad.is_coalesced())
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+        label = f"{batch}x{seq_len} sparse SparseAdam step, {name}"
+        print(f"{label}: {triton.testing.do_bench(step, return_mode='median') * 1e3:.1f} us; .grad flagged "
+              f"coalesced in {sum(flagged)} of {len(flagged)} steps", flush=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        syncs = sum(e.count for e in events if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize"))
+        print(f"\n== {label}, x5, by cuda_time_total ({syncs} stream/device syncs)")
+        print(events.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
+
+
 # Each GPU backend's sorts, by the variable that chooses among them (read by every call):
 # (backend, variable, ((name, value), ...)), its default first, the library sort last.
 SORTS = (("cuda", "PYEMBED_CUDA_SORT",
@@ -759,6 +806,7 @@ def main():
         python_profile(backends)
         profile(backends, [(8, 2048), (1, 1)])
         step_profile(backends)
+        sparse_step_profile(backends)
 
 
 if __name__ == "__main__":
