@@ -96,7 +96,7 @@ def apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config: Fuse
         return torch.ops.pyembed.sparse_grad_embedding(
             ids, weight, pos_weight, position_ids, config.pos_encoding, config.scale, config.offset,
             config.padding_idx, config.scale_grad_by_freq, config.backend, dropout_key, config.dropout_p,
-            config.sinusoid_column_offset, config.sinusoid_dim)
+            config.sinusoid_column_offset, config.sinusoid_dim, config.error_record)
     return FusedEmbeddingFunction.apply(*tensors, config)  # what torch.compile traces (no custom jvp)
 
 
@@ -444,7 +444,7 @@ def sparse_grad_embedding(ids: torch.Tensor, weight: torch.Tensor, pos_weight: O
                           position_ids: Optional[torch.Tensor], pos_encoding: str, scale: float, offset: int,
                           padding_idx: Optional[int], scale_grad_by_freq: bool, backend: str,
                           dropout_key: Optional[torch.Tensor], dropout_p: float, sinusoid_column_offset: int = 0,
-                          sinusoid_dim: int = 0) -> torch.Tensor:
+                          sinusoid_dim: int = 0, error_record: int = 0) -> torch.Tensor:
     """The lookup with a sparse weight gradient, as one op torch.compile keeps whole: its
     backward (registered below) runs under AOTAutograd, which can build the sparse
     gradient where Dynamo cannot. Eager code uses FusedEmbeddingFunction.
@@ -454,28 +454,28 @@ def sparse_grad_embedding(ids: torch.Tensor, weight: torch.Tensor, pos_weight: O
     backward builds (pyembed._coalesced), which the eager routes register in the call."""
     _coalesced.keep_flag(weight)
     return dispatch.get(backend).forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
-                                         dropout_key, dropout_p, sinusoid_column_offset, sinusoid_dim)
+                                         dropout_key, dropout_p, sinusoid_column_offset, sinusoid_dim, error_record)
 
 
 @sparse_grad_embedding.register_fake
 def _(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, backend,
-      dropout_key, dropout_p, sinusoid_column_offset=0, sinusoid_dim=0):
+      dropout_key, dropout_p, sinusoid_column_offset=0, sinusoid_dim=0, error_record=0):
     return weight.new_empty(*ids.shape, weight.shape[1])
 
 
 def _sparse_grad_setup(ctx, inputs, output):
     (ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, by_freq, backend, dropout_key,
-     dropout_p, *sinusoid_columns) = inputs
+     dropout_p, sinusoid_column_offset, sinusoid_dim, error_record) = inputs
     ctx.save_for_backward(ids, position_ids, dropout_key)
-    ctx.config = FusedConfig(pos_encoding, scale, offset, padding_idx, by_freq, True, False, backend, dropout_p, 0,
-                             *sinusoid_columns)
+    ctx.config = FusedConfig(pos_encoding, scale, offset, padding_idx, by_freq, True, False, backend, dropout_p,
+                             error_record, sinusoid_column_offset, sinusoid_dim)
     ctx.weight_shape, ctx.num_positions = weight.shape, (pos_weight.shape[0] if pos_weight is not None else 0)
     ctx.fused_tables = None  # a fused optimizer's table runs outside compiled graphs (pyembed.optim)
 
 
 def _sparse_grad_backward(ctx, grad_out):
     grad_weight, pos_grad = _gradients(ctx, grad_out)
-    return (None, grad_weight, pos_grad) + (None,) * 11
+    return (None, grad_weight, pos_grad) + (None,) * 12
 
 
 sparse_grad_embedding.register_autograd(_sparse_grad_backward, setup_context=_sparse_grad_setup)

@@ -757,10 +757,12 @@ def test_triton_dense_gradient_is_written_once_and_sorted_on_narrow_keys(interpr
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
-def test_compiled_default_check_is_one_graph_and_reports_at_the_next_call(monkeypatch):
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_compiled_default_check_is_one_graph_and_reports_at_the_next_call(monkeypatch, sparse):
     """Under torch.compile(fullgraph=True) the in-kernel check's record address is a
     constant of the graph (no graph break, no recompile), and the next compiled call
-    raises what the kernel recorded."""
+    raises what the kernel recorded -- with a sparse gradient too (its compiled route, an
+    op of its own, once ran the forward without the record: nothing was ever reported)."""
     pytest.importorskip("triton", reason="triton is not installed")
     import pyembed
     from pyembed import checks
@@ -772,10 +774,13 @@ def test_compiled_default_check_is_one_graph_and_reports_at_the_next_call(monkey
     weight = torch.randn(10, 8, requires_grad=True)
     counter = CompileCounterWithBackend("aot_eager")
     layer = torch.compile(lambda ids: pyembed.fused_embedding(ids, weight, pos_encoding="sinusoidal", scale=2.0,
-                                                              backend="triton"), backend=counter, fullgraph=True)
+                                                              sparse=sparse, backend="triton"),
+                          backend=counter, fullgraph=True)
     out = layer(torch.tensor([[1, 12, 3]]))
     assert not out[0, 1].any()
     out.sum().backward()
+    rows = weight.grad.coalesce()._indices()[0].tolist() if sparse else weight.grad.sum(1).nonzero()[:, 0].tolist()
+    assert rows == [1, 3]  # the bad id adds to no row
     with pytest.raises(IndexError, match="id 12, but the embedding table has V=10"):
         layer(torch.tensor([[1, 2, 3]]))
     good = layer(torch.tensor([[1, 2, 3]]))
