@@ -756,13 +756,24 @@ def test_triton_dense_gradient_is_written_once_and_sorted_on_narrow_keys(interpr
     assert interpreted_launches.count("_merge_tiles_kernel") == (1 + position_ids if tile_sort else 0)
 
 
+# Every route a compiled call can take (pyembed/functional.py, _autograd.apply_fused): the
+# common call's op, the sparse gradient's op, the general route's Function.
+COMPILED_ROUTES = {
+    "common": dict(pos_encoding="sinusoidal"),
+    "sparse": dict(pos_encoding="sinusoidal", sparse=True),
+    "sparse learned dropout": dict(learned=True, sparse=True, dropout_p=0.2),
+    "position_ids": dict(learned=True, position_ids=torch.tensor([[0, 5, 1]])),
+    "by_freq padding": dict(scale_grad_by_freq=True, padding_idx=2),
+}
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
-@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_compiled_default_check_is_one_graph_and_reports_at_the_next_call(monkeypatch, sparse):
+@pytest.mark.parametrize("route", COMPILED_ROUTES)
+def test_compiled_default_check_is_one_graph_and_reports_at_the_next_call(monkeypatch, route):
     """Under torch.compile(fullgraph=True) the in-kernel check's record address is a
     constant of the graph (no graph break, no recompile), and the next compiled call
-    raises what the kernel recorded -- with a sparse gradient too (its compiled route, an
-    op of its own, once ran the forward without the record: nothing was ever reported)."""
+    raises what the kernel recorded -- on every route (the sparse gradient's, an op of its
+    own, once ran its forward without the record: nothing was ever reported)."""
     pytest.importorskip("triton", reason="triton is not installed")
     import pyembed
     from pyembed import checks
@@ -771,21 +782,25 @@ def test_compiled_default_check_is_one_graph_and_reports_at_the_next_call(monkey
     monkeypatch.setattr(checks, "KERNEL_CHECKED_DEVICES", ("cuda", "cpu"))
     checks.check_errors("cpu")
     torch._dynamo.reset()
+    kwargs = dict(COMPILED_ROUTES[route])
+    sparse = kwargs.get("sparse", False)
     weight = torch.randn(10, 8, requires_grad=True)
+    pos_weight = torch.randn(6, 8) if kwargs.pop("learned", False) else None
     counter = CompileCounterWithBackend("aot_eager")
-    layer = torch.compile(lambda ids: pyembed.fused_embedding(ids, weight, pos_encoding="sinusoidal", scale=2.0,
-                                                              sparse=sparse, backend="triton"),
-                          backend=counter, fullgraph=True)
+    layer = torch.compile(lambda ids: pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="triton",
+                                                              **kwargs), backend=counter, fullgraph=True)
     out = layer(torch.tensor([[1, 12, 3]]))
-    assert not out[0, 1].any()
+    if not kwargs.get("dropout_p"):
+        assert not out[0, 1].any()
     out.sum().backward()
     rows = weight.grad.coalesce()._indices()[0].tolist() if sparse else weight.grad.sum(1).nonzero()[:, 0].tolist()
-    assert rows == [1, 3]  # the bad id adds to no row
+    assert 12 not in rows and set(rows) <= {1, 3}  # the bad id adds to no row
     with pytest.raises(IndexError, match="id 12, but the embedding table has V=10"):
-        layer(torch.tensor([[1, 2, 3]]))
-    good = layer(torch.tensor([[1, 2, 3]]))
-    expected = pyembed.fused_embedding(torch.tensor([[1, 2, 3]]), weight.detach(), pos_encoding="sinusoidal",
-                                       scale=2.0, backend="reference")
-    torch.testing.assert_close(good, expected)
+        layer(torch.tensor([[1, 4, 3]]))
+    good = layer(torch.tensor([[1, 4, 3]]))
+    if not kwargs.get("dropout_p"):
+        expected = pyembed.fused_embedding(torch.tensor([[1, 4, 3]]), weight.detach(), pos_weight, scale=2.0,
+                                           backend="reference", **kwargs)
+        torch.testing.assert_close(good, expected)
     assert counter.frame_count == 1
     torch._dynamo.reset()
