@@ -11,6 +11,7 @@ import torch
 
 import pyembed
 from pyembed import dispatch
+from test_host_sync import COMPILED_ROUTES
 
 CUDA_BACKENDS = [b for b in dispatch.backends_for("cuda") if b != "reference"] if torch.cuda.is_available() else []
 pytestmark = pytest.mark.parametrize("backend", CUDA_BACKENDS or ["none built"])
@@ -148,6 +149,27 @@ def test_default_check_runs_in_the_kernel_and_reports_at_the_next_call(backend, 
         with pytest.raises(ValueError, match="position -4"):
             pyembed.check_errors("cuda")
     pyembed.check_errors("cuda")  # cleared: nothing more to raise
+
+
+@pytest.mark.parametrize("route", COMPILED_ROUTES)
+def test_compiled_default_check_reports_at_the_next_call_on_every_route(backend, route):
+    """tests/test_host_sync.py's test of the compiled routes (there with the check forced
+    into interpreted kernels on CPU tensors), on the GPU: each route's graph checks in its
+    kernel, and the next compiled call raises what it recorded."""
+    _check_backend(backend)
+    pyembed.check_errors("cuda")
+    torch._dynamo.reset()
+    kwargs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in COMPILED_ROUTES[route].items()}
+    weight = torch.randn(10, 8, device="cuda", requires_grad=True)
+    pos_weight = torch.randn(6, 8, device="cuda") if kwargs.pop("learned", False) else None
+    layer = torch.compile(lambda ids: pyembed.fused_embedding(ids, weight, pos_weight, backend=backend, **kwargs),
+                          fullgraph=True)
+    layer(torch.tensor([[1, 12, 3]], device="cuda")).sum().backward()
+    with pytest.raises(IndexError, match="id 12, .*V=10"):
+        layer(torch.tensor([[1, 4, 3]], device="cuda"))
+    torch.cuda.synchronize()
+    pyembed.check_errors("cuda")  # raised once, then cleared
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("seq_len", [256, 2048])  # 4 x 2048 tokens: the tile sorts' 16 tiles
