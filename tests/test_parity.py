@@ -174,6 +174,10 @@ def test_dot_grad_is_flagged_coalesced_exactly_while_it_is(backend):
     assert not total.is_coalesced() and not _sorted_unique_rows(total)
     expected = first + torch.zeros_like(w).index_add_(0, ids.reshape(-1), dout.reshape(-1, 8))
     torch.testing.assert_close(total.to_dense(), expected)
+    # Our coalesced gradient summed into that .grad: it arrived coalesced, the sum is not.
+    pyembed.fused_embedding(ids, w, sparse=True, padding_idx=0, backend=name).backward(dout)
+    assert not w.grad.is_coalesced() and not _sorted_unique_rows(w.grad)
+    torch.testing.assert_close(w.grad.to_dense(), expected + first)
 
     # The table used twice in one graph: autograd sums the two gradients before .grad.
     w.grad = None
