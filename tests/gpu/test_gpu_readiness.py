@@ -168,6 +168,7 @@ def test_compiled_default_check_reports_at_the_next_call_on_every_route(backend,
     layer = torch.compile(lambda ids: pyembed.fused_embedding(ids, weight, pos_weight, backend=backend, **kwargs),
                           fullgraph=True)
     layer(torch.tensor([[1, 12, 3]], device="cuda")).sum().backward()
+    torch.cuda.synchronize()  # the record written (the next call reads it without waiting)
     try:
         layer(torch.tensor([[1, 4, 3]], device="cuda"))
     except IndexError as error:
