@@ -86,6 +86,7 @@ def rowwise_partial(ids, local_weight, start: int, pos_weight, position_ids, con
 
 
 @functools.cache
+@torch.compiler.assume_constant_result  # a constant of the graph (Dynamo cannot trace inspect)
 def _from_local_takes_grad_placements() -> bool:
     """Asked once (inspect.signature costs ~10 us, and this is on every forward)."""
     from torch.distributed.tensor import DTensor

@@ -35,6 +35,7 @@ def run(rank: int, world_size: int, store_dir: str, backends: list[str], pg_back
             check_fsdp2_matches_single_process(mesh, backend)
         for style in STYLES:
             check_layer_dropout_is_the_single_process_mask(mesh, style, backends[-1])
+            check_style_matches_nn_embedding(mesh, style, "cpu" if "cpu" in backends else backends[-1], compiled=True)
         check_checkpoint_round_trip(mesh, store_dir, backends[-1])
         check_unsupported_layouts_raise(mesh)
 
@@ -89,8 +90,13 @@ def _local_slice(full: torch.Tensor, dim: int, mesh) -> torch.Tensor:
     return torch.chunk(full, mesh.size(), dim=dim)[mesh.get_local_rank()]
 
 
-def check_style_matches_nn_embedding(mesh, style: str, backend: str) -> None:
+def check_style_matches_nn_embedding(mesh, style: str, backend: str, compiled: bool = False) -> None:
+    """compiled: the sharded module under torch.compile(fullgraph=True), as a model trained
+    with tensor parallelism compiles it (nn.Embedding's styles compile so)."""
     reference, fused = _modules(mesh, style, backend)
+    if compiled:
+        torch._dynamo.reset()
+        fused = torch.compile(fused, fullgraph=True)
     g = _generator(1)
     ids = torch.randint(0, VOCAB, (4, 6), generator=g)
     ids[0, :3] = PADDING_IDX
