@@ -144,6 +144,27 @@ def _(info, in_dims, ids, num_embeddings, position_ids, max_seq_len):
     return _check_ranges_body(ids, num_embeddings, position_ids, max_seq_len), in_dims[0]
 
 
+# pyembed::checked_by_extremes: raise_for_extremes as an op a compiled graph keeps (the
+# extremes read on the host: data a graph cannot branch on), for extremes agreed across
+# ranks (pyembed.parallel). Returns a copy of ids, which the lookup reads, as check_ranges.
+_LIB.define("checked_by_extremes(Tensor ids, Tensor extremes, int num_embeddings, int max_seq_len) -> Tensor",
+            tags=CUDAGRAPH_UNSAFE)
+
+
+def _checked_by_extremes_body(ids: torch.Tensor, extremes: torch.Tensor, num_embeddings: int,
+                              max_seq_len: int) -> torch.Tensor:
+    raise_for_extremes(extremes.tolist(), num_embeddings, max_seq_len if max_seq_len >= 0 else None)
+    return ids.clone()
+
+
+_LIB.impl("checked_by_extremes", _checked_by_extremes_body, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("pyembed::checked_by_extremes", lib=_LIB)
+def _(ids, extremes, num_embeddings, max_seq_len):
+    return torch.empty_like(ids)
+
+
 def checked_ids(ids: torch.Tensor, num_embeddings: int, position_ids: Optional[torch.Tensor],
                 max_seq_len: Optional[int]) -> torch.Tensor:
     """ids, after the range checks. Eagerly the checks run in place (no copy); under

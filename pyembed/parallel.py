@@ -160,20 +160,26 @@ class VocabParallelEmbeddingLayer(nn.Module):
         weight = token.weight
         pos_encoding, position_ids = checks.check_inputs(ids, weight, self.pos_embedding, self.pos_encoding,
                                                          position_ids, offset)
-        self._check_ranges_together(ids, position_ids)
+        ids = self._checked_together(ids, position_ids)
         config = FusedConfig(pos_encoding, float(self.scale), offset, self.padding_idx, False, token.sparse, False,
                              dispatch.resolve(self.backend, weight.device).name)
         part = _dtensor.rowwise_partial(ids, weight, self.vocab_start, self.pos_embedding, position_ids, config, None)
         return _SumOverRanks.apply(part, self._group)
 
-    def _check_ranges_together(self, ids: torch.Tensor, position_ids: Optional[torch.Tensor]) -> None:
-        """The data checks of the single-device layer (the same IndexError / ValueError),
-        on the extremes over every rank: all ranks raise together or none does, so no
-        rank is left waiting in the all-reduce for one that raised."""
+    def _checked_together(self, ids: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """ids, after the data checks of the single-device layer (the same IndexError /
+        ValueError) on the extremes over every rank: all ranks raise together or none does,
+        so no rank is left waiting in the all-reduce for one that raised. Under
+        torch.compile by an op of the graph (pyembed::checked_by_extremes), whose copy of the
+        ids the lookup reads."""
         extremes = checks.range_extremes(ids, position_ids)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.process_group)
-        checks.raise_for_extremes(extremes.tolist(), self.vocab_size,
-                                  self.max_seq_len if self.pos_encoding == "learned" else None)
+        max_seq_len = self.max_seq_len if self.pos_encoding == "learned" else None
+        if torch.compiler.is_compiling():
+            return torch.ops.pyembed.checked_by_extremes(ids, extremes, self.vocab_size,
+                                                         -1 if max_seq_len is None else max_seq_len)
+        checks.raise_for_extremes(extremes.tolist(), self.vocab_size, max_seq_len)
+        return ids
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The single-device ``EmbeddingLayer``'s state_dict, gathered on the group's

@@ -376,11 +376,16 @@ def test_compiled_sparse_op_passes_opcheck(backend):
 def test_range_check_op_passes_opcheck_and_is_tagged_cudagraph_unsafe():
     ids = torch.randint(0, 7, (2, 5))
     torch.library.opcheck(torch.ops.pyembed.check_ranges, (ids, 7, torch.randint(0, 6, (2, 5)), 6))
+    extremes = torch.tensor([0, 6, 0, 5])  # -min id, max id, -min position, max position (pyembed.parallel)
+    torch.library.opcheck(torch.ops.pyembed.checked_by_extremes, (ids, extremes, 7, 6))
+    with pytest.raises(IndexError, match="max id 7, but the embedding table has V=7"):
+        torch.ops.pyembed.checked_by_extremes(ids, torch.tensor([0, 7, 0, 5]), 7, 6)
     if not hasattr(torch.Tag, "cudagraph_unsafe"):
         pytest.skip(f"torch {torch.__version__} has no cudagraph_unsafe tag (torch >= 2.8)")
     # The ops that read data back to the host are tagged; the forward and dense backward are not.
     unsafe = torch.Tag.cudagraph_unsafe
     assert unsafe in torch.ops.pyembed.check_ranges.default.tags
+    assert unsafe in torch.ops.pyembed.checked_by_extremes.default.tags
     for backend in CPU_BACKENDS:
         fwd, bwd, sparse_bwd = (getattr(torch.ops.pyembed, name).default for name in _OPS[backend])
         assert unsafe in sparse_bwd.tags, backend

@@ -26,6 +26,10 @@ def run(rank: int, world_size: int, store_dir: str, backends: list[str]) -> None
             for vocab, dim, kwargs in CONFIGS:
                 check_matches_single_process(vocab, dim, kwargs, backend)
             check_bad_ids_raise_on_every_rank(backend)
+        compiled_backend = "cpu" if "cpu" in backends else backends[-1]
+        for vocab, dim, kwargs in CONFIGS[:2]:  # dense and sparse
+            check_matches_single_process(vocab, dim, kwargs, compiled_backend, compiled=True)
+        check_bad_ids_raise_on_every_rank(compiled_backend, compiled=True)
         check_checkpoints(store_dir)
 
 
@@ -46,10 +50,18 @@ def _ids(vocab, shape, seed=1):
     return ids
 
 
-def check_matches_single_process(vocab, dim, kwargs, backend):
+def _compiled(layer):
+    """The layer under torch.compile(fullgraph=True): its collective range check and the
+    sum over ranks in the graph (no graph break)."""
+    torch._dynamo.reset()
+    return torch.compile(layer, fullgraph=True)
+
+
+def check_matches_single_process(vocab, dim, kwargs, backend, compiled=False):
     from pyembed.parallel import shard_range
 
     full, par = _layers(vocab, dim, kwargs, backend)
+    run_par = _compiled(par) if compiled else par
     rank, world = dist.get_rank(), dist.get_world_size()
     assert (par.vocab_start, par.vocab_end) == shard_range(vocab, rank, world)
     assert par.token_embedding.weight.shape == (par.vocab_end - par.vocab_start, dim)
@@ -69,7 +81,7 @@ def check_matches_single_process(vocab, dim, kwargs, backend):
         for layer in (full, par):
             layer.zero_grad(set_to_none=True)
         expected = full(ids, **call)
-        out = par(ids, **call)
+        out = run_par(ids, **call)
         # The rank holding an id adds its row and position, the others exact zeros: bitwise the same.
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
         expected.backward(dout)
@@ -96,8 +108,9 @@ def check_matches_single_process(vocab, dim, kwargs, backend):
             torch.testing.assert_close(par.pos_embedding.grad, full.pos_embedding.grad, rtol=0, atol=0)
 
 
-def check_bad_ids_raise_on_every_rank(backend):
+def check_bad_ids_raise_on_every_rank(backend, compiled=False):
     full, par = _layers(50, 16, CONFIGS[0][2], backend)
+    par = _compiled(par) if compiled else par
     ids = torch.arange(20, 30).reshape(2, 5)  # the bad id below leaves the other extreme in place
     for bad in (50, -1):
         with_bad = ids.clone()
