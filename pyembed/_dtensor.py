@@ -38,9 +38,6 @@ Parameter and runs ``rowwise_partial`` below, sparse gradients included.
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
 
 from . import checks, reference
@@ -85,13 +82,13 @@ def rowwise_partial(ids, local_weight, start: int, pos_weight, position_ids, con
                        config._replace(padding_idx=local_padding_idx, validate=False, error_record=0))
 
 
-@functools.cache
-@torch.compiler.assume_constant_result  # a constant of the graph (Dynamo cannot trace inspect)
 def _from_local_takes_grad_placements() -> bool:
-    """Asked once (inspect.signature costs ~10 us, and this is on every forward)."""
+    """Whether this torch's DTensor.from_local takes grad_placements: read from its code's
+    argument names (inspect.signature cost ~10 us a forward, and Dynamo cannot trace it)."""
     from torch.distributed.tensor import DTensor
 
-    return "grad_placements" in inspect.signature(DTensor.from_local).parameters
+    code = DTensor.from_local.__code__
+    return "grad_placements" in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
 
 
 def _partial_from_local(out, mesh):
