@@ -38,6 +38,9 @@ Parameter and runs ``rowwise_partial`` below, sparse gradients included.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 from . import checks, reference
@@ -82,13 +85,21 @@ def rowwise_partial(ids, local_weight, start: int, pos_weight, position_ids, con
                        config._replace(padding_idx=local_padding_idx, validate=False, error_record=0))
 
 
+def _constant_under_compile(fn):
+    """torch.compiler.assume_constant_result's mark: Dynamo calls ``fn`` once while tracing
+    and keeps its result as a constant of the graph. Set here, since importing that function
+    imports Dynamo, Inductor and Triton with pyembed."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@functools.cache
+@_constant_under_compile  # Dynamo cannot trace inspect.signature (and traces into the cache)
 def _from_local_takes_grad_placements() -> bool:
-    """Whether this torch's DTensor.from_local takes grad_placements: read from its code's
-    argument names (inspect.signature cost ~10 us a forward, and Dynamo cannot trace it)."""
+    """Asked once (inspect.signature costs ~10 us, and this is on every forward)."""
     from torch.distributed.tensor import DTensor
 
-    code = DTensor.from_local.__code__
-    return "grad_placements" in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+    return "grad_placements" in inspect.signature(DTensor.from_local).parameters
 
 
 def _partial_from_local(out, mesh):
