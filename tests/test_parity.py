@@ -201,18 +201,18 @@ def test_compiled_dot_grad_is_flagged_coalesced_exactly_while_it_is(backend, for
     device = device or "cpu"
     torch.manual_seed(8)
     layer = pyembed.EmbeddingLayer(30, 8, 12, sparse=True, backend=name, device=device)
-    weight = layer.token_embedding.weight
+    weight, call = layer.token_embedding.weight, layer
     if form == "functional":
         weight = torch.nn.Parameter(weight.detach().clone())
         pos_weight = layer.pos_embedding.detach()
 
-        def layer(ids):
+        def call(ids):
             return pyembed.fused_embedding(ids, weight, pos_weight, sparse=True, backend=name)
     reference = torch.nn.Embedding.from_pretrained(weight.detach().clone(), freeze=False, sparse=True)
     ids = torch.randint(0, 30, (3, 12), device=device)
     dout = torch.randn(3, 12, 8, device=device)
     torch._dynamo.reset()
-    compiled = torch.compile(layer, fullgraph=True, backend="inductor")
+    compiled = torch.compile(call, fullgraph=True, backend="inductor")
     compiled(ids).backward(dout)
     grad = weight.grad
     assert grad.is_coalesced() and _sorted_unique_rows(grad)
