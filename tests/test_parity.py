@@ -206,8 +206,9 @@ def test_compiled_dot_grad_is_flagged_coalesced_exactly_while_it_is(backend, for
         weight = torch.nn.Parameter(weight.detach().clone())
         pos_weight = layer.pos_embedding.detach()
 
-        def call(ids):
+        def functional(ids):
             return pyembed.fused_embedding(ids, weight, pos_weight, sparse=True, backend=name)
+        call = functional
     reference = torch.nn.Embedding.from_pretrained(weight.detach().clone(), freeze=False, sparse=True)
     ids = torch.randint(0, 30, (3, 12), device=device)
     dout = torch.randn(3, 12, 8, device=device)
