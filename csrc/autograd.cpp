@@ -24,6 +24,7 @@
 // as every other route.
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -320,6 +321,13 @@ at::Tensor lookup_node(bool fused_weight, bool fused_pos, const at::Tensor& ids,
                        std::optional<int64_t> padding_idx, bool scale_grad_by_freq, bool validate,
                        int64_t error_record, double dropout_p, const std::optional<at::Generator>& generator,
                        bool sparse) {
+  // torch.jit.trace records ATen and dispatcher ops; the triton kernels' launches are neither
+  // (this call is not an op either), so its trace would hold the output's allocation alone,
+  // and the traced module return that memory unwritten.
+  TORCH_CHECK_NOT_IMPLEMENTED(!kPython || !torch::jit::tracer::isTracing(),
+                              "pyembed: torch.jit.trace cannot record the triton backend's kernel launches (they "
+                              "are not ATen ops); trace with backend='cuda' or 'cpu', or use torch.export or "
+                              "torch.compile, which record pyembed's ops");
   const bool needs_grad = weight.requires_grad() || (pos_weight.has_value() && pos_weight->requires_grad());
   if (!at::GradMode::is_enabled() || !needs_grad) {  // no_grad decoding: no node to build (~1 us)
     at::AutoDispatchBelowADInplaceOrView below_autograd;

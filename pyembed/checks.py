@@ -243,9 +243,10 @@ def raise_pending_error(device: torch.device) -> None:
 def from_cpp(error: Exception) -> Exception:
     """A C++ op's error as pyembed raises it: bad input (a message of pyembed's own, from
     csrc/checks.h) as pyembed's exception classes, which are also the RuntimeError PyTorch
-    raises; anything else (out of memory, a CUDA error) as it is."""
+    raises; anything else (out of memory, a CUDA error, a NotImplementedError) as it is."""
     message = str(error)
-    if not message.startswith("pyembed:") or isinstance(error, (IndexError, InputTypeError, InputValueError)):
+    if not message.startswith("pyembed:") or isinstance(
+            error, (IndexError, InputTypeError, InputValueError, NotImplementedError)):
         return error
     if isinstance(error, TypeError):
         return InputTypeError(message)

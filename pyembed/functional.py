@@ -67,7 +67,8 @@ def fused_embedding(
             waits for the device: the bad ids get zero rows and the error is raised by the
             next forward on that device (or ``pyembed.check_errors()``), the CUDA context
             intact; a compiled `triton` layer and a replayed CUDA graph leave it to the next
-            eager forward or ``check_errors()`` (``wait=False``: no sync). "sync": the
+            eager forward or ``check_errors()`` (``wait=False``: no sync); a program saved to
+            run elsewhere (torch.export, torch.jit.trace) checks in the call. "sync": the
             error in the call itself, everywhere (a device->host sync on a GPU). False: no
             check. Unchecked or deferred, an out-of-range id yields a zero row, never an
             out-of-bounds access.
@@ -232,9 +233,13 @@ _VALIDATE_VALUES = (True, False, "sync")
 def range_checks(validate, backend: dispatch.Backend, device: torch.device) -> tuple[bool, int]:
     """(check the ranges synchronously, the error record the forward kernel checks into
     (0: none)) for ``validate`` on ``device``: True checks inside the kernel where the
-    backend can and the device runs asynchronously (a GPU: no host sync), else in the call."""
+    backend can and the device runs asynchronously (a GPU: no host sync), else in the call.
+    A program saved to run in another process (torch.export, and through it AOTInductor;
+    torch.jit.trace) checks in the call: the record is this process's pinned memory, and its
+    address, a constant of such a program, would be a stray pointer for a kernel elsewhere."""
     if validate is True:
-        if backend.checks_in_kernel and device.type in checks.KERNEL_CHECKED_DEVICES:
+        if (backend.checks_in_kernel and device.type in checks.KERNEL_CHECKED_DEVICES
+                and not torch.compiler.is_exporting() and not torch.jit.is_tracing()):
             return False, checks.error_record_address(device)
         return True, 0
     if validate is False or validate == "sync":

@@ -3,6 +3,9 @@
 torch.func per-sample gradients, integer tables, zero-width tables and Hugging Face's
 (1, T) position_ids, on every backend that runs here."""
 
+import os
+import warnings
+
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -350,6 +353,70 @@ def test_an_aotinductor_package_of_an_exported_model_runs_the_cpu_ops_with_their
         torch.testing.assert_close(loaded(other), model(other), rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="max id 70, but the embedding table has V=50"):
         loaded(torch.tensor([[1, 70]]))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
+@pytest.mark.parametrize("strict", [False, True])
+def test_an_exported_program_checks_in_the_call_and_holds_no_error_record(monkeypatch, strict):
+    """On a GPU the default check runs inside the forward kernel, which records a bad id in
+    this process's pinned memory, given to it as an address (pyembed.checks). An exported
+    program outlives the process (saved, run by AOTInductor elsewhere), so it must not hold
+    that address -- a stray pointer for a kernel anywhere else: it checks in the call. Here
+    the interpreted triton kernel checks CPU tensors as it checks CUDA tensors on a GPU."""
+    from pyembed import checks
+
+    monkeypatch.setattr(checks, "KERNEL_CHECKED_DEVICES", ("cuda", "cpu"))
+    checks.check_errors("cpu")
+    address = checks.error_record_address(torch.device("cpu"))
+    model = pyembed.EmbeddingLayer(50, 16, 32, scale_embeddings=True, backend="triton").eval()
+    ids = torch.randint(0, 50, (2, 8))
+    bad = ids.clone()
+    bad[1, 3] = 70
+    program = torch.export.export(model, (ids,), strict=strict)
+    assert str(address) not in program.graph_module.code
+    exported = program.module()
+    torch.testing.assert_close(exported(ids), model(ids), rtol=0, atol=0)
+    with pytest.raises(IndexError, match="max id 70"):
+        exported(bad)
+    # Eager calls still check in the kernel: the bad id is reported by the next call.
+    model(bad)
+    with pytest.raises(IndexError, match="earlier call on cpu: id 70"):
+        model(ids)
+
+
+@pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the cpu backend (the C++ extension) is not built")
+def test_torch_jit_trace_records_the_cpu_op_and_a_saved_trace_runs_it_with_its_check(tmp_path):
+    # TorchScript (deprecated by PyTorch, still deployed): torch.jit.trace records
+    # pyembed::embedding, a dispatcher op, with the check among its arguments; the saved
+    # module, loaded where pyembed is imported, takes new sizes and refuses a bad id.
+    # (torch.jit.script cannot compile the modules: their forward takes keyword-only arguments.)
+    torch.manual_seed(10)
+    model = pyembed.EmbeddingLayer(50, 16, 32, scale_embeddings=True, backend="cpu").eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # "torch.jit.trace (load, ...) is deprecated"
+        traced = torch.jit.trace(model, torch.randint(0, 50, (2, 8)))
+        torch.jit.save(traced, str(tmp_path / "model.pt"))
+        loaded = torch.jit.load(str(tmp_path / "model.pt"))
+    other = torch.randint(0, 50, (3, 20))
+    torch.testing.assert_close(loaded(other), model(other), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="max id 70, but the embedding table has V=50"):
+        loaded(torch.tensor([[1, 70]]))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
+@pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the triton lookup's C++ node needs the C++ extension")
+@pytest.mark.parametrize("grad", [True, False])
+def test_torch_jit_trace_of_the_triton_backend_is_refused_not_recorded_empty(grad):
+    # The triton backend's eager call is no op the tracer can record, nor are its launches:
+    # its trace held the output's allocation alone (aten::empty), and the traced module
+    # returned that memory unwritten. It raises instead, saying what traces.
+    model = pyembed.EmbeddingLayer(50, 16, 32, backend="triton")
+    ids = torch.randint(0, 50, (2, 8))
+    model(ids)  # a call of that metadata first: later ones replay its launch from C++
+    with warnings.catch_warnings(), torch.set_grad_enabled(grad):
+        warnings.simplefilter("ignore", FutureWarning)
+        with pytest.raises(NotImplementedError, match="torch.jit.trace cannot record the triton backend"):
+            torch.jit.trace(model, ids)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

@@ -2,6 +2,7 @@
 change to any table."""
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -193,6 +194,16 @@ def test_validate_modes_choose_where_the_ranges_are_checked(monkeypatch):
     assert range_checks(True, in_kernel, cpu) == (True, 0)
     assert range_checks("sync", in_kernel, cuda) == (True, 0)
     assert range_checks(False, in_kernel, cuda) == (False, 0)
+    # A traced program outlives the process, and the record's address with it: in the call.
+    seen = []
+
+    def traced(x):
+        seen.append(range_checks(True, in_kernel, cuda))
+        return x + 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # "torch.jit.trace is deprecated"
+        torch.jit.trace(traced, torch.zeros(1), check_trace=False)
+    assert seen == [(True, 0)]
     for backend in CPU_BACKENDS:
         with pytest.raises(ValueError, match="validate must be True, False or 'sync', got 'yes'") as raised:
             pyembed.fused_embedding(torch.tensor([[1]]), torch.randn(V, D), validate="yes", backend=backend)
