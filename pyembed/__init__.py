@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 import importlib.util as _importlib_util
 
+from ._decompositions import decompositions
 from ._extension import build_info
 from .checks import check_errors
 from .dispatch import available_backends
@@ -35,6 +36,7 @@ __all__ = [
     "available_backends",
     "build_info",
     "check_errors",
+    "decompositions",
     "fused_embedding",
     "replace_embeddings",
     "sinusoidal_table",

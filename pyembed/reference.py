@@ -42,17 +42,19 @@ def token_positions(ids: torch.Tensor, position_ids: Optional[torch.Tensor], off
     return t.repeat(ids.numel() // max(seq_len, 1))
 
 
-def sinusoid(positions: torch.Tensor, embed_dim: int, column_offset: int = 0, num_columns: Optional[int] = None
-             ) -> torch.Tensor:
+def sinusoid(positions: torch.Tensor, embed_dim: int, column_offset: int = 0, num_columns: Optional[int] = None,
+             dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The closed form in float64: PE(p, 2i) = sin(p w_i), PE(p, 2i+1) = cos(p w_i),
     w_i = exp(-(2i) ln(10000) / d), d = embed_dim. positions: (N,) integer -> (N, num_columns)
     float64: columns [column_offset, column_offset + num_columns) (default: all d), so a
-    column shard of the table gets its columns at their global index. column_offset is even."""
+    column shard of the table gets its columns at their global index. column_offset is even.
+    (Another ``dtype`` computes it in that dtype: pyembed.decompositions, for runtimes
+    without float64.)"""
     num_columns = embed_dim - column_offset if num_columns is None else num_columns
     i = torch.arange(column_offset // 2, (column_offset + num_columns + 1) // 2, device=positions.device,
-                     dtype=torch.float64)
+                     dtype=dtype)
     w = torch.exp(-(2.0 * i) * math.log(10000.0) / embed_dim)
-    angle = positions.to(torch.float64)[:, None] * w[None, :]
+    angle = positions.to(dtype)[:, None] * w[None, :]
     # Interleave (sin, cos) pairs: stack on a last axis of 2, then flatten it into columns.
     pe = torch.stack((torch.sin(angle), torch.cos(angle)), dim=-1).reshape(positions.numel(), 2 * i.numel())
     return pe[:, :num_columns]

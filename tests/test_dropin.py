@@ -13,7 +13,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import pyembed
-from helpers import CPU_BACKENDS
+from helpers import CPU_BACKENDS, assert_within, sinusoid_atol
 
 
 def _pair(backend, vocab=12, dim=6, **kwargs):
@@ -353,6 +353,75 @@ def test_an_aotinductor_package_of_an_exported_model_runs_the_cpu_ops_with_their
         torch.testing.assert_close(loaded(other), model(other), rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="max id 70, but the embedding table has V=50"):
         loaded(torch.tensor([[1, 70]]))
+
+
+def _pyembed_ops(program) -> set:
+    """The pyembed ops an exported program calls, its subgraphs' included."""
+    return {str(node.target) for module in program.graph_module.modules() if isinstance(module, torch.fx.GraphModule)
+            for node in module.graph.nodes if node.op == "call_function" and str(node.target).startswith("pyembed.")}
+
+
+def _exportable(layer: str, backend: str) -> nn.Module:
+    if layer == "token only":  # FusedEmbedding: ids of any shape, no positions
+        return pyembed.FusedEmbedding(50, 16, backend=backend).eval()
+    if layer == "sparse":
+        return pyembed.EmbeddingLayer(50, 16, 32, sparse=True, backend=backend).eval()
+    return pyembed.EmbeddingLayer(50, 16, 32, pos_encoding=layer, scale_embeddings=True, backend=backend).eval()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("layer", ["learned", "sinusoidal", "token only", "sparse"])
+@pytest.mark.parametrize("strict", [False, True])
+def test_decompositions_make_an_exported_program_aten_ops_with_eagers_output(backend, layer, strict):
+    # For runtimes that run no custom op (ONNX, ExecuTorch, TensorRT): decomposed, the
+    # exported program holds ATen ops only, takes new sizes, gives eager's output (the
+    # sinusoid within DESIGN §7 of the closed form) and refuses an out-of-range id -- the
+    # gather's own check, as for nn.Embedding.
+    torch.manual_seed(11)
+    model = _exportable(layer, backend)
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq", max=32)
+    program = torch.export.export(model, (torch.randint(0, 50, (2, 8)),), dynamic_shapes=({0: batch, 1: seq},),
+                                  strict=strict)
+    decomposed = program.run_decompositions(pyembed.decompositions())
+    assert _pyembed_ops(program) and not _pyembed_ops(decomposed)
+    other = torch.randint(0, 50, (3, 20))
+    out = decomposed.module()(other)
+    if layer == "sinusoidal":
+        weight = model.token_embedding.weight.detach().double()
+        exact = pyembed.fused_embedding(other, weight, pos_encoding="sinusoidal", scale=4.0, backend="reference")
+        assert_within(out, exact, 1e-6 + sinusoid_atol(other), what="decomposed sinusoid")
+    else:
+        torch.testing.assert_close(out, model(other), rtol=0, atol=0)
+    with pytest.raises(IndexError, match="out of range"):
+        decomposed.module()(torch.tensor([[1, 70]]))
+
+
+def test_decompositions_refuse_a_training_graphs_dropout():
+    model = pyembed.EmbeddingLayer(50, 16, 32, dropout=0.1, backend="reference").train()
+    program = torch.export.export(model, (torch.randint(0, 50, (2, 8)),))
+    with pytest.raises(NotImplementedError, match="inference graphs; export the model in eval mode"):
+        program.run_decompositions(pyembed.decompositions())
+
+
+def test_an_onnx_export_of_the_decomposed_program_runs_in_onnx_runtime(tmp_path):
+    # The ONNX path end to end, as a user deploys a model: export, decompose, torch.onnx
+    # (whose exporter refuses pyembed's own ops: "No ONNX function found"), then ONNX
+    # Runtime on new sizes -- eager's output bit for bit, and Gather's error for a bad id.
+    pytest.importorskip("onnxscript", reason="onnxscript is not installed (requirements-dev.txt has it)")
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (requirements-dev.txt has it)")
+    torch.manual_seed(12)
+    model = nn.Sequential(_exportable("learned", "cpu" if "cpu" in CPU_BACKENDS else "reference"))
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq", max=32)
+    program = torch.export.export(model, (torch.randint(0, 50, (2, 8)),), dynamic_shapes=({0: batch, 1: seq},))
+    onnx_program = torch.onnx.export(program.run_decompositions(pyembed.decompositions()), dynamo=True)
+    onnx_program.save(str(tmp_path / "model.onnx"))
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    other = torch.randint(0, 50, (3, 20))
+    (out,) = session.run(None, {name: other.numpy()})
+    torch.testing.assert_close(torch.from_numpy(out), model(other), rtol=0, atol=0)
+    with pytest.raises(Exception, match="out of data bounds"):
+        session.run(None, {name: torch.tensor([[1, 70]]).numpy()})
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
