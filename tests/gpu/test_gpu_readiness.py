@@ -185,6 +185,42 @@ def test_compiled_default_check_reports_at_the_next_call_on_every_route(backend,
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_an_exported_program_checks_in_the_call_and_decomposes_to_eagers_output(backend, strict):
+    """tests/test_dropin.py's export tests on the GPU, where the default check runs in the
+    kernel: the exported program holds no error-record address (another process's kernel
+    would get a stray pointer) and refuses a bad id in the call; decomposed
+    (pyembed.decompositions) it is ATen ops giving eager's output; torch.jit.trace records
+    the `cuda` op with its check and refuses `triton`."""
+    _check_backend(backend)
+    from pyembed import checks
+
+    pyembed.check_errors("cuda")
+    torch.manual_seed(13)
+    model = pyembed.EmbeddingLayer(50, 64, 32, scale_embeddings=True, backend=backend).cuda().eval()
+    ids = torch.randint(0, 50, (2, 8), device="cuda")
+    bad = ids.clone()
+    bad[1, 3] = 70
+    address = checks.error_record_address(torch.device("cuda", torch.cuda.current_device()))
+    program = torch.export.export(model, (ids,), strict=strict)
+    assert str(address) not in program.graph_module.code
+    with pytest.raises(IndexError, match="max id 70"):
+        program.module()(bad)
+    decomposed = program.run_decompositions(pyembed.decompositions())
+    assert "pyembed" not in decomposed.graph_module.code
+    torch.testing.assert_close(decomposed.module()(ids), model(ids), rtol=0, atol=0)
+    if backend == "triton":
+        with pytest.raises(NotImplementedError, match="torch.jit.trace cannot record the triton backend"):
+            torch.jit.trace(model, ids)
+    else:
+        traced = torch.jit.trace(model, ids)
+        assert str(address) not in str(traced.graph)
+        torch.testing.assert_close(traced(ids), model(ids), rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match="max id 70"):
+            traced(bad)
+    pyembed.check_errors("cuda")  # no kernel recorded anything
+
+
 @pytest.mark.parametrize("seq_len", [256, 2048])  # 4 x 2048 tokens: the tile sorts' 16 tiles
 def test_forward_and_dense_backward_capture_in_a_cuda_graph(backend, seq_len):
     _check_backend(backend)
