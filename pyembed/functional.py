@@ -85,11 +85,12 @@ def fused_embedding(
         forward mode too, and under ``torch.func`` transforms (``vmap``, ``grad``).
     """
     # Which tables have their optimizer in the backward (pyembed.optim); a plain flag read
-    # when none do, so torch.compile guards on nothing more. An exported program holds no
-    # optimizer: torch.export records the lookup as for any table (strict export, which
-    # cannot break a graph, failed on the break that keeps such a call out of compiled ones).
+    # when none do, so torch.compile guards on nothing more. An exported or traced program
+    # holds no optimizer: torch.export and torch.jit.trace record the lookup as for any table
+    # (strict export, which cannot break a graph, failed on the break that keeps such a call
+    # out of compiled ones; the trace recorded the forward op without the range check).
     fused = (False, False)
-    if optim.tables_are_fused and not torch.compiler.is_exporting():
+    if optim.tables_are_fused and not torch.compiler.is_exporting() and not torch.jit.is_tracing():
         fused = (optim.fused_optimizer(weight) is not None, optim.fused_optimizer(pos_weight) is not None)
     fused_table = fused[0] or fused[1]
     if (type(dropout_p) in (float, int) and type(offset) is int
