@@ -75,8 +75,9 @@ def _forward_op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offs
 def _sparse_grad_op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
                     scale_grad_by_freq, backend, dropout_key, dropout_p, sinusoid_column_offset=0, sinusoid_dim=0,
                     error_record=0):
-    return _lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
-                   dropout_p if dropout_key is not None else 0.0, sinusoid_column_offset, sinusoid_dim)
+    # pyembed::sparse_grad_embedding (a compiled or exported call with sparse=True).
+    return _forward_op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_key, dropout_p,
+                       sinusoid_column_offset, sinusoid_dim)
 
 
 def _checked_ranges(ids, num_embeddings, position_ids, max_seq_len):
