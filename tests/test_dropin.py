@@ -3,7 +3,6 @@
 torch.func per-sample gradients, integer tables, zero-width tables and Hugging Face's
 (1, T) position_ids, on every backend that runs here."""
 
-import os
 import warnings
 
 import pytest
@@ -424,7 +423,7 @@ def test_an_onnx_export_of_the_decomposed_program_runs_in_onnx_runtime(tmp_path)
         session.run(None, {name: torch.tensor([[1, 70]]).numpy()})
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs triton and its interpreter (no GPU here)")
 @pytest.mark.parametrize("strict", [False, True])
 def test_an_exported_program_checks_in_the_call_and_holds_no_error_record(monkeypatch, strict):
     """On a GPU the default check runs inside the forward kernel, which records a bad id in
@@ -472,7 +471,7 @@ def test_torch_jit_trace_records_the_cpu_op_and_a_saved_trace_runs_it_with_its_c
         loaded(torch.tensor([[1, 70]]))
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU here)")
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs triton and its interpreter (no GPU here)")
 @pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the triton lookup's C++ node needs the C++ extension")
 @pytest.mark.parametrize("grad", [True, False])
 def test_torch_jit_trace_of_the_triton_backend_is_refused_not_recorded_empty(grad):
