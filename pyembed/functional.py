@@ -90,7 +90,7 @@ def fused_embedding(
     # (strict export, which cannot break a graph, failed on the break that keeps such a call
     # out of compiled ones; the trace recorded the forward op without the range check).
     fused = (False, False)
-    if optim.tables_are_fused and not torch.compiler.is_exporting() and not torch.jit.is_tracing():
+    if optim.tables_are_fused and not _is_exporting() and not _is_tracing():
         fused = (optim.fused_optimizer(weight) is not None, optim.fused_optimizer(pos_weight) is not None)
     fused_table = fused[0] or fused[1]
     if (type(dropout_p) in (float, int) and type(offset) is int
