@@ -3,6 +3,8 @@
 torch.func per-sample gradients, integer tables, zero-width tables and Hugging Face's
 (1, T) position_ids, on every backend that runs here."""
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -400,6 +402,38 @@ def test_decompositions_refuse_a_training_graphs_dropout():
     program = torch.export.export(model, (torch.randint(0, 50, (2, 8)),))
     with pytest.raises(NotImplementedError, match="inference graphs; export the model in eval mode"):
         program.run_decompositions(pyembed.decompositions())
+
+
+@pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the cpu backend (the C++ extension) is not built")
+def test_an_aotinductor_package_of_the_decomposed_program_runs_without_pyembed(tmp_path):
+    # Decomposed, the program is ATen ops that Inductor compiles into its own kernel: the
+    # AOTInductor package needs no pyembed where it runs (undecomposed, loading it there
+    # fails: "Could not find schema for pyembed::check_ranges"). In a process that never
+    # imports pyembed, new sizes give eager's output bit for bit and a bad id Inductor's
+    # bounds check.
+    torch.manual_seed(14)
+    model = nn.Sequential(_exportable("learned", "cpu"))
+    batch, seq = torch.export.Dim("batch", max=64), torch.export.Dim("seq", max=32)
+    program = torch.export.export(model, (torch.randint(0, 50, (2, 8)),), dynamic_shapes=({0: batch, 1: seq},))
+    package = torch._inductor.aoti_compile_and_package(program.run_decompositions(pyembed.decompositions()),
+                                                       package_path=str(tmp_path / "model.pt2"))
+    other = torch.randint(0, 50, (3, 20))
+    torch.save({"ids": other, "out": model(other).detach()}, tmp_path / "expected.pt")
+    script = f"""
+import sys, torch
+loaded = torch._inductor.aoti_load_package({package!r})
+expected = torch.load({str(tmp_path / "expected.pt")!r})
+with torch.no_grad():
+    torch.testing.assert_close(loaded(expected["ids"]), expected["out"], rtol=0, atol=0)
+    try:
+        loaded(torch.tensor([[1, 70]]))
+        raise SystemExit("a bad id was not refused")
+    except RuntimeError as error:
+        assert "index out of bounds" in str(error), error
+assert "pyembed" not in sys.modules
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_an_onnx_export_of_the_decomposed_program_runs_in_onnx_runtime(tmp_path):
