@@ -94,7 +94,8 @@ def fused_embedding(
         fused = (optim.fused_optimizer(weight) is not None, optim.fused_optimizer(pos_weight) is not None)
     fused_table = fused[0] or fused[1]
     if (type(dropout_p) in (float, int) and type(offset) is int
-            and type(weight) in _PLAIN_TENSORS and type(ids) is torch.Tensor and weight.is_floating_point()):
+            and (type(weight) in _PLAIN_TENSORS and type(ids) is torch.Tensor or _exported_fakes(weight, ids))
+            and weight.is_floating_point()):
         # The common call -- plain tensors, a float table, with or without dropout (GPT-2's
         # embedding dropout), a dense or sparse gradient, a table with or without its
         # optimizer in the backward.
@@ -228,6 +229,18 @@ def _compiled_lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale,
 
 
 _PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))  # a set: fewer guards (pyembed.checks.ID_DTYPES)
+
+
+def _exported_fakes(weight, ids) -> bool:
+    """Non-strict torch.export runs the model on FakeTensors, plain tensors to the program:
+    they take the common call's op too, whose autograd the exported program keeps (the
+    general route's Function is inlined there, its forward op recorded without a backward:
+    a program trained through it gave its tables no gradient)."""
+    if not _is_exporting():
+        return False
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return type(weight) is FakeTensor and type(ids) is FakeTensor
 
 
 _VALIDATE_VALUES = (True, False, "sync")

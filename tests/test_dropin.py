@@ -3,6 +3,7 @@
 torch.func per-sample gradients, integer tables, zero-width tables and Hugging Face's
 (1, T) position_ids, on every backend that runs here."""
 
+import copy
 import subprocess
 import sys
 import warnings
@@ -484,6 +485,37 @@ def test_an_exported_program_checks_in_the_call_and_holds_no_error_record(monkey
     model(bad)
     with pytest.raises(IndexError, match="earlier call on cpu: id 70"):
         model(ids)
+
+
+TRAINABLE_EXPORTS = [(b, layer) for b in CPU_BACKENDS if b != "reference"  # (README: the reference's is not)
+                     for layer in ("learned", "sinusoidal", "sparse", "dropout")
+                     if not (b == "triton" and layer == "dropout")]
+
+
+@pytest.mark.parametrize("backend,layer", TRAINABLE_EXPORTS)
+@pytest.mark.parametrize("strict", [False, True])
+def test_an_exported_program_trains_as_the_model_does(backend, layer, strict):
+    # PT2E's quantization-aware training and on-device training run the exported program's
+    # module forward and backward. Non-strict export (torch.export's default) runs the model
+    # on FakeTensors, which took the general route, whose Function the program inlines: its
+    # forward op was recorded without a backward, and the tables got no gradient (a warning,
+    # silently None). Now they take the common call's op, whose autograd the program keeps.
+    torch.manual_seed(15)
+    if layer == "dropout":
+        model = pyembed.EmbeddingLayer(50, 16, 32, dropout=0.1, backend=backend)
+    else:
+        model = _exportable(layer, backend).train()
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 50, (2, 8))
+    exported = torch.export.export(twin, (ids,), strict=strict).module()
+    dout = torch.randn(2, 8, 16)
+    for run in (exported, model):
+        torch.manual_seed(16)  # the same dropout mask
+        run(ids).backward(dout)
+    grads = dict(exported.named_parameters())
+    for name, param in model.named_parameters():
+        assert grads[name].grad is not None, name
+        torch.testing.assert_close(grads[name].grad.to_dense(), param.grad.to_dense(), rtol=0, atol=0)
 
 
 @pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the cpu backend (the C++ extension) is not built")
