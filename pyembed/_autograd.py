@@ -439,6 +439,25 @@ DropoutMaskFunctorch = _functorch_form("DropoutMaskFunctorch", _dropout_mask_for
                                        _dropout_mask_backward)
 
 
+def register_lookup_autograd(op, backend: str) -> None:
+    """The autograd of a Python lookup op of ``backend`` (pyembed::embedding's schema:
+    triton's triton_lookup, the reference's reference_lookup): the general route's save and
+    dense backward."""
+    def save(ctx, inputs, output):
+        ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, by_freq, _, record = inputs
+        config = FusedConfig(pos_encoding, scale, offset, padding_idx, by_freq, False, False, backend, 0.0, record)
+        fused_save(ctx, ids, weight, pos_weight, position_ids, None, config)
+
+    def backward(ctx, grad_out):
+        _, grad_weight, pos_grad, *_ = fused_backward(ctx, grad_out)
+        return None, grad_weight, pos_grad, *(None,) * 8
+
+    op.register_autograd(backward, setup_context=save)
+
+
+register_lookup_autograd(dispatch.reference_lookup, "reference")
+
+
 @torch.library.custom_op("pyembed::sparse_grad_embedding", mutates_args=())
 def sparse_grad_embedding(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.Tensor],
                           position_ids: Optional[torch.Tensor], pos_encoding: str, scale: float, offset: int,

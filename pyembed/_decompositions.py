@@ -33,8 +33,8 @@ def decompositions() -> dict[torch._ops.OpOverload, Callable]:
     ``ExportedProgram.run_decompositions``; merge it into
     ``torch.export.default_decompositions()`` to decompose ATen's own ops as well."""
     forms = {"embedding": _lookup_op, "embedding_forward": _forward_op, "reference_forward": _forward_op,
-             "triton_forward": _forward_op, "triton_lookup": _lookup_op, "sparse_grad_embedding": _sparse_grad_op,
-             "check_ranges": _checked_ranges}
+             "reference_lookup": _lookup_op, "triton_forward": _forward_op, "triton_lookup": _lookup_op,
+             "sparse_grad_embedding": _sparse_grad_op, "check_ranges": _checked_ranges}
     return {getattr(torch.ops.pyembed, name).default: form for name, form in forms.items()
             if hasattr(torch.ops.pyembed, name)}
 
@@ -60,7 +60,7 @@ def _lookup(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.
 
 def _lookup_op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, scale_grad_by_freq,
                validate=True, error_record=0, dropout_p=0.0, generator=None, sparse=False):
-    # pyembed::embedding and pyembed::triton_lookup (padding_idx, scale_grad_by_freq and
+    # pyembed::embedding, triton_lookup, reference_lookup (padding_idx, scale_grad_by_freq and
     # sparse shape only the gradient; validate: the gathers check).
     return _lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, dropout_p)
 

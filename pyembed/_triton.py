@@ -398,19 +398,7 @@ def _(mode, func, types, args, kwargs):
                               error_record)
 
 
-def _save_lookup(ctx, inputs, output):
-    ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx, by_freq, _, error_record = inputs
-    config = _autograd.FusedConfig(pos_encoding, scale, offset, padding_idx, by_freq, False, False, "triton", 0.0,
-                                   error_record)
-    _autograd.fused_save(ctx, ids, weight, pos_weight, position_ids, None, config)
-
-
-def _lookup_backward(ctx, grad_out):
-    _, grad_weight, pos_grad, *_ = _autograd.fused_backward(ctx, grad_out)
-    return None, grad_weight, pos_grad, *(None,) * 8
-
-
-triton_lookup.register_autograd(_lookup_backward, setup_context=_save_lookup)
+_autograd.register_lookup_autograd(triton_lookup, "triton")
 
 
 def sparse_backward(grad_out: torch.Tensor, ids: torch.Tensor, num_embeddings: int, scale: float,

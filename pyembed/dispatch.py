@@ -17,6 +17,7 @@ import os
 from typing import Optional
 
 import torch
+from torch._subclasses.functional_tensor import FunctionalTensorMode  # imported by torch itself
 
 from . import _ops, reference
 from ._ops import Backend
@@ -143,6 +144,33 @@ reference_sparse_backward = torch.library.custom_op(
     "pyembed::reference_sparse_backward", mutates_args=(), tags=CUDAGRAPH_UNSAFE)(reference.embedding_sparse_backward)
 _ops.register_fakes("pyembed::reference_forward", "pyembed::reference_backward", "pyembed::reference_sparse_backward")
 
+
+@torch.library.custom_op("pyembed::reference_lookup", mutates_args=())
+def reference_lookup(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.Tensor],
+                     position_ids: Optional[torch.Tensor], pos_encoding: str, scale: float, offset: int,
+                     padding_idx: Optional[int], scale_grad_by_freq: bool, validate: bool,
+                     error_record: int) -> torch.Tensor:
+    """The plain call as torch.compile and torch.export record it (pyembed::embedding's
+    schema; the Backend's compiled_op, pyembed.functional._compiled_lookup), as triton's
+    pyembed::triton_lookup: one op with a backward (pyembed._autograd registers it), which an
+    exported program keeps -- the general route's Function it inlines, its forward op
+    without a backward. The caller checked the ranges: validate is False here."""
+    return reference.embedding_forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, None, 0.0,
+                                       0, 0, error_record)
+
+
+reference_lookup.register_fake(_ops.lookup_fake)
+
+
+@reference_lookup.register_torch_dispatch(FunctionalTensorMode)
+def _(mode, func, types, args, kwargs):
+    # Functionalised (torch.compile's graphs) it is reference_forward, the op it ran before
+    # it had this lookup op, as triton_lookup is triton_forward.
+    ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, _, _, _, error_record = args
+    with mode:
+        return reference_forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, None, 0.0, 0, 0,
+                                 error_record)
+
 register_backend(
     Backend(
         name="reference",
@@ -151,5 +179,6 @@ register_backend(
         sparse_backward=reference_sparse_backward,
         why_unavailable=lambda device: None,
         auto_rank={"*": 2},  # the spec: anywhere, when nothing faster can run
+        compiled_op=torch.ops.pyembed.reference_lookup.default,
     )
 )

@@ -139,14 +139,15 @@ def test_the_typed_op_calls_take_what_the_ops_take_and_give_what_they_give():
     assert torch.equal(tables[0], tables[1]) and all(map(torch.equal, states[0], states[1]))
 
 
-@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs the Triton interpreter (no GPU here)")
-def test_triton_compiled_lookup_passes_opcheck():
-    # pyembed::triton_lookup: what a compiled plain `triton` call traces (a custom op with a
-    # registered autograd, functionalised into triton_forward), validate False as its caller
-    # passes it (the ranges were checked before, or inside the kernel).
+@pytest.mark.parametrize("backend", [b for b in ("triton", "reference") if b in CPU_BACKENDS])
+def test_python_compiled_lookups_pass_opcheck(backend):
+    # pyembed::triton_lookup / reference_lookup: what a compiled or exported plain call
+    # records (a custom op with a registered autograd; triton's functionalised into
+    # triton_forward), validate False as its caller passes it (the ranges were checked
+    # before, or inside the kernel).
     ids = torch.randint(0, 7, (2, 5))
     weight, pos_weight = torch.randn(7, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
-    lookup = torch.ops.pyembed.triton_lookup
+    lookup = getattr(torch.ops.pyembed, f"{backend}_lookup")
     torch.library.opcheck(lookup, (ids, weight, pos_weight, None, "learned", 2.0, 1, 3, True, False, 0))
     torch.library.opcheck(lookup, (ids, weight, None, torch.randint(0, 9, (2, 5)), "sinusoidal", 1.0, 0, None, False,
                                    False, 0))
