@@ -4,6 +4,7 @@ out-of-range ids, CUDA-graph capture of forward + dense backward (by hand and un
 torch.compile(mode="reduce-overhead")), and bitwise determinism with a hot row. Each
 compares with the float64 reference computed on the CPU, or with eager runs."""
 
+import copy
 import math
 import re
 
@@ -190,8 +191,8 @@ def test_an_exported_program_checks_in_the_call_and_decomposes_to_eagers_output(
     """tests/test_dropin.py's export tests on the GPU, where the default check runs in the
     kernel: the exported program holds no error-record address (another process's kernel
     would get a stray pointer) and refuses a bad id in the call; decomposed
-    (pyembed.decompositions) it is ATen ops giving eager's output; torch.jit.trace records
-    the `cuda` op with its check and refuses `triton`."""
+    (pyembed.decompositions) it is ATen ops giving eager's output; its module trains as the
+    model does; torch.jit.trace records the `cuda` op with its check and refuses `triton`."""
     _check_backend(backend)
     from pyembed import checks
 
@@ -209,6 +210,14 @@ def test_an_exported_program_checks_in_the_call_and_decomposes_to_eagers_output(
     decomposed = program.run_decompositions(pyembed.decompositions())
     assert "pyembed" not in decomposed.graph_module.code
     torch.testing.assert_close(decomposed.module()(ids), model(ids), rtol=0, atol=0)
+    # The exported module trains as the model does (PT2E quantization-aware training).
+    trained = torch.export.export(copy.deepcopy(model), (ids,), strict=strict).module()
+    dout = torch.randn(2, 8, 64, device="cuda")
+    trained(ids).backward(dout)
+    model(ids).backward(dout)
+    exported_params = dict(trained.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(exported_params[name].grad, param.grad, rtol=0, atol=0)
     if backend == "triton":
         with pytest.raises(NotImplementedError, match="torch.jit.trace cannot record the triton backend"):
             torch.jit.trace(model, ids)
