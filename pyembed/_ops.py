@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
 import torch
+from torch._subclasses.functional_tensor import FunctionalTensorMode  # imported by torch itself
 
 from . import reference
 
@@ -123,6 +124,21 @@ def lookup_fake(ids, weight, pos_weight, position_ids, pos_encoding, scale, offs
                 validate=True, error_record=0, dropout_p=0.0, generator=None, sparse=False):
     """pyembed::embedding (the C++ backends' lookup with its C++ autograd node)."""
     return weight.new_empty(*ids.shape, weight.shape[1])
+
+
+def register_lookup_forms(lookup_op, forward_op) -> None:
+    """A Python backend's lookup op (pyembed::embedding's schema: triton_lookup,
+    reference_lookup): its fake, and its functionalised form (torch.compile's graphs), the
+    backend's forward op. Its autograd: pyembed._autograd.register_lookup_autograd."""
+    lookup_op.register_fake(lookup_fake)
+
+    @lookup_op.register_torch_dispatch(FunctionalTensorMode)
+    def _(mode, func, types, args, kwargs):
+        # Every argument arrives positionally: the schema has no defaults or keyword-only ones.
+        ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, _, _, _, error_record = args
+        with mode:
+            return forward_op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, None, 0.0, 0, 0,
+                              error_record)
 
 
 def register_fakes(forward_op: str, backward_op: str, sparse_backward_op: str) -> None:

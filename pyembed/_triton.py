@@ -386,18 +386,7 @@ def compiled_lookup(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Optiona
 
 
 triton_lookup = torch.library.custom_op("pyembed::triton_lookup", mutates_args=())(compiled_lookup)
-triton_lookup.register_fake(_ops.lookup_fake)
-
-
-@triton_lookup.register_torch_dispatch(FunctionalTensorMode)
-def _(mode, func, types, args, kwargs):
-    # Every argument arrives positionally: the schema has no defaults or keyword-only ones.
-    ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, _, _, _, error_record = args
-    with mode:
-        return triton_forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, None, 0.0, 0, 0,
-                              error_record)
-
-
+_ops.register_lookup_forms(triton_lookup, triton_forward)
 _autograd.register_lookup_autograd(triton_lookup, "triton")
 
 

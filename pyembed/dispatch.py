@@ -17,7 +17,6 @@ import os
 from typing import Optional
 
 import torch
-from torch._subclasses.functional_tensor import FunctionalTensorMode  # imported by torch itself
 
 from . import _ops, reference
 from ._ops import Backend
@@ -159,17 +158,9 @@ def reference_lookup(ids: torch.Tensor, weight: torch.Tensor, pos_weight: Option
                                        0, 0, error_record)
 
 
-reference_lookup.register_fake(_ops.lookup_fake)
-
-
-@reference_lookup.register_torch_dispatch(FunctionalTensorMode)
-def _(mode, func, types, args, kwargs):
-    # Functionalised (torch.compile's graphs) it is reference_forward, the op it ran before
-    # it had this lookup op, as triton_lookup is triton_forward.
-    ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, _, _, _, error_record = args
-    with mode:
-        return reference_forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, None, 0.0, 0, 0,
-                                 error_record)
+# Functionalised (torch.compile's graphs) it is reference_forward, the op those graphs ran
+# before it had this lookup op.
+_ops.register_lookup_forms(reference_lookup, reference_forward)
 
 register_backend(
     Backend(
