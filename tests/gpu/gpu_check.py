@@ -268,7 +268,8 @@ def main() -> int:
     started = time.time()
     deadline = Deadline(args.time_limit)
     after_profile = (0 if args.skip_bench else BENCH_MIN) + SUMMARY_MIN
-    after_tests = after_profile + (0 if args.skip_profile else 5 * PROFILE_MIN)  # profile, 3 compiled-host runs, ncu
+    # profile, 3 compiled-host runs, the compiled timeline, ncu
+    after_tests = after_profile + (0 if args.skip_profile else 6 * PROFILE_MIN)
 
     # 1. Stage the package the tests import, and build _C into it for this GPU only.
     stage_package(stage)
@@ -343,7 +344,7 @@ def main() -> int:
             # which a host's time limit may cut short (its rows reach the CSV case by case).
             profiler = str(ROOT / "tests" / "gpu" / "profile_workload.py")
             check.run("profile (torch.profiler)", [args.python, profiler], "profile.log",
-                      deadline.timeout(300, after_profile + 4 * PROFILE_MIN), cwd=stage)
+                      deadline.timeout(300, after_profile + 5 * PROFILE_MIN), cwd=stage)
             # Compiled pyembed against compiled nn ops, host time by layer of torch.compile's
             # runtime (guards, graph, frame, backward), 1x1 and GPT-2 8x2048: at d81f5b2
             # compiled pyembed cost ~120 us more host per 8x2048 step. With backwards on the
@@ -360,7 +361,7 @@ def main() -> int:
                 check.run(f"compiled host time, autograd threads {'off' if threads else 'on'} "
                           "(python -m bench.compiled_host)",
                           [args.python, "-m", "bench.compiled_host", "--rounds", "3", *threads, *shapes], log,
-                          deadline.timeout(300, after_profile + PROFILE_MIN * (3 if threads else 2)), cwd=stage)
+                          deadline.timeout(300, after_profile + PROFILE_MIN * (4 if threads else 3)), cwd=stage)
             # Inductor launches a compiled graph's user-defined Triton kernels (compiled
             # `triton`'s) through Triton's own launcher, its own kernels through its static
             # CUDA launcher, unless this setting says otherwise (off by default in torch 2.13
@@ -368,8 +369,14 @@ def main() -> int:
             # first's): the first run's `triton` row against this one says what it is worth.
             check.run("compiled host time, user Triton kernels launched statically (python -m bench.compiled_host)",
                       [args.python, "-m", "bench.compiled_host", "--rounds", "3", "--no-autograd-threads", "--layer",
-                       "triton"], "compiled-host-static-launch.log", deadline.timeout(120, after_profile + PROFILE_MIN),
+                       "triton"], "compiled-host-static-launch.log",
+                      deadline.timeout(120, after_profile + 2 * PROFILE_MIN),
                       {"TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS": "1"}, cwd=stage)
+            # Where a compiled forward + backward's GPU waits (Llama-3 8x2048, fp32 and bf16, eager
+            # and compiled pyembed): at 26f0ba6 compiled `cuda` took 905 us at bf16, eager 575, both
+            # 568 us of GPU work; at fp32 both ~800, their GPU time.
+            check.run("compiled timeline (torch.profiler)", [args.python, profiler, "--timeline"],
+                      "compiled-timeline.log", deadline.timeout(150, after_profile + PROFILE_MIN), cwd=stage)
             ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
             if os.path.exists(ncu):
                 check.run("ncu on the forward and backward kernels",

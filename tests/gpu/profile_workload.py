@@ -785,9 +785,90 @@ def forward_comparison(backends, batch=8, seq_len=2048):
     checks.check_errors("cuda")
 
 
+def gpu_timeline(events: list, marker: str) -> list[list[str]]:
+    """For each call marked ``marker`` (a record_function) among a Chrome trace's events from
+    torch.profiler, the lines telling its GPU side: its host time, the GPU's busy time, when
+    its last GPU work ended, then each kernel or memset in order -- its start and length
+    from the call's start, and when and from which CPU op the host launched it. A GPU idle
+    before work launched late is host time the GPU waited for."""
+    gpu_kinds = ("kernel", "gpu_memset", "gpu_memcpy")
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    blocks = []
+    for call in sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"] == marker),
+                       key=lambda e: e["ts"]):
+        t0, t1 = call["ts"], call["ts"] + call["dur"]
+        work = sorted((e for e in events if e.get("cat") in gpu_kinds
+                       and t0 <= launches.get(e["args"].get("correlation"), {"ts": -1})["ts"] <= t1),
+                      key=lambda e: e["ts"])
+        lines = [f"{marker}: host {call['dur']:.0f} us"]
+        blocks.append(lines)
+        if not work:
+            lines[0] += ", no GPU work found"
+            continue
+        busy, covered = 0.0, t0
+        for e in work:  # the union of the intervals: kernels of one stream do not overlap, but be safe
+            start, end = max(e["ts"], covered), e["ts"] + e["dur"]
+            busy, covered = busy + max(0.0, end - start), max(covered, end)
+        lines[0] += (f", GPU busy {busy:.0f} us, its last work ends at +{covered - t0:.0f} us "
+                     f"(the GPU idle {covered - t0 - busy:.0f} us of it)")
+        for e in work:
+            launch = launches[e["args"]["correlation"]]
+            by = [o for o in ops if o["tid"] == launch["tid"] and o["ts"] <= launch["ts"] <= o["ts"] + o["dur"]]
+            by = min(by, key=lambda o: o["dur"])["name"] if by else "-"
+            lines.append(f"  {e['ts'] - t0:+8.0f} {e['dur']:6.0f} us  {e['name'][:56]:56}  launched at "
+                         f"+{launch['ts'] - t0:.0f} by {by[:40]}")
+    return blocks
+
+
+def compiled_timeline(backends, batch=8, seq_len=2048, calls=3):
+    """Eager and compiled pyembed's forward + backward on the GPU's timeline, Llama-3
+    8x2048, fp32 and bf16, autograd's device thread on (as the benchmark runs): at 26f0ba6
+    (H200) compiled `cuda` took 905 us at bf16 against eager's 575, though both do the
+    same 568 us of GPU work (graph replay) -- while at fp32 both took ~800 us, their GPU
+    time. As if the compiled call's ~330 us of host time (compiled-host-threads.log, GPT-2)
+    were added to its GPU time at bf16 alone: this shows where the GPU waits. Each call
+    starts on an idle GPU (synchronized before), as after do_bench's L2 flush."""
+    import json
+    import tempfile
+
+    for dtype in (torch.float32, torch.bfloat16):
+        weight, pos_weight, ids, dout = tensors(*LLAMA3, batch, seq_len, dtype)
+        scale = LLAMA3[1] ** 0.5
+        for backend in backends:
+            def layer(ids, weight, pos_weight, backend=backend):
+                return pyembed.fused_embedding(ids, weight, pos_weight, scale=scale, backend=backend)
+
+            torch._dynamo.reset()
+            for name, fwd in ((f"pyembed-{backend}", layer), (f"compile(pyembed-{backend})", torch.compile(layer))):
+                label = f"{name} {str(dtype)[6:]} {batch}x{seq_len} fwd+bwd"
+
+                def fwd_bwd(fwd=fwd):
+                    weight.grad = pos_weight.grad = None
+                    fwd(ids, weight, pos_weight).backward(dout)
+
+                median = triton.testing.do_bench(fwd_bwd, return_mode="median") * 1e3
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                        torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(calls):
+                        torch.cuda.synchronize()
+                        with torch.profiler.record_function(label):
+                            fwd_bwd()
+                        torch.cuda.synchronize()
+                with tempfile.TemporaryDirectory() as tmp:
+                    prof.export_chrome_trace(f"{tmp}/trace.json")
+                    with open(f"{tmp}/trace.json") as f:
+                        events = json.load(f)["traceEvents"]
+                print(f"\n== timeline: {label}, do_bench median {median:.0f} us", flush=True)
+                print("\n".join(gpu_timeline(events, label)[-1]), flush=True)  # the last, warmest call
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ncu", action="store_true", help="one forward per backend and dtype and one backward, for ncu")
+    ap.add_argument("--timeline", action="store_true", help="only eager and compiled pyembed's forward + backward "
+                                                            "on the GPU's timeline (compiled_timeline)")
     ap.add_argument("--sort", action="store_true", help="only the dense backward ops' times with each sort "
                                                         "(sort_comparison)")
     args = ap.parse_args()
@@ -796,6 +877,8 @@ def main():
         ncu_kernels(backends)
     elif args.sort:
         sort_comparison(backends)
+    elif args.timeline:
+        compiled_timeline(backends)
     else:
         forward_comparison(backends)
         sort_comparison(backends)
