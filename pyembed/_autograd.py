@@ -59,7 +59,7 @@ def apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config: Fuse
     backend = dispatch.get(config.backend)
     no_transform = forward_ad._current_level < 0 and not functorch_active()  # nothing needs the Function's jvp/vmap
     plain_eager = no_transform and not torch.compiler.is_compiling()  # autograd_may_be_cpp(), its parts asked once
-    if no_transform and not _wants_gradient(weight, pos_weight):
+    if no_transform and not wants_gradient(weight, pos_weight):
         # Nothing will ask this call for a gradient (inference, torch.no_grad, frozen
         # tables): the forward op alone. An autograd.Function's apply and saved context
         # were half the host time of a one-token triton lookup (launch stubbed: 17.6 -> 9.6 us);
@@ -131,7 +131,7 @@ def _contiguous(ids, weight, pos_weight, position_ids) -> tuple:
             None if position_ids is None else position_ids.contiguous())
 
 
-def _wants_gradient(weight, pos_weight) -> bool:
+def wants_gradient(weight, pos_weight) -> bool:
     """Something will ask this call for a gradient (grad mode on and a table that needs one)."""
     return torch.is_grad_enabled() and (weight.requires_grad or (pos_weight is not None and pos_weight.requires_grad))
 

@@ -133,23 +133,45 @@ def fused_embedding(
                                          padding_idx, scale_grad_by_freq, validate, backend, dropout_p)
             if looked_up is not None:
                 return looked_up
+    if torch.compiler.is_compiling() and (fused_table or (sparse and _autograd.wants_gradient(weight, pos_weight)
+                                                          and not _graph_may_hold_sparse_backward())):
+        # Under torch.compile, a call whose backward the graph cannot hold: a graph break,
+        # this call run again eagerly, where the route above applies as to any eager call
+        # (once: Dynamo is off in there). A table whose optimizer runs in the backward
+        # (pyembed.optim): AOTAutograd cannot mutate a parameter in a backward. A sparse
+        # gradient where Dynamo allows no op whose output size depends on data (the rows
+        # the ids touch): without the break AOTAutograd's trace of the backward failed, and
+        # Dynamo ran the whole function -- the model around the layer too -- eagerly.
+        return optim.outside_compiled_graphs(
+            fused_embedding, ids, weight, pos_weight, pos_encoding=pos_encoding, scale=scale,
+            position_ids=position_ids, offset=offset, padding_idx=padding_idx,
+            scale_grad_by_freq=scale_grad_by_freq, sparse=sparse, validate=validate, dropout_p=dropout_p,
+            generator=generator, backend=backend)
     options = (pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, sparse, validate, dropout_p, generator,
                backend)
     if fused_table:
         # A table whose optimizer runs in the backward (pyembed.optim), on a call the route
-        # above does not take. Under torch.compile: a graph break (AOTAutograd cannot mutate
-        # a parameter in a backward), this call run again eagerly, where the route above
-        # applies as to any eager call (once: Dynamo is off in there). Otherwise (forward-mode
-        # AD, torch.func, the reference backend, tensor subclasses): the Python Function,
-        # whose backward updates the tables.
-        if torch.compiler.is_compiling():
-            return optim.outside_compiled_graphs(
-                fused_embedding, ids, weight, pos_weight, pos_encoding=pos_encoding, scale=scale,
-                position_ids=position_ids, offset=offset, padding_idx=padding_idx,
-                scale_grad_by_freq=scale_grad_by_freq, sparse=sparse, validate=validate, dropout_p=dropout_p,
-                generator=generator, backend=backend)
+        # above does not take (forward-mode AD, torch.func, the reference backend, tensor
+        # subclasses): the Python Function, whose backward updates the tables.
         return _fused_embedding(ids, weight, pos_weight, position_ids, options, cpp_autograd=False)
     return _fused_embedding(ids, weight, pos_weight, position_ids, options)
+
+
+def _graph_may_hold_sparse_backward() -> bool:
+    """Whether the graph torch.compile traces may hold a sparse gradient's backward, an op
+    whose output size depends on data (the rows the ids touch): Dynamo allows such ops with
+    ``fullgraph=True`` or ``torch._dynamo.config.capture_dynamic_output_shape_ops``, not by
+    default; torch.export does. Dynamo calls it while tracing and keeps its answer as a
+    constant of the graph; where it is False, what the graph break needs is made here."""
+    context = torch._guards.TracingContext.try_get()
+    shape_env = None if context is None or context.fake_mode is None else context.fake_mode.shape_env
+    if context is None or (shape_env is not None and shape_env.allow_dynamic_output_shape_ops):
+        return True
+    optim.prepare_outside_compiled_graphs()
+    return False
+
+
+_graph_may_hold_sparse_backward._dynamo_marked_constant = True
 
 
 def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_autograd: bool = True):

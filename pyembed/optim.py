@@ -92,10 +92,9 @@ def apply_optimizer_in_backward(optimizer_class, params: Iterable[torch.nn.Param
     # A bound method, as LR schedulers expect to wrap it; the update already happened in the backward.
     optimizer.step = types.MethodType(_step_is_done, optimizer)
     _guard_other_optimizers()
-    global tables_are_fused, _disabled_call
+    global tables_are_fused
     tables_are_fused = True
-    if _disabled_call is None:  # made here, not at import: torch.compiler.disable imports Dynamo
-        _disabled_call = torch.compiler.disable(_call)
+    prepare_outside_compiled_graphs()
     for p in params:
         setattr(p, ATTR, optimizer)
         p._in_backward_optimizers = [optimizer]  # where torch's in-backward optimizers live (torch.distributed.optim)
@@ -141,15 +140,25 @@ def _refuse_fused_params(optimizer, args, kwargs) -> None:
 
 # False until a table is fused: until then the op's hot path pays one global read for this feature.
 tables_are_fused = False
-_disabled_call = None  # _call, never traced by torch.compile (made by apply_optimizer_in_backward)
+_disabled_call = None  # _call, never traced by torch.compile (prepare_outside_compiled_graphs)
 
 
 def _call(fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
+def prepare_outside_compiled_graphs() -> None:
+    """Make what outside_compiled_graphs calls, before it is first needed: by
+    apply_optimizer_in_backward, or while Dynamo traces (functional.py). Not at import:
+    torch.compiler.disable imports Dynamo."""
+    global _disabled_call
+    if _disabled_call is None:
+        _disabled_call = torch.compiler.disable(_call)
+
+
 def outside_compiled_graphs(fn, *args, **kwargs):
-    """fn(*args, **kwargs), run eagerly even inside a function torch.compile traces (a graph break)."""
+    """fn(*args, **kwargs), run eagerly even inside a function torch.compile traces (a graph
+    break); prepare_outside_compiled_graphs has run."""
     return _disabled_call(fn, *args, **kwargs)
 
 

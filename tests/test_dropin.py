@@ -283,6 +283,48 @@ def test_inductor_compiles_sparse_and_dense_layers_fullgraph(backend):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("table", ["contiguous", "transposed"])
+def test_default_compile_of_a_sparse_layer_breaks_its_graph_there_and_compiles_the_rest(backend, table):
+    # Without fullgraph=True Dynamo allows no op whose output size depends on data, as the
+    # sparse gradient's backward is (the rows the ids touch): AOTAutograd's trace of it
+    # failed and Dynamo ran the whole model eagerly, its other layers too (each frame "won't
+    # convert"); with a transposed table the backward then failed outright. Now one graph
+    # break at the call, run eagerly (its coalesced gradient), the rest compiled; a call
+    # without a gradient holds no backward, so no break.
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(8)
+    weight = torch.randn(40, 8) if table == "contiguous" else torch.randn(8, 40).t()
+    embedding = pyembed.FusedEmbedding.from_pretrained(weight, freeze=False, sparse=True, padding_idx=0,
+                                                       backend=backend)
+    linear = torch.nn.Linear(8, 8)
+    params = [embedding.weight, *linear.parameters()]
+
+    def model(ids):
+        return linear(embedding(ids)).relu().sum()
+
+    ids = torch.randint(0, 40, (3, 16))
+    model(ids).backward()
+    expected = [p.grad.to_dense().clone() for p in params]
+    for p in params:
+        p.grad = None
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model)
+    compiled(ids).backward()
+    assert counters["aot_autograd"]["not_ok"] == 0, dict(counters["aot_autograd"])  # no frame given up
+    assert sum(counters["resumes"].values()) == 1, dict(counters["resumes"])  # one break, tracing resumed after it
+    assert counters["stats"]["unique_graphs"] == 1  # the linear layer's
+    assert embedding.weight.grad.is_sparse and embedding.weight.grad.is_coalesced()
+    for p, want in zip(params, expected):
+        torch.testing.assert_close(p.grad.to_dense(), want, rtol=1e-6, atol=1e-6)
+    counters.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-6, atol=1e-6)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1, dict(counters)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("config", [dict(), dict(pos_encoding="sinusoidal", dropout=0.1), dict(sparse=True)],
                          ids=["learned", "sinusoid+dropout", "sparse"])
 @pytest.mark.parametrize("wrapper", ["checkpoint", "save_on_cpu", "detect_anomaly"])
