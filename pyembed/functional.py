@@ -141,7 +141,8 @@ def fused_embedding(
         # (pyembed.optim): AOTAutograd cannot mutate a parameter in a backward. A sparse
         # gradient where Dynamo allows no op whose output size depends on data (the rows
         # the ids touch): without the break AOTAutograd's trace of the backward failed, and
-        # Dynamo ran the whole function -- the model around the layer too -- eagerly.
+        # Dynamo gave up the function holding the call (the model's forward): its code ran
+        # eagerly, only the submodules it called compiled, each alone.
         return optim.outside_compiled_graphs(
             fused_embedding, ids, weight, pos_weight, pos_encoding=pos_encoding, scale=scale,
             position_ids=position_ids, offset=offset, padding_idx=padding_idx,

@@ -287,8 +287,9 @@ def test_inductor_compiles_sparse_and_dense_layers_fullgraph(backend):
 def test_default_compile_of_a_sparse_layer_breaks_its_graph_there_and_compiles_the_rest(backend, table):
     # Without fullgraph=True Dynamo allows no op whose output size depends on data, as the
     # sparse gradient's backward is (the rows the ids touch): AOTAutograd's trace of it
-    # failed and Dynamo ran the whole model eagerly, its other layers too (each frame "won't
-    # convert"); with a transposed table the backward then failed outright. Now one graph
+    # failed and Dynamo gave up the model's forward and each frame down to the op ("won't
+    # convert": their code ran eagerly, the linear layer compiled alone); with a transposed
+    # table the backward then failed outright. Now one graph
     # break at the call, run eagerly (its coalesced gradient), the rest compiled; a call
     # without a gradient holds no backward, so no break.
     from torch._dynamo.utils import counters
