@@ -83,9 +83,7 @@ class Provider:
 
 def compiled_provider() -> Provider:
     compiled = CompiledInputLayer()
-    return Provider("compile", compiled,
-                    lambda case: "torch.compile does not trace sparse gradients" if case.grad == "sparse" else None,
-                    reset=compiled.reset)
+    return Provider("compile", compiled, reset=compiled.reset)
 
 
 def liger_provider() -> Optional[Provider]:
