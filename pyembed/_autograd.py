@@ -90,7 +90,9 @@ def apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config: Fuse
     if config.sparse:
         # Dynamo cannot hold the sparse gradient an autograd.Function's backward returns;
         # AOTAutograd can, for a custom op's registered backward (as for nn.Embedding's).
-        ids, weight, pos_weight, position_ids, dropout_key = tensors
+        # The table as given (the op makes it contiguous): its hooks then go on the table
+        # itself, not on a copy the graph makes (pyembed._coalesced).
+        ids, _, pos_weight, position_ids, dropout_key = tensors
         if config.validate:
             ids = checked_ids(ids, weight, pos_weight, position_ids, config.pos_encoding)
         return torch.ops.pyembed.sparse_grad_embedding(
@@ -472,8 +474,9 @@ def sparse_grad_embedding(ids: torch.Tensor, weight: torch.Tensor, pos_weight: O
     runs): here the table gets the hooks that keep the flag of the coalesced gradient its
     backward builds (pyembed._coalesced), which the eager routes register in the call."""
     _coalesced.keep_flag(weight)
-    return dispatch.get(backend).forward(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
-                                         dropout_key, dropout_p, sinusoid_column_offset, sinusoid_dim, error_record)
+    return dispatch.get(backend).forward(ids, weight.contiguous(), pos_weight, position_ids, pos_encoding, scale,
+                                         offset, dropout_key, dropout_p, sinusoid_column_offset, sinusoid_dim,
+                                         error_record)
 
 
 @sparse_grad_embedding.register_fake

@@ -191,19 +191,20 @@ def test_dot_grad_is_flagged_coalesced_exactly_while_it_is(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("form", ["module", "functional"])
+@pytest.mark.parametrize("form", ["module", "functional", "transposed"])
 def test_compiled_dot_grad_is_flagged_coalesced_exactly_while_it_is(backend, form):
     """A torch.compile'd backward builds the sparse gradient in Inductor's code, where no
     Python of pyembed's runs: the table's .grad keeps the flag all the same (a flag lost
     there made SparseAdam sort every step again), and the step equals nn.Embedding's --
-    a module's table, and a plain Parameter given to the functional op in compiled code."""
+    a module's table, and a plain Parameter given to the functional op in compiled code,
+    contiguous or not (a transposed table's flag was set on the graph's contiguous copy)."""
     name, _, device = backend.partition("@")
     device = device or "cpu"
     torch.manual_seed(8)
     layer = pyembed.EmbeddingLayer(30, 8, 12, sparse=True, backend=name, device=device)
     weight, call = layer.token_embedding.weight, layer
-    if form == "functional":
-        weight = torch.nn.Parameter(weight.detach().clone())
+    if form != "module":
+        weight = torch.nn.Parameter(weight.detach().t().contiguous().t() if form == "transposed" else weight.detach().clone())
         pos_weight = layer.pos_embedding.detach()
 
         def functional(ids):
