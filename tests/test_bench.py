@@ -377,3 +377,78 @@ def test_device_calls_of_a_flushed_timing_flush_before_each_call_as_do_bench(mon
     monkeypatch.setattr(triton.runtime.driver, "_active", Driver())
     assert run.device_calls(lambda: events.append("call"), calls=2, flushed=True) == ""
     assert events == ["buffer", "clear cache", "call", "clear cache", "call"]
+
+
+def test_model_bench_times_each_model_eager_and_compiled_from_the_same_parameters():
+    # python -m bench.model: the input layer inside a small model, in nn ops and with
+    # pyembed, eager and compiled; every model starts from the same parameters, each
+    # compiled model is a graph of its own (none falls back to eager) with parameters of its
+    # own, and each is checked against the float64 nn-ops model before it is timed.
+    from torch._dynamo.utils import counters
+
+    from bench import model as bench_model
+
+    models = bench_model.build_models(1000, 64, 2, 16, 1, torch.float32, torch.device("cpu"), ["cpu"])
+    assert list(models) == ["eager", "compile", "pyembed-cpu", "compile(pyembed-cpu)", "the rest",
+                            "compile(the rest)"]
+    state = models["eager"].state_dict()
+    for name in ("compile", "pyembed-cpu", "compile(pyembed-cpu)"):
+        module = bench_model._module(models[name])
+        assert module is not models["eager"] and state.keys() == module.state_dict().keys()
+        for key, value in module.state_dict().items():
+            assert torch.equal(value, state[key]) and value.data_ptr() != state[key].data_ptr(), (name, key)
+    ids = torch.randint(0, 1000, (2, 16))
+    for name in ("compile", "compile(pyembed-cpu)", "compile(the rest)"):
+        models[name](ids)
+    # Dynamo's cache is per code object: each compiled model's graph under a forward of its own
+    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list
+    assert not entries(bench_model.Model.forward.__code__)
+    assert all(len(entries(bench_model._module(models[name]).forward.__code__)) == 1
+               for name in ("compile", "compile(pyembed-cpu)", "compile(the rest)"))
+    counters.clear()
+    results = bench_model.measure(1000, 64, 2, 16, 1, "fp32", torch.device("cpu"), ["cpu"], budget_s=0.01)
+    assert set(results) == set(models)
+    for name, found in results.items():
+        assert found["status"] == "ok", (name, found["status"])
+        assert all(found[mode][0] > 0 for mode in ("fwd+bwd", "step")), name
+    # one frame and one graph for each compiled model: no graph break, no recompile
+    assert counters["frames"]["total"] == counters["frames"]["ok"] == counters["stats"]["unique_graphs"] == 3
+    table = bench_model.table(results, "title")
+    assert table.count("\n| ") == 1 + len(results)  # the header's separator and a row each
+    torch._dynamo.reset()
+
+
+def test_model_bench_gate_reports_a_wrong_output_or_gradient_and_leaves_the_fixed_input_alone():
+    from bench import model as bench_model
+
+    class OffByScale(bench_model.NNInputLayer):
+        def forward(self, ids):
+            return super().forward(ids) * 1.01
+
+    class NextRow(bench_model.NNInputLayer):
+        def forward(self, ids):
+            return super().forward((ids + 1) % self.token_embedding.num_embeddings)
+
+    class DoubledGradient(bench_model.NNInputLayer):
+        def forward(self, ids):
+            out = super().forward(ids)
+            return out + (out - out.detach())  # the same values, twice the gradient
+
+    torch.manual_seed(0)
+    reference = bench_model.Model(bench_model.NNInputLayer(100, 16, 8), 16, 1).double()
+    with torch.no_grad():
+        reference.input_layer.pos_embedding.normal_(std=0.02)
+    ids = torch.randint(0, 100, (2, 8))
+    for layer, what in ((bench_model.NNInputLayer, None), (OffByScale, "input layer's output"),
+                        (NextRow, "input layer's output"), (DoubledGradient, "token table's gradient")):
+        model = bench_model.Model(layer(100, 16, 8), 16, 1)
+        model.load_state_dict(reference.state_dict())
+        problem = bench_model.gate(layer.__name__, model, reference, ids, "fp32")
+        assert (problem is None) if what is None else (problem is not None and what in problem), (layer.__name__, problem)
+
+    rest = bench_model.Model(bench_model.FixedInput(torch.randn(2, 8, 16)), 16, 1)
+    fixed = rest.input_layer.x.detach().clone()
+    norm = rest.norm.weight.detach().clone()
+    bench_model.step_fns(rest, ids, torch.device("cpu"))["step"]()
+    assert torch.equal(rest.input_layer.x, fixed) and rest.input_layer.x.grad is None
+    assert not torch.equal(rest.norm.weight, norm)  # the rest's own parameters are trained

@@ -11,8 +11,9 @@ On a machine whose python already has a CUDA torch, offline:
   3. compute-sanitizer memcheck, racecheck and initcheck over
      tests/gpu/sanitizer_workload.py (every kernel, small);
   4. then alone, torch.profiler and Nsight Compute over tests/gpu/profile_workload.py,
-     and compiled pyembed's host time by layer of torch.compile's runtime
-     (python -m bench.compiled_host, autograd threads off and on);
+     compiled pyembed's host time by layer of torch.compile's runtime
+     (python -m bench.compiled_host, autograd threads off and on), and the layer inside a
+     small model's training step, eager and compiled (python -m bench.model);
   5. then the GPU benchmark suite (results.csv / .md / PNG), and issues #29 and #30's
      targets against its cases (python -m bench.targets: targets.md);
 and writes everything under GPU_CHECK_OUT (default gpu-check/): logs, junit.xml, the
@@ -268,8 +269,8 @@ def main() -> int:
     started = time.time()
     deadline = Deadline(args.time_limit)
     after_profile = (0 if args.skip_bench else BENCH_MIN) + SUMMARY_MIN
-    # profile, 3 compiled-host runs, the compiled timeline, ncu
-    after_tests = after_profile + (0 if args.skip_profile else 6 * PROFILE_MIN)
+    # profile, 3 compiled-host runs, the compiled timeline, the model step, ncu
+    after_tests = after_profile + (0 if args.skip_profile else 7 * PROFILE_MIN)
 
     # 1. Stage the package the tests import, and build _C into it for this GPU only.
     stage_package(stage)
@@ -344,7 +345,7 @@ def main() -> int:
             # which a host's time limit may cut short (its rows reach the CSV case by case).
             profiler = str(ROOT / "tests" / "gpu" / "profile_workload.py")
             check.run("profile (torch.profiler)", [args.python, profiler], "profile.log",
-                      deadline.timeout(300, after_profile + 5 * PROFILE_MIN), cwd=stage)
+                      deadline.timeout(300, after_profile + 6 * PROFILE_MIN), cwd=stage)
             # Compiled pyembed against compiled nn ops, host time by layer of torch.compile's
             # runtime (guards, graph, frame, backward), 1x1 and GPT-2 8x2048: at d81f5b2
             # compiled pyembed cost ~120 us more host per 8x2048 step. With backwards on the
@@ -361,7 +362,7 @@ def main() -> int:
                 check.run(f"compiled host time, autograd threads {'off' if threads else 'on'} "
                           "(python -m bench.compiled_host)",
                           [args.python, "-m", "bench.compiled_host", "--rounds", "3", *threads, *shapes], log,
-                          deadline.timeout(300, after_profile + PROFILE_MIN * (4 if threads else 3)), cwd=stage)
+                          deadline.timeout(300, after_profile + PROFILE_MIN * (5 if threads else 4)), cwd=stage)
             # Inductor launches a compiled graph's user-defined Triton kernels (compiled
             # `triton`'s) through Triton's own launcher, its own kernels through its static
             # CUDA launcher, unless this setting says otherwise (off by default in torch 2.13
@@ -370,13 +371,21 @@ def main() -> int:
             check.run("compiled host time, user Triton kernels launched statically (python -m bench.compiled_host)",
                       [args.python, "-m", "bench.compiled_host", "--rounds", "3", "--no-autograd-threads", "--layer",
                        "triton"], "compiled-host-static-launch.log",
-                      deadline.timeout(120, after_profile + 2 * PROFILE_MIN),
+                      deadline.timeout(120, after_profile + 3 * PROFILE_MIN),
                       {"TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS": "1"}, cwd=stage)
             # Where a compiled forward + backward's GPU waits (Llama-3 8x2048, fp32 and bf16, eager
             # and compiled pyembed): at 26f0ba6 compiled `cuda` took 905 us at bf16, eager 575, both
             # 568 us of GPU work; at fp32 both ~800, their GPU time.
             check.run("compiled timeline (torch.profiler)", [args.python, profiler, "--timeline"],
-                      "compiled-timeline.log", deadline.timeout(150, after_profile + PROFILE_MIN), cwd=stage)
+                      "compiled-timeline.log", deadline.timeout(150, after_profile + 2 * PROFILE_MIN), cwd=stage)
+            # The layer inside a small model's training step, eager and compiled as one graph,
+            # written with nn ops and with pyembed (python -m bench.model): a compiled layer
+            # alone is mostly torch.compile's runtime, which a compiled model pays once for
+            # all its layers (at 26f0ba6 compiled pyembed's GPT-2 8x2048 fwd+bwd alone took
+            # 541 us, eager 175). fp32 first: its table prints before bf16's compiles start.
+            check.run("the input layer in a model (python -m bench.model)",
+                      [args.python, "-m", "bench.model", "--dtype", "fp32", "--dtype", "bf16"], "model.log",
+                      deadline.timeout(240, after_profile + PROFILE_MIN), cwd=stage)
             ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
             if os.path.exists(ncu):
                 check.run("ncu on the forward and backward kernels",
@@ -438,6 +447,10 @@ def write_summary(out: Path, info: dict, check: Check, san_counts: dict, seconds
         lines += ["", "## Profile (profile.log: host us per call, medians, GPU ops per call)", ""]
         lines += [f"- {line}" for line in profile.read_text().splitlines()
                   if re.match(r"(\d+x\d+ .*: fwd |host |sort |forward )", line)]
+    model = out / "model.log"
+    if model.exists():  # markdown tables
+        lines += ["", "## The input layer in a model (model.log: python -m bench.model)", ""]
+        lines += [line for line in model.read_text().splitlines() if line.startswith(("|", "The input layer"))]
     for log in ("compiled-host.log", "compiled-host-threads.log", "compiled-host-static-launch.log"):
         compiled = out / log
         if compiled.exists():

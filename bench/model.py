@@ -1,0 +1,277 @@
+"""``python -m bench.model``: the input layer inside a model's training step, eager and compiled.
+
+The main suite times the input layer alone; a compiled layer alone is mostly
+torch.compile's runtime (guards, AOTAutograd's Python backward node, autograd's device
+thread: ~250-330 us of host time per forward + backward on the H200's host at 26f0ba6)
+around one or two kernels, which a user compiling a whole model pays once per step for
+all its layers, and during which a model's other kernels keep the GPU busy. What users
+run is the layer inside a model compiled as one graph, where Inductor also fuses an
+nn-ops layer's lookup into its neighbours (the first LayerNorm) and cannot fuse pyembed's
+op. So: the same small model with its input layer written either way, each eager and
+under ``torch.compile`` (the whole model, one graph), one training step each:
+
+- the model: input layer (token lookup * sqrt(d) + learned positions) -> ``blocks``
+  pre-norm MLP blocks as GPT-2's (x + W2 gelu(W1 LayerNorm(x)), 4d wide) -> LayerNorm ->
+  loss = the mean over tokens of the output along a fixed direction (no LM head: its
+  matmul would be most of the step whatever the input layer does; ``--blocks`` adds work
+  after the layer);
+- ``eager`` / ``compile``: the input layer in nn ops (nn.Embedding, the scale, the learned
+  positions' table); ``pyembed-<backend>`` / ``compile(pyembed-<backend>)``: the same
+  layer as ``pyembed.EmbeddingLayer``, the same parameters (state_dict) -- a model with
+  ``pyembed.replace_embeddings`` applied looks like this;
+- ``the rest``: the blocks and the loss alone, on a (B, T, d) input that wants a gradient
+  (eager and compiled): what a step costs without any input layer, so that a provider's
+  fwd+bwd less its mode's ``the rest`` is what its input layer adds to the step;
+- ``fwd+bwd``: forward, loss, backward, the gradients set to None; ``step``: the same and
+  AdamW over every parameter in torch's fastest form (``fused=True`` on CUDA, ``foreach``
+  on CPU), then ``zero_grad(set_to_none=True)``, as the main suite's ``step``.
+
+Each provider's loss and input-layer gradients are first checked against the eager
+nn-ops model run in float64 (a wrong one is reported FAILED, not timed). On a GPU fp32
+matmuls use TF32 (``torch.set_float32_matmul_precision("high")``, as fp32 training is
+usually run; said in the table's title); timings as the main suite's (``bench.run``:
+do_bench's flushed samples in rotating rounds on a GPU, interleaved calls on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import time
+import types
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pyembed
+from pyembed import dispatch
+
+from .cases import DTYPES, SHAPES
+from .run import GATE_TOL, time_cpu, time_gpu
+from .targets import _us
+
+
+class NNInputLayer(nn.Module):
+    """The input layer as models write it, with pyembed.EmbeddingLayer's parameter names
+    (``token_embedding.weight``, ``pos_embedding``): one state_dict loads into either."""
+
+    def __init__(self, vocab: int, dim: int, max_seq_len: int, device=None, dtype=None):
+        super().__init__()
+        self.token_embedding = nn.Embedding(vocab, dim, device=device, dtype=dtype)
+        self.pos_embedding = nn.Parameter(torch.empty(max_seq_len, dim, device=device, dtype=dtype))
+        self.scale = math.sqrt(dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[-1], device=ids.device)
+        return self.token_embedding(ids) * self.scale + F.embedding(positions, self.pos_embedding)
+
+
+class FixedInput(nn.Module):
+    """``the rest``: no input layer; the blocks get a fixed input that wants a gradient (its
+    backward computes what an input layer's backward would receive). A Parameter, so that
+    torch.compile takes it as an input, not a constant; the optimizer leaves it out."""
+
+    def __init__(self, x: torch.Tensor):
+        super().__init__()
+        self.x = nn.Parameter(x)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.x
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, device=None, dtype=None):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim, device=device, dtype=dtype)
+        self.up = nn.Linear(dim, 4 * dim, device=device, dtype=dtype)
+        self.down = nn.Linear(4 * dim, dim, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Model(nn.Module):
+    def __init__(self, input_layer: nn.Module, dim: int, blocks: int, device=None, dtype=None):
+        super().__init__()
+        self.input_layer = input_layer
+        self.blocks = nn.Sequential(*(Block(dim, device, dtype) for _ in range(blocks)))
+        self.norm = nn.LayerNorm(dim, device=device, dtype=dtype)
+        # The loss: each token's output along a fixed random direction, averaged (a linear
+        # stand-in for an LM head's loss; its squared norm would be constant: LayerNorm's).
+        self.register_buffer("probe", torch.randn(dim, device=device).to(dtype))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.norm(self.blocks(self.input_layer(ids))) * self.probe).float().sum(-1).mean()
+
+
+def build_models(vocab, dim, batch, seq_len, blocks, dtype, device, backends, seed=0) -> dict:
+    """{provider: (model, its compiled form or None)}, all with the same parameters."""
+    torch.manual_seed(seed)
+    base = Model(NNInputLayer(vocab, dim, seq_len, device, dtype), dim, blocks, device, dtype)
+    with torch.no_grad():
+        base.input_layer.token_embedding.weight.normal_()
+        base.input_layer.pos_embedding.normal_(std=0.02)
+    state = base.state_dict()
+    models = {"eager": base}
+    for backend in backends:
+        layer = pyembed.EmbeddingLayer(vocab, dim, max_seq_len=seq_len, pos_encoding="learned",
+                                       scale_embeddings=True, backend=backend, device=device, dtype=dtype)
+        model = Model(layer, dim, blocks, device, dtype)
+        model.load_state_dict(state)
+        models[f"pyembed-{backend}"] = model
+    x = torch.randn(batch, seq_len, dim, device=device, dtype=dtype)
+    rest = Model(FixedInput(x), dim, blocks, device, dtype)
+    rest.load_state_dict({k: v for k, v in state.items() if not k.startswith("input_layer.")}, strict=False)
+    models["the rest"] = rest
+    found = {}
+    for name, model in models.items():
+        found[name] = model
+        twin = copy.deepcopy(model)  # its own parameters, so that each provider's steps update only its own
+        # Dynamo keeps compiled graphs per code object: with Model.forward's one code, every
+        # compiled model's call would first try the graphs of those called before it, and
+        # the whole set would share one recompile limit (8 graphs).
+        forward = Model.forward
+        twin.forward = types.MethodType(types.FunctionType(forward.__code__.replace(), forward.__globals__), twin)
+        found["compile" if name == "eager" else f"compile({name})"] = torch.compile(twin)
+    return found
+
+
+def _module(model) -> nn.Module:
+    return getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule holds the model
+
+
+def gate(name: str, model, reference: nn.Module, ids: torch.Tensor, dtype: str) -> str | None:
+    """None when the model's input layer's output, its loss and its input layer's gradients
+    match the float64 nn-ops model's (``reference``: the eager model's first state, in
+    float64), else what differs."""
+    module = _module(model)
+    if isinstance(module.input_layer, FixedInput):
+        return None  # no input layer to check: the blocks are nn modules
+    # The layer's output by itself too: the model's LayerNorms make its loss and gradients
+    # all but blind to a uniformly wrong scale of that output.
+    with torch.no_grad():
+        layer_out, expected_out = module.input_layer(ids), reference.input_layer(ids)
+    module.zero_grad(set_to_none=True)
+    loss = model(ids)
+    loss.backward()
+    reference.zero_grad(set_to_none=True)
+    expected = reference(ids)
+    expected.backward()
+    got = [layer_out, loss, module.input_layer.token_embedding.weight.grad, module.input_layer.pos_embedding.grad]
+    want = [expected_out, expected, reference.input_layer.token_embedding.weight.grad,
+            reference.input_layer.pos_embedding.grad]
+    module.zero_grad(set_to_none=True)
+    for what, a, b in zip(("input layer's output", "loss", "token table's gradient", "positions' gradient"), got,
+                          want):
+        err = (a.double() - b).abs().max().item()
+        if err > GATE_TOL[dtype] * b.abs().max().item():
+            return f"{name}: {what} differs from the float64 nn-ops model's by {err:.3g} (largest {b.abs().max():.3g})"
+    return None
+
+
+def step_fns(model, ids: torch.Tensor, device: torch.device) -> dict:
+    """{"fwd+bwd": ..., "step": ...}: zero-argument callables on the model's own parameters."""
+    module = _module(model)
+    leaves = list(module.parameters())
+    fixed = module.input_layer.x if isinstance(module.input_layer, FixedInput) else None
+    params = [p for p in leaves if p is not fixed]
+    fastest = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    optimizer = torch.optim.AdamW(params, lr=1e-4, **fastest)
+
+    def fwd_bwd():
+        for p in leaves:
+            p.grad = None
+        model(ids).backward()
+
+    def step():
+        model(ids).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if fixed is not None:
+            fixed.grad = None
+    return {"fwd+bwd": fwd_bwd, "step": step}
+
+
+def measure(vocab, dim, batch, seq_len, blocks, dtype, device, backends, budget_s=2.0, tf32=False) -> dict:
+    """{provider: {"fwd+bwd": (median, p20, p80) ms, "step": ..., "status": ...}}; ``tf32``:
+    timed with TF32 matmuls (checked without: the gate's tolerance is fp32's)."""
+    torch._dynamo.reset()
+    models = build_models(vocab, dim, batch, seq_len, blocks, DTYPES[dtype], device, backends)
+    ids = torch.randint(0, vocab, (batch, seq_len), device=device, generator=torch.Generator(device).manual_seed(1))
+    reference = copy.deepcopy(models["eager"]).double()
+    results, fns = {}, {}
+    for name, model in models.items():
+        try:
+            problem = gate(name, model, reference, ids, dtype)
+        except Exception as exc:  # noqa: BLE001 - a crashing provider is a failed provider
+            problem = f"{name}: {type(exc).__name__}: {exc}"
+        results[name] = {"status": "FAILED: " + problem if problem else "ok"}
+        if problem is None:
+            for mode, fn in step_fns(model, ids, device).items():
+                fns[(name, mode)] = fn
+    del reference
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if tf32 else precision)  # (a compiled model recompiles once)
+    try:
+        for mode in ("fwd+bwd", "step"):
+            chosen = {name: fn for (name, m), fn in fns.items() if m == mode}
+            timings = time_gpu(chosen) if device.type == "cuda" else time_cpu(chosen, budget_s, 5, 200)
+            for name, figures in timings.items():
+                results[name][mode] = figures
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    return results
+
+
+def table(results: dict, title: str) -> str:
+    """The figures as markdown: medians, what each input layer adds to its mode's rest, and
+    each pyembed model's step against the nn-ops model's in the same mode."""
+    rest = {"eager": results.get("the rest", {}).get("fwd+bwd"),
+            "compiled": results.get("compile(the rest)", {}).get("fwd+bwd")}
+    nn_step = {"eager": results.get("eager", {}).get("step"), "compiled": results.get("compile", {}).get("step")}
+    lines = [title, "", "| model | fwd+bwd | step | its input layer in fwd+bwd | step, nn ops' / its |",
+             "|---|---|---|---|---|"]
+    for name, found in results.items():
+        if found["status"] != "ok":
+            lines.append(f"| {name} | {found['status']} | | | |")
+            continue
+        mode = "compiled" if name.startswith("compile") else "eager"
+        fwd_bwd, step = found["fwd+bwd"][0], found["step"][0]
+        share = "" if "the rest" in name or rest[mode] is None else _us(fwd_bwd - rest[mode][0])
+        versus = ("" if "pyembed" not in name or nn_step[mode] is None else f"{nn_step[mode][0] / step:.2f}x")
+        lines.append(f"| {name} | {_us(fwd_bwd)} | {_us(step)} | {share} | {versus} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.model", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", default="gpt2", choices=sorted(SHAPES), help="the input layer's (vocab, dim)")
+    ap.add_argument("--tokens", default=None, metavar="BxT", help="default: 8x2048 on a GPU, 4x128 on CPU")
+    ap.add_argument("--dtype", action="append", choices=sorted(DTYPES), default=None,
+                    help="the model's dtype, repeatable (default: fp32)")
+    ap.add_argument("--blocks", type=int, default=1, help="MLP blocks after the input layer (default: 1)")
+    ap.add_argument("--backend", action="append", default=None,
+                    help="pyembed backends, repeatable (default: every one this device has but the reference)")
+    ap.add_argument("--budget", type=float, default=2.0, help="CPU: seconds of timing per mode")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    batch, seq_len = (int(n) for n in (args.tokens or ("8x2048" if gpu else "4x128")).split("x"))
+    vocab, dim = SHAPES[args.shape]
+    backends = args.backend or [b for b in dispatch.backends_for(device) if b != "reference"]
+    where = torch.cuda.get_device_name(device) if gpu else "CPU"
+    for dtype in args.dtype or ["fp32"]:
+        start = time.perf_counter()
+        results = measure(vocab, dim, batch, seq_len, args.blocks, dtype, device, backends, args.budget, tf32=gpu)
+        tf32 = " (TF32 matmuls)" if gpu and dtype == "fp32" else ""
+        title = (f"The input layer in a model: {args.shape} ({vocab}x{dim}) {batch}x{seq_len} {dtype}{tf32}, "
+                 f"{args.blocks} block(s), {where}, torch {torch.__version__}, pyembed {pyembed.__version__}; "
+                 f"medians ({time.perf_counter() - start:.0f} s)")
+        print(table(results, title) + "\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()
