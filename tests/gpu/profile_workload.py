@@ -822,17 +822,36 @@ def gpu_timeline(events: list, marker: str) -> list[list[str]]:
     return blocks
 
 
-def compiled_timeline(backends, batch=8, seq_len=2048, calls=3):
+def _timeline(label: str, fn, calls: int = 3) -> None:
+    """Print do_bench's median of ``fn``, then the GPU timeline (gpu_timeline) of the last
+    of ``calls`` profiled calls, each started on an idle GPU (synchronized before), as
+    after do_bench's L2 flush."""
+    import json
+    import tempfile
+
+    median = triton.testing.do_bench(fn, return_mode="median") * 1e3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            with torch.profiler.record_function(label):
+                fn()
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        with open(f"{tmp}/trace.json") as f:
+            events = json.load(f)["traceEvents"]
+    print(f"\n== timeline: {label}, do_bench median {median:.0f} us", flush=True)
+    print("\n".join(gpu_timeline(events, label)[-1]), flush=True)  # the last, warmest call
+
+
+def compiled_timeline(backends, batch=8, seq_len=2048):
     """Eager and compiled pyembed's forward + backward on the GPU's timeline, Llama-3
     8x2048, fp32 and bf16, autograd's device thread on (as the benchmark runs): at 26f0ba6
     (H200) compiled `cuda` took 905 us at bf16 against eager's 575, though both do the
     same 568 us of GPU work (graph replay) -- while at fp32 both took ~800 us, their GPU
     time. As if the compiled call's ~330 us of host time (compiled-host-threads.log, GPT-2)
-    were added to its GPU time at bf16 alone: this shows where the GPU waits. Each call
-    starts on an idle GPU (synchronized before), as after do_bench's L2 flush."""
-    import json
-    import tempfile
-
+    were added to its GPU time at bf16 alone: this shows where the GPU waits."""
     for dtype in (torch.float32, torch.bfloat16):
         weight, pos_weight, ids, dout = tensors(*LLAMA3, batch, seq_len, dtype)
         scale = LLAMA3[1] ** 0.5
@@ -842,33 +861,45 @@ def compiled_timeline(backends, batch=8, seq_len=2048, calls=3):
 
             torch._dynamo.reset()
             for name, fwd in ((f"pyembed-{backend}", layer), (f"compile(pyembed-{backend})", torch.compile(layer))):
-                label = f"{name} {str(dtype)[6:]} {batch}x{seq_len} fwd+bwd"
-
                 def fwd_bwd(fwd=fwd):
                     weight.grad = pos_weight.grad = None
                     fwd(ids, weight, pos_weight).backward(dout)
 
-                median = triton.testing.do_bench(fwd_bwd, return_mode="median") * 1e3
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                        torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    for _ in range(calls):
-                        torch.cuda.synchronize()
-                        with torch.profiler.record_function(label):
-                            fwd_bwd()
-                        torch.cuda.synchronize()
-                with tempfile.TemporaryDirectory() as tmp:
-                    prof.export_chrome_trace(f"{tmp}/trace.json")
-                    with open(f"{tmp}/trace.json") as f:
-                        events = json.load(f)["traceEvents"]
-                print(f"\n== timeline: {label}, do_bench median {median:.0f} us", flush=True)
-                print("\n".join(gpu_timeline(events, label)[-1]), flush=True)  # the last, warmest call
+                _timeline(f"{name} {str(dtype)[6:]} {batch}x{seq_len} fwd+bwd", fwd_bwd)
+
+
+def step_timeline(backend: str, device: str = "cuda"):
+    """The benchmark's own GPT-2 8x2048 training steps (bench.run.step_fn: forward,
+    backward, fused AdamW, zero_grad) on the GPU's timeline, with learned and with
+    sinusoidal positions, for compiled nn ops and eager and compiled pyembed: at 26f0ba6
+    (H200) each compiled provider's sinusoidal step took ~400 us more than its learned one
+    (compile 948 against 522 us, compiled `cuda` 1014 against 600), while the eager ones did
+    not (`cuda` 606 against 569, eager nn ops 915 against 979)."""
+    from bench import run
+    from bench.cases import DTYPES, Case, make_ids
+    from bench.providers import providers
+
+    device = torch.device(device)
+    names = ("compile", f"pyembed-{backend}", f"compile(pyembed-{backend})")
+    chosen = [p for p in providers(device) if p.name in names]
+    for pos in ("learned", "sinusoidal"):
+        case = Case("gpt2", 8, 2048, "step", pos=pos)
+        generator = torch.Generator().manual_seed(0)
+        shared = run.build_tables(case, device, generator)
+        ids = make_ids(case, device, generator)
+        dout = torch.randn(case.batch, case.seq_len, case.dim, generator=generator).to(device, DTYPES[case.dtype])
+        for provider in chosen:
+            if provider.reset is not None:
+                provider.reset()
+            _timeline(f"{provider.name} {case.label()}", run.step_fn(provider, case, ids, run.own_copy(shared), dout))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ncu", action="store_true", help="one forward per backend and dtype and one backward, for ncu")
-    ap.add_argument("--timeline", action="store_true", help="only eager and compiled pyembed's forward + backward "
-                                                            "on the GPU's timeline (compiled_timeline)")
+    ap.add_argument("--timeline", action="store_true", help="only eager and compiled pyembed's forward + backward, "
+                                                            "and training steps, on the GPU's timeline "
+                                                            "(compiled_timeline, step_timeline)")
     ap.add_argument("--sort", action="store_true", help="only the dense backward ops' times with each sort "
                                                         "(sort_comparison)")
     args = ap.parse_args()
@@ -879,6 +910,7 @@ def main():
         sort_comparison(backends)
     elif args.timeline:
         compiled_timeline(backends)
+        step_timeline("cuda" if "cuda" in backends else backends[0])
     else:
         forward_comparison(backends)
         sort_comparison(backends)
