@@ -12,7 +12,8 @@ On a machine whose python already has a CUDA torch, offline:
      tests/gpu/sanitizer_workload.py (every kernel, small);
   4. then alone, torch.profiler and Nsight Compute over tests/gpu/profile_workload.py,
      compiled pyembed's host time by layer of torch.compile's runtime
-     (python -m bench.compiled_host, autograd threads off and on), and the layer inside a
+     (python -m bench.compiled_host), the GPU's timeline of eager and compiled calls and
+     steps (profile_workload.py --timeline), and the layer inside a
      small model's training step, eager and compiled (python -m bench.model);
   5. then the GPU benchmark suite (results.csv / .md / PNG), and issues #29 and #30's
      targets against its cases (python -m bench.targets: targets.md);
@@ -269,8 +270,8 @@ def main() -> int:
     started = time.time()
     deadline = Deadline(args.time_limit)
     after_profile = (0 if args.skip_bench else BENCH_MIN) + SUMMARY_MIN
-    # profile, 3 compiled-host runs, the compiled timeline, the model step, ncu
-    after_tests = after_profile + (0 if args.skip_profile else 7 * PROFILE_MIN)
+    # profile, 2 compiled-host runs, the compiled timeline, the model step, ncu
+    after_tests = after_profile + (0 if args.skip_profile else 6 * PROFILE_MIN)
 
     # 1. Stage the package the tests import, and build _C into it for this GPU only.
     stage_package(stage)
@@ -345,32 +346,28 @@ def main() -> int:
             # which a host's time limit may cut short (its rows reach the CSV case by case).
             profiler = str(ROOT / "tests" / "gpu" / "profile_workload.py")
             check.run("profile (torch.profiler)", [args.python, profiler], "profile.log",
-                      deadline.timeout(300, after_profile + 6 * PROFILE_MIN), cwd=stage)
+                      deadline.timeout(300, after_profile + 5 * PROFILE_MIN), cwd=stage)
             # Compiled pyembed against compiled nn ops, host time by layer of torch.compile's
-            # runtime (guards, graph, frame, backward), 1x1 and GPT-2 8x2048: at d81f5b2
-            # compiled pyembed cost ~120 us more host per 8x2048 step. With backwards on the
-            # calling thread, and as torch runs them by default (autograd's device thread, as
-            # the benchmark does): at 79bdffb (H200) the benchmark's compiled fwd+bwd took
-            # 470-550 us more than the first form's host times add up to, for nn ops and pyembed.
-            # The second also at bf16, 8x2048 only: at 26f0ba6 (H200) every compiled provider's
-            # flushed 8x2048 forward took 28-67 us more in bf16 than in fp32 (GPT-2: compiled
-            # pyembed `cuda` 116 against 49 us, nn ops 96 against 68), the GPU work being half;
-            # this says whether their host time differs.
-            for threads, shapes, log in ((["--no-autograd-threads"], [], "compiled-host.log"),
-                                         ([], ["--shape", "8x2048", "--dtype", "fp32", "--dtype", "bf16"],
-                                          "compiled-host-threads.log")):
-                check.run(f"compiled host time, autograd threads {'off' if threads else 'on'} "
-                          "(python -m bench.compiled_host)",
-                          [args.python, "-m", "bench.compiled_host", "--rounds", "3", *threads, *shapes], log,
-                          deadline.timeout(300, after_profile + PROFILE_MIN * (5 if threads else 4)), cwd=stage)
+            # runtime (guards, graph, frame, backward), GPT-2 8x2048, fp32 and bf16, backwards
+            # on autograd's device thread as the benchmark runs them: at
+            # d81f5b2 compiled pyembed cost ~120 us more host per 8x2048 step; at 26f0ba6 (H200)
+            # every compiled provider's flushed 8x2048 forward took 28-67 us more in bf16 than
+            # in fp32 (GPT-2: compiled pyembed `cuda` 116 against 49 us, nn ops 96 against 68),
+            # the GPU work being half: this says whether their host time differs. (Runs up to
+            # 26f0ba6 also timed one token, and backwards on the calling thread: figures in
+            # docs/bench-h200/; left out to give the timeline and the model steps their time.)
+            check.run("compiled host time (python -m bench.compiled_host)",
+                      [args.python, "-m", "bench.compiled_host", "--rounds", "3", "--shape", "8x2048", "--dtype",
+                       "fp32", "--dtype", "bf16"], "compiled-host-threads.log",
+                      deadline.timeout(300, after_profile + 4 * PROFILE_MIN), cwd=stage)
             # Inductor launches a compiled graph's user-defined Triton kernels (compiled
             # `triton`'s) through Triton's own launcher, its own kernels through its static
             # CUDA launcher, unless this setting says otherwise (off by default in torch 2.13
             # and 2.14; the GPU machine's 2.11 reads it too if it has it, else this run is the
-            # first's): the first run's `triton` row against this one says what it is worth.
+            # first's): this run's `triton` row against the one above says what it is worth.
             check.run("compiled host time, user Triton kernels launched statically (python -m bench.compiled_host)",
-                      [args.python, "-m", "bench.compiled_host", "--rounds", "3", "--no-autograd-threads", "--layer",
-                       "triton"], "compiled-host-static-launch.log",
+                      [args.python, "-m", "bench.compiled_host", "--rounds", "3", "--layer", "triton", "--shape",
+                       "8x2048"], "compiled-host-static-launch.log",
                       deadline.timeout(120, after_profile + 3 * PROFILE_MIN),
                       {"TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS": "1"}, cwd=stage)
             # Where a compiled forward + backward's GPU waits (Llama-3 8x2048, fp32 and bf16, eager
