@@ -384,7 +384,7 @@ def main() -> int:
             # 541 us, eager 175). fp32 first: its table prints before bf16's compiles start.
             check.run("the input layer in a model (python -m bench.model)",
                       [args.python, "-m", "bench.model", "--dtype", "fp32", "--dtype", "bf16"], "model.log",
-                      deadline.timeout(240, after_profile + PROFILE_MIN), cwd=stage)
+                      deadline.timeout(150, after_profile + PROFILE_MIN), cwd=stage)
             ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
             if os.path.exists(ncu):
                 check.run("ncu on the forward and backward kernels",
