@@ -77,3 +77,18 @@ def test_test_time_is_summed_by_module_and_the_backend_a_test_names(tmp_path):
     (tmp_path / "zero.xml").write_text('<testsuites><testsuite><testcase classname="m" name="t" time="0" /></testsuite>'
                                        '</testsuites>')
     assert _gpu_check().junit_seconds(tmp_path / "zero.xml")[-1] == "| m | - | 1 | 0 | 0% |"
+
+
+def test_the_summary_carries_the_model_steps_tables_without_its_warnings(tmp_path):
+    # model.log (python -m bench.model): each dtype's title and markdown table go into
+    # summary.md, whatever else the run printed (warnings) does not.
+    gpu_check = _gpu_check()
+    title = "The input layer in a model: gpt2 (50257x768) 8x2048 fp32 (TF32 matmuls), 1 block(s), GPU; medians (40 s)"
+    table = ["| model | fwd+bwd | step | its input layer in fwd+bwd | step, nn ops' / its |", "|---|---|---|---|---|",
+             "| eager | 2.00 ms | 3.00 ms | 500 us |  |", "| pyembed-cuda | 1.70 ms | 2.80 ms | 200 us | 1.07x |"]
+    (tmp_path / "model.log").write_text("\n".join(["W1129 some warning", title, "", *table, ""]))
+    info = {"torch": "2.11", "cuda": "13.0", "triton": "3.6", "python": "3.12"}
+    summary = gpu_check.write_summary(tmp_path, info, gpu_check.Check(tmp_path, {}), {}, 1.0, False).read_text()
+    part = summary.split("## The input layer in a model (model.log: python -m bench.model)\n\n")[1]
+    assert part.splitlines()[:5] == [title, *table]
+    assert "W1129" not in summary
