@@ -107,7 +107,8 @@ class Model(nn.Module):
 
 
 def build_models(vocab, dim, batch, seq_len, blocks, dtype, device, backends, seed=0) -> dict:
-    """{provider: (model, its compiled form or None)}, all with the same parameters."""
+    """{provider: its model}: each eager model and, after it, its compiled twin (own
+    parameters, own forward code), all starting from the same parameters."""
     torch.manual_seed(seed)
     base = Model(NNInputLayer(vocab, dim, seq_len, device, dtype), dim, blocks, device, dtype)
     with torch.no_grad():
