@@ -106,9 +106,10 @@ class Model(nn.Module):
         return (self.norm(self.blocks(self.input_layer(ids))) * self.probe).float().sum(-1).mean()
 
 
-def build_models(vocab, dim, batch, seq_len, blocks, dtype, device, backends, seed=0) -> dict:
+def build_models(vocab, dim, batch, seq_len, blocks, dtype, device, backends, seed=0, mode=None) -> dict:
     """{provider: its model}: each eager model and, after it, its compiled twin (own
-    parameters, own forward code), all starting from the same parameters."""
+    parameters, own forward code; torch.compile's ``mode``), all starting from the same
+    parameters."""
     torch.manual_seed(seed)
     base = Model(NNInputLayer(vocab, dim, seq_len, device, dtype), dim, blocks, device, dtype)
     with torch.no_grad():
@@ -135,7 +136,7 @@ def build_models(vocab, dim, batch, seq_len, blocks, dtype, device, backends, se
         # the whole set would share one recompile limit (8 graphs).
         forward = Model.forward
         twin.forward = types.MethodType(types.FunctionType(forward.__code__.replace(), forward.__globals__), twin)
-        found["compile" if name == "eager" else f"compile({name})"] = torch.compile(twin)
+        found["compile" if name == "eager" else f"compile({name})"] = torch.compile(twin, mode=mode)
     return found
 
 
@@ -195,11 +196,12 @@ def step_fns(model, ids: torch.Tensor, device: torch.device) -> dict:
     return {"fwd+bwd": fwd_bwd, "step": step}
 
 
-def measure(vocab, dim, batch, seq_len, blocks, dtype, device, backends, budget_s=2.0, tf32=False) -> dict:
+def measure(vocab, dim, batch, seq_len, blocks, dtype, device, backends, budget_s=2.0, tf32=False,
+            mode=None) -> dict:
     """{provider: {"fwd+bwd": (median, p20, p80) ms, "step": ..., "status": ...}}; ``tf32``:
     timed with TF32 matmuls (checked without: the gate's tolerance is fp32's)."""
     torch._dynamo.reset()
-    models = build_models(vocab, dim, batch, seq_len, blocks, DTYPES[dtype], device, backends)
+    models = build_models(vocab, dim, batch, seq_len, blocks, DTYPES[dtype], device, backends, mode=mode)
     ids = torch.randint(0, vocab, (batch, seq_len), device=device, generator=torch.Generator(device).manual_seed(1))
     reference = copy.deepcopy(models["eager"]).double()
     results, fns = {}, {}
@@ -257,6 +259,10 @@ def main(argv=None) -> None:
     ap.add_argument("--backend", action="append", default=None,
                     help="pyembed backends, repeatable (default: every one this device has but the reference)")
     ap.add_argument("--budget", type=float, default=2.0, help="CPU: seconds of timing per mode")
+    ap.add_argument("--compile-mode", default=None, choices=["default", "reduce-overhead", "max-autotune",
+                                                             "max-autotune-no-cudagraphs"],
+                    help="torch.compile's mode for the compiled models (reduce-overhead: CUDA graphs, no host "
+                         "time per kernel)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     gpu = device.type == "cuda"
@@ -266,10 +272,12 @@ def main(argv=None) -> None:
     where = torch.cuda.get_device_name(device) if gpu else "CPU"
     for dtype in args.dtype or ["fp32"]:
         start = time.perf_counter()
-        results = measure(vocab, dim, batch, seq_len, args.blocks, dtype, device, backends, args.budget, tf32=gpu)
+        results = measure(vocab, dim, batch, seq_len, args.blocks, dtype, device, backends, args.budget, tf32=gpu,
+                          mode=args.compile_mode)
         tf32 = " (TF32 matmuls)" if gpu and dtype == "fp32" else ""
         title = (f"The input layer in a model: {args.shape} ({vocab}x{dim}) {batch}x{seq_len} {dtype}{tf32}, "
-                 f"{args.blocks} block(s), {where}, torch {torch.__version__}, pyembed {pyembed.__version__}; "
+                 f"{args.blocks} block(s), torch.compile mode {args.compile_mode or 'default'}, {where}, torch "
+                 f"{torch.__version__}, pyembed {pyembed.__version__}; "
                  f"medians ({time.perf_counter() - start:.0f} s)")
         print(table(results, title) + "\n", flush=True)
 
