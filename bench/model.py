@@ -18,7 +18,9 @@ under ``torch.compile`` (the whole model, one graph), one training step each:
 - ``eager`` / ``compile``: the input layer in nn ops (nn.Embedding, the scale, the learned
   positions' table); ``pyembed-<backend>`` / ``compile(pyembed-<backend>)``: the same
   layer as ``pyembed.EmbeddingLayer``, the same parameters (state_dict) -- a model with
-  ``pyembed.replace_embeddings`` applied looks like this;
+  ``pyembed.replace_embeddings`` applied looks like this; for the C++ backends also
+  ``compile(pyembed-<backend>, ATen forward)``, Inductor given pyembed's forward as ATen
+  ops to fuse, the backward still pyembed's (an experiment: ATenForward);
 - ``the rest``: the blocks and the loss alone, on a (B, T, d) input that wants a gradient
   (eager and compiled): what a step costs without any input layer, so that a provider's
   fwd+bwd less its mode's ``the rest`` is what its input layer adds to the step;
@@ -106,6 +108,39 @@ class Model(nn.Module):
         return (self.norm(self.blocks(self.input_layer(ids))) * self.probe).float().sum(-1).mean()
 
 
+class ATenForward:
+    """A compiled pyembed model whose forward op Inductor takes in its ATen form
+    (``pyembed.decompositions()``: a gather, the scale, the positions' gather), so that it
+    can fuse it into the next LayerNorm as it does an nn-ops layer's, while the backward stays
+    pyembed's op (deterministic, the table written once). An experiment of this benchmark's,
+    not a pyembed feature: Inductor's decomposition table is process-wide, so the form is put
+    there only around this model's calls (its compiles happen in its first calls), with
+    Inductor's and AOTAutograd's caches off meanwhile -- they key on the graph Dynamo traced,
+    the plain compiled model's too, and handed either model the other's code (seen here).
+    Bad ids are left to the gathers (on a GPU a device-side assert), not pyembed's check.
+    The switching costs each call ~7 us of host time on the development VM (in its figures)."""
+
+    def __init__(self, compiled):
+        self.compiled, self._orig_mod = compiled, compiled._orig_mod
+        self.op = torch.ops.pyembed.embedding_forward.default  # the C++ backends' forward op
+        self.form = pyembed.decompositions()[self.op]
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        from torch._functorch import config as aot_config
+        from torch._inductor import config as inductor_config, decomposition
+
+        table, caches = decomposition.decompositions, (inductor_config.fx_graph_cache, aot_config.enable_autograd_cache)
+        table[self.op] = self.form
+        decomposition.fast_random_decomps.cache_clear()  # select_decomp_table's copy of the table
+        inductor_config.fx_graph_cache = aot_config.enable_autograd_cache = False
+        try:
+            return self.compiled(ids)
+        finally:
+            del table[self.op]
+            decomposition.fast_random_decomps.cache_clear()
+            inductor_config.fx_graph_cache, aot_config.enable_autograd_cache = caches
+
+
 def build_models(vocab, dim, batch, seq_len, blocks, dtype, device, backends, seed=0, mode=None) -> dict:
     """{provider: its model}: each eager model and, after it, its compiled twin (own
     parameters, own forward code; torch.compile's ``mode``), all starting from the same
@@ -130,18 +165,26 @@ def build_models(vocab, dim, batch, seq_len, blocks, dtype, device, backends, se
     found = {}
     for name, model in models.items():
         found[name] = model
-        twin = copy.deepcopy(model)  # its own parameters, so that each provider's steps update only its own
-        # Dynamo keeps compiled graphs per code object: with Model.forward's one code, every
-        # compiled model's call would first try the graphs of those called before it, and
-        # the whole set would share one recompile limit (8 graphs).
-        forward = Model.forward
-        twin.forward = types.MethodType(types.FunctionType(forward.__code__.replace(), forward.__globals__), twin)
-        found["compile" if name == "eager" else f"compile({name})"] = torch.compile(twin, mode=mode)
+        found["compile" if name == "eager" else f"compile({name})"] = _compiled_twin(model, mode)
+        if name in ("pyembed-cpu", "pyembed-cuda"):
+            found[f"compile({name}, ATen forward)"] = ATenForward(_compiled_twin(model, mode))
     return found
 
 
+def _compiled_twin(model: nn.Module, mode) -> nn.Module:
+    """torch.compile of a copy of ``model``: its own parameters, so that each provider's steps
+    update only its own, and a forward of its own code. Dynamo keeps compiled graphs per
+    code object: with Model.forward's one code, every compiled model's call would first try
+    the graphs of those called before it, and the whole set would share one recompile limit
+    (8 graphs)."""
+    twin = copy.deepcopy(model)
+    forward = Model.forward
+    twin.forward = types.MethodType(types.FunctionType(forward.__code__.replace(), forward.__globals__), twin)
+    return torch.compile(twin, mode=mode)
+
+
 def _module(model) -> nn.Module:
-    return getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule holds the model
+    return getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule (ATenForward) holds the model
 
 
 def gate(name: str, model, reference: nn.Module, ids: torch.Tensor, dtype: str) -> str | None:

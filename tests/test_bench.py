@@ -389,22 +389,33 @@ def test_model_bench_times_each_model_eager_and_compiled_from_the_same_parameter
     from bench import model as bench_model
 
     models = bench_model.build_models(1000, 64, 2, 16, 1, torch.float32, torch.device("cpu"), ["cpu"])
-    assert list(models) == ["eager", "compile", "pyembed-cpu", "compile(pyembed-cpu)", "the rest",
-                            "compile(the rest)"]
+    assert list(models) == ["eager", "compile", "pyembed-cpu", "compile(pyembed-cpu)",
+                            "compile(pyembed-cpu, ATen forward)", "the rest", "compile(the rest)"]
     state = models["eager"].state_dict()
-    for name in ("compile", "pyembed-cpu", "compile(pyembed-cpu)"):
+    for name in ("compile", "pyembed-cpu", "compile(pyembed-cpu)", "compile(pyembed-cpu, ATen forward)"):
         module = bench_model._module(models[name])
         assert module is not models["eager"] and state.keys() == module.state_dict().keys()
         for key, value in module.state_dict().items():
             assert torch.equal(value, state[key]) and value.data_ptr() != state[key].data_ptr(), (name, key)
     ids = torch.randint(0, 1000, (2, 16))
-    for name in ("compile", "compile(pyembed-cpu)", "compile(the rest)"):
+    # The ATen forward's model compiles its forward through pyembed's ATen form (and only it:
+    # the plain compiled model, compiled first, does not; nor does the ATen one take the
+    # plain one's code from Inductor's or AOTAutograd's caches, which key on Dynamo's graph,
+    # the same for both), and leaves Inductor's table as it was.
+    aten_forward, formed = models["compile(pyembed-cpu, ATen forward)"], []
+    form = aten_forward.form
+    aten_forward.form = lambda *args, **kwargs: formed.append(1) or form(*args, **kwargs)
+    from torch._inductor import decomposition
+
+    compiled = ("compile", "compile(pyembed-cpu)", "compile(pyembed-cpu, ATen forward)", "compile(the rest)")
+    for name, forms_so_far in zip(compiled, (0, 0, 1, 1)):
         models[name](ids)
+        assert len(formed) == forms_so_far, name
+        assert aten_forward.op not in decomposition.select_decomp_table()
     # Dynamo's cache is per code object: each compiled model's graph under a forward of its own
     entries = torch._dynamo.eval_frame._debug_get_cache_entry_list
     assert not entries(bench_model.Model.forward.__code__)
-    assert all(len(entries(bench_model._module(models[name]).forward.__code__)) == 1
-               for name in ("compile", "compile(pyembed-cpu)", "compile(the rest)"))
+    assert all(len(entries(bench_model._module(models[name]).forward.__code__)) == 1 for name in compiled)
     counters.clear()
     results = bench_model.measure(1000, 64, 2, 16, 1, "fp32", torch.device("cpu"), ["cpu"], budget_s=0.01)
     assert set(results) == set(models)
@@ -412,7 +423,7 @@ def test_model_bench_times_each_model_eager_and_compiled_from_the_same_parameter
         assert found["status"] == "ok", (name, found["status"])
         assert all(found[mode][0] > 0 for mode in ("fwd+bwd", "step")), name
     # one frame and one graph for each compiled model: no graph break, no recompile
-    assert counters["frames"]["total"] == counters["frames"]["ok"] == counters["stats"]["unique_graphs"] == 3
+    assert counters["frames"]["total"] == counters["frames"]["ok"] == counters["stats"]["unique_graphs"] == 4
     table = bench_model.table(results, "title")
     assert table.count("\n| ") == 1 + len(results)  # the header's separator and a row each
     torch._dynamo.reset()
