@@ -6,8 +6,8 @@ thread: ~250-330 us of host time per forward + backward on the H200's host at 26
 around one or two kernels, which a user compiling a whole model pays once per step for
 all its layers, and during which a model's other kernels keep the GPU busy. What users
 run is the layer inside a model compiled as one graph, where Inductor also fuses an
-nn-ops layer's lookup into its neighbours (the first LayerNorm) and cannot fuse pyembed's
-op. So: the same small model with its input layer written either way, each eager and
+nn-ops layer's lookup into the first LayerNorm and its gradient's scatter into that
+LayerNorm's backward, and cannot fuse pyembed's op. So: the same small model with its input layer written either way, each eager and
 under ``torch.compile`` (the whole model, one graph), one training step each:
 
 - the model: input layer (token lookup * sqrt(d) + learned positions) -> ``blocks``
@@ -28,10 +28,10 @@ under ``torch.compile`` (the whole model, one graph), one training step each:
   AdamW over every parameter in torch's fastest form (``fused=True`` on CUDA, ``foreach``
   on CPU), then ``zero_grad(set_to_none=True)``, as the main suite's ``step``.
 
-Each provider's loss and input-layer gradients are first checked against the eager
-nn-ops model run in float64 (a wrong one is reported FAILED, not timed). On a GPU fp32
-matmuls use TF32 (``torch.set_float32_matmul_precision("high")``, as fp32 training is
-usually run; said in the table's title); timings as the main suite's (``bench.run``:
+Each model's input layer output, loss and input-layer gradients are first checked against
+the eager nn-ops model run in float64 (a wrong one is reported FAILED, not timed). On a
+GPU fp32 matmuls are timed with TF32 (``torch.set_float32_matmul_precision("high")``, as
+fp32 training is usually run; said in the table's title), checked without; timings as the main suite's (``bench.run``:
 do_bench's flushed samples in rotating rounds on a GPU, interleaved calls on a CPU).
 """
 
