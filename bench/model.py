@@ -7,8 +7,9 @@ around one or two kernels, which a user compiling a whole model pays once per st
 all its layers, and during which a model's other kernels keep the GPU busy. What users
 run is the layer inside a model compiled as one graph, where Inductor also fuses an
 nn-ops layer's lookup into the first LayerNorm and its gradient's scatter into that
-LayerNorm's backward, and cannot fuse pyembed's op. So: the same small model with its input layer written either way, each eager and
-under ``torch.compile`` (the whole model, one graph), one training step each:
+LayerNorm's backward, and cannot fuse pyembed's op. So: the same small model with its
+input layer written either way, each eager and under ``torch.compile`` (the whole model,
+one graph), one training step each:
 
 - the model: input layer (token lookup * sqrt(d) + learned positions) -> ``blocks``
   pre-norm MLP blocks as GPT-2's (x + W2 gelu(W1 LayerNorm(x)), 4d wide) -> LayerNorm ->
@@ -31,8 +32,9 @@ under ``torch.compile`` (the whole model, one graph), one training step each:
 Each model's input layer output, loss and input-layer gradients are first checked against
 the eager nn-ops model run in float64 (a wrong one is reported FAILED, not timed). On a
 GPU fp32 matmuls are timed with TF32 (``torch.set_float32_matmul_precision("high")``, as
-fp32 training is usually run; said in the table's title), checked without; timings as the main suite's (``bench.run``:
-do_bench's flushed samples in rotating rounds on a GPU, interleaved calls on a CPU).
+fp32 training is usually run; said in the table's title), checked without; timings as
+the main suite's (``bench.run``: do_bench's flushed samples in rotating rounds on a GPU,
+interleaved calls on a CPU).
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ class ATenForward:
             inductor_config.fx_graph_cache, aot_config.enable_autograd_cache = caches
 
 
-def build_models(vocab, dim, batch, seq_len, blocks, dtype, device, backends, seed=0, mode=None) -> dict:
+def build_models(vocab, dim, batch, seq_len, blocks, dtype, device, backends, seed=0, compile_mode=None) -> dict:
     """{provider: its model}: each eager model and, after it, its compiled twin (own
     parameters, own forward code; torch.compile's ``mode``), all starting from the same
     parameters."""
@@ -165,13 +167,13 @@ def build_models(vocab, dim, batch, seq_len, blocks, dtype, device, backends, se
     found = {}
     for name, model in models.items():
         found[name] = model
-        found["compile" if name == "eager" else f"compile({name})"] = _compiled_twin(model, mode)
+        found["compile" if name == "eager" else f"compile({name})"] = _compiled_twin(model, compile_mode)
         if name in ("pyembed-cpu", "pyembed-cuda"):
-            found[f"compile({name}, ATen forward)"] = ATenForward(_compiled_twin(model, mode))
+            found[f"compile({name}, ATen forward)"] = ATenForward(_compiled_twin(model, compile_mode))
     return found
 
 
-def _compiled_twin(model: nn.Module, mode) -> nn.Module:
+def _compiled_twin(model: nn.Module, compile_mode) -> nn.Module:
     """torch.compile of a copy of ``model``: its own parameters, so that each provider's steps
     update only its own, and a forward of its own code. Dynamo keeps compiled graphs per
     code object: with Model.forward's one code, every compiled model's call would first try
@@ -180,36 +182,38 @@ def _compiled_twin(model: nn.Module, mode) -> nn.Module:
     twin = copy.deepcopy(model)
     forward = Model.forward
     twin.forward = types.MethodType(types.FunctionType(forward.__code__.replace(), forward.__globals__), twin)
-    return torch.compile(twin, mode=mode)
+    return torch.compile(twin, mode=compile_mode)
 
 
 def _module(model) -> nn.Module:
     return getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule (ATenForward) holds the model
 
 
-def gate(name: str, model, reference: nn.Module, ids: torch.Tensor, dtype: str) -> str | None:
-    """None when the model's input layer's output, its loss and its input layer's gradients
-    match the float64 nn-ops model's (``reference``: the eager model's first state, in
-    float64), else what differs."""
+CHECKED = ("input layer's output", "loss", "token table's gradient", "positions' gradient")
+
+
+def checked_values(model, ids: torch.Tensor) -> list:
+    """What the gate compares (CHECKED), from one forward and backward of ``model``: the
+    input layer's output by itself too, since the model's LayerNorms make its loss and
+    gradients all but blind to a uniformly wrong scale of that output."""
     module = _module(model)
-    if isinstance(module.input_layer, FixedInput):
-        return None  # no input layer to check: the blocks are nn modules
-    # The layer's output by itself too: the model's LayerNorms make its loss and gradients
-    # all but blind to a uniformly wrong scale of that output.
     with torch.no_grad():
-        layer_out, expected_out = module.input_layer(ids), reference.input_layer(ids)
+        layer_out = module.input_layer(ids)
     module.zero_grad(set_to_none=True)
     loss = model(ids)
     loss.backward()
-    reference.zero_grad(set_to_none=True)
-    expected = reference(ids)
-    expected.backward()
-    got = [layer_out, loss, module.input_layer.token_embedding.weight.grad, module.input_layer.pos_embedding.grad]
-    want = [expected_out, expected, reference.input_layer.token_embedding.weight.grad,
-            reference.input_layer.pos_embedding.grad]
+    values = [layer_out, loss.detach(), module.input_layer.token_embedding.weight.grad,
+              module.input_layer.pos_embedding.grad]
     module.zero_grad(set_to_none=True)
-    for what, a, b in zip(("input layer's output", "loss", "token table's gradient", "positions' gradient"), got,
-                          want):
+    return values
+
+
+def gate(name: str, model, want: list, ids: torch.Tensor, dtype: str) -> str | None:
+    """None when ``model``'s checked values match ``want``, the float64 nn-ops model's
+    (checked_values of the eager model's first state, in float64), else what differs."""
+    if isinstance(_module(model).input_layer, FixedInput):
+        return None  # no input layer to check: the blocks are nn modules
+    for what, a, b in zip(CHECKED, checked_values(model, ids), want):
         err = (a.double() - b).abs().max().item()
         if err > GATE_TOL[dtype] * b.abs().max().item():
             return f"{name}: {what} differs from the float64 nn-ops model's by {err:.3g} (largest {b.abs().max():.3g})"
@@ -240,32 +244,33 @@ def step_fns(model, ids: torch.Tensor, device: torch.device) -> dict:
 
 
 def measure(vocab, dim, batch, seq_len, blocks, dtype, device, backends, budget_s=2.0, tf32=False,
-            mode=None) -> dict:
+            compile_mode=None) -> dict:
     """{provider: {"fwd+bwd": (median, p20, p80) ms, "step": ..., "status": ...}}; ``tf32``:
     timed with TF32 matmuls (checked without: the gate's tolerance is fp32's)."""
     torch._dynamo.reset()
-    models = build_models(vocab, dim, batch, seq_len, blocks, DTYPES[dtype], device, backends, mode=mode)
+    models = build_models(vocab, dim, batch, seq_len, blocks, DTYPES[dtype], device, backends,
+                          compile_mode=compile_mode)
     ids = torch.randint(0, vocab, (batch, seq_len), device=device, generator=torch.Generator(device).manual_seed(1))
-    reference = copy.deepcopy(models["eager"]).double()
+    want = checked_values(copy.deepcopy(models["eager"]).double(), ids)
     results, fns = {}, {}
     for name, model in models.items():
         try:
-            problem = gate(name, model, reference, ids, dtype)
+            problem = gate(name, model, want, ids, dtype)
         except Exception as exc:  # noqa: BLE001 - a crashing provider is a failed provider
             problem = f"{name}: {type(exc).__name__}: {exc}"
         results[name] = {"status": "FAILED: " + problem if problem else "ok"}
         if problem is None:
-            for mode, fn in step_fns(model, ids, device).items():
-                fns[(name, mode)] = fn
-    del reference
+            for kind, fn in step_fns(model, ids, device).items():
+                fns[(name, kind)] = fn
+    del want
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if tf32 else precision)  # (a compiled model recompiles once)
     try:
-        for mode in ("fwd+bwd", "step"):
-            chosen = {name: fn for (name, m), fn in fns.items() if m == mode}
+        for kind in ("fwd+bwd", "step"):
+            chosen = {name: fn for (name, k), fn in fns.items() if k == kind}
             timings = time_gpu(chosen) if device.type == "cuda" else time_cpu(chosen, budget_s, 5, 200)
             for name, figures in timings.items():
-                results[name][mode] = figures
+                results[name][kind] = figures
     finally:
         torch.set_float32_matmul_precision(precision)
     return results
@@ -316,7 +321,7 @@ def main(argv=None) -> None:
     for dtype in args.dtype or ["fp32"]:
         start = time.perf_counter()
         results = measure(vocab, dim, batch, seq_len, args.blocks, dtype, device, backends, args.budget, tf32=gpu,
-                          mode=args.compile_mode)
+                          compile_mode=args.compile_mode)
         tf32 = " (TF32 matmuls)" if gpu and dtype == "fp32" else ""
         title = (f"The input layer in a model: {args.shape} ({vocab}x{dim}) {batch}x{seq_len} {dtype}{tf32}, "
                  f"{args.blocks} block(s), torch.compile mode {args.compile_mode or 'default'}, {where}, torch "

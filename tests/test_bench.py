@@ -450,12 +450,14 @@ def test_model_bench_gate_reports_a_wrong_output_or_gradient_and_leaves_the_fixe
     with torch.no_grad():
         reference.input_layer.pos_embedding.normal_(std=0.02)
     ids = torch.randint(0, 100, (2, 8))
+    want = bench_model.checked_values(reference, ids)
     for layer, what in ((bench_model.NNInputLayer, None), (OffByScale, "input layer's output"),
                         (NextRow, "input layer's output"), (DoubledGradient, "token table's gradient")):
         model = bench_model.Model(layer(100, 16, 8), 16, 1)
         model.load_state_dict(reference.state_dict())
-        problem = bench_model.gate(layer.__name__, model, reference, ids, "fp32")
-        assert (problem is None) if what is None else (problem is not None and what in problem), (layer.__name__, problem)
+        problem = bench_model.gate(layer.__name__, model, want, ids, "fp32")
+        assert (problem is None) if what is None else (problem is not None and what in problem), \
+            (layer.__name__, problem)
 
     rest = bench_model.Model(bench_model.FixedInput(torch.randn(2, 8, 16)), 16, 1)
     fixed = rest.input_layer.x.detach().clone()
