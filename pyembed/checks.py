@@ -168,9 +168,10 @@ def _(ids, extremes, num_embeddings, max_seq_len):
 def checked_ids(ids: torch.Tensor, num_embeddings: int, position_ids: Optional[torch.Tensor],
                 max_seq_len: Optional[int]) -> torch.Tensor:
     """ids, after the range checks. Eagerly the checks run in place (no copy); under
-    torch.compile, and on torch.func's wrapped tensors (vmap cannot read values back),
-    through the op, which the graph holds and which has a vmap rule."""
-    if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(ids):
+    torch.compile and torch.jit.trace, and on torch.func's wrapped tensors (vmap cannot read
+    values back), through the op, which the graph or trace holds and which has a vmap rule."""
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing()
+            or torch._C._functorch.is_functorch_wrapped_tensor(ids)):
         return torch.ops.pyembed.check_ranges(ids, num_embeddings, position_ids,
                                               -1 if max_seq_len is None else max_seq_len)
     check_ranges_eager(ids, num_embeddings, position_ids, max_seq_len)

@@ -16,6 +16,7 @@ by every backend (pyembed.checks), skipped with ``validate=False``.
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Union
 
 import torch
@@ -127,6 +128,25 @@ def fused_embedding(
                                      error_record, float(dropout_p), generator, bool(sparse))
                 except (RuntimeError, TypeError, ValueError) as error:
                     raise checks.from_cpp(error) from None
+            if not fused_table and not sparse and generator is None and _is_tracing():
+                # torch.jit.trace, a backend without such an op (the reference): what
+                # torch.compile records -- the check op, then the lookup op whose autograd
+                # the dispatcher holds -- so the trace keeps the range check and a saved trace
+                # trains. The general route recorded its Function as a Python call (which
+                # torch.jit.save cannot write, and whose trace differed from the check
+                # trace's: TracingCheckError), or under no_grad the forward op alone (a
+                # traced module without a backward), and ran its check eagerly, unrecorded.
+                with warnings.catch_warnings():
+                    # The tracer hands out sizes as tensors, and the metadata checks compare
+                    # them (a TracerWarning each): the tables' sizes, constants of a traced
+                    # module, and the ids' rank and length, whose positions the recorded
+                    # check op checks in every call.
+                    warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                    looked_up = _compiled_lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale,
+                                                 offset, padding_idx, scale_grad_by_freq, validate, backend,
+                                                 dropout_p)
+                if looked_up is not None:
+                    return looked_up
         elif (not fused_table and not sparse and generator is None and torch.compiler.is_compiling()
               and _autograd.no_transform()):
             looked_up = _compiled_lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
@@ -233,11 +253,13 @@ def _compiled_lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale,
     chosen = dispatch.resolve(backend, weight.device)
     if chosen.compiled_op is None or (dropout_p and not chosen.compiled_dropout):
         return None
-    if offset != 0:
+    if offset != 0 or (pos_encoding == "learned" and position_ids is None and _is_tracing()):
         # A decoder's offset, new every step: from its second value on Dynamo traces it as a
         # symbolic int, which pyembed::embedding's int argument would make a constant again
         # (a compile per step, every call eager past the recompile limit). As position_ids it
-        # stays symbolic: one graph for every step after the first.
+        # stays symbolic: one graph for every step after the first. Under torch.jit.trace the
+        # learned positions are given too, so that the check op checks them in every call
+        # (check_inputs compared the traced example's length with the table's).
         if pos_encoding != "none":
             position_ids = (torch.arange(ids.shape[-1], device=ids.device) + offset).expand(ids.shape)
         offset = 0

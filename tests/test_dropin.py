@@ -560,23 +560,47 @@ def test_an_exported_program_trains_as_the_model_does(backend, layer, strict):
         torch.testing.assert_close(grads[name].grad.to_dense(), param.grad.to_dense(), rtol=0, atol=0)
 
 
-@pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the cpu backend (the C++ extension) is not built")
-def test_torch_jit_trace_records_the_cpu_op_and_a_saved_trace_runs_it_with_its_check(tmp_path):
+# What a trace records per backend: the C++ backends' pyembed::embedding, whose arguments
+# carry the check; the reference's check op and lookup op (what torch.compile records).
+TRACED_OPS = {"cpu": ["pyembed::embedding"], "reference": ["pyembed::check_ranges", "pyembed::reference_lookup"]}
+
+
+@pytest.mark.parametrize("backend", [b for b in CPU_BACKENDS if b in TRACED_OPS])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_torch_jit_trace_records_dispatcher_ops_and_a_saved_trace_checks_and_trains(tmp_path, backend, grad):
     # TorchScript (deprecated by PyTorch, still deployed): torch.jit.trace records
-    # pyembed::embedding, a dispatcher op, with the check among its arguments; the saved
-    # module, loaded where pyembed is imported, takes new sizes and refuses a bad id.
+    # dispatcher ops only, with the range check among them, and without a TracerWarning; the
+    # saved module, loaded where pyembed is imported, takes new sizes, refuses a bad id or
+    # a sequence longer than the learned table, and trains: its tables' gradients are the
+    # eager module's. The reference backend (auto's when the extension is not built) once
+    # recorded its autograd.Function as a Python call (torch.jit.save cannot write one; the
+    # check trace differed: TracingCheckError), under no_grad its forward op without a
+    # backward, and ran its range check unrecorded.
     # (torch.jit.script cannot compile the modules: their forward takes keyword-only arguments.)
     torch.manual_seed(10)
-    model = pyembed.EmbeddingLayer(50, 16, 32, scale_embeddings=True, backend="cpu").eval()
-    with warnings.catch_warnings():
+    model = pyembed.EmbeddingLayer(50, 16, 32, scale_embeddings=True, padding_idx=0, backend=backend).eval()
+    with warnings.catch_warnings(), torch.set_grad_enabled(grad):
         warnings.simplefilter("ignore", FutureWarning)  # "torch.jit.trace (load, ...) is deprecated"
+        warnings.simplefilter("error", torch.jit.TracerWarning)
         traced = torch.jit.trace(model, torch.randint(0, 50, (2, 8)))
+    assert [n.kind() for n in traced.inlined_graph.nodes() if n.kind().startswith(("pyembed::", "prim::Python"))] \
+        == TRACED_OPS[backend]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
         torch.jit.save(traced, str(tmp_path / "model.pt"))
         loaded = torch.jit.load(str(tmp_path / "model.pt"))
     other = torch.randint(0, 50, (3, 20))
-    torch.testing.assert_close(loaded(other), model(other), rtol=0, atol=0)
+    out, expected = loaded(other), model(other)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    expected.backward(dout)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(dict(loaded.named_parameters())[name].grad, param.grad, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="max id 70, but the embedding table has V=50"):
         loaded(torch.tensor([[1, 70]]))
+    with pytest.raises(RuntimeError, match="max_seq_len=32"):
+        loaded(torch.randint(0, 50, (1, 40)))
 
 
 @pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs triton and its interpreter (no GPU here)")
