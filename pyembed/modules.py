@@ -15,6 +15,13 @@ from .functional import embedding_renorm_, fused_embedding
 
 _INIT_POS_STD = 0.02  # learned positions start small, as in GPT-2 / BERT
 
+# torch.fx.symbolic_trace (FX graph mode quantization, torchvision's feature extraction,
+# transformers' fx tracer) traces into every module's forward but torch.nn's own (an
+# nn.Embedding is one call_module node), and the op cannot take its Proxies for tensors: it
+# records these two calls as call_function nodes instead, whose arguments are the Proxies.
+torch.fx.wrap("fused_embedding")
+torch.fx.wrap("embedding_renorm_")
+
 
 class FusedEmbedding(nn.Embedding):
     """``nn.Embedding`` served by pyembed's fused op. Same constructor, attributes,

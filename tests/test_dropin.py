@@ -4,6 +4,7 @@ torch.func per-sample gradients, integer tables, zero-width tables and Hugging F
 (1, T) position_ids, on every backend that runs here."""
 
 import copy
+import pickle
 import subprocess
 import sys
 import warnings
@@ -601,6 +602,49 @@ def test_torch_jit_trace_records_dispatcher_ops_and_a_saved_trace_checks_and_tra
         loaded(torch.tensor([[1, 70]]))
     with pytest.raises(RuntimeError, match="max_seq_len=32"):
         loaded(torch.randint(0, 50, (1, 40)))
+
+
+class _Head(nn.Module):
+    def __init__(self, embedding: nn.Module):
+        super().__init__()
+        self.embedding, self.linear = embedding, nn.Linear(16, 3)
+
+    def forward(self, ids):
+        return self.linear(self.embedding(ids))
+
+
+def test_torch_fx_symbolic_trace_records_the_lookup_as_one_call():
+    # torch.fx.symbolic_trace (FX graph mode quantization, feature extraction) traces into
+    # every module but torch.nn's own, and the op refused its Proxies ("ids must be an int32
+    # or int64 tensor, got Proxy"): pyembed's calls are recorded as call_function nodes. The
+    # traced models compute what nn.Embedding's traced model does (max_norm's in-place renorm
+    # of the table included), and train, pickled too.
+    from torch.fx import symbolic_trace
+
+    from pyembed.functional import embedding_renorm_, fused_embedding
+
+    torch.manual_seed(17)
+    plain = _Head(nn.Embedding(50, 16, padding_idx=0, max_norm=1.0))
+    fused = copy.deepcopy(plain)
+    fused.embedding = pyembed.FusedEmbedding(50, 16, padding_idx=0, max_norm=1.0)
+    fused.embedding.load_state_dict(plain.embedding.state_dict())
+    layer = _Head(pyembed.EmbeddingLayer(50, 16, 32, scale_embeddings=True))
+    ids = torch.randint(0, 50, (2, 8))
+    traced_plain, traced_fused, traced_layer = (symbolic_trace(m) for m in (plain, fused, layer))
+    assert [n.target for n in traced_fused.graph.nodes if n.op == "call_function"] == [embedding_renorm_,
+                                                                                        fused_embedding]
+    assert [n.target for n in traced_layer.graph.nodes if n.op == "call_function"] == [fused_embedding]
+    out = traced_fused(ids)
+    expected = traced_plain(ids)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(fused.embedding.weight, plain.embedding.weight, rtol=0, atol=0)  # renormed alike
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(fused.embedding.weight.grad, plain.embedding.weight.grad, rtol=0, atol=0)
+    unpickled = pickle.loads(pickle.dumps(traced_layer))
+    torch.testing.assert_close(unpickled(ids), layer(ids), rtol=0, atol=0)
+    unpickled(ids).sum().backward()
+    assert unpickled.embedding.token_embedding.weight.grad is not None
 
 
 @pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs triton and its interpreter (no GPU here)")
