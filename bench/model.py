@@ -54,7 +54,7 @@ from pyembed import dispatch
 
 from .cases import DTYPES, SHAPES
 from .run import GATE_TOL, time_cpu, time_gpu
-from .targets import _us
+from .targets import format_ms
 
 
 class NNInputLayer(nn.Module):
@@ -290,9 +290,9 @@ def table(results: dict, title: str) -> str:
             continue
         mode = "compiled" if name.startswith("compile") else "eager"
         fwd_bwd, step = found["fwd+bwd"][0], found["step"][0]
-        share = "" if "the rest" in name or rest[mode] is None else _us(fwd_bwd - rest[mode][0])
+        share = "" if "the rest" in name or rest[mode] is None else format_ms(fwd_bwd - rest[mode][0])
         versus = ("" if "pyembed" not in name or nn_step[mode] is None else f"{nn_step[mode][0] / step:.2f}x")
-        lines.append(f"| {name} | {_us(fwd_bwd)} | {_us(step)} | {share} | {versus} |")
+        lines.append(f"| {name} | {format_ms(fwd_bwd)} | {format_ms(step)} | {share} | {versus} |")
     return "\n".join(lines)
 
 

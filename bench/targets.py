@@ -64,7 +64,8 @@ def floor_ms(r: dict) -> float:
     return copy_ms * floor_bytes / r["min_bytes"]
 
 
-def _us(ms: float) -> str:
+def format_ms(ms: float) -> str:
+    """A time given in ms, in us below 1 ms (the unit the tables read in)."""
     return f"{ms * 1e3:.0f} us" if ms < 1 else f"{ms:.2f} ms"
 
 
@@ -76,7 +77,7 @@ def _speedup(name: str, over, key: str = "median_ms"):
         if base is None or not p.get(name, {}).get(key):
             return None
         t = p[name][key]
-        return f"{base / t:.2f}x ({_us(t)} vs {_us(base)})", base / t
+        return f"{base / t:.2f}x ({format_ms(t)} vs {format_ms(base)})", base / t
     return measure
 
 
@@ -112,8 +113,8 @@ def _within_floor(p):
     r = p["pyembed-cuda"]
     anchor = p.get("compile", {}).get("graph_ms")
     beside = f"; compiled nn ops {anchor / floor:.2f}x" if anchor else ""
-    return (f"{r['graph_ms'] / floor:.2f}x the floor ({_us(r['graph_ms'])} graphed vs {_us(floor)}{beside})",
-            floor / r["graph_ms"])
+    graphed = f"{format_ms(r['graph_ms'])} graphed vs {format_ms(floor)}{beside}"
+    return f"{r['graph_ms'] / floor:.2f}x the floor ({graphed})", floor / r["graph_ms"]
 
 
 def _mode(mode: str, more=lambda r: True):
@@ -176,7 +177,7 @@ def targets(rows: list[dict]) -> list[tuple]:
             if verdict != "met" and bounded is not None:
                 floor, asked = _floor_of(p), p[bounded]["median_ms"] * value / bound
                 if floor is not None and asked < floor:
-                    text += f"; {bound}x asks {_us(asked)}, below the bytes floor's {_us(floor)}"
+                    text += f"; {bound}x asks {format_ms(asked)}, below the bytes floor's {format_ms(floor)}"
                     verdict = "below the floor"
             found.append((issue, target, next(iter(p.values()))["label"], text, verdict))
         if not hits:
