@@ -985,7 +985,10 @@ def _update_rows(param_ptr, state1_ptr, state2_ptr, at, ok, g, lr, beta1, beta2,
         tl.store(state2_ptr + at, _rounded(s2, state2_ptr), mask=ok)
 
 
-@triton.jit
+# touched is not specialised: Triton 3.6 (the GPU machine's) crashed compiling the every-row
+# update (ALL_ROWS) with touched == 1 as a constant (an LLVM assertion in its coalescing
+# pass: a one-token AdamW step's positional table); one binary for every count loses nothing.
+@triton.jit(do_not_specialize=["touched"])
 def _optimizer_update_kernel(
     param_ptr,  # (num_rows, dim) the table, updated in place
     state1_ptr, state2_ptr,  # (num_rows, dim) its optimizer state, when HAS_STATE1 / HAS_STATE2
