@@ -11,7 +11,7 @@ DEPS_STAMP    := $(VENV)/.deps-installed
 INSTALL_STAMP := $(VENV)/.pyembed-installed
 BUILD_INPUTS  := setup.py pyproject.toml pyembed/_cuda_home.py $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: test bench install clean gpu-check test-compat
+.PHONY: test bench install clean gpu-check test-compat test-gpu-stack
 
 # A pytest-xdist worker per core, 8 at most (~1 GB each; TEST_WORKERS=N chooses, 0: none),
 # tests handed out one by one; a fixture whose work is the same on every worker (the nvcc
@@ -97,6 +97,28 @@ test-compat: $(INSTALL_STAMP)
 	$(PY) tests/triton_specs.py record $(CURDIR)/build/triton_specs.json
 	cd $(COMPAT_VENV) && PYTHONPATH=$(CURDIR)/$(COMPAT_VENV)/gpu-triton bin/python $(CURDIR)/tests/triton_specs.py \
 		compile $(CURDIR)/build/triton_specs.json
+
+# The GPU machine's stack -- its Python, torch, Triton and transformers (the device tool's
+# KINDS.md) -- on this CPU machine, so that what breaks there is found before a GPU session
+# spends its minutes: the suite (its triton tests under 3.6's interpreter, which needs
+# NumPy < 2.4; the GPU machine's NumPy is newer, its triton tests compile) and, within it,
+# bench.triton_host's real 3.6 JIT for sm_90 behind the stand-in driver (it found 3.6 unable
+# to compile a one-token AdamW step's update kernel, which 3.8 compiles). A copy of the
+# working tree, built in place for CPU only (`make test` compiles the CUDA sources); torch
+# 2.11 is older than the torch>=2.13 declared, as on the GPU machine, whose build allows it
+# (PYEMBED_ALLOW_OLD_TORCH=1). Not part of `make test`: a second torch (~5 GB), ~25 minutes.
+GPU_STACK_PYTHON ?= python3.12
+GPU_STACK_VENV   := .venv-gpu-stack
+GPU_STACK_PINS   := torch==2.11.0 triton==3.6.0 transformers==5.17.0 "numpy<2.4"
+test-gpu-stack:
+	rm -rf $(GPU_STACK_VENV) && $(GPU_STACK_PYTHON) -m venv $(GPU_STACK_VENV)
+	$(GPU_STACK_VENV)/bin/pip install $(GPU_STACK_PINS) "setuptools>=77" wheel ninja pytest pytest-xdist hypothesis \
+		tqdm matplotlib
+	mkdir -p $(GPU_STACK_VENV)/src && git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C $(GPU_STACK_VENV)/src
+	cd $(GPU_STACK_VENV)/src && PYEMBED_ALLOW_OLD_TORCH=1 PYEMBED_BUILD_CUDA=0 ../bin/pip install --no-build-isolation \
+		--no-deps -e . && ../bin/python -m pyembed.info
+	cd $(GPU_STACK_VENV)/src && ../bin/python -m pytest tests -q -p no:cacheprovider -n $(TEST_WORKERS) --maxprocesses=8 \
+		--ignore=tests/test_packaging.py --ignore=tests/test_cuda_build.py
 
 clean:
 	rm -rf build *.egg-info pyembed/*.so

@@ -1580,3 +1580,21 @@ def position_update(dout2d, param, state1, state2, batch: int, seq_len: int, off
         *DoutDropout.launch_args(dropout, param), *scalars, HAS_DROPOUT=dropout is not None, **rule_flags,
         COMPUTE_F64=param.dtype == torch.float64, BLOCK_D=block_d,
     )
+
+
+# Every kernel's cache key, computed now, in definition order. Triton 3.6 (the GPU machine's)
+# folds the global constants a kernel reads into its key in a way that depends on which
+# kernels' keys a process computed first (a helper's constants went into the key of whichever
+# caller was keyed first): the same call keyed _chunk_kernel, _merge_tiles_kernel and the
+# checked forward otherwise in a process launching a lookup and its backward than in one
+# compiling them from tests/triton_specs.py's record, so the test step's workers missed what
+# `triton_specs.py warm` had compiled beside gpu-check's build. Computed here, every process
+# keys them alike (~12 ms once, on the first use of the triton backend; 3.8 keys them alike
+# in any order).
+def _key_every_kernel() -> None:
+    for value in list(globals().values()):
+        if isinstance(value, JITFunction):  # not under the interpreter: its kernels have no key
+            value.cache_key
+
+
+_key_every_kernel()
