@@ -1584,8 +1584,8 @@ def position_update(dout2d, param, state1, state2, batch: int, seq_len: int, off
 
 # Every kernel's cache key, computed now, in definition order. Triton 3.6 (the GPU machine's)
 # folds the global constants a kernel reads into its key in a way that depends on which
-# kernels' keys a process computed first (a helper's constants went into the key of whichever
-# caller was keyed first): the same call keyed _chunk_kernel, _merge_tiles_kernel and the
+# kernels' keys a process computed first (seen: a kernel keyed with or without constants its
+# helpers read, by that order): the same call keyed _chunk_kernel, _merge_tiles_kernel and the
 # checked forward otherwise in a process launching a lookup and its backward than in one
 # compiling them from tests/triton_specs.py's record, so the test step's workers missed what
 # `triton_specs.py warm` had compiled beside gpu-check's build. Computed here, every process
