@@ -395,6 +395,17 @@ def device_calls(fn, calls: int = 3, flushed: bool = False) -> str:
     return ", ".join(f"{n:g} {name}" for name, n in found.items() if n) + (" per call" if any(found.values()) else "")
 
 
+def case_inputs(case: Case, device) -> tuple[Tables, torch.Tensor, torch.Tensor]:
+    """A case's tables, ids and output gradient, from one generator seeded alike for every
+    case (every run and every provider sees the same)."""
+    generator = torch.Generator().manual_seed(0)
+    tables = build_tables(case, device, generator)
+    ids = make_ids(case, device, generator)
+    dout = torch.randn(case.batch, case.seq_len, case.dim, generator=generator).to(device=device,
+                                                                                   dtype=DTYPES[case.dtype])
+    return tables, ids, dout
+
+
 def run_case(case: Case, device, provs: list[Provider], args) -> list[dict]:
     # The earlier cases' tables, freed: an optimizer inside the backward and its parameter
     # refer to each other (torch.distributed.optim's convention), so only the collector
@@ -403,11 +414,7 @@ def run_case(case: Case, device, provs: list[Provider], args) -> list[dict]:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    generator = torch.Generator().manual_seed(0)
-    shared_tables = build_tables(case, device, generator)
-    ids = make_ids(case, device, generator)
-    dout = torch.randn(case.batch, case.seq_len, case.dim, generator=generator).to(device=device,
-                                                                                   dtype=DTYPES[case.dtype])
+    shared_tables, ids, dout = case_inputs(case, device)
     nbytes = minimal_bytes(case, ids)
     rows, fns = [], {}
     for p in provs:

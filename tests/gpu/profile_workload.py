@@ -876,7 +876,7 @@ def step_timeline(backend: str, device: str = "cuda"):
     (compile 948 against 522 us, compiled `cuda` 1014 against 600), while the eager ones did
     not (`cuda` 606 against 569, eager nn ops 915 against 979)."""
     from bench import run
-    from bench.cases import DTYPES, Case, make_ids
+    from bench.cases import Case
     from bench.providers import providers
 
     device = torch.device(device)
@@ -884,10 +884,7 @@ def step_timeline(backend: str, device: str = "cuda"):
     chosen = [p for p in providers(device) if p.name in names]
     for pos in ("learned", "sinusoidal"):
         case = Case("gpt2", 8, 2048, "step", pos=pos)
-        generator = torch.Generator().manual_seed(0)
-        shared = run.build_tables(case, device, generator)
-        ids = make_ids(case, device, generator)
-        dout = torch.randn(case.batch, case.seq_len, case.dim, generator=generator).to(device, DTYPES[case.dtype])
+        shared, ids, dout = run.case_inputs(case, device)
         for provider in chosen:
             if provider.reset is not None:
                 provider.reset()
