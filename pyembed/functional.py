@@ -290,7 +290,17 @@ def _exported_fakes(weight, ids) -> bool:
 
 _VALIDATE_VALUES = (True, False, "sync")
 # Bound once: an eager GPU call asks both (two attribute lookups each cost it ~0.1 us).
-_is_exporting, _is_tracing = torch.compiler.is_exporting, torch.jit.is_tracing
+_is_tracing = torch.jit.is_tracing
+
+
+def _is_exporting() -> bool:
+    """torch.compiler.is_exporting(), right under torch.compile too: Dynamo before torch 2.14
+    folded that call to True in every compiled graph (pytorch/pytorch#176347), so on torch
+    2.13 and older (the GPU machine's 2.11) each compiled call took the synchronous range check
+    -- a device->host sync: 10.3 ms a compiled GPT-2 forward on an H200 with the GPU busy,
+    against 70 us -- and ignored a table's fused optimizer. The flag that call returns is
+    set by torch.export alone, and Dynamo reads it as the constant it is while tracing."""
+    return torch.compiler._is_exporting_flag
 _DEVICE_TYPES: dict = {}  # torch.device -> its type: device.type builds a new str on every read (~0.2 us)
 
 

@@ -531,6 +531,25 @@ def test_an_exported_program_checks_in_the_call_and_holds_no_error_record(monkey
         model(ids)
 
 
+def test_only_torch_export_counts_as_exporting():
+    """pyembed asks whether it is exporting to choose the range check (in the call for a
+    program saved to run elsewhere, in the kernel on a GPU) and whether a table's fused
+    optimizer applies. Dynamo before torch 2.14 folded torch.compiler.is_exporting() to
+    True under torch.compile as well (pytorch/pytorch#176347): on the GPU machine's torch 2.11
+    every compiled call synchronised with the device and ignored fused optimizers."""
+    from pyembed import functional
+
+    class Flag(torch.nn.Module):
+        def forward(self, x):
+            return x + 1 if functional._is_exporting() else x
+
+    x = torch.zeros(2)
+    assert torch.equal(Flag()(x), x)
+    assert torch.equal(torch.compile(Flag(), backend="eager", fullgraph=True)(x), x)
+    for strict in (False, True):
+        assert torch.equal(torch.export.export(Flag(), (x,), strict=strict).module()(x), x + 1)
+
+
 TRAINABLE_EXPORTS = [(b, layer) for b in CPU_BACKENDS for layer in ("learned", "sinusoidal", "sparse", "dropout")
                      if not (b in ("triton", "reference") and layer == "dropout")]  # (README: those are not)
 
