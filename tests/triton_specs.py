@@ -13,7 +13,8 @@ the GPU machine's (3.6) -- through its real JIT for sm_90 with a stand-in driver
 backward at d = 16-64, which no test here could see: the interpreter does not compile.
 ``warm`` compiles them into Triton's on-disk cache, for this machine's GPU (the stand-in's
 sm_90 where none is visible), in JOBS processes (default: the cores less two), starting no
-compile after SECONDS (default 150); it never fails (a spec that does not compile is named,
+compile after SECONDS (default 150) and stopping its processes 10 s later (each reports what
+it compiled); it never fails (a spec that does not compile is named,
 and a test that launches it reports it). gpu-check runs it beside its build, whose CUDA
 compile leaves most cores idle for a minute or more, and each of the test step's 16 workers
 compiles what it launches first for itself (at 26f0ba6, H200, the step's slowest tests were
@@ -23,6 +24,7 @@ mostly small-shape triton ones at 9-23 s, which compiling would explain).
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -146,6 +148,8 @@ def _warm_up(entries: list, stop_at: float = float("inf")) -> tuple[int, list]:
         try:
             getattr(kernels, name).warmup(*args, grid=(1,), **constexprs)
             done += 1
+        except KeyboardInterrupt:  # warm's time is up (its parent stops it): report what is done
+            break
         except Exception as error:  # noqa: BLE001 - every failure is reported
             failed.append(f"{name} {constexprs}: {str(error).splitlines()[0][:200]}")
     return done, failed
@@ -187,9 +191,21 @@ def warm(path: str, jobs: int, seconds: float) -> int:
     started = time.time()
     shards = [subprocess.Popen([sys.executable, __file__, "warm-shard", path, str(k), str(jobs), str(seconds)],
                                stdout=subprocess.PIPE, text=True) for k in range(jobs)]
+    outputs = []
+    try:
+        for shard in shards:
+            outputs.append(shard.communicate(timeout=max(0.1, started + seconds + 10 - time.time()))[0])
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        # Time is up: a compile started before SECONDS may run on (at 82eabd8 on an H200
+        # gpu-check stopped this process alone after 210 s, its shards compiling on beside
+        # the tests, and nothing said how far they had come). Each shard stops after its
+        # current compile and reports.
+        for shard in shards:
+            shard.send_signal(signal.SIGINT)
+        outputs += [shard.communicate()[0] for shard in shards[len(outputs):]]
     reports = []
-    for k, shard in enumerate(shards):
-        lines = shard.communicate()[0].strip().splitlines()
+    for k, output in enumerate(outputs):
+        lines = output.strip().splitlines()
         try:
             reports.append(json.loads(lines[-1]))
         except (IndexError, ValueError):  # the shard died: its output says why
@@ -204,8 +220,13 @@ def warm(path: str, jobs: int, seconds: float) -> int:
 def warm_shard(path: str, shard: int, jobs: int, seconds: float) -> None:
     stop_at = time.time() + seconds
     os.environ.pop("TRITON_INTERPRET", None)
-    device = _stand_in_unless_gpu()
-    entries = _with_both_range_checks(_specialisations(path, device))[shard::jobs]
+    try:
+        device = _stand_in_unless_gpu()
+        entries = _with_both_range_checks(_specialisations(path, device))[shard::jobs]
+    except KeyboardInterrupt:  # stopped before its first compile (imports are slow beside a build)
+        print(json.dumps({"done": 0, "total": 0, "failed": [f"shard {shard}: stopped before compiling"],
+                          "device": "?"}))
+        return
     done, failed = _warm_up(entries, stop_at)
     target = "sm_90 (stand-in)" if device == "cpu" else "this GPU"
     print(json.dumps({"done": done, "total": len(entries), "failed": failed, "device": target}))

@@ -264,7 +264,11 @@ def main() -> int:
     # the source tree (python -m puts the working directory first on sys.path).
     # Whatever PYTHONPATH already holds (e.g. carried wheels: Liger-Kernel) stays, after them.
     paths = [str(stage), str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONDONTWRITEBYTECODE": "1"}
+    # Inductor compiles in the calling process, not in a pool of workers: at 82eabd8 the
+    # profile step, its output all written, was found stopped at its 104 s (82 s in all at
+    # 26f0ba6) in the pool's shutdown at exit (torch 2.11), time the steps after it lacked.
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", **os.environ, "PYTHONPATH": os.pathsep.join(paths),
+           "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("TRITON_INTERPRET", None)
     check = Check(out, env)
     started = time.time()
@@ -289,11 +293,15 @@ def main() -> int:
     # each compile what they launch first. Not a check: a spec that does not compile is the
     # tests' to report.
     specs = ROOT / "build" / "triton_specs.json"
+    # It must end with the build: the tests wait for both. At 82eabd8 (H200) it was given
+    # 90 s to start compiles and 210 s in all, and took them all (its processes starting
+    # beside the build's compilers made that build 132 s, 93 at 26f0ba6); the tests then
+    # had 130 s (1118 of their 1119 done, 91% in 217 s at 26f0ba6, without it).
     if specs.exists() and not args.skip_tests:
-        jobs, seconds = max(1, (os.cpu_count() or 4) - 2), 30 if args.rehearse else 90  # about the build's time
+        jobs, seconds = max(1, (os.cpu_count() or 4) - 2), 30 if args.rehearse else 75  # within the build's time
         check.start("Triton specialisations compiled beside the build (tests/triton_specs.py warm)",
                     [args.python, str(ROOT / "tests" / "triton_specs.py"), "warm", str(specs), str(jobs),
-                     str(seconds)], "triton-warm.log", seconds + 120, cwd=stage)
+                     str(seconds)], "triton-warm.log", seconds + 20, cwd=stage)
     built = check.wait()[build][0]
 
     if built:  # the tests must see the staged build, with its CUDA kernels
