@@ -107,9 +107,8 @@ test-compat: $(INSTALL_STAMP)
 # working tree, built in place for CPU only (`make test` compiles the CUDA sources); torch
 # 2.11 is older than the torch>=2.13 declared, as on the GPU machine, whose build allows it
 # (PYEMBED_ALLOW_OLD_TORCH=1). Left out, as differing on torch 2.11 and not what gpu-check
-# runs there: torch.distributed's (no second GPU there), AOTInductor packages, a test that
-# patches autograd.Function.apply (2.11's reference call does not pass through the patch),
-# the AOT compiles for sm_80 (3.6 spills there; `make test-compat` compiles sm_90 with 3.6).
+# runs there: torch.distributed's (no second GPU there), AOTInductor packages, the AOT
+# compiles for sm_80 (3.6 spills there; `make test-compat` compiles sm_90 with 3.6).
 # (Dynamo before 2.14 answered torch.compiler.is_exporting() with True in compiled graphs:
 # the host-sync recorder's compiled tests and test_optim's compiled fused-optimizer calls
 # found it here, and gpu-check's compiled timings at 82eabd8 on an H200: pyembed.functional.)
@@ -128,7 +127,7 @@ test-gpu-stack:
 	cd $(GPU_STACK_VENV)/src && ../bin/python -m pytest tests -q -p no:cacheprovider -n $(TEST_WORKERS) --maxprocesses=8 \
 		--ignore=tests/test_packaging.py --ignore=tests/test_cuda_build.py --ignore=tests/test_dtensor.py \
 		--ignore=tests/test_parallel.py --ignore=tests/test_triton_aot.py \
-		-k "not aotinductor_package and not test_calls_that_need_no_gradient_skip_the_autograd_function"
+		-k "not aotinductor_package"
 
 clean:
 	rm -rf build *.egg-info pyembed/*.so
