@@ -396,13 +396,15 @@ def python_profile(backends, top=22):
             print(f"{own / calls * 1e6:9.1f} {cumulative / calls * 1e6:9.1f}  x{count / calls:<5g} {where}", flush=True)
 
 
-def host_cost_targets(backends, weight, ids, per_call, rounds=5):
+def host_cost_targets(backends, weight, ids, per_call, rounds=15):
     """Issue #29's host-cost targets, side by side in one process: a one-token lookup
     (default arguments, a table that wants a gradient, and under no_grad) against
     F.embedding's host cost (`cuda`: <= 1.3x) and a raw Triton launch's (`triton`: <= 2x);
     also the same raw kernel through pyembed's cached launcher, the floor of a `triton` launch;
     then #30's: a one-token forward + backward against eager nn ops' (<= 1x).
-    The calls take turns, round after round; each figure is its best round."""
+    The calls take turns, round after round, both grad modes in each round (at 82eabd8, the
+    modes in turn and 5 rounds, F.embedding's best was 14.8 us with a gradient and 19.3 under
+    no_grad: the machine drifts); each figure is its best round (~0.1 s a round)."""
     import triton
     import triton.language as tl
 
@@ -417,12 +419,13 @@ def host_cost_targets(backends, weight, ids, per_call, rounds=5):
              "raw Triton launch": lambda: _touch[(1,)](scratch),
              "raw launch, cached (kernels/launch.py)": lambda: cached(_touch)[(1,)](scratch)}
     calls.update({f"pyembed {b}": lambda b=b: pyembed.fused_embedding(ids, weight, backend=b) for b in backends})
-    for grad in (True, False):
-        best = dict.fromkeys(calls, float("inf"))
-        with torch.set_grad_enabled(grad):
-            for _ in range(rounds):
+    bests = {grad: dict.fromkeys(calls, float("inf")) for grad in (True, False)}
+    for _ in range(rounds):
+        for grad, best in bests.items():
+            with torch.set_grad_enabled(grad):
                 for name, fn in calls.items():
                     best[name] = min(best[name], per_call(fn))
+    for grad, best in bests.items():
         mode = "with a gradient" if grad else "no_grad"
         for name, us in best.items():
             print(f"host 1x1 target ({mode}) {name}: {us:.1f} us/call", flush=True)
