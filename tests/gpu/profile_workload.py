@@ -620,11 +620,6 @@ ROW_TILES = ("PYEMBED_TRITON_ROW_TILES", ("1", "2", "4"))
 # 1b594a4. Pipelined, ~one round trip a row, for more registers in every tile (fp32 92 ->
 # 101 at two stages, sm_90): timed with both.
 SUM_STAGES = ("PYEMBED_TRITON_SUM_STAGES", ("1", "2", "3"))
-# `cuda`'s finish_segments: a thread group's one-token and untouched rows consecutive (the
-# default since 26f0ba6, where the H200 ran the kernel spread at 85.8 us against de2aee7's
-# consecutive 61.4, GPT-2 fp32) or `groups` apart as its longer segments always are (the
-# form of 1b12bd6, for Zipf ids' neighbouring hot rows): timed with both distributions.
-FINISH_ROWS = ("PYEMBED_CUDA_FINISH_ROWS", ("consecutive", "spread"))
 
 
 def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
@@ -634,8 +629,10 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
     call. At 79bdffb (H200) CUB's sort was 7 of `cuda`'s 10 GPU ops, ~23 us; torch's, 7 of
     `triton`'s 10 (its host time 41 us). At de2aee7 the one-block sort (then `cuda`'s
     default) was ~28 of its ~107 us at GPT-2 fp32 (ncu); at 1b594a4 the tile sort ~28 of `triton`'s.
-    Then `triton`'s with each of ROW_TILES' settings, and of SUM_STAGES' (uniform and Zipf ids),
-    and `cuda`'s with each of FINISH_ROWS'."""
+    Then `triton`'s with each of SUM_STAGES' settings (uniform and Zipf ids). (Timed at
+    82eabd8 and left out since, settled: ROW_TILES' settings, the defaults within noise;
+    `triton`'s tile merge without its maxnreg, the same; `cuda`'s first pass over spread
+    rows, now gone -- docs/bench-h200/82eabd8/profile.log.)"""
     import os
 
     for backend, variable, sorts in SORTS:
@@ -659,37 +656,8 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
         del os.environ[variable]
     zipf_cases = [(table, dtype, dist) for table, dtype in ((GPT2, torch.float32), (GPT2, torch.bfloat16),
                                                            (LLAMA3, torch.bfloat16)) for dist in ("uniform", "zipf")]
-    if "triton" in backends:  # its table pass's tiles a program, each setting for every dtype
-        setting_cases("triton", ROW_TILES, "row tiles", [(table, dtype, "uniform") for table in (GPT2, LLAMA3)
-                                                         for dtype in (torch.float32, torch.bfloat16)],
-                      batch, seq_len, calls)
-        # and its rows' loop, pipelined or not
+    if "triton" in backends:  # its rows' loop, pipelined or not
         setting_cases("triton", SUM_STAGES, "sum stages", zipf_cases, batch, seq_len, calls)
-        # and its tile merge launched without its compile options, against the "tile sort"
-        # rows above: ptxas's own register budget issued a thread's probes one at a time
-        # (Triton 3.6's sm_90 SASS) where MERGE_OPTIONS' maxnreg lets all 16 of a step go
-        # together; 20.7 us on the H200 at 26f0ba6, `cuda`'s merge 8.3 (ncu, GPT-2 8x2048).
-        merge_without_options([(table, dtype, "uniform") for table, dtype in (
-            (GPT2, torch.float32), (GPT2, torch.bfloat16), (LLAMA3, torch.bfloat16))], batch, seq_len, calls)
-    if "cuda" in backends:  # its first pass's rows, consecutive or spread
-        setting_cases("cuda", FINISH_ROWS, "finish rows", zipf_cases, batch, seq_len, calls)
-
-
-def merge_without_options(cases, batch, seq_len, calls):
-    """`triton`'s dense backward op over ``cases`` ((table, dtype, ids' distribution)) with
-    its tile merge launched without kernels.embedding.MERGE_OPTIONS (tile_sort reads them
-    per call), planned afresh before and after."""
-    from pyembed import _triton
-    from pyembed.kernels import embedding as k
-
-    kept, k.MERGE_OPTIONS = k.MERGE_OPTIONS, {}
-    try:
-        _triton.clear_plans(forward=False)
-        for table, dtype, dist in cases:
-            sort_case("triton", "tile sort, merge without its maxnreg", table, dtype, batch, seq_len, calls, dist)
-    finally:
-        k.MERGE_OPTIONS = kept
-        _triton.clear_plans(forward=False)
 
 
 def setting_cases(backend, setting, label, cases, batch, seq_len, calls):
