@@ -214,14 +214,16 @@ def test_emulated_position_blocks_write_the_batch_rows_in_any_grouping(emulated,
 
 
 @pytest.mark.parametrize("need_pos_grad", [False, True], ids=["no positions", "learned positions"])
+@pytest.mark.parametrize("layout", ["consecutive", "spread"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_emulated_finish_rows_are_the_exact_sums(emulated, dtype, need_pos_grad):
-    """finish_segments' first pass (rows of at most one token) over consecutive segments, its
-    longer segments `groups` apart: neighbouring hot rows (as a tokenizer numbers frequent
-    tokens), one longer than a chunk (summed in pieces), rows of one token (with learned
-    positions, written by the position blocks), untouched rows, and a row count that is no
-    multiple of four. Every row is its exact sum (integer-valued dout: every sum is exact in
-    bf16)."""
+def test_emulated_finish_rows_in_either_layout_are_the_exact_sums(emulated, monkeypatch, dtype, layout, need_pos_grad):
+    """finish_segments' first pass (rows of at most one token) over consecutive segments, the
+    default, or `groups` apart (PYEMBED_CUDA_FINISH_ROWS=spread); its longer segments always
+    `groups` apart: neighbouring hot rows (as a tokenizer numbers frequent tokens), one longer
+    than a chunk (summed in pieces), rows of one token (with learned positions, written by
+    the position blocks), untouched rows, and a row count that is no multiple of four. Every
+    row is its exact sum (integer-valued dout: every sum is exact in bf16)."""
+    monkeypatch.setenv("PYEMBED_CUDA_FINISH_ROWS", layout)
     gen = torch.Generator().manual_seed(5)
     vocab, batch, seq_len, dim = 203, 2, 400, 16
     ids = torch.randint(4, vocab, (batch, seq_len), generator=gen)

@@ -917,21 +917,25 @@ constexpr int kSegmentsPerGroup = 4;
 // such rows summed them one after another, each a chain of dependent loads: the H200 at
 // de2aee7 ran the dense backward op in 173 us with Zipf ids against 107 with uniform ones.
 // Spread apart, each lands in another group, summed side by side (a segment's sum is the
-// same either way, bit for bit). The first pass's segments are consecutive (group *
-// kSegmentsPerGroup + k): with them spread too (1b12bd6) the H200 at 26f0ba6 ran this
-// kernel in 85.8 us at GPT-2 fp32 against 61.4 at de2aee7, whose groups were consecutive
-// in both passes, and at Llama-3 bf16 -- 88% of the rows zeros -- at 55% of DRAM
-// bandwidth: a block's stores then land in four rows far apart, its bounds' loads in four
-// cache lines. At 82eabd8 (H200) both forms side by side, the dense backward op graphed:
-// consecutive as fast or faster in every case (Llama-3 bf16 432 against 448 us, with Zipf
-// ids 456 against 484; GPT-2 fp32 within 1%), so the spread form is gone.
+// same either way, bit for bit). The first pass's segments are consecutive (`consecutive`:
+// group * kSegmentsPerGroup + k): with them spread too (1b12bd6) the H200 at 26f0ba6 ran
+// this kernel in 85.8 us at GPT-2 fp32 against 61.4 at de2aee7, whose groups were
+// consecutive in both passes, and at Llama-3 bf16 -- 88% of the rows zeros -- at 55% of
+// DRAM bandwidth: a block's stores then land in four rows far apart, its bounds' loads in
+// four cache lines. PYEMBED_CUDA_FINISH_ROWS=spread (read each call) spreads the first pass
+// too: at 82eabd8 (H200) consecutive was as fast or faster in every case (the dense backward
+// op graphed, Llama-3 bf16 432 against 448 us, with Zipf ids 456 against 484; GPT-2 fp32
+// within 1%). Kept, with `consecutive` a kernel argument: with the first pass's step the
+// constant 1, ptxas laid the bounds' loads out otherwise, and the dropout kernel's bf16 form
+// spilled at its 80 registers (sm_90).
 template <typename T, typename A, int VEC, bool kDropout>
 __device__ __forceinline__ void finish_segments_body(Dout<T, kDropout> dout, const int64_t* __restrict__ order,
                                                      const A* __restrict__ partials, const int64_t* __restrict__ begin,
                                                      const int64_t* __restrict__ end,
                                                      const int64_t* __restrict__ first_token, T* __restrict__ out,
                                                      A scale, bool divide_by_count, bool zero_empty,
-                                                     int64_t num_segments, int64_t dim, PositionSums<T> positions) {
+                                                     int64_t num_segments, int64_t dim, PositionSums<T> positions,
+                                                     bool consecutive) {
   dout.start();
   if (position_block<VEC, /*kSolo=*/true, /*kFirst=*/true>(dout, positions, dim, out, scale)) return;
   constexpr int kRows = kSegmentsPerGroup;
@@ -942,15 +946,16 @@ __device__ __forceinline__ void finish_segments_body(Dout<T, kDropout> dout, con
   const int64_t groups = (num_segments + kRows - 1) / kRows;
   const int64_t group = (static_cast<int64_t>(blockIdx.x) - positions.blocks) * blockDim.y + threadIdx.y;
   if (group >= groups) return;
-  const int64_t first_segment = group * kRows;  // the first pass's segment k: first_segment + k
+  // The first pass's segment k: first_segment + k * segment_step.
+  const int64_t first_segment = consecutive ? group * kRows : group, segment_step = consecutive ? 1 : groups;
   // Every segment's bounds and first token, all loads together, not a chain per segment
   // (the rows past num_segments read the last row's).
   int64_t length[kRows], token[kRows];  // token: of a one-token segment, else kEmpty / kLonger
   unsigned stores = 0;  // bit k: the pass below writes segment k's row (registers: a word, not a test per k)
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
-    const bool past = first_segment + k >= num_segments;
-    const int64_t g = past ? num_segments - 1 : first_segment + k;
+    const bool past = first_segment + k * segment_step >= num_segments;
+    const int64_t g = past ? num_segments - 1 : first_segment + k * segment_step;
     token[k] = first_token[g];
     length[k] = past ? 0 : end[g] - begin[g];
     if (!past && (length[k] == 1 ? !solo_by_positions : length[k] == 0 && zero_empty)) stores |= 1u << k;
@@ -968,7 +973,8 @@ __device__ __forceinline__ void finish_segments_body(Dout<T, kDropout> dout, con
     const int64_t g = group + k * groups;
     if (g < num_segments && end[g] - begin[g] >= 2) longer |= 1u << k;
   }
-  T* const group_out = out + first_segment * dim;  // segment k's row: group_out + k * dim
+  T* const group_out = out + first_segment * dim;  // segment k's row: group_out + k * segment_stride
+  const int64_t segment_stride = segment_step * dim;
   // Whether the first pass stores a row of one token. A group that stores only untouched
   // rows' zeros -- with consecutive segments at 8x2048 uniform ids ~60% of Llama-3's groups
   // (88% of its rows untouched), ~27% of GPT-2's -- stores them without the code that loads,
@@ -990,7 +996,7 @@ __device__ __forceinline__ void finish_segments_body(Dout<T, kDropout> dout, con
            j += static_cast<int64_t>(blockDim.x) * VEC) {
 #pragma unroll
         for (int k = 0; k < kRows; ++k) {
-          if (stores >> k & 1u) store_pack<VEC>(group_out + k * dim + j, zeros);
+          if (stores >> k & 1u) store_pack<VEC>(group_out + k * segment_stride + j, zeros);
         }
       }
     }
@@ -1026,7 +1032,7 @@ __device__ __forceinline__ void finish_segments_body(Dout<T, kDropout> dout, con
       A sum[VEC];
 #pragma unroll  // 0 + x: a sum from zero (+0, never -0); an untouched row: +0, as a fill; scale / 1 = scale
       for (int i = 0; i < VEC; ++i) sum[i] = token[k] >= 0 ? (A(0) + x[i]) * scale : A(0);
-      store_pack<VEC>(group_out + k * dim + j, sum);
+      store_pack<VEC>(group_out + k * segment_stride + j, sum);
     }
   }
   // Segments of two or more tokens, `groups` apart. A loop, not unrolled, so its bounds are
@@ -1051,9 +1057,9 @@ __global__ void finish_segments_kernel(Dout<T, false> dout, const int64_t* __res
                                        const A* __restrict__ partials, const int64_t* __restrict__ begin,
                                        const int64_t* __restrict__ end, const int64_t* __restrict__ first_token,
                                        T* __restrict__ out, A scale, bool divide_by_count, bool zero_empty,
-                                       int64_t num_segments, int64_t dim, PositionSums<T> positions) {
+                                       int64_t num_segments, int64_t dim, PositionSums<T> positions, bool consecutive) {
   finish_segments_body<T, A, VEC>(dout, order, partials, begin, end, first_token, out, scale, divide_by_count,
-                                  zero_empty, num_segments, dim, positions);
+                                  zero_empty, num_segments, dim, positions, consecutive);
 }
 
 // The same with the forward's dropout applied as dout is read. The keep bits' Philox
@@ -1065,9 +1071,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 3)
                                    const A* __restrict__ partials, const int64_t* __restrict__ begin,
                                    const int64_t* __restrict__ end, const int64_t* __restrict__ first_token,
                                    T* __restrict__ out, A scale, bool divide_by_count, bool zero_empty,
-                                   int64_t num_segments, int64_t dim, PositionSums<T> positions) {
+                                   int64_t num_segments, int64_t dim, PositionSums<T> positions, bool consecutive) {
   finish_segments_body<T, A, VEC>(dout, order, partials, begin, end, first_token, out, scale, divide_by_count,
-                                  zero_empty, num_segments, dim, positions);
+                                  zero_empty, num_segments, dim, positions, consecutive);
 }
 
 // A dense gradient of at most kFewTokens tokens (a one-token step, a short batch) in one
@@ -1553,6 +1559,10 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
   return seg;
 }
 
+// finish_segments_body's first pass over consecutive segments, unless PYEMBED_CUDA_FINISH_ROWS
+// says "spread" (read by every call, a getenv, so that gpu-check times both in one process).
+inline bool finish_rows_consecutive() { return env_setting("PYEMBED_CUDA_FINISH_ROWS") != "spread"; }
+
 // out[g] = factor(g) * (sum of the dout rows of segment g), for the first out.size(0)
 // segments (one launch, finish_segments_kernel): factor = scale, or scale / (the
 // segment's token count) with divide_by_count. zero_empty: empty segments are written as
@@ -1568,6 +1578,7 @@ void finish_segments(const at::Tensor& dout, const SortedSegments& seg, double s
   const int vec = vector_width<T>(dim, {dout.data_ptr(), out.data_ptr(), positions.out});
   const int64_t groups = (rows + kSegmentsPerGroup - 1) / kSegmentsPerGroup;
   const RowGrid g = add_position_blocks(row_grid(groups, dim, vec), groups, positions, /*positions_first=*/true);
+  const bool consecutive = finish_rows_consecutive();
   with_dout<T>(dout, dropout, [&](auto dout_rows) {
     constexpr bool kDropout = decltype(dout_rows)::kMasked;
     auto run = [&](auto v) {
@@ -1581,7 +1592,7 @@ void finish_segments(const at::Tensor& dout, const SortedSegments& seg, double s
       }();
       Launch::run(g.grid, g.block, kernel, dout_rows, seg.order, static_cast<const A*>(seg.partials), seg.begin,
                   seg.end, seg.first, out.data_ptr<T>(), static_cast<A>(scale), divide_by_count, zero_empty, rows,
-                  dim, positions);
+                  dim, positions, consecutive);
     };
     if (vec > 1) run(std::integral_constant<int, 16 / sizeof(T)>{}); else run(std::integral_constant<int, 1>{});
   });

@@ -632,7 +632,7 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
     Then `triton`'s with each of SUM_STAGES' settings (uniform and Zipf ids). (Timed at
     82eabd8 and left out since, settled: ROW_TILES' settings, the defaults within noise;
     `triton`'s tile merge without its maxnreg, the same; `cuda`'s first pass over spread
-    rows, now gone -- docs/bench-h200/82eabd8/profile.log.)"""
+    rows (PYEMBED_CUDA_FINISH_ROWS), no faster anywhere -- docs/bench-h200/82eabd8/profile.log.)"""
     import os
 
     for backend, variable, sorts in SORTS:

@@ -506,6 +506,18 @@ def test_triton_dense_gradient_with_zipf_ids_is_the_same_at_any_sum_stages(posit
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("positions", [True, False], ids=["learned positions", "no positions"])
+def test_cuda_dense_gradient_with_zipf_ids_is_the_same_with_either_finish_rows(positions, dtype, monkeypatch):
+    """Neighbouring hot rows, some summed in pieces, most rows untouched: `cuda`'s
+    finish_segments with its first pass over consecutive segments (the default; a group of
+    untouched rows stores its zeros alone) and spread `groups` apart
+    (PYEMBED_CUDA_FINISH_ROWS=spread) gives the same gradient -- each segment is summed the
+    same way in either."""
+    _zipf_gradient_is_the_same_at_each("cuda", "PYEMBED_CUDA_FINISH_ROWS", ("consecutive", "spread"), dtype,
+                                       positions, monkeypatch, seed=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("positions", [True, False], ids=["learned positions", "no positions"])
 def test_cuda_dense_gradient_with_zipf_ids_is_the_same_with_each_sort(positions, dtype, monkeypatch):
     """Neighbouring hot rows, some summed in pieces, most rows untouched: `cuda`'s dense
     gradient is the same whichever sort orders the tokens (PYEMBED_CUDA_SORT: its tile sort,
