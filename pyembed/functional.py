@@ -293,7 +293,7 @@ _VALIDATE_VALUES = (True, False, "sync")
 _is_tracing = torch.jit.is_tracing
 
 
-def _is_exporting() -> bool:
+def _exporting_flag() -> bool:
     """torch.compiler.is_exporting(), right under torch.compile too: Dynamo before torch 2.14
     folded that call to True in every compiled graph (pytorch/pytorch#176347), so on torch
     2.13 and older (the GPU machine's 2.11) each compiled call took the synchronous range check
@@ -301,6 +301,10 @@ def _is_exporting() -> bool:
     against 70 us -- and ignored a table's fused optimizer. The flag that call returns is
     set by torch.export alone, and Dynamo reads it as the constant it is while tracing."""
     return torch.compiler._is_exporting_flag
+
+
+# The flag is a private name: a torch without it is one with the fix.
+_is_exporting = _exporting_flag if hasattr(torch.compiler, "_is_exporting_flag") else torch.compiler.is_exporting
 _DEVICE_TYPES: dict = {}  # torch.device -> its type: device.type builds a new str on every read (~0.2 us)
 
 
