@@ -234,6 +234,8 @@ def main() -> int:
     ap.add_argument("--skip-sanitizer", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--skip-profile", action="store_true", help="no torch.profiler / ncu breakdown")
+    ap.add_argument("--skip-ncu", action="store_true",
+                    help="no Nsight Compute step (~70 s at 82eabd8): where no kernel changed since the last run")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
                     help="pytest-xdist workers for the test suite, where xdist is installed (0: none)")
     ap.add_argument("--tests-timeout", type=int, default=1800, help="seconds for the tests and each sanitizer")
@@ -273,9 +275,11 @@ def main() -> int:
     check = Check(out, env)
     started = time.time()
     deadline = Deadline(args.time_limit)
+    # What each step leaves for those after it: the benchmark and the summary; with ncu's
+    # share (after the model step); with the profile's five other steps (after the tests).
     after_profile = (0 if args.skip_bench else BENCH_MIN) + SUMMARY_MIN
-    # profile, 2 compiled-host runs, the compiled timeline, the model step, ncu
-    after_tests = after_profile + (0 if args.skip_profile else 6 * PROFILE_MIN)
+    after_model = after_profile + (0 if args.skip_ncu else PROFILE_MIN)
+    after_tests = after_model + (0 if args.skip_profile else 5 * PROFILE_MIN)
 
     # 1. Stage the package the tests import, and build _C into it for this GPU only.
     stage_package(stage)
@@ -354,7 +358,7 @@ def main() -> int:
             # which a host's time limit may cut short (its rows reach the CSV case by case).
             profiler = str(ROOT / "tests" / "gpu" / "profile_workload.py")
             check.run("profile (torch.profiler)", [args.python, profiler], "profile.log",
-                      deadline.timeout(300, after_profile + 5 * PROFILE_MIN), cwd=stage)
+                      deadline.timeout(300, after_model + 4 * PROFILE_MIN), cwd=stage)
             # Compiled pyembed against compiled nn ops, host time by layer of torch.compile's
             # runtime (guards, graph, frame, backward), GPT-2 8x2048, fp32 and bf16, backwards
             # on autograd's device thread as the benchmark runs them: at
@@ -367,7 +371,7 @@ def main() -> int:
             check.run("compiled host time (python -m bench.compiled_host)",
                       [args.python, "-m", "bench.compiled_host", "--rounds", "3", "--shape", "8x2048", "--dtype",
                        "fp32", "--dtype", "bf16"], "compiled-host-threads.log",
-                      deadline.timeout(300, after_profile + 4 * PROFILE_MIN), cwd=stage)
+                      deadline.timeout(300, after_model + 3 * PROFILE_MIN), cwd=stage)
             # Inductor launches a compiled graph's user-defined Triton kernels (compiled
             # `triton`'s) through Triton's own launcher, its own kernels through its static
             # CUDA launcher, unless this setting says otherwise (off by default in torch 2.13
@@ -376,7 +380,7 @@ def main() -> int:
             check.run("compiled host time, user Triton kernels launched statically (python -m bench.compiled_host)",
                       [args.python, "-m", "bench.compiled_host", "--rounds", "3", "--layer", "triton", "--shape",
                        "8x2048"], "compiled-host-static-launch.log",
-                      deadline.timeout(120, after_profile + 3 * PROFILE_MIN),
+                      deadline.timeout(120, after_model + 2 * PROFILE_MIN),
                       {"TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS": "1"}, cwd=stage)
             # Where a compiled forward + backward's GPU waits (Llama-3 8x2048, fp32 and bf16, eager
             # and compiled pyembed): at 26f0ba6 compiled `cuda` took 905 us at bf16, eager 575, both
@@ -384,7 +388,7 @@ def main() -> int:
             # 8x2048 steps, learned and sinusoidal: every compiled provider's sinusoidal step took
             # ~400 us more than its learned one there (compiled nn ops 948 against 522 us).
             check.run("compiled timeline (torch.profiler)", [args.python, profiler, "--timeline"],
-                      "compiled-timeline.log", deadline.timeout(210, after_profile + 2 * PROFILE_MIN), cwd=stage)
+                      "compiled-timeline.log", deadline.timeout(210, after_model + PROFILE_MIN), cwd=stage)
             # The layer inside a small model's training step, eager and compiled as one graph,
             # written with nn ops and with pyembed (python -m bench.model): a compiled layer
             # alone is mostly torch.compile's runtime, which a compiled model pays once for
@@ -392,9 +396,9 @@ def main() -> int:
             # 541 us, eager 175). fp32 first: its table prints before bf16's compiles start.
             check.run("the input layer in a model (python -m bench.model)",
                       [args.python, "-m", "bench.model", "--dtype", "fp32", "--dtype", "bf16"], "model.log",
-                      deadline.timeout(150, after_profile + PROFILE_MIN), cwd=stage)
+                      deadline.timeout(150, after_model), cwd=stage)
             ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
-            if os.path.exists(ncu):
+            if os.path.exists(ncu) and not args.skip_ncu:
                 check.run("ncu on the forward and backward kernels",
                           [ncu, "--clock-control", "none", "--kernel-name",
                            "regex:forward|sort_inputs|one_block_sort|tile_rank|merge_tiles|chunk_kernel|finish_segments|"
