@@ -109,7 +109,7 @@ test-compat: $(INSTALL_STAMP)
 # (PYEMBED_ALLOW_OLD_TORCH=1). Left out, as differing on torch 2.11 and not what gpu-check
 # runs there: torch.distributed's (no second GPU there), AOTInductor packages, the AOT
 # compiles for sm_80 (3.6 spills there; `make test-compat` compiles sm_90 with 3.6).
-# (Dynamo before 2.14 answered torch.compiler.is_exporting() with True in compiled graphs:
+# (Dynamo before 2.13 answered torch.compiler.is_exporting() with True in compiled graphs:
 # the host-sync recorder's compiled tests and test_optim's compiled fused-optimizer calls
 # found it here, and gpu-check's compiled timings at 82eabd8 on an H200: pyembed.functional.)
 # Not part of `make test`: a second torch (~5 GB), ~20 minutes.

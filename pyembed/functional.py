@@ -294,9 +294,9 @@ _is_tracing = torch.jit.is_tracing
 
 
 def _exporting_flag() -> bool:
-    """torch.compiler.is_exporting(), right under torch.compile too: Dynamo before torch 2.14
+    """torch.compiler.is_exporting(), right under torch.compile too: Dynamo before torch 2.13
     folded that call to True in every compiled graph (pytorch/pytorch#176347), so on torch
-    2.13 and older (the GPU machine's 2.11) each compiled call took the synchronous range check
+    2.12 and older (the GPU machine's 2.11) each compiled call took the synchronous range check
     -- a device->host sync: 10.3 ms a compiled GPT-2 forward on an H200 with the GPU busy,
     against 70 us -- and ignored a table's fused optimizer. The flag that call returns is
     set by torch.export alone, and Dynamo reads it as the constant it is while tracing."""

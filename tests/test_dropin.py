@@ -534,7 +534,7 @@ def test_an_exported_program_checks_in_the_call_and_holds_no_error_record(monkey
 def test_only_torch_export_counts_as_exporting():
     """pyembed asks whether it is exporting to choose the range check (in the call for a
     program saved to run elsewhere, in the kernel on a GPU) and whether a table's fused
-    optimizer applies. Dynamo before torch 2.14 folded torch.compiler.is_exporting() to
+    optimizer applies. Dynamo before torch 2.13 folded torch.compiler.is_exporting() to
     True under torch.compile as well (pytorch/pytorch#176347): on the GPU machine's torch 2.11
     every compiled call synchronised with the device and ignored fused optimizers."""
     from pyembed import functional
