@@ -457,7 +457,7 @@ def write_summary(out: Path, info: dict, check: Check, san_counts: dict, seconds
     if profile.exists():
         lines += ["", "## Profile (profile.log: host us per call, medians, GPU ops per call)", ""]
         lines += [f"- {line}" for line in profile.read_text().splitlines()
-                  if re.match(r"(\d+x\d+ .*: fwd |host |sort |forward )", line)]
+                  if re.match(r"(\d+x\d+ .*: fwd |host |sort |forward |the gradient table)", line)]
     model = out / "model.log"
     if model.exists():  # markdown tables
         lines += ["", "## The input layer in a model (model.log: python -m bench.model)", ""]

@@ -629,7 +629,8 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
     call. At 79bdffb (H200) CUB's sort was 7 of `cuda`'s 10 GPU ops, ~23 us; torch's, 7 of
     `triton`'s 10 (its host time 41 us). At de2aee7 the one-block sort (then `cuda`'s
     default) was ~28 of its ~107 us at GPT-2 fp32 (ncu); at 1b594a4 the tile sort ~28 of `triton`'s.
-    Then `triton`'s with each of SUM_STAGES' settings (uniform and Zipf ids). (Timed at
+    Then the table's zeros alone (zero_fill_case), and `triton`'s with each of SUM_STAGES'
+    settings (uniform and Zipf ids). (Timed at
     82eabd8 and left out since, settled: ROW_TILES' settings, the defaults within noise;
     `triton`'s tile merge without its maxnreg, the same; `cuda`'s first pass over spread
     rows (PYEMBED_CUDA_FINISH_ROWS), no faster anywhere -- docs/bench-h200/82eabd8/profile.log.)"""
@@ -654,6 +655,9 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
                 for dist in ("zipf", "onehot"):
                     sort_case(backend, which, GPT2, torch.float32, batch, seq_len, calls, dist)
         del os.environ[variable]
+    for table in (GPT2, LLAMA3):
+        for dtype in (torch.float32, torch.bfloat16):
+            zero_fill_case(table, dtype)
     zipf_cases = [(table, dtype, dist) for table, dtype in ((GPT2, torch.float32), (GPT2, torch.bfloat16),
                                                            (LLAMA3, torch.bfloat16)) for dist in ("uniform", "zipf")]
     if "triton" in backends:  # its rows' loop, pipelined or not
@@ -673,6 +677,18 @@ def setting_cases(backend, setting, label, cases, batch, seq_len, calls):
         for table, dtype, dist in cases:
             sort_case(backend, f"tile sort, {value} {label}", table, dtype, batch, seq_len, calls, dist)
     del os.environ[variable]
+
+
+def zero_fill_case(table, dtype):
+    """The dense gradient's table written with zeros alone (Tensor.zero_, a memset), graphed:
+    the least time a kernel writing that table can take. At 82eabd8 (H200, ncu) `cuda`'s
+    finish_segments wrote Llama-3 bf16's -- 88% of its rows zeros -- at 60% of DRAM
+    bandwidth (414 us), `triton`'s at 72% (345): this says how far from writing speed."""
+    grad = torch.empty(table, device="cuda", dtype=dtype)
+    graphed = triton.testing.do_bench_cudagraph(grad.zero_, return_mode="median")
+    gbps = grad.numel() * grad.element_size() / (graphed * 1e-3) / 1e9
+    print(f"the gradient table's zeros alone (zero_, a memset): {table[0]}x{table[1]} {str(dtype)[6:]}: "
+          f"graphed {graphed * 1e3:.1f} us, {gbps:.0f} GB/s", flush=True)
 
 
 def sort_case(backend, which, table, dtype, batch, seq_len, calls, dist="uniform"):
