@@ -220,15 +220,14 @@ def warm(path: str, jobs: int, seconds: float) -> int:
 def warm_shard(path: str, shard: int, jobs: int, seconds: float) -> None:
     stop_at = time.time() + seconds
     os.environ.pop("TRITON_INTERPRET", None)
+    done, entries, failed, target = 0, [], [], "?"
     try:
         device = _stand_in_unless_gpu()
+        target = "sm_90 (stand-in)" if device == "cpu" else "this GPU"
         entries = _with_both_range_checks(_specialisations(path, device))[shard::jobs]
+        done, failed = _warm_up(entries, stop_at)
     except KeyboardInterrupt:  # stopped before its first compile (imports are slow beside a build)
-        print(json.dumps({"done": 0, "total": 0, "failed": [f"shard {shard}: stopped before compiling"],
-                          "device": "?"}))
-        return
-    done, failed = _warm_up(entries, stop_at)
-    target = "sm_90 (stand-in)" if device == "cpu" else "this GPU"
+        failed.append(f"shard {shard}: stopped before compiling")
     print(json.dumps({"done": done, "total": len(entries), "failed": failed, "device": target}))
 
 
