@@ -1,8 +1,10 @@
-"""``python -m bench.targets RESULTS.csv [--profile profile.log]``: issues #29 and #30's
-targets, and each case of a GPU benchmark's results.csv that bears on one, met or not,
-with the figures -- what a GPU run answers, in one table (gpu-check's summary ends with
-it). Every ratio is of two providers timed side by side in the run; a target whose cases
-the run did not reach is listed as such, not as met.
+"""``python -m bench.targets RESULTS.csv [RESULTS.csv ...] [--profile profile.log]``: issues
+#29 and #30's targets, and each case of a GPU benchmark's results.csv that bears on one, met
+or not, with the figures -- what a GPU run answers, in one table (gpu-check's summary ends
+with it). Every ratio is of two providers timed side by side in the run; a target whose
+cases the run did not reach is listed as such, not as met. Several CSVs: one run's cases
+split between calls (gpu-check's `--bench-args='--mode fwd'` in one, the other modes in the
+next), read as one.
 
 The bytes floor of a forward + backward (#30) is its own, not the benchmark's minimal
 bytes: the backward writes the whole (V, d) gradient, not only the rows used. Its time is
@@ -208,11 +210,11 @@ def markdown(found: list[tuple], host: list[str] = ()) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.targets", description=__doc__.splitlines()[0])
-    ap.add_argument("csv", type=Path, help="a GPU benchmark's results.csv")
+    ap.add_argument("csv", type=Path, nargs="+", help="a GPU benchmark's results.csv (several: their cases together)")
     ap.add_argument("--profile", type=Path, help="the same run's profile.log (one-token host time)")
     args = ap.parse_args(argv)
     host = host_targets(args.profile.read_text()) if args.profile else []
-    print(markdown(targets(load_csv(args.csv)), host), end="")
+    print(markdown(targets([row for path in args.csv for row in load_csv(path)]), host), end="")
 
 
 if __name__ == "__main__":

@@ -465,3 +465,28 @@ def test_model_bench_gate_reports_a_wrong_output_or_gradient_and_leaves_the_fixe
     bench_model.step_fns(rest, ids, torch.device("cpu"))["step"]()
     assert torch.equal(rest.input_layer.x, fixed) and rest.input_layer.x.grad is None
     assert not torch.equal(rest.norm.weight, norm)  # the rest's own parameters are trained
+
+
+def test_targets_read_a_runs_cases_split_over_several_csvs(tmp_path, capsys):
+    # gpu-check's two calls may each run part of the benchmark (--bench-args='--mode fwd' in
+    # one, the other modes in the next): read together, their CSVs give the table of the
+    # whole run's (the H200 run at 26f0ba6, split by mode).
+    from bench import targets
+
+    whole = pathlib.Path(__file__).resolve().parents[1] / "docs" / "bench-h200" / "26f0ba6" / "results.csv"
+    with whole.open(newline="") as f:
+        reader = csv.DictReader(f)
+        rows, fields = list(reader), reader.fieldnames
+    parts = []
+    for name, keep in (("fwd", lambda mode: mode == "fwd"), ("rest", lambda mode: mode != "fwd")):
+        parts.append(tmp_path / f"{name}.csv")
+        with parts[-1].open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(row for row in rows if keep(row["mode"]))
+    targets.main([str(whole)])
+    expected = capsys.readouterr().out
+    targets.main([str(part) for part in parts])
+    assert capsys.readouterr().out == expected and "met" in expected
+    targets.main([str(parts[0])])  # the forward cases alone: fewer pairs measured
+    assert capsys.readouterr().out != expected
