@@ -41,6 +41,35 @@ def test_a_time_limit_gives_each_step_what_is_left_after_the_later_steps_minimum
     assert deadline.timeout(900, reserve=600) == deadline.floor  # nothing left: it still starts
 
 
+def test_the_tests_keep_time_for_the_profile_but_not_for_a_benchmark_after_them_alone():
+    # What each step leaves for the later ones (after the profile steps, the model step, the
+    # tests): a first call without the profile leaves the summary's time alone, and its
+    # benchmark takes what the tests leave; a full run keeps the profile's and the
+    # benchmark's minimums; ncu counts only where it runs.
+    import argparse
+
+    g = _gpu_check()
+
+    def reserves(**skips):
+        flags = {"skip_profile": False, "skip_bench": False, "skip_ncu": False, "rehearse": False, **skips}
+        return g.reserves(argparse.Namespace(**flags))
+
+    assert reserves() == (g.BENCH_MIN + g.SUMMARY_MIN, g.BENCH_MIN + g.SUMMARY_MIN + g.PROFILE_MIN,
+                          g.BENCH_MIN + g.SUMMARY_MIN + 6 * g.PROFILE_MIN)
+    assert reserves(skip_ncu=True)[2] == g.BENCH_MIN + g.SUMMARY_MIN + 5 * g.PROFILE_MIN
+    assert reserves(skip_profile=True)[2] == reserves(skip_profile=True, skip_bench=True)[2] == g.SUMMARY_MIN
+    assert reserves(rehearse=True)[2] == g.SUMMARY_MIN
+
+
+def test_a_skipped_step_is_named_in_the_summary_with_why(tmp_path):
+    gpu_check = _gpu_check()
+    check = gpu_check.Check(tmp_path, {})
+    check.skip("benchmark (python -m bench --suite gpu)", "31 s left under --time-limit")
+    info = {"torch": "2.11", "cuda": "13.0", "triton": "3.6", "python": "3.12"}
+    summary = gpu_check.write_summary(tmp_path, info, check, {}, 1.0, False).read_text()
+    assert "| benchmark (python -m bench --suite gpu) | skipped: 31 s left under --time-limit | - | - |" in summary
+
+
 def test_steps_side_by_side_are_timed_to_their_own_end(tmp_path):
     # The build and the Triton warm-up, or the tests and the sanitizers, run side by side and
     # are collected in the order they started: a short step collected after a long one is

@@ -61,6 +61,7 @@ class Check:
 
     def __init__(self, out: Path, env: dict):
         self.out, self.env, self.steps, self.running, self.ended = out, env, [], [], {}
+        self.skipped: list[tuple[str, str]] = []
 
     def start(self, name: str, cmd: list[str], log: str, timeout: int, env: dict | None = None,
               cwd: Path = ROOT) -> None:
@@ -104,6 +105,11 @@ class Check:
         self.start(name, cmd, log, timeout, env, cwd)
         return self.wait()[name]
 
+    def skip(self, name: str, why: str) -> None:
+        """A step not run, and why (the summary's table says so)."""
+        print(f"gpu-check: {name}: skipped ({why})", flush=True)
+        self.skipped.append((name, why))
+
 
 class Deadline:
     """--time-limit: the whole run within ``seconds`` (None: no limit). A step's timeout is
@@ -125,6 +131,23 @@ class Deadline:
 # (its 8 target cases took ~65 s there), and the summary. The tests come first: at d81f5b2
 # they took 163 s, beside the sanitizers (~173 s each), after a 76 s build.
 PROFILE_MIN, BENCH_MIN, SUMMARY_MIN = 40, 90, 15
+# The least time a benchmark is started with: its process's start and a first case (a GPT-2
+# 8x2048 forward, every provider: at 82eabd8 two such cases ran in a 30 s limit) before the
+# 45 s it keeps to finish a case and write its table.
+BENCH_START = 60
+
+
+def reserves(args: argparse.Namespace) -> tuple[int, int, int]:
+    """Seconds each step leaves for those after it under --time-limit: the profile steps (the
+    benchmark and the summary), the model step (with ncu's share) and the tests (with the
+    profile's five other steps). Without the profile (a first call: correctness first) the
+    tests leave the summary's time alone, and a benchmark takes what they leave (BENCH_START
+    at least, else none). At 82eabd8 they had 130 s, with 40 s more kept for ncu, which such a
+    call does not run (theirs now); a reserve of BENCH_MIN would have cut the 130 to 40."""
+    profiling = not args.skip_profile and not args.rehearse
+    after_profile = (0 if args.skip_bench else BENCH_MIN) + SUMMARY_MIN
+    after_model = after_profile + (PROFILE_MIN if profiling and not args.skip_ncu else 0)
+    return after_profile, after_model, (after_model + 5 * PROFILE_MIN if profiling else SUMMARY_MIN)
 
 
 def versions(python: str) -> dict:
@@ -275,11 +298,7 @@ def main() -> int:
     check = Check(out, env)
     started = time.time()
     deadline = Deadline(args.time_limit)
-    # What each step leaves for those after it: the benchmark and the summary; with ncu's
-    # share (after the model step); with the profile's five other steps (after the tests).
-    after_profile = (0 if args.skip_bench else BENCH_MIN) + SUMMARY_MIN
-    after_model = after_profile + (0 if args.skip_ncu else PROFILE_MIN)
-    after_tests = after_model + (0 if args.skip_profile else 5 * PROFILE_MIN)
+    after_profile, after_model, after_tests = reserves(args)
 
     # 1. Stage the package the tests import, and build _C into it for this GPU only.
     stage_package(stage)
@@ -414,8 +433,10 @@ def main() -> int:
                            "--section", "MemoryWorkloadAnalysis_Tables", "--section", "WarpStateStats",
                            args.python, profiler, "--ncu"], "ncu.log", deadline.timeout(300, after_profile),
                           cwd=stage)
-        if not args.rehearse and not args.skip_bench:
-            bench_timeout = deadline.timeout(args.bench_timeout, SUMMARY_MIN)
+        bench_timeout = deadline.timeout(args.bench_timeout, SUMMARY_MIN)
+        if not args.rehearse and not args.skip_bench and bench_timeout < BENCH_START:
+            check.skip("benchmark (python -m bench --suite gpu)", f"{bench_timeout} s left under --time-limit")
+        elif not args.rehearse and not args.skip_bench:
             # Under a time limit the benchmark stops starting cases in time to finish the one
             # it is in (a Llama-3 step with every provider: ~30 s) and write its table.
             limit = ["--time-limit", str(bench_timeout - 45)] if args.time_limit is not None else []
@@ -443,6 +464,7 @@ def write_summary(out: Path, info: dict, check: Check, san_counts: dict, seconds
              f"- torch {info['torch']}, CUDA {info['cuda']}, Triton {info['triton']}, Python {info['python']}",
              f"- total time: {seconds:.0f} s", "", "| step | result | time | log |", "|---|---|---|---|"]
     lines += [f"| {name} | {'ok' if ok else '**FAILED**'} | {sec:.0f} s | {log} |" for name, ok, sec, log in check.steps]
+    lines += [f"| {name} | skipped: {why} | - | - |" for name, why in check.skipped]
     counts = junit_counts(out / "junit.xml")
     if counts:
         passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
