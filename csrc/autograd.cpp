@@ -15,6 +15,9 @@
 // The node saves only the ids, positions and dropout key; its backward is the backend's
 // dense (or sparse) backward op -- or, when autograd records the backward itself
 // (create_graph=True, for double backward), the same sums written with differentiable ATen ops.
+// For the common call (a C++ backend's dense gradient) the node is built by hand
+// (LookupBackward), as PyTorch builds its own; the others take torch::autograd::Function's
+// (EmbeddingFunction). Both run lookup_backward.
 //
 // Dropout (GPT-2's embedding dropout) and sparse=True take this node too: a Python
 // Function's backward runs on autograd's device thread, where at d81f5b2 a GPT-2 8x2048
@@ -23,9 +26,16 @@
 // generator as it was), as pyembed/reference.py's draw_dropout_key draws it: the same mask
 // as every other route.
 #include <ATen/ATen.h>
+#include <ATen/FuncTorchTLS.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/library.h>
+
+#include <memory>
+#include <mutex>
+#include <type_traits>
 
 #include <algorithm>
 #include <string_view>
@@ -199,6 +209,81 @@ struct Lookup {
   bool fused_weight = false, fused_pos = false;
 };
 
+// What the lookup's backward reads besides the output gradient, as a node saved it.
+struct Saved {
+  at::Tensor ids, position_ids, dropout_key;  // position_ids, dropout_key: undefined when absent
+  int64_t num_embeddings, num_positions, offset;
+  bool learned;  // learned positions: pos_weight's gradient
+  double scale;
+  std::optional<int64_t> padding_idx;
+  bool scale_grad_by_freq;
+  double dropout_p;
+  bool sparse, python;
+  // The tables whose optimizer runs in the backward, held by the node; none: no update.
+  std::optional<at::Tensor> fused_weight, fused_pos;
+  bool fused;
+};
+
+// (weight's gradient, pos_weight's) for grad_out, each undefined where not needed: the
+// backend's dense (or sparse) backward op -- after the update of the tables whose optimizer
+// runs here -- or, where autograd records the backward (create_graph=True), differentiable ops.
+std::tuple<at::Tensor, at::Tensor> lookup_backward(const Saved& saved, at::Tensor grad_out, bool need_weight_grad,
+                                                   bool need_pos_grad) {
+  const LookupKernels& kernels = kernels_of(saved.python);
+  const std::optional<at::Tensor> positions =
+      saved.position_ids.defined() ? std::optional<at::Tensor>(saved.position_ids) : std::nullopt;
+  if (!need_weight_grad && !need_pos_grad) return {};
+  // With dropout the gradient goes through the forward's mask: in the ops' own reads (the
+  // key passed on), else -- create_graph=True, where the mask is a node -- first.
+  const bool mask_first = saved.dropout_key.defined() && at::GradMode::is_enabled();
+  if (mask_first) {
+    grad_out = DropoutMaskFunction::apply(grad_out, saved.dropout_key, saved.dropout_p, saved.python);
+  }
+  const std::optional<at::Tensor> op_dropout_key =
+      saved.dropout_key.defined() && !mask_first ? std::optional<at::Tensor>(saved.dropout_key) : std::nullopt;
+  if (saved.fused) {  // the tables whose optimizer runs here are updated, and need no gradient
+    std::tie(need_weight_grad, need_pos_grad) =
+        (*fused_step)(saved.python, grad_out, saved.ids, positions, op_dropout_key, saved.fused_weight,
+                      saved.fused_pos, need_weight_grad, need_pos_grad, saved.scale, saved.offset,
+                      saved.padding_idx, saved.scale_grad_by_freq, saved.dropout_p, saved.sparse);
+    if (!need_weight_grad && !need_pos_grad) return {};
+  }
+  const bool sparse_weight_grad = saved.sparse && need_weight_grad;
+  at::Tensor grad_weight, grad_pos;
+  if (at::GradMode::is_enabled()) {  // create_graph=True: the backward is recorded too
+    std::tie(grad_weight, grad_pos) = differentiable_backward(
+        grad_out, saved.ids, saved.position_ids, saved.offset, saved.num_embeddings, saved.num_positions,
+        saved.scale, saved.padding_idx, saved.scale_grad_by_freq, need_weight_grad, need_pos_grad);
+    if (sparse_weight_grad) {  // the dense sums' touched rows, differentiably
+      at::Tensor rows;
+      {
+        at::AutoDispatchBelowADInplaceOrView below_autograd;
+        rows = std::get<0>(kernels.sparse_backward(grad_out.detach(), saved.ids, saved.num_embeddings, saved.scale,
+                                                   saved.padding_idx, saved.scale_grad_by_freq, std::nullopt, 0.0));
+      }
+      grad_weight = sparse_gradient(rows, grad_weight.index_select(0, rows), saved.num_embeddings);
+    }
+  } else {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    if (need_pos_grad || !sparse_weight_grad) {  // a sparse table alone needs no dense op
+      std::tie(grad_weight, grad_pos) =
+          kernels.backward(grad_out, saved.ids, positions, saved.offset, saved.num_embeddings, saved.num_positions,
+                           saved.scale, saved.padding_idx, saved.scale_grad_by_freq,
+                           need_weight_grad && !saved.sparse, need_pos_grad, op_dropout_key, saved.dropout_p);
+    }
+    if (sparse_weight_grad) {
+      const auto [rows, values] = kernels.sparse_backward(grad_out, saved.ids, saved.num_embeddings, saved.scale,
+                                                          saved.padding_idx, saved.scale_grad_by_freq,
+                                                          op_dropout_key, saved.dropout_p);
+      grad_weight = sparse_gradient(rows, values, saved.num_embeddings);
+    }
+  }
+  return {need_weight_grad ? grad_weight : at::Tensor(), need_pos_grad ? grad_pos : at::Tensor()};
+}
+
+// The node as torch::autograd::Function builds it: for the calls LookupBackward does not
+// take (Python kernels, a sparse gradient, tables updated in the backward, forward-mode AD or
+// functorch around a direct call of the op, which this Function refuses).
 struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
   // The tables come first: autograd numbers the tensor inputs in this order, so
   // needs_input_grad(0) is the weight and (1) the positional table when there is one.
@@ -225,76 +310,119 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &ids = saved[0], &position_ids = saved[1], &dropout_key = saved[2];
+    const auto saved_variables = ctx->get_saved_variables();
     const auto& lookup = ctx->saved_data["lookup"].toTupleRef().elements();
-    const int64_t num_embeddings = lookup[0].toInt();
-    const bool learned = lookup[1].toBool();
-    const int64_t num_positions = lookup[2].toInt();
-    const double scale = lookup[3].toDouble();
-    const int64_t offset = lookup[4].toInt();
-    const auto padding_idx = lookup[5].toOptional<int64_t>();
-    const bool by_freq = lookup[6].toBool();
-    const double dropout_p = lookup[7].toDouble();
-    const bool sparse = lookup[8].toBool();
-    const bool python = lookup[9].toBool();
-    const bool fused = lookup[10].toBool();
-    const LookupKernels& kernels = kernels_of(python);
-    bool need_weight_grad = ctx->needs_input_grad(0);
-    bool need_pos_grad = learned && ctx->needs_input_grad(1);
-    at::Tensor grad_out = grad_outputs[0].contiguous();
-    const std::optional<at::Tensor> positions =
-        position_ids.defined() ? std::optional<at::Tensor>(position_ids) : std::nullopt;
-
-    at::Tensor grad_weight, grad_pos;
-    if (need_weight_grad || need_pos_grad) {
-      // With dropout the gradient goes through the forward's mask: in the ops' own reads
-      // (the key passed on), else -- create_graph=True, where the mask is a node -- first.
-      const bool mask_first = dropout_key.defined() && at::GradMode::is_enabled();
-      if (mask_first) grad_out = DropoutMaskFunction::apply(grad_out, dropout_key, dropout_p, python);
-      const std::optional<at::Tensor> op_dropout_key =
-          dropout_key.defined() && !mask_first ? std::optional<at::Tensor>(dropout_key) : std::nullopt;
-      if (fused) {  // the tables whose optimizer runs here are updated, and need no gradient
-        const auto& tables = ctx->saved_data["fused"].toTupleRef().elements();
-        std::tie(need_weight_grad, need_pos_grad) =
-            (*fused_step)(python, grad_out, ids, positions, op_dropout_key, tables[0].toOptional<at::Tensor>(),
-                          tables[1].toOptional<at::Tensor>(), need_weight_grad, need_pos_grad, scale, offset,
-                          padding_idx, by_freq, dropout_p, sparse);
-      }
-      if (!need_weight_grad && !need_pos_grad) return {at::Tensor(), at::Tensor(), at::Tensor()};
-      const bool sparse_weight_grad = sparse && need_weight_grad;
-      if (at::GradMode::is_enabled()) {  // create_graph=True: the backward is recorded too
-        std::tie(grad_weight, grad_pos) =
-            differentiable_backward(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale,
-                                    padding_idx, by_freq, need_weight_grad, need_pos_grad);
-        if (sparse_weight_grad) {  // the dense sums' touched rows, differentiably
-          at::Tensor rows;
-          {
-            at::AutoDispatchBelowADInplaceOrView below_autograd;
-            rows = std::get<0>(kernels.sparse_backward(grad_out.detach(), ids, num_embeddings, scale, padding_idx,
-                                                       by_freq, std::nullopt, 0.0));
-          }
-          grad_weight = sparse_gradient(rows, grad_weight.index_select(0, rows), num_embeddings);
-        }
-      } else {
-        at::AutoDispatchBelowADInplaceOrView below_autograd;
-        if (need_pos_grad || !sparse_weight_grad) {  // a sparse table alone needs no dense op
-          std::tie(grad_weight, grad_pos) = kernels.backward(grad_out, ids, positions, offset, num_embeddings,
-                                                             num_positions, scale, padding_idx, by_freq,
-                                                             need_weight_grad && !sparse, need_pos_grad,
-                                                             op_dropout_key, dropout_p);
-        }
-        if (sparse_weight_grad) {
-          const auto [rows, values] = kernels.sparse_backward(grad_out, ids, num_embeddings, scale, padding_idx,
-                                                              by_freq, op_dropout_key, dropout_p);
-          grad_weight = sparse_gradient(rows, values, num_embeddings);
-        }
-      }
+    Saved saved{saved_variables[0], saved_variables[1], saved_variables[2], lookup[0].toInt(), lookup[2].toInt(),
+                lookup[4].toInt(), lookup[1].toBool(), lookup[3].toDouble(), lookup[5].toOptional<int64_t>(),
+                lookup[6].toBool(), lookup[7].toDouble(), lookup[8].toBool(), lookup[9].toBool(), std::nullopt,
+                std::nullopt, lookup[10].toBool()};
+    if (saved.fused) {
+      const auto& tables = ctx->saved_data["fused"].toTupleRef().elements();
+      saved.fused_weight = tables[0].toOptional<at::Tensor>();
+      saved.fused_pos = tables[1].toOptional<at::Tensor>();
     }
+    auto [grad_weight, grad_pos] = lookup_backward(saved, grad_outputs[0].contiguous(), ctx->needs_input_grad(0),
+                                                   saved.learned && ctx->needs_input_grad(1));
     // One entry per forward argument: the weight, pos_weight, nothing for the lookup.
-    return {need_weight_grad ? grad_weight : at::Tensor(), need_pos_grad ? grad_pos : at::Tensor(), at::Tensor()};
+    return {grad_weight, grad_pos, at::Tensor()};
   }
 };
+
+// The node of the common call -- the C++ backends' kernels, a dense gradient, no table
+// updated in the backward -- built by hand, as PyTorch's generated nodes are
+// (EmbeddingBackward0): torch::autograd::Function's apply builds a general node (a context
+// with a hash map and sets, per-input and per-output metadata, forward-AD and view handling
+// of the outputs) that cost a one-token lookup with a gradient ~0.8 us on the development VM
+// (3.8 -> 3.0 us in a standalone extension against the same forward; F.embedding's own node
+// ~0.4). Its backward is lookup_backward, as EmbeddingFunction's. Under compiled autograd
+// (torch._dynamo.compiled_autograd) apply runs on the traced tensors, so the backward's op
+// -- pyembed::embedding_backward, which has a fake -- is traced into the compiled graph
+// (EmbeddingFunction's node is called there as an opaque function).
+struct LookupBackward final : public torch::autograd::Node {
+  torch::autograd::SavedVariable ids, position_ids, dropout_key;
+  Saved saved;  // its tensors unset: they are the SavedVariables above
+
+  std::string name() const override { return "pyembed::EmbeddingBackward"; }
+
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};  // no gradient reached the output
+    Saved unpacked = saved;
+    unpacked.ids = ids.unpack();
+    unpacked.position_ids = position_ids.unpack();
+    unpacked.dropout_key = dropout_key.unpack();
+    auto [grad_weight, grad_pos] =
+        lookup_backward(unpacked, grads[0].contiguous(), task_should_compute_output(0),
+                        saved.learned && task_should_compute_output(1));
+    return {grad_weight, grad_pos};
+  }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ids.reset_data();
+    position_ids.reset_data();
+    dropout_key.reset_data();
+  }
+
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override {
+    args.collect(ids, false);
+    args.collect(position_ids, false);
+    args.collect(dropout_key, false);
+    args.collect(saved.num_embeddings);
+    args.collect(saved.num_positions);
+    args.collect(saved.offset);
+    args.collect(saved.learned);
+    args.collect(saved.scale);
+    args.collect(saved.padding_idx);
+    args.collect(saved.scale_grad_by_freq);
+    args.collect(saved.dropout_p);
+  }
+
+  variable_list apply_with_saved(const variable_list& grads,
+                                 torch::dynamo::autograd::SwapSavedVariables& swap) override {
+    swap.before(ids);
+    swap.before(position_ids);
+    swap.before(dropout_key);
+    variable_list result = apply(variable_list(grads));
+    swap.after(ids);
+    swap.after(position_ids);
+    swap.after(dropout_key);
+    return result;
+  }
+};
+
+// A new node N, held as autograd holds nodes -- the pointer type of Edge::function: a
+// c10::intrusive_ptr since torch 2.13, a std::shared_ptr before (torch 2.11 is the GPU
+// machine's), made with torch's deleteNode, which frees a long graph without deep recursion
+// (found by argument-dependent lookup, so that a torch without it compiles the other branch).
+template <class N>
+auto make_node() {
+  if constexpr (std::is_same_v<decltype(torch::autograd::Edge::function), std::shared_ptr<torch::autograd::Node>>) {
+    return std::shared_ptr<N>(new N(), [](auto* node) { deleteNode(node); });
+  } else {
+    return c10::make_intrusive<N>();
+  }
+}
+
+// The output of `lookup` (computed) with a LookupBackward node as its history.
+at::Tensor with_lookup_backward(at::Tensor out, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& pos_weight, const Lookup& lookup) {
+  auto node = make_node<LookupBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(weight, pos_weight));
+  node->ids = torch::autograd::SavedVariable(lookup.ids, false);
+  if (lookup.position_ids) node->position_ids = torch::autograd::SavedVariable(*lookup.position_ids, false);
+  if (lookup.dropout_key) node->dropout_key = torch::autograd::SavedVariable(*lookup.dropout_key, false);
+  const bool learned = lookup.pos_encoding == "learned" && pos_weight.has_value();
+  node->saved = Saved{{}, {}, {}, weight.size(0), pos_weight.has_value() ? pos_weight->size(0) : int64_t(0),
+                      lookup.offset, learned, lookup.scale, lookup.padding_idx, lookup.scale_grad_by_freq,
+                      lookup.dropout_p, /*sparse=*/false, /*python=*/false, std::nullopt, std::nullopt,
+                      /*fused=*/false};
+  torch::autograd::set_history(out, node);
+#if __has_include(<torch/csrc/autograd/node_creation_hook.h>)
+  torch::autograd::fire_node_creation_hooks(node);  // torch.autograd.graph's node creation hooks (torch 2.14)
+#endif
+  return out;
+}
 
 // Below autograd (inference_mode, no_grad, or tables that need no gradient): the forward
 // alone. kPython: the kernels set_python_kernels gave, else the backend's ops.
@@ -337,11 +465,26 @@ at::Tensor lookup_node(bool fused_weight, bool fused_pos, const at::Tensor& ids,
   check_dropout_p(dropout_p);
   const LookupArgs args =
       check_lookup(ids, weight, pos_weight, position_ids, pos_encoding, offset, padding_idx, validate);
-  return EmbeddingFunction::apply(weight, pos_weight,
-                                  Lookup{ids, args.position_ids, pos_encoding, scale, offset, args.padding_idx,
-                                         scale_grad_by_freq, error_record,
-                                         draw_dropout_key(dropout_p, generator, weight.device()), dropout_p, sparse,
-                                         kPython, fused_weight, fused_pos});
+  const Lookup lookup{ids, args.position_ids, pos_encoding, scale, offset, args.padding_idx, scale_grad_by_freq,
+                      error_record, draw_dropout_key(dropout_p, generator, weight.device()), dropout_p, sparse,
+                      kPython, fused_weight, fused_pos};
+  // Forward-mode AD and functorch transforms reach here only by a direct call of the op
+  // (pyembed's own calls take the Python Function there), and are refused as
+  // torch::autograd::Function refuses them: the check it makes, and its node for tangents.
+  if (const auto& functorch_tls = at::functorch::functorchTLSAccessor()) {
+    functorch_tls->checkSupportsCppAutogradFunction();
+  }
+  if (kPython || sparse || fused_weight || fused_pos || weight._fw_grad(/*level=*/0).defined() ||
+      (pos_weight && pos_weight->_fw_grad(/*level=*/0).defined())) {
+    return EmbeddingFunction::apply(weight, pos_weight, lookup);
+  }
+  at::Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    out = op_kernels.forward(ids, weight, pos_weight, lookup.position_ids, pos_encoding, scale, offset,
+                             lookup.dropout_key, dropout_p, error_record);
+  }
+  return with_lookup_backward(std::move(out), weight, pos_weight, lookup);
 }
 
 // pyembed::embedding's kernel (Autograd key): no table updated in the backward.

@@ -178,10 +178,12 @@ def test_plain_eager_calls_take_the_cpp_node_and_the_rest_the_python_function():
     ids = torch.tensor([[1, 2, 2], [3, 0, 6]])
     weight, pos_weight = torch.randn(7, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
     plain = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="cpu")
-    assert "EmbeddingFunction" in plain.grad_fn.name() and "Fused" not in plain.grad_fn.name()
-    for options in ({"dropout_p": 0.5}, {"sparse": True}, {"sparse": True, "dropout_p": 0.5}):
+    assert plain.grad_fn.name() == "pyembed::EmbeddingBackward"  # built by hand (csrc/autograd.cpp)
+    # A sparse gradient: the node torch::autograd::Function builds (EmbeddingFunction).
+    for options, node in (({"dropout_p": 0.5}, "pyembed::EmbeddingBackward"), ({"sparse": True}, "EmbeddingFunction"),
+                          ({"sparse": True, "dropout_p": 0.5}, "EmbeddingFunction")):
         out = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="cpu", **options)
-        assert "EmbeddingFunction" in out.grad_fn.name() and "Fused" not in out.grad_fn.name(), options
+        assert node in out.grad_fn.name() and "Fused" not in out.grad_fn.name(), options
     with torch.autograd.forward_ad.dual_level():  # forward-mode AD: the Function, which has a jvp
         dual = torch.autograd.forward_ad.make_dual(weight, torch.ones_like(weight))
         out = pyembed.fused_embedding(ids, dual, pos_weight, scale=2.0, backend="cpu", sparse=True)
@@ -429,6 +431,75 @@ def test_compiled_autograd_runs_the_eager_forwards_backward(backend):
         out.pow(2).sum().backward()
     for param, grad in zip(layer.parameters(), expected):
         torch.testing.assert_close(param.grad, grad, rtol=0, atol=0)
+
+
+@pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")
+def test_compiled_autograd_traces_the_hand_built_nodes_backward_op_into_its_graph():
+    # The common call's node (pyembed::EmbeddingBackward, csrc/autograd.cpp) runs its backward
+    # on compiled autograd's traced tensors: the backward op is in the graph, not an opaque call.
+    from torch._dynamo import compiled_autograd
+
+    graphs = []
+
+    def keep(gm):
+        graphs.append(gm.code)
+        return torch.compile(gm, backend="aot_eager")
+
+    torch.manual_seed(0)
+    weight, pos_weight = torch.randn(100, 16, requires_grad=True), torch.randn(64, 16, requires_grad=True)
+    ids = torch.randint(0, 100, (2, 9))
+    torch._dynamo.reset()
+    out = pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="cpu")
+    assert out.grad_fn.name() == "pyembed::EmbeddingBackward"
+    with compiled_autograd._enable(keep):
+        out.pow(2).sum().backward()
+    assert len(graphs) == 1 and "pyembed.embedding_backward" in graphs[0], graphs
+    expected = torch.zeros(100, 16).index_add_(0, ids.reshape(-1), 2 * out.detach().reshape(-1, 16) * 2.0)
+    torch.testing.assert_close(weight.grad, expected)
+
+
+@pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")
+def test_the_hand_built_node_saves_through_saved_tensor_hooks_and_frees_after_a_backward():
+    # What torch::autograd::Function's node did for the op and the hand-built one must too:
+    # saved tensors go through torch.autograd.graph's saved-tensor hooks (activation
+    # offloading), are freed by a backward unless retain_graph, and a second backward says so.
+    ids = torch.tensor([[1, 2, 2], [3, 0, 6]])
+    weight = torch.randn(7, 8, requires_grad=True)
+    position_ids = torch.tensor([[0, 1, 2], [2, 1, 0]])
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return t.clone()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = pyembed.fused_embedding(ids, weight, torch.randn(4, 8, requires_grad=True), position_ids=position_ids,
+                                      backend="cpu")
+    assert out.grad_fn.name() == "pyembed::EmbeddingBackward"
+    assert len(packed) == 2 and torch.equal(packed[0], ids) and torch.equal(packed[1], position_ids)
+    out.sum().backward(retain_graph=True)
+    once = weight.grad.clone()
+    out.sum().backward()
+    torch.testing.assert_close(weight.grad, 2 * once, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out.sum().backward()
+
+
+@pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")
+def test_a_direct_call_of_the_op_under_forward_ad_or_vmap_is_refused_as_before():
+    # pyembed's own calls take the Python Function under forward-mode AD and torch.func; a
+    # direct call of pyembed::embedding there is refused as torch::autograd::Function refuses it.
+    ids = torch.tensor([[1, 2, 2]])
+    weight = torch.randn(7, 8, requires_grad=True)
+
+    def op(w):
+        return torch.ops.pyembed.embedding(ids, w, None, None, "none", 1.0, 0, None, False, True)
+
+    with torch.autograd.forward_ad.dual_level():
+        with pytest.raises(RuntimeError, match="jvp is not implemented"):
+            op(torch.autograd.forward_ad.make_dual(weight, torch.ones_like(weight)))
+    with pytest.raises(RuntimeError):  # functorch stops it before the node (with either node)
+        torch.func.grad(lambda w: op(w).sum())(weight)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
