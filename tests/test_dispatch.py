@@ -223,6 +223,26 @@ def test_plain_eager_triton_calls_take_the_cpp_node_with_the_same_results_as_the
 
 
 @pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")
+@pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")
+def test_plain_eager_cpu_calls_give_the_python_functions_bits_through_either_cpp_node(monkeypatch):
+    # The cpu backend's C++ nodes -- built by hand for a dense gradient (LookupBackward),
+    # torch::autograd::Function's for a sparse one -- against the general route's Python
+    # Function running the same ops: output, dense / sparse gradients, dropout, positions,
+    # padding, counts, double backward, bit for bit.
+    ids = torch.tensor([[1, 2, 2], [3, 1, 6]])  # row 1 twice, 2 (padding) twice
+    weight, pos_weight = torch.randn(7, 8), torch.randn(4, 8)
+
+    def cpu(ids, weight, pos_weight, **options):
+        return pyembed.fused_embedding(ids, weight, pos_weight, scale=2.0, backend="cpu", **options)
+
+    fast = [lookup_results(cpu, ids, weight, pos_weight, **options) for options in NODE_OPTIONS]
+    monkeypatch.setitem(dispatch._registry, "cpu", dataclasses.replace(dispatch.get("cpu"), autograd_op=None))
+    assert "FusedEmbeddingFunction" in cpu(ids, weight.requires_grad_(), pos_weight).grad_fn.name()
+    for options, got in zip(NODE_OPTIONS, fast):
+        for g, want in zip(got, lookup_results(cpu, ids, weight, pos_weight, **options), strict=True):
+            torch.testing.assert_close(g, want, rtol=0, atol=0, msg=str(options))
+
+
 def test_the_node_passes_its_python_kernels_every_argument_of_the_reference_schemas():
     # The reference backend's own ops as the node's kernels give the reference backend's
     # results through its Python Function: each argument reaches its kernel in the order of
