@@ -33,12 +33,11 @@
 #include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
-#include <type_traits>
-
-#include <algorithm>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "autograd.h"
@@ -282,8 +281,8 @@ std::tuple<at::Tensor, at::Tensor> lookup_backward(const Saved& saved, at::Tenso
 }
 
 // The node as torch::autograd::Function builds it: for the calls LookupBackward does not
-// take (Python kernels, a sparse gradient, tables updated in the backward, forward-mode AD or
-// functorch around a direct call of the op, which this Function refuses).
+// take (Python kernels, a sparse gradient, tables updated in the backward, and forward-mode
+// AD on a direct call of the op, which this Function refuses).
 struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
   // The tables come first: autograd numbers the tensor inputs in this order, so
   // needs_input_grad(0) is the weight and (1) the positional table when there is one.
@@ -332,12 +331,12 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
 // updated in the backward -- built by hand, as PyTorch's generated nodes are
 // (EmbeddingBackward0): torch::autograd::Function's apply builds a general node (a context
 // with a hash map and sets, per-input and per-output metadata, forward-AD and view handling
-// of the outputs) that cost a one-token lookup with a gradient ~0.8 us on the development VM
-// (3.8 -> 3.0 us in a standalone extension against the same forward; F.embedding's own node
-// ~0.4). Its backward is lookup_backward, as EmbeddingFunction's. Under compiled autograd
-// (torch._dynamo.compiled_autograd) apply runs on the traced tensors, so the backward's op
-// -- pyembed::embedding_backward, which has a fake -- is traced into the compiled graph
-// (EmbeddingFunction's node is called there as an opaque function).
+// of the outputs) that cost a one-token `cpu` lookup with a gradient ~0.7 us of its 3.4 on the
+// development VM (2.7 with this node; F.embedding 2.4-2.5). Its backward is lookup_backward,
+// as EmbeddingFunction's. Under compiled autograd (torch._dynamo.compiled_autograd) apply
+// runs on the traced tensors, so the backward's op -- pyembed::embedding_backward, which has
+// a fake -- is traced into the compiled graph (EmbeddingFunction's node is called there as an
+// opaque function).
 struct LookupBackward final : public torch::autograd::Node {
   torch::autograd::SavedVariable ids, position_ids, dropout_key;
   Saved saved;  // its tensors unset: they are the SavedVariables above
