@@ -433,10 +433,11 @@ def main() -> int:
                            "--section", "MemoryWorkloadAnalysis_Tables", "--section", "WarpStateStats",
                            args.python, profiler, "--ncu"], "ncu.log", deadline.timeout(300, after_profile),
                           cwd=stage)
+        benchmark = not args.rehearse and not args.skip_bench
         bench_timeout = deadline.timeout(args.bench_timeout, SUMMARY_MIN)
-        if not args.rehearse and not args.skip_bench and bench_timeout < BENCH_START:
+        if benchmark and bench_timeout < BENCH_START:
             check.skip("benchmark (python -m bench --suite gpu)", f"{bench_timeout} s left under --time-limit")
-        elif not args.rehearse and not args.skip_bench:
+        elif benchmark:
             # Under a time limit the benchmark stops starting cases in time to finish the one
             # it is in (a Llama-3 step with every provider: ~30 s) and write its table.
             limit = ["--time-limit", str(bench_timeout - 45)] if args.time_limit is not None else []
