@@ -82,6 +82,43 @@ def test_tensors_on_a_device_that_is_not_current(backend):
                 torch.testing.assert_close(a.to_dense().cpu().double(), b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.25], ids=["no dropout", "dropout"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_forward_and_backward_on_a_busy_side_stream(backend, sparse, dropout):
+    # PyTorch's own nn tests run on a non-default stream (NNTestCase): autograd runs a
+    # node's backward on the stream its forward ran on. The dense gradient's node of the
+    # C++ backends is built by hand (csrc/autograd.cpp); were its kernels, or the Python
+    # kernels' of triton's Function, launched on the default stream instead, they would
+    # read the gradient below before the side stream, held by a sleep, has written it.
+    _check_backend(backend)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 500, (4, 256), generator=g)
+    weight, pos_weight = torch.randn(500, 64, generator=g), torch.randn(256, 64, generator=g)
+    dout = torch.randn(4, 256, 64, generator=g)
+    kwargs = dict(pos_encoding="learned", scale=2.0, sparse=sparse, dropout_p=dropout)
+    side = torch.cuda.Stream()
+    torch.use_deterministic_algorithms(True)  # the two runs below compared bit for bit
+    try:
+        with torch.cuda.stream(side):
+            w, p = weight.cuda().requires_grad_(), pos_weight.cuda().requires_grad_()
+            ids_gpu, dout_gpu = ids.cuda(), dout.cuda()
+            cuda_gen = torch.Generator("cuda").manual_seed(11)
+            out = pyembed.fused_embedding(ids_gpu, w, p, generator=cuda_gen, backend=backend, **kwargs)
+            torch.cuda._sleep(50_000_000)  # ~25 ms of this stream's time before the gradient exists
+            out.backward(dout_gpu * 1.0)
+        torch.cuda.synchronize()
+        # The same call on the default stream, its dropout mask from the same generator state.
+        cuda_gen.manual_seed(11)
+        want = _run(backend, ids_gpu, weight.cuda(), pos_weight.cuda(), dout_gpu, generator=cuda_gen, **kwargs)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip((out.detach(), w.grad, p.grad), want):
+        assert torch.equal(a.to_dense(), b.to_dense())
+    if dropout == 0.0:  # and both against the float64 reference
+        for a, b in zip(want, _reference(ids, weight, pos_weight, dout, **kwargs)):
+            torch.testing.assert_close(a.to_dense().cpu().double(), b.to_dense(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_misaligned_views_int32_ids_and_position_ids(backend, dtype):
     # Tables and gradients starting 1 element past a 16-byte boundary: the kernels must
