@@ -238,6 +238,38 @@ def test_emulated_finish_rows_in_either_layout_are_the_exact_sums(emulated, monk
         assert torch.equal(dp, dout.double().sum(0).to(dtype))
 
 
+@pytest.mark.parametrize("options", [{}, {"padding_idx": 5, "scale_grad_by_freq": True}], ids=["plain", "padding+freq"])
+@pytest.mark.parametrize("rows", ["4", "8", "16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_emulated_finish_segments_solo_kernel_gives_the_same_bits(emulated, monkeypatch, dtype, rows, options):
+    """PYEMBED_CUDA_FINISH_GROUP: with learned positions reaching every token (the position
+    blocks write the one-token rows), finish_segments_solo_kernel at `rows` rows a thread
+    group writes the gradients finish_segments_kernel writes, bit for bit -- neighbouring
+    hot rows, one longer than a chunk (summed in pieces), one-token and untouched rows, a
+    row count that is no multiple of 16 -- and with integer-valued dout the exact sums."""
+    gen = torch.Generator().manual_seed(6)
+    vocab, batch, seq_len, dim = 203, 2, 400, 16
+    ids = torch.randint(4, vocab, (batch, seq_len), generator=gen)
+    flat = ids.view(-1)
+    hot = torch.randperm(flat.numel(), generator=gen)
+    for row, (start, uses) in enumerate([(0, 150), (150, 60), (210, 40), (250, 30)]):
+        flat[hot[start:start + uses]] = row
+    for dout in (torch.randn(batch, seq_len, dim, generator=gen).to(dtype),
+                 torch.randint(-3, 4, (batch, seq_len, dim), generator=gen).to(dtype)):
+        call = dict(num_embeddings=vocab, num_positions=seq_len, scale=1.5, need_pos_grad=True, **options)
+        monkeypatch.delenv("PYEMBED_CUDA_FINISH_GROUP", raising=False)
+        emulated.take_launch_counts()
+        default = backward(emulated, dout, ids, **call)
+        launches = emulated.take_launch_counts()
+        monkeypatch.setenv("PYEMBED_CUDA_FINISH_GROUP", rows)
+        solo = backward(emulated, dout, ids, **call)
+        assert emulated.take_launch_counts() == launches
+        assert torch.equal(solo[0], default[0]) and torch.equal(solo[1], default[1])
+    if not options:  # the last dout's: exact in either dtype
+        assert torch.equal(solo[0], (1.5 * exact_row_sums(ids, dout, vocab)).to(dtype))
+        assert torch.equal(solo[1], dout.double().sum(0).to(dtype))
+
+
 def test_emulated_position_ids_and_out_of_range_ids(emulated):
     ids, weight, pos_weight, dout = make_inputs(2, 10, 30, 16, torch.float32, pos_rows=12, seed=13)
     position_ids = torch.randint(0, 12, ids.shape, generator=torch.Generator().manual_seed(1))

@@ -882,6 +882,31 @@ __device__ __forceinline__ void sum_pieces(const A* __restrict__ partials, int64
   }
 }
 
+// The segments of two or more tokens among group + k * groups (bit k of `longer`), one
+// after another: factor * their sums, from their pieces where longer than a chunk. A loop,
+// not unrolled, so their bounds are read again (from cache): bounds held per k, with k
+// known at run time only, would live in local memory.
+template <int kRows, int VEC, typename T, bool kDropout, typename A>
+__device__ __forceinline__ void sum_longer_segments(const Dout<T, kDropout>& dout, const int64_t* __restrict__ order,
+                                                    const A* __restrict__ partials, const int64_t* __restrict__ begin,
+                                                    const int64_t* __restrict__ end, T* __restrict__ out, A scale,
+                                                    bool divide_by_count, unsigned longer, int64_t group,
+                                                    int64_t groups, int64_t dim) {
+#pragma unroll 1
+  for (int k = 0; k < kRows; ++k) {
+    if (!(longer >> k & 1u)) continue;
+    const int64_t g = group + k * groups;
+    const int64_t b = begin[g], e = end[g];
+    T* d_row = out + g * dim;
+    const A factor = divide_by_count ? scale / static_cast<A>(e - b) : scale;
+    if (e - b <= kChunkRows) {
+      sum_rows<VEC>(dout, order, b, e, d_row, factor, dim);
+    } else {
+      sum_pieces<VEC>(partials, b, e, d_row, factor, dim);
+    }
+  }
+}
+
 // Segments per thread group of finish_segments_kernel. A segment's sum is a chain of
 // dependent loads -- its bounds, its first token's index (order), that token's dout row --
 // and with one segment per thread group a warp had one 16-byte dout load in flight at a
@@ -1035,21 +1060,8 @@ __device__ __forceinline__ void finish_segments_body(Dout<T, kDropout> dout, con
       store_pack<VEC>(group_out + k * segment_stride + j, sum);
     }
   }
-  // Segments of two or more tokens, `groups` apart. A loop, not unrolled, so its bounds are
-  // read again (from cache): first[k] with k known at run time only would live in local memory.
-#pragma unroll 1
-  for (int k = 0; k < kRows; ++k) {
-    if (!(longer >> k & 1u)) continue;
-    const int64_t g = group + k * groups;
-    const int64_t b = begin[g], e = end[g];
-    T* d_row = out + g * dim;
-    const A factor = divide_by_count ? scale / static_cast<A>(e - b) : scale;
-    if (e - b <= kChunkRows) {
-      sum_rows<VEC>(dout, order, b, e, d_row, factor, dim);
-    } else {
-      sum_pieces<VEC>(partials, b, e, d_row, factor, dim);
-    }
-  }
+  sum_longer_segments<kRows, VEC>(dout, order, partials, begin, end, out, scale, divide_by_count, longer, group,
+                                  groups, dim);  // `groups` apart
 }
 
 template <typename T, typename A, int VEC>
@@ -1074,6 +1086,52 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 3)
                                    int64_t num_segments, int64_t dim, PositionSums<T> positions, bool consecutive) {
   finish_segments_body<T, A, VEC>(dout, order, partials, begin, end, first_token, out, scale, divide_by_count,
                                   zero_empty, num_segments, dim, positions, consecutive);
+}
+
+// finish_segments_kernel where the position blocks write every one-token row
+// (PositionSums::solo: learned positions reaching every token, the benchmark's 8x2048 and a
+// language model's training batch), chosen by PYEMBED_CUDA_FINISH_GROUP=4|8|16 (rows a
+// thread group; read by every call) for the forms without dropout over 16-byte fp32 / bf16
+// rows, to be timed on a GPU against that kernel. There a table's thread group has no row
+// of one token to load and store -- its first pass stores its untouched rows' zeros, and
+// it sums the rows of two or more tokens `groups` apart -- so it needs of each row only
+// whether it is untouched (end == begin: both zero) and whether it is longer: two loads a
+// row, all issued together, then kRows rows' zeros. At 82eabd8 (H200, ncu) the kernel above
+// ran at Llama-3 bf16 8x2048 -- 88% of the rows untouched, every group taking its zero branch
+// -- at 60% of DRAM bandwidth, its warps waiting on loads 11 of every 17 cycles, four rows'
+// zeros stored after each group's three loads a row; `triton`'s, whose programs there load
+// eight rows' bounds at once (two four-row tiles), at 72%, and two tiles took its op from 406
+// to 370 us against one. Each segment is summed as in that kernel: the same bits.
+template <typename T, typename A, int VEC, int kRows>
+__global__ void finish_segments_solo_kernel(Dout<T, false> dout, const int64_t* __restrict__ order,
+                                            const A* __restrict__ partials, const int64_t* __restrict__ begin,
+                                            const int64_t* __restrict__ end, T* __restrict__ out, A scale,
+                                            bool divide_by_count, bool zero_empty, int64_t num_segments, int64_t dim,
+                                            PositionSums<T> positions) {
+  static_assert(kRows <= 32, "a group's rows are bits of a word");
+  dout.start();
+  if (position_block<VEC, /*kSolo=*/true, /*kFirst=*/true>(dout, positions, dim, out, scale)) return;
+  const int64_t groups = (num_segments + kRows - 1) / kRows;
+  const int64_t group = (static_cast<int64_t>(blockIdx.x) - positions.blocks) * blockDim.y + threadIdx.y;
+  if (group >= groups) return;
+  unsigned untouched = 0, longer = 0;  // bit k: row group * kRows + k; segment group + k * groups
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    const int64_t g = group * kRows + k, h = group + k * groups;
+    if (zero_empty && g < num_segments && end[g] == begin[g]) untouched |= 1u << k;
+    if (h < num_segments && end[h] - begin[h] >= 2) longer |= 1u << k;
+  }
+  T* const group_out = out + group * kRows * dim;
+  const A zeros[VEC] = {};  // +0, as the sums store for an untouched row
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * VEC; untouched != 0 && j < dim;
+       j += static_cast<int64_t>(blockDim.x) * VEC) {
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      if (untouched >> k & 1u) store_pack<VEC>(group_out + k * dim + j, zeros);
+    }
+  }
+  sum_longer_segments<kRows, VEC>(dout, order, partials, begin, end, out, scale, divide_by_count, longer, group,
+                                  groups, dim);
 }
 
 // A dense gradient of at most kFewTokens tokens (a one-token step, a short batch) in one
@@ -1563,6 +1621,13 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
 // says "spread" (read by every call, a getenv, so that gpu-check times both in one process).
 inline bool finish_rows_consecutive() { return env_setting("PYEMBED_CUDA_FINISH_ROWS") != "spread"; }
 
+// Rows a thread group of finish_segments_solo_kernel, which PYEMBED_CUDA_FINISH_GROUP (read
+// by every call) asks for: 4, 8 or 16; 0 (unset, or any other value): finish_segments_kernel.
+inline int finish_solo_group_rows() {
+  const std::string_view rows = env_setting("PYEMBED_CUDA_FINISH_GROUP");
+  return rows == "4" ? 4 : rows == "8" ? 8 : rows == "16" ? 16 : 0;
+}
+
 // out[g] = factor(g) * (sum of the dout rows of segment g), for the first out.size(0)
 // segments (one launch, finish_segments_kernel): factor = scale, or scale / (the
 // segment's token count) with divide_by_count. zero_empty: empty segments are written as
@@ -1576,6 +1641,21 @@ void finish_segments(const at::Tensor& dout, const SortedSegments& seg, double s
   // The position blocks write the one-token rows when the segments mark them (with_solo).
   if (positions.out != nullptr && seg.solo != nullptr) positions.solo = seg.solo;
   const int vec = vector_width<T>(dim, {dout.data_ptr(), out.data_ptr(), positions.out});
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    const int solo_rows = positions.solo != nullptr && !dropout.active() && vec > 1 ? finish_solo_group_rows() : 0;
+    if (solo_rows > 0) {
+      const int64_t groups = (rows + solo_rows - 1) / solo_rows;
+      const RowGrid g = add_position_blocks(row_grid(groups, dim, vec), groups, positions, /*positions_first=*/true);
+      constexpr int kVec = 16 / sizeof(T);
+      const auto kernel = solo_rows == 4   ? finish_segments_solo_kernel<T, A, kVec, 4>
+                          : solo_rows == 8 ? finish_segments_solo_kernel<T, A, kVec, 8>
+                                           : finish_segments_solo_kernel<T, A, kVec, 16>;
+      Launch::run(g.grid, g.block, kernel, Dout<T, false>{dout.data_ptr<T>(), dim, dropout}, seg.order,
+                  static_cast<const A*>(seg.partials), seg.begin, seg.end, out.data_ptr<T>(), static_cast<A>(scale),
+                  divide_by_count, zero_empty, rows, dim, positions);
+      return;
+    }
+  }
   const int64_t groups = (rows + kSegmentsPerGroup - 1) / kSegmentsPerGroup;
   const RowGrid g = add_position_blocks(row_grid(groups, dim, vec), groups, positions, /*positions_first=*/true);
   const bool consecutive = finish_rows_consecutive();

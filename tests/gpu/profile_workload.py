@@ -620,6 +620,12 @@ ROW_TILES = ("PYEMBED_TRITON_ROW_TILES", ("1", "2", "4"))
 # 1b594a4. Pipelined, ~one round trip a row, for more registers in every tile (fp32 92 ->
 # 101 at two stages, sm_90): timed with both.
 SUM_STAGES = ("PYEMBED_TRITON_SUM_STAGES", ("1", "2", "3"))
+# `cuda`'s finish_segments where the position blocks write the one-token rows (learned
+# positions over every token, as in these cases): finish_segments_kernel ("off", the
+# default) against finish_segments_solo_kernel at 4, 8 and 16 rows a thread group, whose
+# groups load two bounds a row and store their untouched rows' zeros (at 82eabd8 the kernel
+# ran Llama-3 bf16 at 60% of DRAM bandwidth, `triton`'s, eight rows' bounds a program, 72%).
+FINISH_GROUP = ("PYEMBED_CUDA_FINISH_GROUP", ("off", "4", "8", "16"))
 
 
 def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
@@ -629,8 +635,8 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
     call. At 79bdffb (H200) CUB's sort was 7 of `cuda`'s 10 GPU ops, ~23 us; torch's, 7 of
     `triton`'s 10 (its host time 41 us). At de2aee7 the one-block sort (then `cuda`'s
     default) was ~28 of its ~107 us at GPT-2 fp32 (ncu); at 1b594a4 the tile sort ~28 of `triton`'s.
-    Then the table's zeros alone (zero_fill_case), and `triton`'s with each of SUM_STAGES'
-    settings (uniform and Zipf ids). (Timed at 82eabd8 and left out since, settled:
+    Then the table's zeros alone (zero_fill_case), `triton`'s with each of SUM_STAGES'
+    settings and `cuda`'s with each of FINISH_GROUP's (uniform and Zipf ids). (Timed at 82eabd8 and left out since, settled:
     ROW_TILES' settings, the defaults within noise; `triton`'s tile merge without its
     maxnreg, the same; `cuda`'s first pass over spread rows (PYEMBED_CUDA_FINISH_ROWS), no
     faster anywhere -- docs/bench-h200/82eabd8/profile.log.)"""
@@ -662,6 +668,10 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
                                                            (LLAMA3, torch.bfloat16)) for dist in ("uniform", "zipf")]
     if "triton" in backends:  # its rows' loop, pipelined or not
         setting_cases("triton", SUM_STAGES, "sum stages", zipf_cases, batch, seq_len, calls)
+    if "cuda" in backends:
+        group_cases = [(table, dtype, dist) for table, dtype in ((GPT2, torch.float32), (LLAMA3, torch.bfloat16))
+                       for dist in ("uniform", "zipf")]
+        setting_cases("cuda", FINISH_GROUP, "finish group", group_cases, batch, seq_len, calls)
 
 
 def setting_cases(backend, setting, label, cases, batch, seq_len, calls):

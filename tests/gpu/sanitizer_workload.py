@@ -57,7 +57,7 @@ def run_backend(backend: str, device: torch.device) -> int:
             calls += 2
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return calls + run_sorts(backend, device) + run_optimizers(backend, device)
+    return calls + run_sorts(backend, device) + run_finish_groups(backend, device) + run_optimizers(backend, device)
 
 
 def run_sorts(backend: str, device: torch.device) -> int:
@@ -80,6 +80,31 @@ def run_sorts(backend: str, device: torch.device) -> int:
                 pyembed.fused_embedding(ids, w, sparse=sparse, backend=backend).sum().backward()
                 calls += 1
     os.environ.pop("PYEMBED_CUDA_SORT", None)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return calls
+
+
+def run_finish_groups(backend: str, device: torch.device) -> int:
+    """`cuda`'s finish_segments_solo_kernel at each of its group sizes
+    (PYEMBED_CUDA_FINISH_GROUP): learned positions from 0 over every token, so that their
+    blocks write the one-token rows; a hot row summed in pieces, a row count that is no
+    multiple of 16; fp32 and bf16."""
+    if backend != "cuda":
+        return 0
+    g = torch.Generator().manual_seed(2)
+    calls = 0
+    for rows in ("4", "8", "16"):
+        os.environ["PYEMBED_CUDA_FINISH_GROUP"] = rows
+        for dtype in (torch.float32, torch.bfloat16):
+            ids = torch.randint(0, 5003, (4, 300), generator=g)
+            ids[:, ::2] = 7  # 600 uses: pieces of several chunks
+            weight = torch.randn(5003, 64, generator=g).to(device=device, dtype=dtype).requires_grad_()
+            pos_weight = torch.randn(300, 64, generator=g).to(device=device, dtype=dtype).requires_grad_()
+            pyembed.fused_embedding(ids.to(device), weight, pos_weight, pos_encoding="learned",
+                                    backend=backend).sum().backward()
+            calls += 1
+    os.environ.pop("PYEMBED_CUDA_FINISH_GROUP", None)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return calls
