@@ -213,6 +213,21 @@ def test_emulated_position_blocks_write_the_batch_rows_in_any_grouping(emulated,
     assert torch.equal(dp, dout.double().sum(0).to(dtype))
 
 
+FINISH_VOCAB = 203  # no multiple of 16: a last group of rows partly past the table
+
+
+def _neighbouring_hot_rows(gen):
+    """(2, 400) ids over FINISH_VOCAB rows: rows 0-3 used 150, 60, 40 and 30 times (neighbouring
+    hot rows, as a tokenizer numbers frequent tokens; the first longer than a chunk, summed in
+    pieces), the others uniform from row 4: rows of one token and untouched rows among them."""
+    ids = torch.randint(4, FINISH_VOCAB, (2, 400), generator=gen)
+    flat = ids.view(-1)
+    hot = torch.randperm(flat.numel(), generator=gen)
+    for row, (start, uses) in enumerate([(0, 150), (150, 60), (210, 40), (250, 30)]):
+        flat[hot[start:start + uses]] = row
+    return ids
+
+
 @pytest.mark.parametrize("need_pos_grad", [False, True], ids=["no positions", "learned positions"])
 @pytest.mark.parametrize("layout", ["consecutive", "spread"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -225,13 +240,9 @@ def test_emulated_finish_rows_in_either_layout_are_the_exact_sums(emulated, monk
     row is its exact sum (integer-valued dout: every sum is exact in bf16)."""
     monkeypatch.setenv("PYEMBED_CUDA_FINISH_ROWS", layout)
     gen = torch.Generator().manual_seed(5)
-    vocab, batch, seq_len, dim = 203, 2, 400, 16
-    ids = torch.randint(4, vocab, (batch, seq_len), generator=gen)
-    flat = ids.view(-1)
-    hot = torch.randperm(flat.numel(), generator=gen)
-    for row, (start, uses) in enumerate([(0, 150), (150, 60), (210, 40), (250, 30)]):
-        flat[hot[start:start + uses]] = row
-    dout = torch.randint(-3, 4, (batch, seq_len, dim), generator=gen).to(dtype)
+    ids = _neighbouring_hot_rows(gen)
+    dout = torch.randint(-3, 4, (*ids.shape, 16), generator=gen).to(dtype)
+    vocab, seq_len = FINISH_VOCAB, ids.shape[1]
     dw, dp = backward(emulated, dout, ids, num_embeddings=vocab, num_positions=seq_len, need_pos_grad=need_pos_grad)
     assert torch.equal(dw, exact_row_sums(ids, dout, vocab).to(dtype))
     if need_pos_grad:
@@ -248,14 +259,9 @@ def test_emulated_finish_segments_solo_kernel_gives_the_same_bits(emulated, monk
     hot rows, one longer than a chunk (summed in pieces), one-token and untouched rows, a
     row count that is no multiple of 16 -- and with integer-valued dout the exact sums."""
     gen = torch.Generator().manual_seed(6)
-    vocab, batch, seq_len, dim = 203, 2, 400, 16
-    ids = torch.randint(4, vocab, (batch, seq_len), generator=gen)
-    flat = ids.view(-1)
-    hot = torch.randperm(flat.numel(), generator=gen)
-    for row, (start, uses) in enumerate([(0, 150), (150, 60), (210, 40), (250, 30)]):
-        flat[hot[start:start + uses]] = row
-    for dout in (torch.randn(batch, seq_len, dim, generator=gen).to(dtype),
-                 torch.randint(-3, 4, (batch, seq_len, dim), generator=gen).to(dtype)):
+    ids = _neighbouring_hot_rows(gen)
+    vocab, seq_len, shape = FINISH_VOCAB, ids.shape[1], (*ids.shape, 16)
+    for dout in (torch.randn(shape, generator=gen).to(dtype), torch.randint(-3, 4, shape, generator=gen).to(dtype)):
         call = dict(num_embeddings=vocab, num_positions=seq_len, scale=1.5, need_pos_grad=True, **options)
         monkeypatch.delenv("PYEMBED_CUDA_FINISH_GROUP", raising=False)
         emulated.take_launch_counts()
