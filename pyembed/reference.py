@@ -103,7 +103,11 @@ def embedding_forward(
     acc = compute_dtype(weight.dtype)
 
     flat = ids.reshape(-1).long()
-    out = _gather_rows(weight, flat, acc) * scale
+    # Each term is computed by flat token and brought to the output's shape before it is
+    # added: the output is a tensor of its own, not a view of one made here, which autograd
+    # would not let a caller change in place (as nn.Embedding's output can be: `x *= s`).
+    shape = (*ids.shape, embed_dim)
+    out = _gather_rows(weight, flat, acc).reshape(shape) * scale
     if pos_encoding != "none":
         positions = token_positions(ids, position_ids, offset)
         if pos_encoding == "learned":
@@ -113,11 +117,11 @@ def embedding_forward(
         # An out-of-range id gives a zero row, positional term included: vocab-parallel
         # ranks (pyembed.parallel) sum their rows, so each token's is added once.
         id_ok = (flat >= 0) & (flat < num_embeddings)
-        out = out + torch.where(id_ok[:, None], pe, torch.zeros((), dtype=acc, device=pe.device))
+        out = out + torch.where(id_ok[:, None], pe, torch.zeros((), dtype=acc, device=pe.device)).reshape(shape)
     if dropout_key is not None:
-        keep = dropout_keep(dropout_key, flat.numel(), embed_dim, dropout_p)
+        keep = dropout_keep(dropout_key, flat.numel(), embed_dim, dropout_p).reshape(shape)
         out = torch.where(keep, out * torch.tensor(dropout_scale(dropout_p), dtype=acc, device=out.device), 0)
-    return out.to(weight.dtype).reshape(*ids.shape, embed_dim)
+    return out.to(weight.dtype)
 
 
 def _gather_rows(table: torch.Tensor, rows: torch.Tensor, acc: torch.dtype) -> torch.Tensor:

@@ -236,6 +236,48 @@ def test_zero_width_tables(backend, sparse):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("route", ["plain", "positions", "sparse", "dropout", "forward AD"])
+def test_the_output_can_be_changed_in_place_as_nn_embeddings(backend, route):
+    # Model code scales or adds to an embedding's output in place (`x *= scale`, `x += pos`):
+    # nn.Embedding's output is a tensor of its own. An autograd.Function's output that is a
+    # view made inside it refuses that ("...is a view and is being modified inplace"): the
+    # reference backend's output was such a view (its rows reshaped to ids.shape + (d,)).
+    ids = torch.tensor([[0, 3, 3, 5], [7, 3, 1, 1]])
+    torch.manual_seed(0)
+    weight, pos_weight = torch.randn(12, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    kwargs = {"positions": dict(pos_encoding="learned", scale=2.0), "sparse": dict(sparse=True),
+              "dropout": dict(dropout_p=0.25)}.get(route, {})
+
+    def pyembed_lookup(w, p):
+        return pyembed.fused_embedding(ids, w, p if route == "positions" else None, backend=backend, **kwargs)
+
+    def nn_lookup(w, p):
+        out = nn.functional.embedding(ids, w)
+        return out * 2.0 + p[:4] if route == "positions" else out
+
+    def gradients(lookup, in_place):
+        w, p = weight.clone().requires_grad_(), pos_weight.clone().requires_grad_()
+        torch.manual_seed(1)  # the dropout mask
+        with fwAD.dual_level() if route == "forward AD" else warnings.catch_warnings():
+            out = lookup(w, p)
+            if in_place:
+                out.mul_(3.0)
+                out += 1.0
+            else:
+                out = out * 3.0 + 1.0
+        out.pow(2).sum().backward()
+        return w.grad.to_dense(), p.grad
+
+    got = gradients(pyembed_lookup, in_place=True)
+    wants = [gradients(pyembed_lookup, in_place=False)] + [gradients(nn_lookup, False)] * (route != "dropout")
+    for want in wants:
+        torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+        assert (got[1] is None) == (want[1] is None)
+        if got[1] is not None:
+            torch.testing.assert_close(got[1], want[1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("shape", ["(T,)", "(1, T)"])
 def test_position_ids_broadcast_over_the_batch(backend, shape):
     torch.manual_seed(5)
