@@ -1090,7 +1090,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 3)
 
 // finish_segments_kernel where the position blocks write every one-token row
 // (PositionSums::solo: learned positions reaching every token, the benchmark's 8x2048 and a
-// language model's training batch), chosen by PYEMBED_CUDA_FINISH_GROUP=4|8|16 (rows a
+// language model's training batch), chosen by PYEMBED_CUDA_FINISH_GROUP=4|8|16|8-last (rows a
 // thread group; read by every call) for the forms without dropout over 16-byte fp32 / bf16
 // rows, to be timed on a GPU against that kernel. There a table's thread group has no row
 // of one token to load and store -- its first pass stores its untouched rows' zeros, and
@@ -1102,7 +1102,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 3)
 // zeros stored after each group's three loads a row; `triton`'s, whose programs there load
 // eight rows' bounds at once (two four-row tiles), at 72%, and two tiles took its op from 406
 // to 370 us against one. Each segment is summed as in that kernel: the same bits.
-template <typename T, typename A, int VEC, int kRows>
+// kPositionsFirst: the position blocks are the launch's first blocks, as in that kernel,
+// or its last, as in `triton`'s (PYEMBED_CUDA_FINISH_GROUP=8-last): there the table's
+// zeros go out first, and the position blocks' chains of row loads come after them.
+template <typename T, typename A, int VEC, int kRows, bool kPositionsFirst>
 __global__ void finish_segments_solo_kernel(Dout<T, false> dout, const int64_t* __restrict__ order,
                                             const A* __restrict__ partials, const int64_t* __restrict__ begin,
                                             const int64_t* __restrict__ end, T* __restrict__ out, A scale,
@@ -1110,9 +1113,10 @@ __global__ void finish_segments_solo_kernel(Dout<T, false> dout, const int64_t* 
                                             PositionSums<T> positions) {
   static_assert(kRows <= 32, "a group's rows are bits of a word");
   dout.start();
-  if (position_block<VEC, /*kSolo=*/true, /*kFirst=*/true>(dout, positions, dim, out, scale)) return;
+  if (position_block<VEC, /*kSolo=*/true, kPositionsFirst>(dout, positions, dim, out, scale)) return;
   const int64_t groups = (num_segments + kRows - 1) / kRows;
-  const int64_t group = (static_cast<int64_t>(blockIdx.x) - positions.blocks) * blockDim.y + threadIdx.y;
+  const int64_t table_block = static_cast<int64_t>(blockIdx.x) - (kPositionsFirst ? positions.blocks : 0);
+  const int64_t group = table_block * blockDim.y + threadIdx.y;
   if (group >= groups) return;
   unsigned untouched = 0, longer = 0;  // bit k: row group * kRows + k; segment group + k * groups
 #pragma unroll
@@ -1621,11 +1625,17 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
 // says "spread" (read by every call, a getenv, so that gpu-check times both in one process).
 inline bool finish_rows_consecutive() { return env_setting("PYEMBED_CUDA_FINISH_ROWS") != "spread"; }
 
-// Rows a thread group of finish_segments_solo_kernel, which PYEMBED_CUDA_FINISH_GROUP (read
-// by every call) asks for: 4, 8 or 16; 0 (unset, or any other value): finish_segments_kernel.
-inline int finish_solo_group_rows() {
-  const std::string_view rows = env_setting("PYEMBED_CUDA_FINISH_GROUP");
-  return rows == "4" ? 4 : rows == "8" ? 8 : rows == "16" ? 16 : 0;
+// finish_segments_solo_kernel's form that PYEMBED_CUDA_FINISH_GROUP (read by every call) asks
+// for: rows a thread group, 4, 8 or 16, its position blocks first, or "8-last": 8 rows, the
+// position blocks last. rows 0 (unset, or any other value): finish_segments_kernel.
+struct SoloForm {
+  int rows = 0;
+  bool positions_first = true;
+};
+inline SoloForm finish_solo_form() {
+  const std::string_view form = env_setting("PYEMBED_CUDA_FINISH_GROUP");
+  if (form == "8-last") return {8, false};
+  return {form == "4" ? 4 : form == "8" ? 8 : form == "16" ? 16 : 0, true};
 }
 
 // out[g] = factor(g) * (sum of the dout rows of segment g), for the first out.size(0)
@@ -1642,14 +1652,15 @@ void finish_segments(const at::Tensor& dout, const SortedSegments& seg, double s
   if (positions.out != nullptr && seg.solo != nullptr) positions.solo = seg.solo;
   const int vec = vector_width<T>(dim, {dout.data_ptr(), out.data_ptr(), positions.out});
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-    const int solo_rows = positions.solo != nullptr && !dropout.active() && vec > 1 ? finish_solo_group_rows() : 0;
-    if (solo_rows > 0) {
-      const int64_t groups = (rows + solo_rows - 1) / solo_rows;
-      const RowGrid g = add_position_blocks(row_grid(groups, dim, vec), groups, positions, /*positions_first=*/true);
+    const SoloForm solo = positions.solo != nullptr && !dropout.active() && vec > 1 ? finish_solo_form() : SoloForm{};
+    if (solo.rows > 0) {
+      const int64_t groups = (rows + solo.rows - 1) / solo.rows;
+      const RowGrid g = add_position_blocks(row_grid(groups, dim, vec), groups, positions, solo.positions_first);
       constexpr int kVec = 16 / sizeof(T);
-      const auto kernel = solo_rows == 4   ? finish_segments_solo_kernel<T, A, kVec, 4>
-                          : solo_rows == 8 ? finish_segments_solo_kernel<T, A, kVec, 8>
-                                           : finish_segments_solo_kernel<T, A, kVec, 16>;
+      const auto kernel = !solo.positions_first ? finish_segments_solo_kernel<T, A, kVec, 8, false>
+                          : solo.rows == 4      ? finish_segments_solo_kernel<T, A, kVec, 4, true>
+                          : solo.rows == 8      ? finish_segments_solo_kernel<T, A, kVec, 8, true>
+                                                : finish_segments_solo_kernel<T, A, kVec, 16, true>;
       Launch::run(g.grid, g.block, kernel, Dout<T, false>{dout.data_ptr<T>(), dim, dropout}, seg.order,
                   static_cast<const A*>(seg.partials), seg.begin, seg.end, out.data_ptr<T>(), static_cast<A>(scale),
                   divide_by_count, zero_empty, rows, dim, positions);

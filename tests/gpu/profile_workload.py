@@ -623,9 +623,10 @@ SUM_STAGES = ("PYEMBED_TRITON_SUM_STAGES", ("1", "2", "3"))
 # `cuda`'s finish_segments where the position blocks write the one-token rows (learned
 # positions over every token, as in these cases): finish_segments_kernel ("off", the
 # default) against finish_segments_solo_kernel at 4, 8 and 16 rows a thread group, whose
-# groups load two bounds a row and store their untouched rows' zeros (at 82eabd8 the kernel
+# groups load two bounds a row and store their untouched rows' zeros, and at 8 with the
+# position blocks last (as `triton`'s) (at 82eabd8 the kernel
 # ran Llama-3 bf16 at 60% of DRAM bandwidth, `triton`'s, eight rows' bounds a program, 72%).
-FINISH_GROUP = ("PYEMBED_CUDA_FINISH_GROUP", ("off", "4", "8", "16"))
+FINISH_GROUP = ("PYEMBED_CUDA_FINISH_GROUP", ("off", "4", "8", "16", "8-last"))
 
 
 def sort_comparison(backends, batch=8, seq_len=2048, calls=40):

@@ -94,7 +94,7 @@ def run_finish_groups(backend: str, device: torch.device) -> int:
         return 0
     g = torch.Generator().manual_seed(2)
     calls = 0
-    for rows in ("4", "8", "16"):
+    for rows in ("4", "8", "16", "8-last"):
         os.environ["PYEMBED_CUDA_FINISH_GROUP"] = rows
         for dtype in (torch.float32, torch.bfloat16):
             ids = torch.randint(0, 5003, (4, 300), generator=g)

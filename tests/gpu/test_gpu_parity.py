@@ -519,10 +519,10 @@ def test_cuda_dense_gradient_with_zipf_ids_is_the_same_with_either_finish_rows(p
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_dense_gradient_with_zipf_ids_is_the_same_with_the_solo_finish_kernel(dtype, monkeypatch):
     """With learned positions reaching every token (their blocks write the one-token rows),
-    `cuda`'s finish_segments_solo_kernel at 4, 8 or 16 rows a thread group
-    (PYEMBED_CUDA_FINISH_GROUP) gives the gradients finish_segments_kernel gives (the
+    `cuda`'s finish_segments_solo_kernel at 4, 8 or 16 rows a thread group, or 8 with the
+    position blocks last (PYEMBED_CUDA_FINISH_GROUP) gives the gradients finish_segments_kernel gives (the
     variable unset), bit for bit: each segment is summed the same way."""
-    _zipf_gradient_is_the_same_at_each("cuda", "PYEMBED_CUDA_FINISH_GROUP", ("", "4", "8", "16"), dtype, True,
+    _zipf_gradient_is_the_same_at_each("cuda", "PYEMBED_CUDA_FINISH_GROUP", ("", "4", "8", "16", "8-last"), dtype, True,
                                        monkeypatch, seed=4)
 
 
