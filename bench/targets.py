@@ -192,7 +192,42 @@ def host_targets(profile: str) -> list[str]:
     return [line for line in profile.splitlines() if re.match(r"host 1x1 target .*\(target .*\)$", line)]
 
 
-def markdown(found: list[tuple], host: list[str] = ()) -> str:
+# A dense backward op's line of profile.log (tests/gpu/profile_workload.py's sort_case): the
+# setting it ran with ("tile sort, 8 finish group": value 8 of the "finish group" setting;
+# "one-block sort": the "sort" setting's), the case, and its median and graphed times.
+_SETTING_LINE = re.compile(r"sort (?P<which>[^:]+): the `(?P<backend>\w+)` dense backward op, (?P<table>\d+x\d+) "
+                           r"(?P<dtype>\w+) (?P<tokens>\d+x\d+)(?:, (?P<dist>\w+) ids)?: (?P<wall>[\d.]+) us, "
+                           r"graphed (?P<graphed>[\d.]+) us")
+
+
+def setting_comparisons(profile: str) -> list[str]:
+    """profile.log's kernel settings timed against each other (its dense backward op lines), a
+    line per setting and case: each value's graphed time in the order the profile ran them --
+    the first the default where the setting has one value for all (the sorts, `cuda`'s finish
+    group) -- and the fastest, as a ratio to the first's. What a GPU run
+    settles: which variant a default should become (the `cuda` finish_segments forms of
+    PYEMBED_CUDA_FINISH_GROUP, `triton`'s sum stages, each backend's sorts)."""
+    cases: dict = {}
+    for line in profile.splitlines():
+        m = _SETTING_LINE.match(line)
+        if m is None:
+            continue
+        which = m["which"]
+        setting, value = ("sort", which) if "," not in which else which.split(", ", 1)[1].split(" ", 1)[::-1]
+        case = (m["backend"], setting, m["table"], m["dtype"], m["tokens"], m["dist"] or "uniform")
+        cases.setdefault(case, {})[value] = float(m["graphed"])
+    lines = []
+    for (backend, setting, table, dtype, tokens, dist), times in cases.items():
+        if len(times) < 2:
+            continue
+        default, (fastest, best) = next(iter(times.values())), min(times.items(), key=lambda item: item[1])
+        listed = ", ".join(f"{value} {us:.1f}" for value, us in times.items())
+        lines.append(f"`{backend}` {setting}, {table} {dtype} {tokens}, {dist} ids: {listed} us graphed; "
+                     f"fastest {fastest} ({best / default:.2f}x the first)")
+    return lines
+
+
+def markdown(found: list[tuple], host: list[str] = (), settings: list[str] = ()) -> str:
     verdicts = [f[4] for f in found if f[4] is not None]
     beyond = verdicts.count("below the floor")
     lines = [f"Of {len(verdicts)} (target, case) pairs measured: {verdicts.count('met')} met, "
@@ -205,16 +240,22 @@ def markdown(found: list[tuple], host: list[str] = ()) -> str:
               for issue, target, case, text, verdict in found]
     if host:
         lines += ["", "One-token host time (#29, profile.log):", ""] + [f"- {line}" for line in host]
+    if settings:
+        lines += ["", "Kernel settings timed against each other (profile.log, graphed; ratios to the first listed):",
+                  ""]
+        lines += [f"- {line}" for line in settings]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.targets", description=__doc__.splitlines()[0])
     ap.add_argument("csv", type=Path, nargs="+", help="a GPU benchmark's results.csv (several: their cases together)")
-    ap.add_argument("--profile", type=Path, help="the same run's profile.log (one-token host time)")
+    ap.add_argument("--profile", type=Path,
+                    help="the same run's profile.log (one-token host time, kernel settings against each other)")
     args = ap.parse_args(argv)
-    host = host_targets(args.profile.read_text()) if args.profile else []
-    print(markdown(targets([row for path in args.csv for row in load_csv(path)]), host), end="")
+    profile = args.profile.read_text() if args.profile else ""
+    print(markdown(targets([row for path in args.csv for row in load_csv(path)]), host_targets(profile),
+                   setting_comparisons(profile)), end="")
 
 
 if __name__ == "__main__":

@@ -490,3 +490,36 @@ def test_targets_read_a_runs_cases_split_over_several_csvs(tmp_path, capsys):
     assert capsys.readouterr().out == expected and "met" in expected
     targets.main([str(parts[0])])  # the forward cases alone: fewer pairs measured
     assert capsys.readouterr().out != expected
+
+
+def test_targets_compare_a_profiles_kernel_settings_case_by_case():
+    # The profile times kernel variants against each other (its dense backward op at each
+    # setting, e.g. PYEMBED_CUDA_FINISH_GROUP): bench.targets lists each case's times in the
+    # order run and the fastest as a ratio to the first, from the lines the profile prints.
+    import sys
+
+    gpu_tests = str(pathlib.Path(__file__).resolve().parent / "gpu")
+    sys.path.insert(0, gpu_tests)
+    try:
+        from profile_workload import backward_op_line
+    finally:
+        sys.path.remove(gpu_tests)
+    from bench import targets
+
+    llama, gpt2 = (128256, 4096), (50257, 768)
+    graphed = {("off", "uniform"): 431.4, ("8", "uniform"): 388.0, ("8-last", "uniform"): 402.5,
+               ("off", "zipf"): 455.8, ("8", "zipf"): 470.1, ("8-last", "zipf"): 455.8}
+    lines = ["sort tile sort: ..."]  # not a complete line: skipped
+    lines += [backward_op_line("tile sort", "cuda", gpt2, torch.float32, 8, 2048, "uniform", 0.11, 0.1066, 42.0, 4),
+              backward_op_line("CUB device sort", "cuda", gpt2, torch.float32, 8, 2048, "uniform", 0.13, 0.1256, 50, 6)]
+    lines += [backward_op_line(f"tile sort, {value} finish group", "cuda", llama, torch.bfloat16, 8, 2048, dist,
+                               us * 1.01e-3, us * 1e-3, 40.0, 4) for (value, dist), us in graphed.items()]
+    found = targets.setting_comparisons("\n".join(lines))
+    assert found == [
+        "`cuda` sort, 50257x768 float32 8x2048, uniform ids: tile sort 106.6, CUB device sort 125.6 us graphed; "
+        f"fastest tile sort ({1:.2f}x the first)",
+        "`cuda` finish group, 128256x4096 bfloat16 8x2048, uniform ids: off 431.4, 8 388.0, 8-last 402.5 us graphed; "
+        f"fastest 8 ({388.0 / 431.4:.2f}x the first)",
+        "`cuda` finish group, 128256x4096 bfloat16 8x2048, zipf ids: off 455.8, 8 470.1, 8-last 455.8 us graphed; "
+        "fastest off (1.00x the first)"]  # a tie: the first listed
+    assert targets.markdown([], settings=found).endswith("\n".join(f"- {line}" for line in found) + "\n")

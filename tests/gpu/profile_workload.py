@@ -723,10 +723,16 @@ def sort_case(backend, which, table, dtype, batch, seq_len, calls, dist="uniform
         call()
         torch.cuda.synchronize()
     ops = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
-    print(f"sort {which}: the `{backend}` dense backward op, {vocab}x{dim} {str(dtype)[6:]} {batch}x{seq_len}"
-          f"{'' if dist == 'uniform' else ', ' + dist + ' ids'}: "
-          f"{wall * 1e3:.1f} us, graphed {graphed * 1e3:.1f} us, host {host:.1f} us (GPU busy), {ops} GPU ops",
+    print(backward_op_line(which, backend, (vocab, dim), dtype, batch, seq_len, dist, wall, graphed, host, ops),
           flush=True)
+
+
+def backward_op_line(which, backend, table, dtype, batch, seq_len, dist, wall_ms, graphed_ms, host_us, ops):
+    """sort_case's line, which python -m bench.targets reads (setting_comparisons): ``which``
+    the sort, or "tile sort, VALUE LABEL" for setting_cases' VALUE of a setting."""
+    return (f"sort {which}: the `{backend}` dense backward op, {table[0]}x{table[1]} {str(dtype)[6:]} "
+            f"{batch}x{seq_len}{'' if dist == 'uniform' else ', ' + dist + ' ids'}: {wall_ms * 1e3:.1f} us, "
+            f"graphed {graphed_ms * 1e3:.1f} us, host {host_us:.1f} us (GPU busy), {ops} GPU ops")
 
 
 # The cuda forward's rows per block with learned positions (csrc/cuda/embedding_kernels.cuh,
