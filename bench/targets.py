@@ -204,9 +204,9 @@ def setting_comparisons(profile: str) -> list[str]:
     """profile.log's kernel settings timed against each other (its dense backward op lines), a
     line per setting and case: each value's graphed time in the order the profile ran them --
     the first the default where the setting has one value for all (the sorts, `cuda`'s finish
-    group) -- and the fastest, as a ratio to the first's. What a GPU run
-    settles: which variant a default should become (the `cuda` finish_segments forms of
-    PYEMBED_CUDA_FINISH_GROUP, `triton`'s sum stages, each backend's sorts)."""
+    group) -- and the fastest, as a ratio to the first's. What a GPU run settles: which
+    variant a default should become (`cuda`'s finish_segments forms, PYEMBED_CUDA_FINISH_GROUP;
+    `triton`'s sum stages; each backend's sorts)."""
     cases: dict = {}
     for line in profile.splitlines():
         m = _SETTING_LINE.match(line)

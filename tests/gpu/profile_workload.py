@@ -624,8 +624,8 @@ SUM_STAGES = ("PYEMBED_TRITON_SUM_STAGES", ("1", "2", "3"))
 # positions over every token, as in these cases): finish_segments_kernel ("off", the
 # default) against finish_segments_solo_kernel at 4, 8 and 16 rows a thread group, whose
 # groups load two bounds a row and store their untouched rows' zeros, and at 8 with the
-# position blocks last (as `triton`'s) (at 82eabd8 the kernel
-# ran Llama-3 bf16 at 60% of DRAM bandwidth, `triton`'s, eight rows' bounds a program, 72%).
+# position blocks last, as `triton` orders them. At 82eabd8 the default ran Llama-3 bf16 at
+# 60% of DRAM bandwidth; `triton`'s, eight rows' bounds a program there, at 72%.
 FINISH_GROUP = ("PYEMBED_CUDA_FINISH_GROUP", ("off", "4", "8", "16", "8-last"))
 
 
@@ -637,8 +637,8 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
     `triton`'s 10 (its host time 41 us). At de2aee7 the one-block sort (then `cuda`'s
     default) was ~28 of its ~107 us at GPT-2 fp32 (ncu); at 1b594a4 the tile sort ~28 of `triton`'s.
     Then the table's zeros alone (zero_fill_case), `triton`'s with each of SUM_STAGES'
-    settings and `cuda`'s with each of FINISH_GROUP's (uniform and Zipf ids). (Timed at 82eabd8 and left out since, settled:
-    ROW_TILES' settings, the defaults within noise; `triton`'s tile merge without its
+    settings and `cuda`'s with each of FINISH_GROUP's (uniform and Zipf ids). (Timed at
+    82eabd8 and left out since, settled: ROW_TILES' settings, the defaults within noise; `triton`'s tile merge without its
     maxnreg, the same; `cuda`'s first pass over spread rows (PYEMBED_CUDA_FINISH_ROWS), no
     faster anywhere -- docs/bench-h200/82eabd8/profile.log.)"""
     import os
