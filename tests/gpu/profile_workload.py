@@ -638,9 +638,9 @@ def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
     default) was ~28 of its ~107 us at GPT-2 fp32 (ncu); at 1b594a4 the tile sort ~28 of `triton`'s.
     Then the table's zeros alone (zero_fill_case), `triton`'s with each of SUM_STAGES'
     settings and `cuda`'s with each of FINISH_GROUP's (uniform and Zipf ids). (Timed at
-    82eabd8 and left out since, settled: ROW_TILES' settings, the defaults within noise; `triton`'s tile merge without its
-    maxnreg, the same; `cuda`'s first pass over spread rows (PYEMBED_CUDA_FINISH_ROWS), no
-    faster anywhere -- docs/bench-h200/82eabd8/profile.log.)"""
+    82eabd8 and left out since, settled: ROW_TILES' settings, the defaults within noise;
+    `triton`'s tile merge without its maxnreg, the same; `cuda`'s first pass over spread rows
+    (PYEMBED_CUDA_FINISH_ROWS), no faster anywhere -- docs/bench-h200/82eabd8/profile.log.)"""
     import os
 
     for backend, variable, sorts in SORTS:
