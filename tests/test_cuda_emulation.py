@@ -276,6 +276,26 @@ def test_emulated_finish_segments_solo_kernel_gives_the_same_bits(emulated, monk
         assert torch.equal(solo[1], dout.double().sum(0).to(dtype))
 
 
+@pytest.mark.parametrize("vocab", [1, 5, 17])
+def test_emulated_finish_segments_solo_kernel_on_tables_smaller_than_its_groups(emulated, monkeypatch, vocab):
+    """Tables of fewer rows than a group of finish_segments_solo_kernel holds, or just past a
+    multiple of them: every form writes the default kernel's gradients, bit for bit (the
+    rows past the table never written), fp32 and bf16, with padding and counts or without."""
+    gen = torch.Generator().manual_seed(vocab)
+    for dim, dtype in ((4, torch.float32), (8, torch.bfloat16)):
+        ids = torch.randint(0, vocab, (3, 64), generator=gen)
+        dout = torch.randn(3, 64, dim, generator=gen).to(dtype)
+        for padding_idx, by_freq in ((None, False), (0, True)):
+            call = dict(num_embeddings=vocab, num_positions=64, scale=1.25, padding_idx=padding_idx,
+                        scale_grad_by_freq=by_freq, need_pos_grad=True)
+            monkeypatch.delenv("PYEMBED_CUDA_FINISH_GROUP", raising=False)
+            default = backward(emulated, dout, ids, **call)
+            for form in ("4", "8", "16", "8-last"):
+                monkeypatch.setenv("PYEMBED_CUDA_FINISH_GROUP", form)
+                solo = backward(emulated, dout, ids, **call)
+                assert torch.equal(solo[0], default[0]) and torch.equal(solo[1], default[1]), form
+
+
 def test_emulated_position_ids_and_out_of_range_ids(emulated):
     ids, weight, pos_weight, dout = make_inputs(2, 10, 30, 16, torch.float32, pos_rows=12, seed=13)
     position_ids = torch.randint(0, 12, ids.shape, generator=torch.Generator().manual_seed(1))
