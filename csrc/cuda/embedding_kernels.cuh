@@ -1100,8 +1100,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 3)
 // ran at Llama-3 bf16 8x2048 -- 88% of the rows untouched, every group taking its zero branch
 // -- at 60% of DRAM bandwidth, its warps waiting on loads 11 of every 17 cycles, four rows'
 // zeros stored after each group's three loads a row; `triton`'s, whose programs there load
-// eight rows' bounds at once (two four-row tiles), at 72%, and two tiles took its op from 406
-// to 370 us against one. Each segment is summed as in that kernel: the same bits.
+// sixteen rows' bounds at once (four four-row tiles), at 72% -- and its op took 406 us with
+// one tile a program, 370 with two, 380 with four. Each segment is summed as in that kernel:
+// the same bits.
 // kPositionsFirst: the position blocks are the launch's first blocks, as in that kernel,
 // or its last, as in `triton`'s (PYEMBED_CUDA_FINISH_GROUP=8-last): there the table's
 // zeros go out first, and the position blocks' chains of row loads come after them.

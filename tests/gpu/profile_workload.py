@@ -625,7 +625,7 @@ SUM_STAGES = ("PYEMBED_TRITON_SUM_STAGES", ("1", "2", "3"))
 # default) against finish_segments_solo_kernel at 4, 8 and 16 rows a thread group, whose
 # groups load two bounds a row and store their untouched rows' zeros, and at 8 with the
 # position blocks last, as `triton` orders them. At 82eabd8 the default ran Llama-3 bf16 at
-# 60% of DRAM bandwidth; `triton`'s, eight rows' bounds a program there, at 72%.
+# 60% of DRAM bandwidth; `triton`'s, sixteen rows' bounds a program there, at 72%.
 FINISH_GROUP = ("PYEMBED_CUDA_FINISH_GROUP", ("off", "4", "8", "16", "8-last"))
 
 
