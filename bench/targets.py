@@ -213,7 +213,10 @@ def setting_comparisons(profile: str) -> list[str]:
         if m is None:
             continue
         which = m["which"]
-        setting, value = ("sort", which) if "," not in which else which.split(", ", 1)[1].split(" ", 1)[::-1]
+        if "," in which:  # "tile sort, VALUE LABEL": setting_cases' VALUE of the setting LABEL
+            value, setting = which.split(", ", 1)[1].split(" ", 1)
+        else:  # a sort's name: the value of the sort setting
+            setting, value = "sort", which
         case = (m["backend"], setting, m["table"], m["dtype"], m["tokens"], m["dist"] or "uniform")
         cases.setdefault(case, {})[value] = float(m["graphed"])
     lines = []
