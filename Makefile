@@ -9,9 +9,9 @@ PIP    := $(PY) -m pip
 # Python edits need no reinstall; C++/CUDA edits rebuild incrementally (ninja).
 DEPS_STAMP    := $(VENV)/.deps-installed
 INSTALL_STAMP := $(VENV)/.pyembed-installed
-BUILD_INPUTS  := setup.py pyproject.toml pyembed/_cuda_home.py $(shell find csrc -type f 2>/dev/null)
+BUILD_INPUTS  := setup.py pyproject.toml pyembed/_cuda_home.py pyembed/_libstdcxx.py $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: test bench install clean gpu-check test-compat test-gpu-stack
+.PHONY: test bench install clean gpu-check gpu-prepare test-compat test-gpu-stack
 
 # A pytest-xdist worker per core, 8 at most (~1 GB each; TEST_WORKERS=N chooses, 0: none),
 # tests handed out one by one; a fixture whose work is the same on every worker (the nvcc
@@ -117,10 +117,10 @@ test-compat: $(INSTALL_STAMP)
 GPU_STACK_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 GPU_STACK_VENV   := .venv-gpu-stack
 GPU_STACK_PINS   := torch==2.11.0 triton==3.6.0 transformers==5.17.0 "numpy<2.4"
+GPU_STACK_DEPS   := $(GPU_STACK_PINS) "setuptools>=77" wheel ninja pytest pytest-xdist hypothesis tqdm matplotlib
 test-gpu-stack:
 	rm -rf $(GPU_STACK_VENV) && $(GPU_STACK_PYTHON) -m venv $(GPU_STACK_VENV)
-	$(GPU_STACK_VENV)/bin/pip install $(GPU_STACK_PINS) "setuptools>=77" wheel ninja pytest pytest-xdist hypothesis \
-		tqdm matplotlib
+	$(GPU_STACK_VENV)/bin/pip install $(GPU_STACK_DEPS)
 	mkdir -p $(GPU_STACK_VENV)/src && git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C $(GPU_STACK_VENV)/src
 	cd $(GPU_STACK_VENV)/src && PYEMBED_ALLOW_OLD_TORCH=1 PYEMBED_BUILD_CUDA=0 ../bin/pip install --no-build-isolation \
 		--no-deps -e . && ../bin/python -m pyembed.info
@@ -128,6 +128,23 @@ test-gpu-stack:
 		--ignore=tests/test_packaging.py --ignore=tests/test_cuda_build.py --ignore=tests/test_dtensor.py \
 		--ignore=tests/test_parallel.py --ignore=tests/test_triton_aot.py \
 		-k "not aotinductor_package"
+
+# What `make gpu-check`'s first minutes on the GPU machine would go to, made here with that
+# machine's stack beforehand (tests/gpu/gpu_prepare.py): _C built for sm_90 against its torch,
+# and every Triton specialisation the tests launch compiled for sm_90 by its Triton, packed
+# into build/gpu-prepared (~20 MiB) for the device tool's `carry`; gpu-check uses each where
+# it fits that machine. ~35 minutes on 2 cores the first time (the kernels' compiles; ~5 with
+# them unchanged), after the tests' launches are recorded (~8 minutes, when tests or kernels
+# changed). A venv of the GPU machine's stack is made if there is none (test-gpu-stack's).
+GPU_PREPARED := build/gpu-prepared
+build/triton_specs.json: kernels/embedding.py kernels/launch.py $(wildcard tests/test_*.py) \
+		tests/gpu/sanitizer_workload.py | $(INSTALL_STAMP)
+	$(PY) tests/triton_specs.py record $@
+$(GPU_STACK_VENV)/bin/python:
+	$(GPU_STACK_PYTHON) -m venv $(GPU_STACK_VENV)
+	$(GPU_STACK_VENV)/bin/pip install $(GPU_STACK_DEPS)
+gpu-prepare: build/triton_specs.json | $(GPU_STACK_VENV)/bin/python
+	$(GPU_STACK_VENV)/bin/python tests/gpu/gpu_prepare.py $(GPU_PREPARED)
 
 clean:
 	rm -rf build *.egg-info pyembed/*.so

@@ -1,9 +1,11 @@
 """``make gpu-check`` on a machine without a GPU: one line saying so, exit status 2
 (DESIGN §6). Its real run needs a GPU (README, "Tests on a GPU")."""
 
+import os
 import pathlib
 import subprocess
 import sys
+import tarfile
 
 import pytest
 import torch
@@ -121,3 +123,110 @@ def test_the_summary_carries_the_model_steps_tables_without_its_warnings(tmp_pat
     part = summary.split("## The input layer in a model (model.log: python -m bench.model)\n\n")[1]
     assert part.splitlines()[:5] == [title, *table]
     assert "W1129" not in summary
+
+
+# make gpu-prepare (tests/gpu/gpu_prepare.py): the extension and Triton kernels made here
+# beforehand, used on the GPU machine where they fit it.
+
+def _gpu_prepare():
+    _gpu_check()  # imports it, from tests/gpu
+    return sys.modules["gpu_prepare"]
+
+
+def test_a_prepared_extension_serves_only_the_stack_arch_and_sources_it_was_built_from(tmp_path):
+    g = _gpu_prepare()
+    here = {"torch": "2.11.0+cu130", "cuda": "13.0", "python": "3.12.3"}
+    prepared = {"torch": "2.11.0+cu130", "cuda": "13.0", "python": "3.12", "arch": "9.0",
+                "extension": g.sources_digest(g.extension_sources())}
+    assert g.extension_mismatch(prepared, here, "9.0") is None  # 3.12.1 there, 3.12.3 here: one ABI
+    for key, other in [("torch", "2.11.0+cu128"), ("cuda", "12.8"), ("python", "3.13")]:
+        why = g.extension_mismatch({**prepared, key: other}, here, "9.0")
+        assert why == f"made for {key} {other} (here {here[key] if key != 'python' else '3.12'})", why
+    assert g.extension_mismatch(prepared, here, "10.0") == "made for arch 9.0 (here 10.0)"
+    assert g.extension_mismatch({**prepared, "extension": "0" * 64, "torch": "2.10.0"}, here, "9.0") == \
+        "made for torch 2.10.0 (here 2.11.0+cu130); the extension's sources changed since it was made"
+    # The digest follows every byte and name of what it covers, and nothing else.
+    (tmp_path / "a.cu").write_text("kernel")
+    (tmp_path / "b.h").write_text("header")
+    files = [tmp_path / "a.cu", tmp_path / "b.h"]
+    before = g.sources_digest(files, tmp_path)
+    assert g.sources_digest(files[::-1], tmp_path) == before
+    (tmp_path / "b.h").write_text("headex")
+    assert g.sources_digest(files, tmp_path) != before
+    (tmp_path / "b.h").write_text("header")
+    (tmp_path / "b.h").rename(tmp_path / "c.h")
+    assert g.sources_digest([tmp_path / "a.cu", tmp_path / "c.h"], tmp_path) != before
+    assert ROOT / "csrc" / "cuda" / "embedding_kernels.cuh" in g.extension_sources()
+
+
+def test_kernels_compiled_in_a_run_are_counted_by_name_pyembeds_apart(tmp_path):
+    g = _gpu_prepare()
+    for entry, binary in [("A", "_finish_segments_kernel"), ("B", "_finish_segments_kernel"),
+                          ("C", "_chunk_kernel"), ("D", "triton_poi_fused_add_0"), ("E", "_chunk_kernel")]:
+        (tmp_path / entry).mkdir()
+        (tmp_path / entry / f"{binary}.cubin").write_bytes(b"\0")
+        (tmp_path / entry / f"{binary}.json").write_text("{}")
+    assert g.compiled_since(tmp_path, {"E"}) == ("Triton kernels compiled in this run: 3 of pyembed's "
+                                                "(_finish_segments_kernel 2, _chunk_kernel 1), 1 others (Inductor's)")
+    assert g.compiled_since(tmp_path, g.cache_entries(tmp_path)) == \
+        "Triton kernels compiled in this run: 0 of pyembed's, 0 others (Inductor's)"
+
+
+_FORWARD_CALL = """
+import torch, pyembed
+weight = torch.randn(100, 16)
+with torch.no_grad():
+    pyembed.fused_embedding(torch.randint(0, 100, (2, 8)), weight, backend="triton")
+"""
+
+
+def test_a_triton_cache_packed_here_is_found_where_it_is_unpacked_without_compiling(tmp_path):
+    """gpu-check unpacks the kernels make gpu-prepare compiled into another folder than
+    theirs: Triton's group files name their members by absolute path, rewritten on
+    unpacking -- the same specialisations, warmed from the new folder, compile nothing
+    (each binary's file untouched), where the folder unpacked as packed recompiles them."""
+    g = _gpu_prepare()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT / "tests")]))
+    specs = tmp_path / "specs.json"
+
+    def run(*args, cache=None, interpret=False):
+        extra = {"TRITON_INTERPRET": "1"} if interpret else {"TRITON_CACHE_DIR": str(cache)}
+        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=tmp_path,
+                              env={**env, **extra})
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc.stdout
+
+    run("-c", f"import triton_specs\nlaunched = triton_specs.recording()\n{_FORWARD_CALL}\n"
+              f"triton_specs.write_record({str(specs)!r}, launched)", interpret=True)
+    warm = [str(ROOT / "tests" / "triton_specs.py"), "warm", str(specs), "1", "300"]
+    assert run(*warm, cache=tmp_path / "compiled").startswith("2 of 2 specialisations compiled")
+    assert g.pack_triton_cache(tmp_path / "compiled", tmp_path / "cache.tar.xz") == 2
+    (tmp_path / "compiled").rename(tmp_path / "gone")  # the folder they were compiled into
+
+    def binaries(cache):
+        return {p.relative_to(cache): (p.stat().st_ino, p.stat().st_mtime_ns) for p in cache.rglob("*.cubin")}
+
+    import triton
+    from triton.runtime.cache import triton_key
+
+    stack = {"triton": triton.__version__, "triton_key": triton_key()[-16:]}
+    prepared = {**stack, "triton_cache_entries": 2, "commit": "abc1234", "kernels": "?"}
+    (tmp_path / "prepared").mkdir()
+    (tmp_path / "cache.tar.xz").rename(tmp_path / "prepared" / g.CACHE_TARBALL)
+    line = g.unpack_triton_cache(tmp_path / "prepared", prepared, stack, tmp_path / "unpacked")
+    assert line.startswith("Triton cache: 2 kernels compiled beforehand (make gpu-prepare at abc1234"), line
+    unpacked = binaries(tmp_path / "unpacked")
+    assert len(unpacked) == 2
+    assert run(*warm, cache=tmp_path / "unpacked").startswith("2 of 2 specialisations compiled")
+    assert binaries(tmp_path / "unpacked") == unpacked  # found, not compiled again
+    # Unpacked as packed, its group files name the folder that is gone: compiled again.
+    with tarfile.open(tmp_path / "prepared" / g.CACHE_TARBALL) as tar:
+        tar.extractall(tmp_path / "as-packed", filter="data")
+    as_packed = binaries(tmp_path / "as-packed")
+    run(*warm, cache=tmp_path / "as-packed")
+    assert all(binaries(tmp_path / "as-packed")[p] != as_packed[p] for p in as_packed)
+    # Another Triton's kernels are not unpacked at all.
+    other = g.unpack_triton_cache(tmp_path / "prepared", {**prepared, "triton_key": "0" * 16}, stack,
+                                  tmp_path / "other")
+    assert other.startswith("Triton cache not used: compiled by Triton") and not (tmp_path / "other").exists()

@@ -3,9 +3,11 @@
 On a machine whose python already has a CUDA torch, offline:
   1. stages an importable package under build/gpu-check/site (pyembed + kernels/ as
      pyembed.kernels) and builds pyembed._C into it for the visible GPU's architecture
-     only (MAX_JOBS = all cores); the source tree and any installed copy are untouched;
-     beside it, where build/triton_specs.json was carried here, compiles the Triton
-     specialisations it lists (tests/triton_specs.py warm) into Triton's cache;
+     only (MAX_JOBS = all cores) -- or copies in the one `make gpu-prepare` built for it
+     beforehand (build/gpu-prepared, carried here: tests/gpu/gpu_prepare.py), and seeds
+     Triton's cache with the kernels it compiled; the source tree and any installed copy
+     are untouched; beside it, where build/triton_specs.json was carried here, compiles the
+     Triton specialisations it lists (tests/triton_specs.py warm) into Triton's cache;
   2. runs tests/ and tests/gpu/ on it (CUDA tensors wherever a test has a GPU variant),
      with junit XML, pytest-xdist workers where installed; side by side with
   3. compute-sanitizer memcheck, racecheck and initcheck over
@@ -50,7 +52,9 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+import gpu_prepare
+from gpu_prepare import ROOT, stage_package
+
 SANITIZER_TOOLS = ("memcheck", "racecheck", "initcheck")
 
 
@@ -62,6 +66,7 @@ class Check:
     def __init__(self, out: Path, env: dict):
         self.out, self.env, self.steps, self.running, self.ended = out, env, [], [], {}
         self.skipped: list[tuple[str, str]] = []
+        self.notes: list[str] = []
 
     def start(self, name: str, cmd: list[str], log: str, timeout: int, env: dict | None = None,
               cwd: Path = ROOT) -> None:
@@ -104,6 +109,11 @@ class Check:
             cwd: Path = ROOT) -> tuple[bool, str]:
         self.start(name, cmd, log, timeout, env, cwd)
         return self.wait()[name]
+
+    def note(self, line: str) -> None:
+        """A line for the summary, under its table of steps."""
+        print(f"gpu-check: {line}", flush=True)
+        self.notes.append(line)
 
     def skip(self, name: str, why: str) -> None:
         """A step not run, and why (the summary's table says so)."""
@@ -148,31 +158,6 @@ def reserves(args: argparse.Namespace) -> tuple[int, int, int]:
     after_profile = (0 if args.skip_bench else BENCH_MIN) + SUMMARY_MIN
     after_model = after_profile + (PROFILE_MIN if profiling and not args.skip_ncu else 0)
     return after_profile, after_model, (after_model + 5 * PROFILE_MIN if profiling else SUMMARY_MIN)
-
-
-def versions(python: str) -> dict:
-    code = ("import json, torch, platform\n"
-            "info = {'python': platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda}\n"
-            "try:\n import triton; info['triton'] = triton.__version__\nexcept ImportError: info['triton'] = None\n"
-            "if torch.cuda.is_available():\n"
-            " p = torch.cuda.get_device_properties(0)\n"
-            " info.update(device=p.name, capability=f'{p.major}.{p.minor}', sms=p.multi_processor_count,\n"
-            "             memory_gib=round(p.total_memory / 2**30, 1), devices=torch.cuda.device_count())\n"
-            "print(json.dumps(info))")
-    import json
-
-    proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
-    if proc.returncode != 0:  # no torch at all
-        return {"torch": None, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
-    return json.loads(proc.stdout)
-
-
-def stage_package(stage: Path) -> None:
-    """pyembed/ + kernels/ as pyembed.kernels, as setup.py installs them (_C is built into it)."""
-    shutil.rmtree(stage, ignore_errors=True)
-    ignore = shutil.ignore_patterns("__pycache__", "*.so")
-    shutil.copytree(ROOT / "pyembed", stage / "pyembed", ignore=ignore)
-    shutil.copytree(ROOT / "kernels", stage / "pyembed" / "kernels", ignore=ignore)
 
 
 def xdist_args(python: str, workers: int) -> list[str]:
@@ -273,7 +258,7 @@ def main() -> int:
     ap.add_argument("--rehearse", action="store_true", help="no GPU: check the CPU-side parts of this script")
     args = ap.parse_args()
 
-    info = versions(args.python)
+    info = gpu_prepare.stack(args.python)
     if info["torch"] is None:
         print(f"gpu-check: {args.python} cannot import torch ({info['error']}); nothing to check here")
         return 2
@@ -289,27 +274,55 @@ def main() -> int:
     # the source tree (python -m puts the working directory first on sys.path).
     # Whatever PYTHONPATH already holds (e.g. carried wheels: Liger-Kernel) stays, after them.
     paths = [str(stage), str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # Every step's Triton kernels in one cache, kept between calls on one machine.
+    triton_cache = ROOT / "build" / "gpu-check" / "triton-cache"
     # Inductor compiles in the calling process, not in a pool of workers: at 82eabd8 the
     # profile step, its output all written, was found stopped at its 104 s (82 s in all at
     # 26f0ba6) in the pool's shutdown at exit (torch 2.11), time the steps after it lacked.
     env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", **os.environ, "PYTHONPATH": os.pathsep.join(paths),
-           "PYTHONDONTWRITEBYTECODE": "1"}
+           "PYTHONDONTWRITEBYTECODE": "1", "TRITON_CACHE_DIR": str(triton_cache)}
     env.pop("TRITON_INTERPRET", None)
     check = Check(out, env)
     started = time.time()
     deadline = Deadline(args.time_limit)
     after_profile, after_model, after_tests = reserves(args)
 
-    # 1. Stage the package the tests import, and build _C into it for this GPU only.
+    # 1. Stage the package the tests import, with _C built for this GPU: beforehand where
+    # `make gpu-prepare` made one that fits this machine and it was carried here
+    # (tests/gpu/gpu_prepare.py), else into the stage now, for this GPU only. Its Triton
+    # kernels, compiled beforehand too, seed the cache (a first call's: later ones find it).
     stage_package(stage)
+    prepared_dir = ROOT / "build" / "gpu-prepared"
+    prepared = gpu_prepare.load(prepared_dir)
+    if prepared is not None and not triton_cache.exists():
+        check.note(gpu_prepare.unpack_triton_cache(prepared_dir, prepared, info, triton_cache))
+    cached_before = gpu_prepare.cache_entries(triton_cache)
+    mismatch = gpu_prepare.extension_mismatch(prepared, info, arch) if prepared else "none was carried here"
     # PYEMBED_ALLOW_OLD_TORCH: the GPU machine's torch may be older than the declared floor
     # (2.11 there); this run is how such a version gets tested before it is declared.
     build_env = {"TORCH_CUDA_ARCH_LIST": arch, "MAX_JOBS": str(os.cpu_count() or 4), "PYEMBED_BUILD_CUDA": "1",
                  "PYTHONPATH": "", "PYEMBED_ALLOW_OLD_TORCH": "1"}
     build = f"build (sm_{arch.replace('.', '')})"
-    check.start(build, [args.python, "setup.py", "build_ext", "--build-lib", str(stage), "--build-temp",
-                        str(ROOT / "build" / "gpu-check" / "temp")], "build.log", deadline.timeout(900, SUMMARY_MIN),
-                build_env)
+
+    def start_build():
+        check.start(build, [args.python, "setup.py", "build_ext", "--build-lib", str(stage), "--build-temp",
+                            str(ROOT / "build" / "gpu-check" / "temp")], "build.log",
+                    deadline.timeout(900, SUMMARY_MIN), build_env)
+
+    def imports() -> bool:  # the tests must see the staged build, with its CUDA kernels
+        code = ("import pyembed, sys; info = pyembed.build_info(); print(pyembed.__file__, info, "
+                "pyembed.available_backends()); sys.exit(not (pyembed.__file__.startswith(sys.argv[1]) and "
+                "info['cuda_built']))")
+        return check.run("import the staged build", [args.python, "-c", code, str(stage)], "import.log", 300,
+                         cwd=stage)[0]
+
+    if mismatch is None:
+        shutil.copy2(prepared_dir / prepared["so"], stage / "pyembed")
+        check.note(f"pyembed._C: built beforehand for sm_{arch.replace('.', '')} (make gpu-prepare at "
+                   f"{prepared['commit']}), not here")
+    else:
+        check.note(f"pyembed._C built here, not beforehand (make gpu-prepare): {mismatch}")
+        start_build()
     # Beside it, the Triton specialisations the tests launch, compiled into Triton's cache
     # (tests/triton_specs.py warm), where a recorded list was carried here: the build's one
     # CUDA translation unit leaves the other cores idle, and the test step's workers would
@@ -320,19 +333,19 @@ def main() -> int:
     # 90 s to start compiles and 210 s in all, and took them all (its processes starting
     # beside the build's compilers made that build 132 s, 93 at 26f0ba6); the tests then
     # had 130 s (1118 of their 1119 done, 91% in 217 s at 26f0ba6, without it).
+    # With the kernels compiled beforehand, it finds them in the cache (ms each) and compiles
+    # what is missing.
     if specs.exists() and not args.skip_tests:
         jobs, seconds = max(1, (os.cpu_count() or 4) - 2), 30 if args.rehearse else 75  # within the build's time
-        check.start("Triton specialisations compiled beside the build (tests/triton_specs.py warm)",
+        check.start("Triton specialisations compiled into Triton's cache (tests/triton_specs.py warm)",
                     [args.python, str(ROOT / "tests" / "triton_specs.py"), "warm", str(specs), str(jobs),
                      str(seconds)], "triton-warm.log", seconds + 20, cwd=stage)
-    built = check.wait()[build][0]
-
-    if built:  # the tests must see the staged build, with its CUDA kernels
-        code = ("import pyembed, sys; info = pyembed.build_info(); print(pyembed.__file__, info, "
-                "pyembed.available_backends()); sys.exit(not (pyembed.__file__.startswith(sys.argv[1]) and "
-                "info['cuda_built']))")
-        built, _ = check.run("import the staged build", [args.python, "-c", code, str(stage)], "import.log", 300,
-                             cwd=stage)
+    ended = check.wait()
+    built = (mismatch is None or ended[build][0]) and imports()
+    if not built and mismatch is None:  # made beforehand, it does not load here: build it, as without one
+        check.note("pyembed._C made beforehand did not import here (import.log): built here after all")
+        start_build()
+        built = check.wait()[build][0] and imports()
 
     # 2. The test suite on CUDA tensors and 3. the sanitizers, side by side; 4. the profile
     # and 5. the benchmark alone afterwards (their timings must not share the GPU).
@@ -451,6 +464,7 @@ def main() -> int:
                            *(["--profile", str(profile_log)] if profile_log.exists() else [])],
                           "targets.md", deadline.timeout(60), cwd=stage)
     san_counts = {tool: sanitizer_errors(results[name][1]) for tool, name in san_logs.items()}
+    check.note(gpu_prepare.compiled_since(triton_cache, cached_before))
 
     summary = write_summary(out, info, check, san_counts, time.time() - started, args.rehearse)
     print(f"gpu-check: summary in {summary}")
@@ -466,6 +480,7 @@ def write_summary(out: Path, info: dict, check: Check, san_counts: dict, seconds
              f"- total time: {seconds:.0f} s", "", "| step | result | time | log |", "|---|---|---|---|"]
     lines += [f"| {name} | {'ok' if ok else '**FAILED**'} | {sec:.0f} s | {log} |" for name, ok, sec, log in check.steps]
     lines += [f"| {name} | skipped: {why} | - | - |" for name, why in check.skipped]
+    lines += [""] + [f"- {line}" for line in check.notes] if check.notes else []
     counts = junit_counts(out / "junit.xml")
     if counts:
         passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
