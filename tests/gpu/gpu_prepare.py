@@ -16,8 +16,8 @@ driver: no GPU) into a Triton cache packed as OUT/triton-cache.tar.xz, and write
 were made from to OUT/prepared.json. Carried to the GPU machine (the device tool's
 ``carry``), gpu-check copies the extension into its stage where torch, CUDA, the Python
 minor version, the GPU's architecture and the extension's sources match (else it builds, as
-it does without OUT), and unpacks the cache where the Triton version matches; summary.md
-says what was used, and how many kernels were still compiled there.
+it does without OUT), and unpacks the cache where the Triton is the same (its version and
+cache key); summary.md says what was used, and how many kernels were still compiled there.
 """
 
 from __future__ import annotations
