@@ -9,7 +9,8 @@ PIP    := $(PY) -m pip
 # Python edits need no reinstall; C++/CUDA edits rebuild incrementally (ninja).
 DEPS_STAMP    := $(VENV)/.deps-installed
 INSTALL_STAMP := $(VENV)/.pyembed-installed
-BUILD_INPUTS  := setup.py pyproject.toml pyembed/_cuda_home.py pyembed/_libstdcxx.py $(shell find csrc -type f 2>/dev/null)
+BUILD_INPUTS  := setup.py pyproject.toml pyembed/_cuda_home.py pyembed/_libstdcxx.py \
+	$(shell find csrc -type f 2>/dev/null)
 
 .PHONY: test bench install clean gpu-check gpu-prepare test-compat test-gpu-stack
 
@@ -137,9 +138,10 @@ test-gpu-stack:
 # specialisations), 2 minutes with the kernels unchanged, after recording the tests' launches
 # where they changed (7 minutes). A venv of the GPU machine's stack is made if there is none.
 GPU_PREPARED := build/gpu-prepared
-# The launches recorded: tests/triton_specs.py's DEFAULT_TESTS and the sanitizer workload's.
-SPEC_SOURCES := $(wildcard kernels/*.py pyembed/*.py) tests/triton_specs.py tests/conftest.py tests/helpers.py \
-	$(addprefix tests/test_,parity.py dropout.py optim.py host_sync.py modules.py dropin.py) \
+# The launches recorded: tests/triton_specs.py's DEFAULT_TESTS, the sanitizer workload's and
+# the GPU benchmark's.
+SPEC_SOURCES := $(wildcard kernels/*.py pyembed/*.py bench/*.py) tests/triton_specs.py tests/conftest.py \
+	tests/helpers.py $(addprefix tests/test_,parity.py dropout.py optim.py host_sync.py modules.py dropin.py) \
 	tests/gpu/sanitizer_workload.py
 build/triton_specs.json: $(SPEC_SOURCES) | $(INSTALL_STAMP)
 	$(PY) tests/triton_specs.py record $@

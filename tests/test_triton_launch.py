@@ -305,3 +305,32 @@ _triton._kernels()._embedding_forward_kernel.warmup(*args, grid=(1,), **forward[
               f"checks.KERNEL_CHECKED_DEVICES = (*checks.KERNEL_CHECKED_DEVICES, 'cpu')\n{_WARM_CALL}\n"
               f"{checked_elsewhere}")
     assert sorted(os.listdir(tmp_path / "cache")) == warmed
+
+
+def test_launches_recorded_without_running_them_are_those_running_makes():
+    """tests/triton_specs.py records the GPU benchmark's launches without running them (the
+    interpreter would take hours over its tables), which holds while no launch depends on
+    what a kernel wrote (the default path never waits for the device). Small cases past the
+    few-token path -- every mode, the optimizer in the backward, dropout, the sinusoid,
+    bf16 -- recorded both ways: the same launches."""
+    code = """import json, sys, triton_specs
+from bench.cases import Case
+launched = triton_specs.recording()
+cases = [Case("tiny", 4, 64, mode) for mode in ("fwd", "bwd", "fwd+bwd", "step")]
+cases += [Case("tiny", 4, 64, "fwd+bwd", dropout=0.1), Case("tiny", 4, 64, "step", "bf16", "sinusoidal")]
+calls = triton_specs.benchmark_calls(cases, execute=sys.argv[1] == "run")
+print(json.dumps([calls, sorted(launched)]))
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT), str(ROOT / "tests")]))}
+    found = {}
+    for how in ("run", "record"):
+        proc = subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        found[how] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["record"] == found["run"]
+    calls, launches = found["run"]
+    assert calls == 8  # a step runs twice: torch's AdamW, and the optimizer in the backward
+    kernels = {json.loads(launch)[0] for launch in launches}
+    assert {"_embedding_forward_kernel", "_tile_rank_kernel", "_finish_segments_kernel",
+            "_segment_update_kernel"} <= kernels, kernels

@@ -4,9 +4,10 @@
     python tests/triton_specs.py compile IN.json                 # the real JIT, for sm_90
     python tests/triton_specs.py warm IN.json [JOBS [SECONDS]]   # into Triton's cache, beside a build
 
-``record`` runs the triton tests (and the sanitizer workload) under the interpreter and
-writes down each launch: the kernel, each argument as Triton specialises it (a tensor's
-dtype and 16-byte alignment, an int or float as given) and the constexprs. ``compile``
+``record`` runs the triton tests (and the sanitizer workload, and one step of each GPU
+benchmark case, recorded without running) under the interpreter and writes down each
+launch: the kernel, each argument as Triton specialises it (a tensor's dtype and 16-byte
+alignment, an int or float as given) and the constexprs. ``compile``
 builds each distinct one with the Triton it runs under -- `make test-compat` runs it with
 the GPU machine's (3.6) -- through its real JIT for sm_90 with a stand-in driver
 (bench/stand_in_driver.py), and fails listing any that do not compile. Triton 3.6 once failed to compile the dense
@@ -42,6 +43,9 @@ def _as_specialised(value):
     return getattr(value, "value", value)  # a constexpr's value, or the int / float / bool / None itself
 
 
+EXECUTE = True  # False: launches are recorded, not run (their outputs stay as allocated)
+
+
 def recording() -> dict:
     """Record every launch of pyembed's kernels from now on, under the interpreter (set
     before triton is imported): {its JSON: [kernel name, arguments as specialised, constexprs]}."""
@@ -56,7 +60,7 @@ def recording() -> dict:
             entry = [self.fn.__name__, [_as_specialised(a) for a in args],
                      {name: _as_specialised(v) for name, v in kwargs.items()}]
             launched[json.dumps(entry)] = entry
-        return launch(self, *args, **kwargs)
+        return launch(self, *args, **kwargs) if EXECUTE else None
 
     interpreter.GridExecutor.__call__ = recording_launch
     return launched
@@ -88,8 +92,44 @@ def record(out: str, pytest_args: list) -> int:
         workload = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(workload)
         print(f"sanitizer workload: {workload.run_backend('triton', torch.device('cpu'))} triton calls")
+        print(f"GPU benchmark: {benchmark_calls()} triton calls")
     write_record(out, launched)
     return int(code)
+
+
+def benchmark_calls(cases: list | None = None, execute: bool = False) -> int:
+    """One step of each case of the GPU benchmark (bench/cases.py's gpu suite, or ``cases``)
+    through the `triton` backend on CPU tensors, as its `pyembed-triton` and (steps)
+    `pyembed-triton-fused` providers make it (bench/run.py's step_fn), run or (``execute``
+    False) only recorded; how many calls. Their launches are the kernels gpu-check's timing
+    call compiles on the GPU machine, whose shapes the tests lack. Recorded, not run (the
+    interpreter would take hours over these tables): no launch depends on what a kernel
+    wrote -- the default path never waits for the device -- but for a sparse gradient's size,
+    so the sparse step is left out. Compiled pyembed's kernels are Inductor's to compile."""
+    global EXECUTE
+    import gc
+
+    sys.path.insert(0, str(ROOT))
+    from bench import providers, run, cases as suites
+
+    calls, EXECUTE = 0, execute
+    try:
+        for case in suites.suite("gpu") if cases is None else cases:
+            if case.grad == "sparse":
+                continue
+            tables, ids, dout = run.case_inputs(case, "cpu")
+            provs = [providers.Provider("pyembed-triton", providers.fused_input_layer("triton"))]
+            if case.mode == "step":
+                provs.append(providers.Provider("pyembed-triton-fused", providers.fused_input_layer("triton"),
+                                                optimizer_in_backward=True))
+            for p in provs:
+                run.step_fn(p, case, ids, run.own_copy(tables, parameters=p.optimizer_in_backward), dout)()
+                calls += 1
+            del tables, ids, dout, provs
+            gc.collect()  # an optimizer in the backward and its tables refer to each other (Llama-3: GBs)
+    finally:
+        EXECUTE = True
+    return calls
 
 
 def _specialisations(path: str, device: str) -> list:
