@@ -109,23 +109,24 @@ def benchmark_calls(cases: list | None = None, execute: bool = False) -> int:
     global EXECUTE
     import gc
 
+    import torch
+
     sys.path.insert(0, str(ROOT))
     from bench import providers, run, cases as suites
 
+    # The benchmark's own providers (on CPU tensors, under the interpreter, triton's are among them).
+    triton = [p for p in providers.providers(torch.device("cpu")) if p.name.startswith("pyembed-triton")]
     calls, EXECUTE = 0, execute
     try:
         for case in suites.suite("gpu") if cases is None else cases:
             if case.grad == "sparse":
                 continue
             tables, ids, dout = run.case_inputs(case, "cpu")
-            provs = [providers.Provider("pyembed-triton", providers.fused_input_layer("triton"))]
-            if case.mode == "step":
-                provs.append(providers.Provider("pyembed-triton-fused", providers.fused_input_layer("triton"),
-                                                optimizer_in_backward=True))
-            for p in provs:
-                run.step_fn(p, case, ids, run.own_copy(tables, parameters=p.optimizer_in_backward), dout)()
-                calls += 1
-            del tables, ids, dout, provs
+            for p in triton:
+                if p.why_not(case) is None:
+                    run.step_fn(p, case, ids, run.own_copy(tables, parameters=p.optimizer_in_backward), dout)()
+                    calls += 1
+            del tables, ids, dout
             gc.collect()  # an optimizer in the backward and its tables refer to each other (Llama-3: GBs)
     finally:
         EXECUTE = True
