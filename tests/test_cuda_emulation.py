@@ -255,9 +255,10 @@ def test_emulated_finish_rows_in_either_layout_are_the_exact_sums(emulated, monk
 def test_emulated_finish_segments_solo_kernel_gives_the_same_bits(emulated, monkeypatch, dtype, rows, options):
     """PYEMBED_CUDA_FINISH_GROUP: with learned positions reaching every token (the position
     blocks write the one-token rows), finish_segments_solo_kernel at `rows` rows a thread
-    group (the position blocks first, or last: 8-last) writes the gradients finish_segments_kernel writes, bit for bit -- neighbouring
-    hot rows, one longer than a chunk (summed in pieces), one-token and untouched rows, a
-    row count that is no multiple of 16 -- and with integer-valued dout the exact sums."""
+    group (the position blocks first, or last: 8-last) writes the gradients
+    finish_segments_kernel writes, bit for bit -- neighbouring hot rows, one longer than a
+    chunk (summed in pieces), one-token and untouched rows, a row count that is no multiple
+    of 16 -- and with integer-valued dout the exact sums."""
     gen = torch.Generator().manual_seed(6)
     ids = _neighbouring_hot_rows(gen)
     vocab, seq_len, shape = FINISH_VOCAB, ids.shape[1], (*ids.shape, 16)
