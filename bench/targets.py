@@ -194,7 +194,8 @@ def host_targets(profile: str) -> list[str]:
 
 # A dense backward op's line of profile.log (tests/gpu/profile_workload.py's sort_case): the
 # setting it ran with ("tile sort, 8 finish group": value 8 of the "finish group" setting;
-# "one-block sort": the "sort" setting's), the case, and its median and graphed times.
+# "CUB device sort": the "sort" setting's, in the runs that timed the sorts, up to
+# 82eabd8), the case, and its median and graphed times.
 _SETTING_LINE = re.compile(r"sort (?P<which>[^:]+): the `(?P<backend>\w+)` dense backward op, (?P<table>\d+x\d+) "
                            r"(?P<dtype>\w+) (?P<tokens>\d+x\d+)(?:, (?P<dist>\w+) ids)?: (?P<wall>[\d.]+) us, "
                            r"graphed (?P<graphed>[\d.]+) us")

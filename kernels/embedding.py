@@ -359,7 +359,7 @@ def _start_bounds(bounds_ptr, b, num_zeros, num_bounds):
 # _tile_rank_kernel places each word within its tile of TILE_SORT_TILE by counting the
 # tile's words below it; _merge_tiles_kernel places it among all of them by adding its
 # lower bounds in the other (sorted) tiles. One tile (n <= TILE_SORT_TILE) is one launch.
-# The same words, key width and position bits as csrc/cuda's one_block_sort_kernel.
+# The same words, key width and position bits as csrc/cuda's tile sort.
 TILE_SORT_POSITION_BITS = tl.constexpr(14)
 TILE_SORT_POSITION_MASK = tl.constexpr(2**14 - 1)
 TILE_SORT_KEY_BITS = 18
@@ -1261,8 +1261,8 @@ class DoutDropout(NamedTuple):
 
 def tile_sorts(n: int, num_rows: int) -> bool:
     """The tile sort takes these keys (n tokens over num_rows rows): it fits them, and
-    PYEMBED_TRITON_TILE_SORT=0 (read by each call, so one process can time both) does not
-    ask for torch's sort."""
+    PYEMBED_TRITON_TILE_SORT=0 (read by each call: how tests reach torch's sort, the one past
+    2^14 tokens, with few) does not ask for torch's sort."""
     return (0 < n <= TILE_SORT_TILE * TILE_SORT_MAX_TILES and num_rows < 2**TILE_SORT_KEY_BITS
             and os.environ.get("PYEMBED_TRITON_TILE_SORT") != "0")
 

@@ -172,14 +172,13 @@ def test_emulated_rows_at_the_sort_keys_width_edges_sum_exactly(emulated, vocab)
 SORT_CASES = [(300, 1000), (512, 50257), (513, 50257), (4097, 50257), (16384, 2**18 - 1), (16385, 50257)]
 
 
-@pytest.mark.parametrize("sort", ["tile", "block", "cub"])
+@pytest.mark.parametrize("sort", ["tile", "cub"])
 @pytest.mark.parametrize("num_tokens, vocab", SORT_CASES, ids=str)
 def test_emulated_sorted_paths_sum_each_row_in_token_order(emulated, monkeypatch, sort, num_tokens, vocab):
     """A stable sort keeps each row's tokens in token order, and its sums follow it, in the
     dense and the sparse backward, whichever sort PYEMBED_CUDA_SORT asks for: the tile sort
-    (the default: its real kernels), the one-block sort (4096 < n: its words and stores
-    around the host's stable sort, EmulatedLaunch::one_block_sort) or CUB's (a stable sort
-    here). Checked on the GPU by tests/gpu/test_gpu_parity.py."""
+    (the default: its real kernels) or CUB's (a stable sort here). Checked on the GPU by
+    tests/gpu/test_gpu_parity.py."""
     monkeypatch.setenv("PYEMBED_CUDA_SORT", sort)
     ids, dout, expected, padding_idx = token_order_ids_and_grad(num_tokens, vocab)
     used = torch.unique(ids[(ids >= 0) & (ids < vocab) & (ids != padding_idx)])
@@ -191,7 +190,7 @@ def test_emulated_sorted_paths_sum_each_row_in_token_order(emulated, monkeypatch
         if sort == "tile" and num_tokens <= 2**14:  # every case's keys fit 18 bits
             # rank (and merge past one tile), chunk, finish: no library sort
             assert (kernels, sorts) == (3 + (num_tokens > 512), 0)
-        else:  # the one-block sort (4096 < n <= 2^14), else sort_inputs and CUB's; chunk, finish
+        else:  # sort_inputs and CUB's sort; chunk, finish
             assert (kernels, sorts) == (3, 1)
         rows, values = emulated.embedding_sparse_backward(dout, ids.to(id_dtype), vocab, 1.0, padding_idx, False)
         assert torch.equal(rows, used) and torch.equal(values, expected[used])
@@ -319,30 +318,31 @@ def test_emulated_position_ids_and_out_of_range_ids(emulated):
     assert torch.equal(dw.sum(1).nonzero().reshape(-1), torch.tensor([0, 29]))
 
 
-# The forward with learned positions and no position_ids at four rows a block
-# (PYEMBED_CUDA_FORWARD_ROWS=4: narrower thread rows, more passes over each row) against
-# the float64 result, and bit for bit against row_grid's own shape: batches whose block
-# rows share a position (B = 8) or cross one (B = 3, 5), rows of one pass or several,
-# 16-byte accesses and element-wise ones (d = 97), an empty part in the last block.
+# The forward with learned positions and no position_ids runs four rows or more a block
+# where a row is at most 8 KB (forward_min_rows_per_block: narrower thread rows, more passes
+# over each row); given the same positions as position_ids it runs row_grid's own shape
+# (one row a block from d = 256). Against the float64 result, and the two bit for bit:
+# batches whose block rows share a position (B = 8) or cross one (B = 3, 5), rows of one
+# pass or several, 16-byte accesses and element-wise ones (d = 97), an empty part in the
+# last block.
 FOUR_ROW_SHAPES = [(8, 6, 30, 768), (3, 7, 20, 512), (5, 9, 40, 64), (2, 5, 11, 97)]
 
 
 @pytest.mark.parametrize("shape", FOUR_ROW_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-def test_emulated_forward_at_four_rows_a_block_gives_the_same_bits(emulated, monkeypatch, dtype, shape):
+def test_emulated_forward_at_four_rows_a_block_gives_the_same_bits(emulated, dtype, shape):
     from pyembed import reference
 
     batch, seq_len, vocab, dim = shape
     ids, weight, pos_weight, _ = make_inputs(batch, seq_len, vocab, dim, dtype, pos_rows=seq_len + 3, seed=17)
     ids[0, 1], ids[-1, -1] = vocab, -1  # out of range (validate=False): zero rows, positional term included
-    found = {}
-    for rows in ("1", "4"):
-        monkeypatch.setenv("PYEMBED_CUDA_FORWARD_ROWS", rows)
-        found[rows] = forward(emulated, ids, weight, pos_weight, pos_encoding="learned", scale=1.5, offset=2)
-    assert torch.equal(found["4"], found["1"])
+    four_rows = forward(emulated, ids, weight, pos_weight, pos_encoding="learned", scale=1.5, offset=2)
+    positions = (torch.arange(seq_len) + 2).expand(batch, seq_len).contiguous()
+    one_row = forward(emulated, ids, weight, pos_weight, pos_encoding="learned", scale=1.5, position_ids=positions)
+    assert torch.equal(four_rows, one_row)
     exact = reference.embedding_forward(ids, weight.double(), pos_weight.double(), None, "learned", 1.5, 2, None, 0.0)
     atol, rtol = {torch.float32: (1e-6, 1e-6), torch.float64: (1e-12, 1e-12), torch.bfloat16: (1e-5, 2.0**-8)}[dtype]
-    assert_within(found["4"], exact, atol, rtol, what="four rows a block")
+    assert_within(four_rows, exact, atol, rtol, what="four rows a block")
 
 
 # The thread rows row_grid (embedding_kernels.cuh) gives a launch over rows of the widths

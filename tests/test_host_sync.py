@@ -138,8 +138,7 @@ def test_triton_dense_backward_is_a_few_ops(interpreted_launches):
 # the long segments' pieces), one over the table's rows; the learned positions' batch sums
 # are extra blocks of the last one. Both backends sort in two launches (their tile sorts,
 # the first setting the sort's inputs), or around a library sort (PYEMBED_CUDA_SORT=cub,
-# PYEMBED_TRITON_TILE_SORT=0, and past 2^14 tokens or 2^18 rows); cuda's one-block sort
-# (PYEMBED_CUDA_SORT=block) is the sort's inputs and the sort in one. Each launch costs the
+# PYEMBED_TRITON_TILE_SORT=0, and past 2^14 tokens or 2^18 rows). Each launch costs the
 # host microseconds and the GPU a ramp; the reduction tree, scans and fills this replaced
 # were ~25 launches at this size.
 def _gpt2_backward_inputs():
@@ -149,7 +148,7 @@ def _gpt2_backward_inputs():
     return ids, torch.randn(8, 2048, 8, generator=gen)
 
 
-@pytest.mark.parametrize("sort, launches", [("tile", (4, 0)), ("block", (3, 1)), ("cub", (3, 1))])
+@pytest.mark.parametrize("sort, launches", [("tile", (4, 0)), ("cub", (3, 1))])
 def test_emulated_cuda_dense_backward_is_four_kernels_or_three_around_a_sort(emulated, monkeypatch, sort, launches):
     monkeypatch.setenv("PYEMBED_CUDA_SORT", sort)
     ids, dout = _gpt2_backward_inputs()
@@ -163,15 +162,12 @@ def test_emulated_cuda_dense_backward_is_four_kernels_or_three_around_a_sort(emu
 # The host's share of a dense backward beside its launches: ATen ops, each a dispatcher
 # call (an allocation also the caching allocator's lookup), ~1-2 us apiece on the GPU
 # machines' hosts (the H200's took ~49 us for the `cuda` op at GPT-2 8x2048 at 26f0ba6,
-# ~21 of them its four launches). With a word sort (up to 2^14 tokens over keys of at most
+# ~21 of them its four launches). With its tile sort (up to 2^14 tokens over keys of at most
 # 18 bits: GPT-2 to Llama-3 at 8x2048) the `cuda` backward allocates its two gradients
 # (an empty (0, d) one where not asked for) and one scratch buffer for the sort and the
 # segments, and issues nothing else: no views, no fills. It was 12 ops (six allocations).
-@pytest.mark.parametrize("sort", ["tile", "block"])
 @pytest.mark.parametrize("need_pos_grad", [True, False], ids=["positions", "no positions"])
-def test_emulated_cuda_dense_backward_allocates_its_gradients_and_one_scratch(emulated, monkeypatch, sort,
-                                                                             need_pos_grad):
-    monkeypatch.setenv("PYEMBED_CUDA_SORT", sort)
+def test_emulated_cuda_dense_backward_allocates_its_gradients_and_one_scratch(emulated, need_pos_grad):
     ids, dout = _gpt2_backward_inputs()
     with HostSyncRecorder() as rec:
         dw, dp = emulated.embedding_backward(dout, ids, None, 0, 50257, 2048, 1.0, None, False, True, need_pos_grad)

@@ -2,13 +2,11 @@
 // embedding_kernels.cuh (shared with the host emulation the tests run); this file
 // launches them on the current stream of the tensors' device.
 #include <ATen/cuda/cub.h>
-#include <cub/block/block_radix_sort.cuh>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <torch/library.h>
 
-#include <mutex>
 #include <string_view>
 
 #include "embedding_kernels.cuh"
@@ -16,76 +14,6 @@
 
 namespace pyembed::cuda {
 namespace {
-
-// PYEMBED_CUDA_SORT=block: the sort's inputs and a stable sort of up to kWordSortMax keys in
-// one launch (the default before the tile sort; kept while a GPU run compares them): block 0
-// sorts the words of embedding_kernels.cuh's sort_word in shared memory, the other
-// blocks set the segment bounds' starting values (what sort_inputs_kernel and CUB's
-// device-wide radix sort do in eight GPU operations at 8x2048 tokens: a histogram, a
-// onesweep pass per 8 bits, four memsets -- ~25 us of GPU time and ~10 us of host time per
-// launch on the H200 run of 79bdffb). Keys-only words, because a key / value sort spilled
-// 108-260 bytes at 1024 threads (64 registers); memoizing the outer scan spilled too. A
-// radix sort is stable, and the words are loaded in the blocked arrangement (thread t
-// holds positions 16t..16t+15), so equal keys keep their token order, as CUB's device sort
-// keeps it: the same output, bit for bit.
-constexpr int kBlockSortThreads = 1024, kBlockSortItems = 16, kBlockSortRadixBits = 5;
-static_assert(kBlockSortThreads * kBlockSortItems == kWordSortMax);
-constexpr int64_t kBoundsBlocks = 1024;  // at most, after the sorting block: grid-stride beyond
-using BlockSort = cub::BlockRadixSort<uint32_t, kBlockSortThreads, kBlockSortItems, cub::NullType,
-                                      kBlockSortRadixBits, /*MEMOIZE_OUTER_SCAN=*/false>;
-constexpr int kBlockSortSharedBytes = sizeof(BlockSort::TempStorage);  // ~68 KB: above the default 48
-
-template <typename index_t>
-__global__ void __launch_bounds__(kBlockSortThreads)
-one_block_sort_kernel(const index_t* __restrict__ ids, int n, int64_t num_rows, int64_t skip, int bits,
-                      int32_t* __restrict__ sorted, int64_t* __restrict__ order, int64_t* __restrict__ bounds,
-                      int64_t num_zeros, int64_t num_bounds) {
-  if (blockIdx.x > 0) {  // sort_inputs_kernel's bounds
-    const int64_t stride = static_cast<int64_t>(gridDim.x - 1) * blockDim.x;
-    for (int64_t r = static_cast<int64_t>(blockIdx.x - 1) * blockDim.x + threadIdx.x; r < num_bounds; r += stride) {
-      bounds[r] = first_bound(r, num_zeros);
-    }
-    return;
-  }
-  extern __shared__ __align__(16) unsigned char shared[];
-  auto& temp = *reinterpret_cast<BlockSort::TempStorage*>(shared);
-  uint32_t words[kBlockSortItems];
-#pragma unroll
-  for (int i = 0; i < kBlockSortItems; ++i) {
-    words[i] = sort_word(ids, static_cast<int>(threadIdx.x) * kBlockSortItems + i, n, num_rows, skip);
-  }
-  // Word i of thread t ends at sorted position 1024 i + t: coalesced stores below.
-  BlockSort(temp).SortBlockedToStriped(words, kWordPositionBits, kWordPositionBits + bits);
-#pragma unroll
-  for (int i = 0; i < kBlockSortItems; ++i) {
-    const int r = i * kBlockSortThreads + static_cast<int>(threadIdx.x);
-    if (r < n) store_sort_word(words[i], r, sorted, order);
-  }
-}
-
-// Whether one_block_sort_kernel can run on `device` (PYEMBED_CUDA_SORT=block asks for it:
-// embedding_kernels.cuh's requested_key_sort): its shared memory needs the opt-in above
-// 48 KB, which sm_80+ allow (sm_75's 64 KB does not), set here once per device.
-bool one_block_sort_available(int device) {
-  constexpr int kMaxDevices = 64;
-  static std::once_flag once[kMaxDevices];
-  static bool fits[kMaxDevices] = {};
-  if (device < 0 || device >= kMaxDevices) return false;
-  std::call_once(once[device], [device] {
-    int optin = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    if (optin >= kBlockSortSharedBytes) {
-      const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-      for (const void* kernel : {reinterpret_cast<const void*>(one_block_sort_kernel<int32_t>),
-                                 reinterpret_cast<const void*>(one_block_sort_kernel<int64_t>)}) {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            kBlockSortSharedBytes));
-      }
-      fits[device] = true;
-    }
-  });
-  return fits[device];
-}
 
 struct CudaLaunch {
   template <typename Kernel, typename... Args>
@@ -105,24 +33,6 @@ struct CudaLaunch {
                                                         keys.numel(), /*descending=*/false, 0, bits);
     });
     return {sorted, order};
-  }
-
-  // sorted_segments' sort inputs and sort in one launch (one_block_sort_kernel), when asked
-  // for at 4096 < n <= 16384 keys of at most 18 bits, on a device with the shared memory for it.
-  static bool one_block_sort_runs(const at::Tensor& ids) { return one_block_sort_available(ids.get_device()); }
-
-  // sorted (n,) int32 and order (n,) int64 from the ids; bounds (num_bounds) as sort_inputs_kernel sets them.
-  static void one_block_sort(const at::Tensor& ids, int64_t num_rows, int64_t skip, int64_t bits, int32_t* sorted,
-                             int64_t* order, int64_t* bounds, int64_t num_bounds, int64_t num_zeros) {
-    const int64_t bounds_blocks =
-        std::min<int64_t>((num_bounds + kBlockSortThreads - 1) / kBlockSortThreads, kBoundsBlocks);
-    AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "pyembed_one_block_sort", [&] {
-      one_block_sort_kernel<index_t><<<1 + bounds_blocks, kBlockSortThreads, kBlockSortSharedBytes,
-                                       c10::cuda::getCurrentCUDAStream()>>>(
-          ids.data_ptr<index_t>(), static_cast<int>(ids.numel()), num_rows, skip, static_cast<int>(bits), sorted,
-          order, bounds, num_zeros, num_bounds);
-    });
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 };
 

@@ -360,29 +360,22 @@ __global__ void sort_inputs_kernel(const index_t* __restrict__ keys, int64_t n, 
   iota[r] = r;
 }
 
-// The word sorts, for 0 < n <= 2^14 tokens over keys of at most 18 bits (GPT-2, BERT,
+// The word sort, for 0 < n <= 2^14 tokens over keys of at most 18 bits (GPT-2, BERT,
 // Llama-2 and Llama-3 tables up to 8x2048 tokens): each position r travels in the low 14
 // bits of its key's 32-bit word, (key << 14) | r. The words are distinct, so ordering them
 // orders the keys stably with no values beside them, and a word's sorted position is the
-// number of words below it. Two sorts use them:
-//   - the tile sort (the default): tile_rank_kernel places each word within its tile of
-//     kSortTile positions by counting the tile's words below it, merge_tiles_kernel places
-//     it among all of them by adding its lower bounds in the other tiles, which are sorted
-//     by then. Every SM busy: two launches (one for a single tile), the first also
-//     setting the segment bounds' starting values. The triton backend's sort
-//     (kernels/embedding.py), the same words.
-//   - the one-block sort (PYEMBED_CUDA_SORT=block, 4096 < n): CUB's block radix sort of the
-//     words in shared memory, one thread block in the launch that sets the sort's inputs
-//     (embedding_cuda.cu's one_block_sort_kernel; the host emulation stands a stable sort
-//     in for it, around the same words and stores). It orders the words on the key's bits
-//     alone (bits 14 and up); positions in [n, 16384) get a key whose bits are all ones, so
-//     they sort after every real key and are not stored. One SM for ~28 us of a ~107 us
-//     dense backward at GPT-2 8x2048 (H200 at e204d9e, ncu), the other 131 idle; the
-//     triton tile sort's two launches took 28 us there (its merge 22 of them, 1b594a4).
+// number of words below it. The tile sort (the default) uses them: tile_rank_kernel places
+// each word within its tile of kSortTile positions by counting the tile's words below it,
+// merge_tiles_kernel places it among all of them by adding its lower bounds in the other
+// tiles, which are sorted by then. Every SM busy: two launches (one for a single tile), the
+// first also setting the segment bounds' starting values. The triton backend's sort
+// (kernels/embedding.py), the same words. (A one-block sort -- CUB's block radix sort of the
+// words in shared memory, one SM, in the launch setting the sort's inputs -- was timed
+// beside it until the H200 run at 82eabd8: the dense backward op graphed, GPT-2 fp32 / bf16
+// 123 / 92 us against the tile sort's 107 / 77, Llama-3 648 / 447 against 633 / 431.)
 constexpr int kWordPositionBits = 14;
 constexpr int64_t kWordSortMax = int64_t(1) << kWordPositionBits;
 constexpr int kWordKeyBits = 32 - kWordPositionBits;  // keys below 2^18 (Llama-3's 128256 rows: 17 bits)
-constexpr int64_t kBlockSortMin = 4096;  // up to here CUB's own sort is one kernel (its single-tile policy)
 
 inline bool fits_word_sort(int64_t n, int64_t bits) { return n > 0 && n <= kWordSortMax && bits <= kWordKeyBits; }
 
@@ -513,22 +506,16 @@ __global__ void merge_tiles_kernel(const uint32_t* __restrict__ words, int n, in
   store_sort_word(word, rank, sorted, order);
 }
 
-// Which sort sorted_segments asks for where a word sort fits: the tile sort, unless
-// PYEMBED_CUDA_SORT says "block" (the one-block sort, 4096 < n) or "cub" (CUB's device sort
-// everywhere), read by every call (a getenv: well under a microsecond), so gpu-check times
-// the three in one process.
-enum class KeySort { kTile, kOneBlock, kLibrary };
-
 // An environment variable's value, "" when unset: the host code's A/B settings.
 inline std::string_view env_setting(const char* name) {
   const char* value = std::getenv(name);
   return value == nullptr ? std::string_view() : std::string_view(value);
 }
 
-inline KeySort requested_key_sort() {
-  const std::string_view name = env_setting("PYEMBED_CUDA_SORT");
-  return name == "block" ? KeySort::kOneBlock : name == "cub" ? KeySort::kLibrary : KeySort::kTile;
-}
+// Whether sorted_segments uses the tile sort where a word sort fits: yes, unless
+// PYEMBED_CUDA_SORT=cub asks for CUB's device sort everywhere (the sort past 2^14 tokens,
+// so that tests reach it with few; read by every call: a getenv, well under a microsecond).
+inline bool tile_sort_requested() { return env_setting("PYEMBED_CUDA_SORT") != "cub"; }
 
 // starts[r] = 1 where sorted position r begins a segment: a used key (< num_rows, after
 // sort_inputs) unlike the previous one. Its inclusive scan numbers the segments: scan[r]
@@ -1346,15 +1333,13 @@ void with_dout(const at::Tensor& dout, const Dropout& dropout, F&& run) {
 // four rows a block reached GPT-2 fp32 91% (one: 82%), bf16 77% (74%), Llama-3 bf16 88%
 // (82%), but Llama-3 fp32 88% (91%): a 16 KB row keeps enough bytes in flight a block
 // alone. So four rows or more where a row is at most 8 KB (row_grid: eight at d = 768 in
-// 2-byte types), else one; PYEMBED_CUDA_FORWARD_ROWS=1|4, read each call (a getenv),
-// chooses either for every call, so that gpu-check times both.
+// 2-byte types), else one: at 82eabd8 the faster in each of those four cases again (graphed,
+// GPT-2 fp32 28.2 against 30.9 us, bf16 14.4 against 17.0, Llama-3 bf16 74.1 against 79.1;
+// Llama-3 fp32 141.0 against 144.5 at four).
 constexpr int64_t kFourRowsMaxRowBytes = 8192;
 
 inline int64_t forward_min_rows_per_block(PosEncoding mode, bool has_position_ids, int64_t row_bytes) {
   if (mode != PosEncoding::kLearned || has_position_ids) return 1;
-  const std::string_view rows = env_setting("PYEMBED_CUDA_FORWARD_ROWS");
-  if (rows == "1") return 1;
-  if (rows == "4") return 4;
   return row_bytes <= kFourRowsMaxRowBytes ? 4 : 1;
 }
 
@@ -1519,10 +1504,9 @@ void tile_sort(const at::Tensor& keys, int64_t num_rows, int64_t skip, int32_t* 
 // Keys outside [0, num_rows) (out-of-range ids, validate=False) and `skip` (the padding
 // row) are left out. Launches, with no device->host sync: the tile sort's one or two (up
 // to 2^14 tokens over keys of at most 18 bits; the first sets the sort's inputs), else
-// sort_inputs and the radix sort (Launch::sort_pairs, on the bits num_rows needs) -- or
-// both in one (Launch::one_block_sort, when asked for: requested_key_sort) --, [by slot:
-// starts and their scan], chunk_kernel. One allocation by row with a word sort (the
-// default for up to 8x2048 tokens), no view.
+// sort_inputs and the radix sort (Launch::sort_pairs, on the bits num_rows needs), [by
+// slot: starts and their scan], chunk_kernel. One allocation by row with the tile sort
+// (the default for up to 8x2048 tokens), no view.
 template <class Launch, typename T>
 SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in, int64_t num_rows, int64_t skip,
                                bool by_row, bool with_solo = false, const Dropout& dropout = {}) {
@@ -1539,18 +1523,15 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
   // 32-bit sort keys when V (the unused keys' stand-in) fits: half the bytes and passes.
   const bool narrow = num_rows < std::numeric_limits<int32_t>::max();
   const int64_t bits = key_bits(num_rows);
-  const KeySort requested = narrow && fits_word_sort(n, bits) ? requested_key_sort() : KeySort::kLibrary;
-  const KeySort method = requested == KeySort::kOneBlock && !(n > kBlockSortMin && Launch::one_block_sort_runs(keys))
-                             ? KeySort::kLibrary : requested;
+  const bool tiles = narrow && fits_word_sort(n, bits) && tile_sort_requested();
   const int64_t num_chunks = (n + kChunkRows - 1) / kChunkRows;
   const bool with_partials = n > kChunkRows && dim > 0;
 
   Scratch scratch;
   const int bounds_array = by_row ? scratch.take<int64_t>(num_bounds) : -1;
-  const int order_array = method != KeySort::kLibrary ? scratch.take<int64_t>(n) : -1;
-  // the word sorts' keys, then the tile sort's words (its scratch, past one tile)
-  const int sorted_array =
-      method != KeySort::kLibrary ? scratch.take<int32_t>(method == KeySort::kTile && n > kSortTile ? 2 * n : n) : -1;
+  const int order_array = tiles ? scratch.take<int64_t>(n) : -1;
+  // the sorted keys, then the tile sort's words (its scratch, past one tile)
+  const int sorted_array = tiles ? scratch.take<int32_t>(n > kSortTile ? 2 * n : n) : -1;
   const int partials_array = with_partials ? scratch.take<A>(2 * num_chunks * dim) : -1;
   seg.scratch = scratch.allocate(keys.options());
   int64_t* bounds;
@@ -1566,11 +1547,9 @@ SortedSegments sorted_segments(const at::Tensor& dout, const at::Tensor& keys_in
   if (with_partials) seg.partials = scratch.at<A>(partials_array);
   int64_t* order = order_array >= 0 ? scratch.at<int64_t>(order_array) : nullptr;
   int32_t* const words = sorted_array >= 0 ? scratch.at<int32_t>(sorted_array) : nullptr;
-  const void* sorted = words;  // K = int32 for the word sorts
-  if (method == KeySort::kTile) {
+  const void* sorted = words;  // K = int32 for the tile sort
+  if (tiles) {
     tile_sort<Launch>(keys, num_rows, skip, words, order, words + n, bounds, num_bounds, num_zeros);
-  } else if (method == KeySort::kOneBlock) {  // the sort's inputs and the sort in one launch
-    Launch::one_block_sort(keys, num_rows, skip, bits, words, order, bounds, num_bounds, num_zeros);
   } else {
     const at::Tensor compact = at::empty({n}, keys.options().dtype(narrow ? at::kInt : at::kLong));
     const at::Tensor iota = at::empty({n}, long_options);

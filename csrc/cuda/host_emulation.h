@@ -76,14 +76,6 @@ struct EmulatedLaunch {
               }
   }
 
-  // CudaLaunch's one-block sort (the sort's inputs and a stable sort in one launch): the
-  // same words and stores (embedding_kernels.cuh's sort_word), with a stable sort on
-  // their key bits standing in for CUB's block radix sort, all run serially.
-  // Defined after the kernels, in tests/emulation/cuda_emulated.cpp.
-  static bool one_block_sort_runs(const at::Tensor&) { return true; }
-  static void one_block_sort(const at::Tensor& ids, int64_t num_rows, int64_t skip, int64_t bits, int32_t* sorted,
-                             int64_t* order, int64_t* bounds, int64_t num_bounds, int64_t num_zeros);
-
   // CudaLaunch's CUB radix sort on `bits` bits, as a stable sort; it checks that every
   // key fits in those bits (the CUB sort would silently drop the higher ones).
   static std::pair<at::Tensor, at::Tensor> sort_pairs(const at::Tensor& keys, const at::Tensor& values,

@@ -2,7 +2,6 @@
 // compiled by g++ with the host emulation header and run on CPU tensors.
 #include <torch/extension.h>
 
-#include <algorithm>
 #include <vector>
 
 #include "cuda/host_emulation.h"
@@ -10,25 +9,6 @@
 #include "cuda/optim_kernels.cuh"
 
 using pyembed::emulation::EmulatedLaunch;
-
-void EmulatedLaunch::one_block_sort(const at::Tensor& ids, int64_t num_rows, int64_t skip, int64_t bits,
-                                    int32_t* sorted, int64_t* order, int64_t* bounds, int64_t num_bounds,
-                                    int64_t num_zeros) {
-  using namespace pyembed::cuda;
-  ++kernel_launches;
-  ++sorts;
-  for (int64_t r = 0; r < num_bounds; ++r) bounds[r] = first_bound(r, num_zeros);  // the other blocks' work
-  const int n = static_cast<int>(ids.numel());
-  std::vector<uint32_t> words(kWordSortMax);  // every position of the block, the padding ones too
-  AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "pyembed_emulated_block_sort", [&] {
-    for (int r = 0; r < kWordSortMax; ++r) words[r] = sort_word(ids.data_ptr<index_t>(), r, n, num_rows, skip);
-  });
-  const uint32_t key_mask = bits >= 32 ? ~0u : (1u << bits) - 1;
-  std::stable_sort(words.begin(), words.end(), [&](uint32_t a, uint32_t b) {  // on bits [14, 14 + bits)
-    return (a >> kWordPositionBits & key_mask) < (b >> kWordPositionBits & key_mask);
-  });
-  for (int r = 0; r < n; ++r) store_sort_word(words[r], r, sorted, order);
-}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;

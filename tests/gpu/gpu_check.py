@@ -432,7 +432,7 @@ def main() -> int:
             if os.path.exists(ncu) and not args.skip_ncu:
                 check.run("ncu on the forward and backward kernels",
                           [ncu, "--clock-control", "none", "--kernel-name",
-                           "regex:forward|sort_inputs|one_block_sort|tile_rank|merge_tiles|chunk_kernel|finish_segments|"
+                           "regex:forward|sort_inputs|tile_rank|merge_tiles|chunk_kernel|finish_segments|"
                            "batch_sum|few_tokens|optimizer_update|segment_update",
                            "--launch-count", "48",  # the workload runs 40 (38 before the GPT-2 bf16 forwards)
                            "--section", "SpeedOfLight", "--section", "Occupancy", "--section", "LaunchStats",

@@ -463,13 +463,9 @@ def host_cost_targets(backends, weight, ids, per_call, rounds=15):
 def ncu_kernels(backends):
     for dtype in (torch.float32, torch.bfloat16):
         weight, pos_weight, ids, _ = tensors(32000, 4096, 8, 2048, dtype)
-        for backend in backends:  # cuda's in each of FORWARD_ROWS' block shapes: their L1 hits and L2 throughput
-            for rows in FORWARD_ROWS[1] if backend == "cuda" else (None,):
-                if rows is not None:
-                    os.environ[FORWARD_ROWS[0]] = rows
-                with torch.no_grad():
-                    pyembed.fused_embedding(ids, weight, pos_weight, scale=64.0, validate=False, backend=backend)
-                os.environ.pop(FORWARD_ROWS[0], None)
+        for backend in backends:
+            with torch.no_grad():
+                pyembed.fused_embedding(ids, weight, pos_weight, scale=64.0, validate=False, backend=backend)
     # GPT-2 bf16: cuda's forward furthest from a copy at 26f0ba6 (77% of a graphed copy in
     # its four-row blocks, triton's 98%), each backend's default form.
     weight, pos_weight, ids, _ = tensors(*GPT2, 8, 2048, torch.bfloat16)
@@ -600,13 +596,6 @@ def sparse_step_profile(backends, batch=8, seq_len=2048):
         print(events.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
 
 
-# Each GPU backend's sorts, by the variable that chooses among them (read by every call):
-# (backend, variable, ((name, value), ...)), its default first, the library sort last.
-SORTS = (("cuda", "PYEMBED_CUDA_SORT",
-          (("tile sort", "tile"), ("one-block sort", "block"), ("CUB device sort", "cub"))),
-         ("triton", "PYEMBED_TRITON_TILE_SORT", (("tile sort", "1"), ("torch's sort", "0"))))
-
-
 # `triton`'s finish_segments: tiles of rows a program (kernels' finish_row_tiles; by
 # default 4 for a 2-byte table of 2^16 rows or more, else 1), by the variable that
 # overrides it when a call is planned. A program with nothing to sum stores its rows'
@@ -631,37 +620,28 @@ FINISH_GROUP = ("PYEMBED_CUDA_FINISH_GROUP", ("off", "4", "8", "16", "8-last"))
 
 def sort_comparison(backends, batch=8, seq_len=2048, calls=40):
     """The dense backward op at GPT-2 and Llama-3 8x2048 (fp32, bf16, learned positions),
-    per GPU backend with each of its sorts (SORTS): GPU time (do_bench, and a CUDA graph's
-    replay: the kernels alone), host time with the GPU held by a sleep kernel, GPU ops per
-    call. At 79bdffb (H200) CUB's sort was 7 of `cuda`'s 10 GPU ops, ~23 us; torch's, 7 of
-    `triton`'s 10 (its host time 41 us). At de2aee7 the one-block sort (then `cuda`'s
-    default) was ~28 of its ~107 us at GPT-2 fp32 (ncu); at 1b594a4 the tile sort ~28 of `triton`'s.
-    Then the table's zeros alone (zero_fill_case), `triton`'s with each of SUM_STAGES'
-    settings and `cuda`'s with each of FINISH_GROUP's (uniform and Zipf ids). (Timed at
-    82eabd8 and left out since, settled: ROW_TILES' settings, the defaults within noise;
-    `triton`'s tile merge without its maxnreg, the same; `cuda`'s first pass over spread rows
-    (PYEMBED_CUDA_FINISH_ROWS), no faster anywhere -- docs/bench-h200/82eabd8/profile.log.)"""
-    import os
-
-    for backend, variable, sorts in SORTS:
+    per GPU backend with its tile sort: GPU time (do_bench, and a CUDA graph's replay: the
+    kernels alone), host time with the GPU held by a sleep kernel, GPU ops per call. At
+    79bdffb (H200) CUB's sort was 7 of `cuda`'s 10 GPU ops, ~23 us; torch's, 7 of `triton`'s
+    10 (its host time 41 us). Then the table's zeros alone (zero_fill_case), `triton`'s with
+    each of SUM_STAGES' settings and `cuda`'s with each of FINISH_GROUP's (uniform and Zipf
+    ids). (Timed until 82eabd8 and left out since, settled -- docs/bench-h200/82eabd8/profile.log:
+    the library sorts, CUB's (PYEMBED_CUDA_SORT=cub) and torch's (PYEMBED_TRITON_TILE_SORT=0),
+    and `cuda`'s one-block sort, slower than the tile sorts in every case (since removed);
+    ROW_TILES' settings, the defaults within noise; `triton`'s tile merge without its
+    maxnreg, the same; `cuda`'s first pass over spread rows (PYEMBED_CUDA_FINISH_ROWS), no
+    faster anywhere.)"""
+    for backend in ("cuda", "triton"):
         if backend not in backends:
             continue
-        for which, env_value in sorts:
-            os.environ[variable] = env_value
-            if backend == "triton":
-                from pyembed import _triton
-
-                _triton.clear_plans(forward=False)  # a plan replays the launches of the sort it was bound with
-            for table in (GPT2, LLAMA3):
-                for dtype in (torch.float32, torch.bfloat16):
-                    sort_case(backend, which, table, dtype, batch, seq_len, calls)
-            if (which, env_value) == sorts[0]:
-                # Rows used more than a chunk's 128 times, which real text always has: the
-                # chunk kernels' pieces (at e204d9e ~61-64 us each with a 12000-use row,
-                # ncu; since loaded several rows ahead of their adds).
-                for dist in ("zipf", "onehot"):
-                    sort_case(backend, which, GPT2, torch.float32, batch, seq_len, calls, dist)
-        del os.environ[variable]
+        for table in (GPT2, LLAMA3):
+            for dtype in (torch.float32, torch.bfloat16):
+                sort_case(backend, "tile sort", table, dtype, batch, seq_len, calls)
+        # Rows used more than a chunk's 128 times, which real text always has: the chunk
+        # kernels' pieces (at e204d9e ~61-64 us each with a 12000-use row, ncu; since loaded
+        # several rows ahead of their adds).
+        for dist in ("zipf", "onehot"):
+            sort_case(backend, "tile sort", GPT2, torch.float32, batch, seq_len, calls, dist)
     for table in (GPT2, LLAMA3):
         for dtype in (torch.float32, torch.bfloat16):
             zero_fill_case(table, dtype)
@@ -735,27 +715,21 @@ def backward_op_line(which, backend, table, dtype, batch, seq_len, dist, wall_ms
             f"graphed {graphed_ms * 1e3:.1f} us, host {host_us:.1f} us (GPU busy), {ops} GPU ops")
 
 
-# The cuda forward's rows per block with learned positions (csrc/cuda/embedding_kernels.cuh,
-# forward_min_rows_per_block), by the variable that sets it for every call: row_grid's
-# shape (one token a block at d >= 256 elements) against four rows or more a block, whose
-# tokens share a positional row (eight at d = 768 bf16: row_grid's 32-thread rows).
-FORWARD_ROWS = ("PYEMBED_CUDA_FORWARD_ROWS", ("1", "4"))
-
-
 def forward_comparison(backends, batch=8, seq_len=2048):
     """The forward op at GPT-2 and Llama-3 8x2048 (fp32, bf16, learned positions -- and bf16
-    with the sinusoid --, the default in-kernel range check): the `cuda` kernel in each of FORWARD_ROWS' block
-    shapes, and `triton`'s, each against a copy of its output's bytes
+    with the sinusoid --, the default in-kernel range check): each GPU backend's kernel
+    against a copy of its output's bytes
     (the rows it reads and writes; the positional rows come from L2) -- GPU time by do_bench
     and by a CUDA graph's replay (the kernel alone). At 1b594a4 (H200) the one-token kernel
-    reached 84% of copy bandwidth at Llama-3 bf16 and `triton`'s 92% (ncu)."""
+    reached 84% of copy bandwidth at Llama-3 bf16 and `triton`'s 92% (ncu). (`cuda`'s rows a
+    block, PYEMBED_CUDA_FORWARD_ROWS=1|4, timed until 82eabd8: the default, four where a row
+    is at most 8 KB, the faster in every case at 26f0ba6 and 82eabd8; the variable is gone.)"""
     from pyembed import checks
 
-    variable, settings = FORWARD_ROWS
-    runs = [("cuda", value) for value in settings if "cuda" in backends] + [("triton", None)] * ("triton" in backends)
+    runs = [backend for backend in ("cuda", "triton") if backend in backends]
     # bf16 with the sinusoid too: its sine and cosine by the SFU since 26f0ba6, where
     # the Llama-2 bf16 sinusoidal forward ran at 65% of a copy (`cuda`), 0.79x `cuda` (`triton`).
-    sinusoid = [(backend, None, "sinusoidal") for backend in ("cuda", "triton") if backend in backends]
+    sinusoid = [(backend, "sinusoidal") for backend in ("cuda", "triton") if backend in backends]
     for table in (GPT2, LLAMA3):
         for dtype in (torch.float32, torch.bfloat16):
             weight, pos_weight, ids, _ = tensors(*table, batch, seq_len, dtype)
@@ -764,18 +738,14 @@ def forward_comparison(backends, batch=8, seq_len=2048):
             out = torch.empty(batch, seq_len, table[1], device="cuda", dtype=dtype)
             copy = torch.empty_like(out)
             copy_graphed = triton.testing.do_bench_cudagraph(lambda: copy.copy_(out), return_mode="median")
-            for backend, value, encoding in [(b, v, "learned") for b, v in runs] + (
-                    sinusoid if dtype == torch.bfloat16 else []):
-                if value is not None:
-                    os.environ[variable] = value
+            for backend, encoding in [(b, "learned") for b in runs] + (sinusoid if dtype == torch.bfloat16 else []):
                 op = dispatch.get(backend).forward
                 table_pe = pos_weight if encoding == "learned" else None
 
                 def call():
                     return op(ids, weight, table_pe, None, encoding, table[1] ** 0.5, 0, None, 0.0, 0, 0, record)
 
-                which = ("sinusoid" if encoding == "sinusoidal" else  # row_grid may give more rows a block
-                         f"at least {value} row{'s' * (value != '1')} a block" if value else "its kernel")
+                which = "sinusoid" if encoding == "sinusoidal" else "its kernel"
                 case = f"the `{backend}` forward op, {table[0]}x{table[1]} {str(dtype)[6:]} {batch}x{seq_len}"
                 try:  # new in this profile: a failure is reported here, and the profile goes on
                     wall = triton.testing.do_bench(call, return_mode="median")
@@ -784,8 +754,6 @@ def forward_comparison(backends, batch=8, seq_len=2048):
                           f"{100 * copy_graphed / graphed:.0f}% of a graphed copy", flush=True)
                 except Exception as error:
                     print(f"forward {which}: {case}: FAILED {type(error).__name__}: {error}", flush=True)
-                finally:
-                    os.environ.pop(variable, None)
     checks.check_errors("cuda")
 
 

@@ -62,24 +62,20 @@ def run_backend(backend: str, device: torch.device) -> int:
 
 def run_sorts(backend: str, device: torch.device) -> int:
     """The dense and sparse backward at the batch sizes of the sorts the small batches above
-    never reach: the tile sorts across several tiles (their merge launch), `cuda`'s
-    one-block radix sort too (PYEMBED_CUDA_SORT=block, 4096 < n <= 16384 tokens: shared
-    memory and block barriers, racecheck's subject), a hot row among them; CUB's and
-    torch's sorts past them."""
+    never reach: the tile sorts across several tiles (their merge launch; `cuda`'s rank
+    kernel counts from shared memory behind a block barrier, racecheck's subject), a hot row
+    among them; CUB's and torch's sorts past them."""
     g = torch.Generator().manual_seed(1)
     calls = 0
-    for sort in ("tile", "block") if backend == "cuda" else ("tile",):
-        os.environ["PYEMBED_CUDA_SORT"] = sort
-        for n in (600, 5000, 16384, 16385):
-            ids = torch.randint(0, 50257, (n,), generator=g)
-            ids[::3] = 7  # a third of the tokens on one row: segments span sort tiles and blocks
-            ids = ids.to(device)
-            weight = torch.randn(50257, 16, generator=g).to(device)
-            for sparse in (False, True):
-                w = weight.detach().clone().requires_grad_()
-                pyembed.fused_embedding(ids, w, sparse=sparse, backend=backend).sum().backward()
-                calls += 1
-    os.environ.pop("PYEMBED_CUDA_SORT", None)
+    for n in (600, 5000, 16384, 16385):
+        ids = torch.randint(0, 50257, (n,), generator=g)
+        ids[::3] = 7  # a third of the tokens on one row: segments span sort tiles and blocks
+        ids = ids.to(device)
+        weight = torch.randn(50257, 16, generator=g).to(device)
+        for sparse in (False, True):
+            w = weight.detach().clone().requires_grad_()
+            pyembed.fused_embedding(ids, w, sparse=sparse, backend=backend).sum().backward()
+            calls += 1
     if device.type == "cuda":
         torch.cuda.synchronize()
     return calls

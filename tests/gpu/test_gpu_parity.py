@@ -157,13 +157,13 @@ def test_learned_positions_gradient_in_the_tables_kernel_is_the_standalone_ones(
 
 
 # (tokens, rows) of the GPU backends' tile sorts (up to 16384 tokens over keys of at most
-# 18 bits; cuda's one-block sort, PYEMBED_CUDA_SORT=block, from 4097 tokens) and of the
-# library sorts past them.
+# 18 bits) and of the library sorts past them (CUB's, torch's; on cuda, PYEMBED_CUDA_SORT=cub
+# takes CUB's sort for every size).
 TOKEN_ORDER_CASES = [(4096, 50257), (4097, 50257), (12345, 2**17), (16384, 50257), (16384, 200000), (16385, 50257),
                      (16384, 300000)]
 
 
-@pytest.mark.parametrize("backend", ["cuda", "cuda one-block sort", "triton"])
+@pytest.mark.parametrize("backend", ["cuda", "cuda CUB sort", "triton"])
 @pytest.mark.parametrize("num_tokens, vocab", TOKEN_ORDER_CASES, ids=str)
 def test_sorted_paths_sum_each_row_in_token_order(num_tokens, vocab, backend, monkeypatch):
     """The sort is stable, so each row's float32 sum adds its tokens in token order, bit
@@ -171,9 +171,9 @@ def test_sorted_paths_sum_each_row_in_token_order(num_tokens, vocab, backend, mo
     padding row and two out-of-range ids among them (tokens of mixed magnitudes: another
     order gives other bits, tests/helpers.py). The dense gradient gets memory that held NaNs
     (the caching allocator's last block of its size): a row no kernel wrote would show."""
-    if backend == "cuda one-block sort":
+    if backend == "cuda CUB sort":
         backend = "cuda"
-        monkeypatch.setenv("PYEMBED_CUDA_SORT", "block")
+        monkeypatch.setenv("PYEMBED_CUDA_SORT", "cub")
     ids_cpu, dout, expected, pad = token_order_ids_and_grad(num_tokens, vocab)
     ops = _kernel_ops(backend)
     dout, used = dout.cuda(), torch.unique(ids_cpu[(ids_cpu >= 0) & (ids_cpu < vocab) & (ids_cpu != pad)])
@@ -531,7 +531,6 @@ def test_cuda_dense_gradient_with_zipf_ids_is_the_same_with_the_solo_finish_kern
 def test_cuda_dense_gradient_with_zipf_ids_is_the_same_with_each_sort(positions, dtype, monkeypatch):
     """Neighbouring hot rows, some summed in pieces, most rows untouched: `cuda`'s dense
     gradient is the same whichever sort orders the tokens (PYEMBED_CUDA_SORT: its tile sort,
-    the one-block sort, CUB's) -- each a stable order, so each segment is summed in token
-    order."""
-    _zipf_gradient_is_the_same_at_each("cuda", "PYEMBED_CUDA_SORT", ("tile", "block", "cub"), dtype, positions,
+    CUB's) -- each a stable order, so each segment is summed in token order."""
+    _zipf_gradient_is_the_same_at_each("cuda", "PYEMBED_CUDA_SORT", ("tile", "cub"), dtype, positions,
                                        monkeypatch, seed=4)
