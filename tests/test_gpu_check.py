@@ -1,8 +1,10 @@
 """``make gpu-check`` on a machine without a GPU: one line saying so, exit status 2
 (DESIGN §6). Its real run needs a GPU (README, "Tests on a GPU")."""
 
+import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -184,7 +186,8 @@ def test_a_triton_cache_packed_here_is_found_where_it_is_unpacked_without_compil
     """gpu-check unpacks the kernels make gpu-prepare compiled into another folder than
     theirs: Triton's group files name their members by absolute path, rewritten on
     unpacking -- the same specialisations, warmed from the new folder, compile nothing
-    (each binary's file untouched), where the folder unpacked as packed recompiles them."""
+    (each binary's file untouched), where the folder unpacked as packed recompiles them. And
+    the warm-up names its kernels' cache folders, the ones gpu-prepare keeps and packs."""
     g = _gpu_prepare()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT / "tests")]))
@@ -200,7 +203,18 @@ def test_a_triton_cache_packed_here_is_found_where_it_is_unpacked_without_compil
     run("-c", f"import triton_specs\nlaunched = triton_specs.recording()\n{_FORWARD_CALL}\n"
               f"triton_specs.write_record({str(specs)!r}, launched)", interpret=True)
     warm = [str(ROOT / "tests" / "triton_specs.py"), "warm", str(specs), "1", "300"]
-    assert run(*warm, cache=tmp_path / "compiled").startswith("2 of 2 specialisations compiled")
+    folders = tmp_path / "folders.json"
+    assert run(*warm, str(folders), cache=tmp_path / "compiled").startswith("2 of 2 specialisations compiled")
+    # The warm-up names the folders of the kernels it compiled, and gpu-prepare keeps only those.
+    used = set(json.loads(folders.read_text()))
+    assert len(used) == 2 and used == g.cache_entries(tmp_path / "compiled")
+    shutil.copytree(tmp_path / "compiled" / min(used), tmp_path / "compiled" / "EARLIER")  # another source's kernel
+    assert g.prune_triton_cache(tmp_path / "compiled", used) == 1
+    assert g.cache_entries(tmp_path / "compiled") == used
+    for wrong in (set(), {"NOT-A-FOLDER"}):  # a warm-up that compiled nothing, or named other folders
+        with pytest.raises(RuntimeError, match="none of the warm-up's"):
+            g.prune_triton_cache(tmp_path / "compiled", wrong)
+    assert g.cache_entries(tmp_path / "compiled") == used
     assert g.pack_triton_cache(tmp_path / "compiled", tmp_path / "cache.tar.xz") == 2
     (tmp_path / "compiled").rename(tmp_path / "gone")  # the folder they were compiled into
 

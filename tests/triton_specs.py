@@ -2,7 +2,7 @@
 
     python tests/triton_specs.py record OUT.json [pytest args]   # under the interpreter
     python tests/triton_specs.py compile IN.json                 # the real JIT, for sm_90
-    python tests/triton_specs.py warm IN.json [JOBS [SECONDS]]   # into Triton's cache, beside a build
+    python tests/triton_specs.py warm IN.json [JOBS [SECONDS [FOLDERS.json]]]  # into Triton's cache
 
 ``record`` runs the triton tests (and the sanitizer workload, and one step of each GPU
 benchmark case, recorded without running) under the interpreter and writes down each
@@ -16,12 +16,14 @@ backward at d = 16-64, which no test here could see: the interpreter does not co
 sm_90 where none is visible), in JOBS processes (default: the cores less two), starting no
 compile after SECONDS (default 150) and stopping its processes 10 s later (each reports what
 it compiled); it never fails (a spec that does not compile is named,
-and a test that launches it reports it). gpu-check runs it beside its build, whose CUDA
+and a test that launches it reports it). FOLDERS.json, if named, gets the cache folders of the
+kernels it compiled or found (what `make gpu-prepare` packs). gpu-check runs it beside its build, whose CUDA
 compile leaves most cores idle for a minute or more, and each of the test step's 16 workers
 compiles what it launches first for itself (at 26f0ba6, H200, the step's slowest tests were
 mostly small-shape triton ones at 9-23 s, which compiling would explain).
 """
 
+import base64
 import json
 import os
 import pathlib
@@ -177,23 +179,29 @@ def _distinct(entries: list) -> list:
     return list(found.values())
 
 
-def _warm_up(entries: list, stop_at: float = float("inf")) -> tuple[int, list]:
+def cache_folder(kernel) -> str:
+    """The folder of Triton's cache holding a compiled kernel: the base32 of its hash, as
+    triton.runtime.cache.get_cache_manager names it (Triton 3.x)."""
+    return base64.b32encode(bytes.fromhex(kernel.hash)).decode().rstrip("=")
+
+
+def _warm_up(entries: list, stop_at: float = float("inf")) -> tuple[int, list, set]:
     """Compile each entry through its kernel's JIT (warmup: nothing launched); (how many
-    compiled, the failures), none started after ``stop_at`` (time.time())."""
+    compiled, the failures, their cache folders), none started after ``stop_at`` (time.time())."""
     from pyembed.kernels import embedding as kernels
 
-    done, failed = 0, []
+    done, failed, folders = 0, [], set()
     for name, args, constexprs in entries:
         if time.time() > stop_at:
             break
         try:
-            getattr(kernels, name).warmup(*args, grid=(1,), **constexprs)
+            folders.add(cache_folder(getattr(kernels, name).warmup(*args, grid=(1,), **constexprs)))
             done += 1
         except KeyboardInterrupt:  # warm's time is up (its parent stops it): report what is done
             break
         except Exception as error:  # noqa: BLE001 - every failure is reported
             failed.append(f"{name} {constexprs}: {str(error).splitlines()[0][:200]}")
-    return done, failed
+    return done, failed, folders
 
 
 def _install_stand_in() -> None:
@@ -221,14 +229,15 @@ def compile_all(path: str) -> int:
     import triton
 
     entries = _specialisations(path, "cpu")
-    done, failed = _warm_up(entries)
+    done, failed, _ = _warm_up(entries)
     print(f"Triton {triton.__version__}: {done} of {len(entries)} specialisations compiled "
           "for sm_90", *failed, sep="\n")
     return 1 if failed else 0
 
 
-def warm(path: str, jobs: int, seconds: float) -> int:
-    """``warm``: the specialisations in ``jobs`` processes, each every jobs-th one."""
+def warm(path: str, jobs: int, seconds: float, folders_path: str | None = None) -> int:
+    """``warm``: the specialisations in ``jobs`` processes, each every jobs-th one; their
+    kernels' cache folders into ``folders_path`` (a json list), if given."""
     started = time.time()
     shards = [subprocess.Popen([sys.executable, __file__, "warm-shard", path, str(k), str(jobs), str(seconds)],
                                stdout=subprocess.PIPE, text=True) for k in range(jobs)]
@@ -251,25 +260,28 @@ def warm(path: str, jobs: int, seconds: float) -> int:
             reports.append(json.loads(lines[-1]))
         except (IndexError, ValueError):  # the shard died: its output says why
             reports.append({"done": 0, "total": 0, "failed": [f"shard {k}: " + "; ".join(lines[-3:])],
-                            "device": "?"})
+                            "device": "?", "folders": []})
     done, total = sum(r["done"] for r in reports), sum(r["total"] for r in reports)
     print(f"{done} of {total} specialisations compiled into Triton's cache for {reports[0]['device']} in "
           f"{time.time() - started:.0f} s, {jobs} processes", *(f for r in reports for f in r["failed"]), sep="\n")
+    if folders_path is not None:
+        pathlib.Path(folders_path).write_text(json.dumps(sorted({f for r in reports for f in r["folders"]})))
     return 0
 
 
 def warm_shard(path: str, shard: int, jobs: int, seconds: float) -> None:
     stop_at = time.time() + seconds
     os.environ.pop("TRITON_INTERPRET", None)
-    done, entries, failed, target = 0, [], [], "?"
+    done, entries, failed, target, folders = 0, [], [], "?", set()
     try:
         device = _stand_in_unless_gpu()
         target = "sm_90 (stand-in)" if device == "cpu" else "this GPU"
         entries = _with_both_range_checks(_specialisations(path, device))[shard::jobs]
-        done, failed = _warm_up(entries, stop_at)
+        done, failed, folders = _warm_up(entries, stop_at)
     except KeyboardInterrupt:  # stopped before its first compile (imports are slow beside a build)
         failed.append(f"shard {shard}: stopped before compiling")
-    print(json.dumps({"done": done, "total": len(entries), "failed": failed, "device": target}))
+    print(json.dumps({"done": done, "total": len(entries), "failed": failed, "device": target,
+                      "folders": sorted(folders)}))
 
 
 if __name__ == "__main__":
@@ -278,7 +290,7 @@ if __name__ == "__main__":
         sys.exit(record(path, rest))
     if command == "warm":
         sys.exit(warm(path, int(rest[0]) if rest else max(1, (os.cpu_count() or 4) - 2),
-                      float(rest[1]) if len(rest) > 1 else 150.0))
+                      float(rest[1]) if len(rest) > 1 else 150.0, rest[2] if len(rest) > 2 else None))
     if command == "warm-shard":
         warm_shard(path, *map(int, rest[:2]), float(rest[2]))
         sys.exit(0)

@@ -104,24 +104,29 @@ def prepare(out: Path, jobs: int) -> int:
     if shutil.which("strip"):  # debug info is most of its size (~40 MiB), and it travels
         subprocess.run(["strip", "--strip-debug", str(so)], check=True)
 
-    # Triton's cache, kept here between runs (a kernel compiled before is a hit) and emptied
-    # when the kernels or the Triton differ from those that filled it.
+    # Triton's cache, kept here between runs: a kernel compiled before is a hit (its key
+    # hashes its own source, so an edit elsewhere in kernels/ costs nothing), and emptied
+    # when another Triton filled it. After the warm-up it keeps, and packs, only the kernels
+    # of this tree's specialisations.
     cache, kernels = work / "triton-cache", sources_digest(kernel_sources())
     marker = cache / "pyembed-filled-by.json"
-    filled_by = {"kernels": kernels, "triton_key": info.get("triton_key")}
-    if not marker.exists() or json.loads(marker.read_text()) != filled_by:
+    filled_by = {"triton_key": info.get("triton_key")}
+    if not marker.exists() or json.loads(marker.read_text()).get("triton_key") != filled_by["triton_key"]:
         shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir(parents=True, exist_ok=True)
+    used = work / "used-folders.json"
+    used.unlink(missing_ok=True)
     # The kernels of this tree, whatever copy of pyembed this python has installed.
     stage_package(work / "stage")
     print(f"gpu-prepare: compiling the Triton specialisations for sm_90 into {cache} ({jobs} processes) ...",
           flush=True)
     warm = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_specs.py"), "warm",
-                           str(ROOT / "build" / "triton_specs.json"), str(jobs), "1e6"], cwd=work / "stage",
+                           str(ROOT / "build" / "triton_specs.json"), str(jobs), "1e6", str(used)], cwd=work / "stage",
                           env={**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONPATH": str(work / "stage")},
                           capture_output=True, text=True)
     (out / "triton-warm.log").write_text(warm.stdout + warm.stderr)
     marker.write_text(json.dumps(filled_by))
+    stale = prune_triton_cache(cache, set(json.loads(used.read_text())))
     entries = pack_triton_cache(cache, out / CACHE_TARBALL)
 
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
@@ -132,8 +137,23 @@ def prepare(out: Path, jobs: int) -> int:
     (out / "prepared.json").write_text(json.dumps(prepared, indent=1) + "\n")
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) / 2**20
     summary = (warm.stdout.strip().splitlines() or ["the warm-up printed nothing"])[0]
-    print(f"gpu-prepare: {out} ({size:.1f} MiB) in {time.time() - started:.0f} s: {so.name}; {summary}")
+    print(f"gpu-prepare: {out} ({size:.1f} MiB) in {time.time() - started:.0f} s: {so.name}; {summary}; "
+          f"{stale} kernels of earlier sources dropped from the cache")
     return 0
+
+
+def prune_triton_cache(cache: Path, used: set[str]) -> int:
+    """Remove each kernel folder of ``cache`` not in ``used`` (the warm-up's: this tree's
+    specialisations); how many. Nothing is removed, and it is an error, where ``used`` is
+    empty (the warm-up compiled nothing) or names none of the folders (Triton names them
+    otherwise than triton_specs.cache_folder thinks)."""
+    folders = cache_entries(cache)
+    if not used & folders:
+        raise RuntimeError(f"none of the warm-up's {len(used)} kernel folders is in {cache} (its log: "
+                           "triton-warm.log; has Triton's cache naming changed? tests/triton_specs.py cache_folder)")
+    for name in folders - used:
+        shutil.rmtree(cache / name)
+    return len(folders - used)
 
 
 def pack_triton_cache(cache: Path, tarball: Path) -> int:
