@@ -607,8 +607,9 @@ ROW_TILES = ("PYEMBED_TRITON_ROW_TILES", ("1", "2", "4"))
 # Row by row it is two dependent loads a row, and a tile takes as long as its longest
 # segment: Zipf ids (rows of 100-128 uses at GPT-2) cost 193 against 106 us uniform at
 # 1b594a4. Pipelined, ~one round trip a row, for more registers in every tile (fp32 92 ->
-# 101 at two stages, sm_90): timed with both.
-SUM_STAGES = ("PYEMBED_TRITON_SUM_STAGES", ("1", "2", "3"))
+# 101 at two stages, sm_90): timed with both. (Two stages, timed at 26f0ba6 and 82eabd8, were
+# never faster than the better of one and three beyond noise: left out since.)
+SUM_STAGES = ("PYEMBED_TRITON_SUM_STAGES", ("1", "3"))
 # `cuda`'s finish_segments where the position blocks write the one-token rows (learned
 # positions over every token, as in these cases): finish_segments_kernel ("off", the
 # default) against finish_segments_solo_kernel at 4, 8 and 16 rows a thread group, whose
