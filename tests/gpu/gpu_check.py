@@ -434,7 +434,7 @@ def main() -> int:
                           [ncu, "--clock-control", "none", "--kernel-name",
                            "regex:forward|sort_inputs|tile_rank|merge_tiles|chunk_kernel|finish_segments|"
                            "batch_sum|few_tokens|optimizer_update|segment_update",
-                           "--launch-count", "48",  # the workload runs 40 (38 before the GPT-2 bf16 forwards)
+                           "--launch-count", "48",  # the workload runs 38 (40 with the forward at both row shapes)
                            "--section", "SpeedOfLight", "--section", "Occupancy", "--section", "LaunchStats",
                            # L1 / L2 hit rates: whether streaming stores keep the backward's bounds in L2
                            "--section", "MemoryWorkloadAnalysis",
