@@ -201,13 +201,9 @@ _SETTING_LINE = re.compile(r"sort (?P<which>[^:]+): the `(?P<backend>\w+)` dense
                            r"graphed (?P<graphed>[\d.]+) us")
 
 
-def setting_comparisons(profile: str) -> list[str]:
-    """profile.log's kernel settings timed against each other (its dense backward op lines), a
-    line per setting and case: each value's graphed time in the order the profile ran them --
-    the first the default where the setting has one value for all (the sorts, `cuda`'s finish
-    group) -- and the fastest, as a ratio to the first's. What a GPU run settles: which
-    variant a default should become (`cuda`'s finish_segments forms, PYEMBED_CUDA_FINISH_GROUP;
-    `triton`'s sum stages; each backend's sorts)."""
+def _setting_times(profile: str) -> dict:
+    """{(backend, setting, table, dtype, tokens, dist): {value: graphed us}} from profile.log's
+    dense backward op lines, in the order the profile ran them, for cases of two values or more."""
     cases: dict = {}
     for line in profile.splitlines():
         m = _SETTING_LINE.match(line)
@@ -220,10 +216,18 @@ def setting_comparisons(profile: str) -> list[str]:
             setting, value = "sort", which
         case = (m["backend"], setting, m["table"], m["dtype"], m["tokens"], m["dist"] or "uniform")
         cases.setdefault(case, {})[value] = float(m["graphed"])
+    return {case: times for case, times in cases.items() if len(times) >= 2}
+
+
+def setting_comparisons(profile: str) -> list[str]:
+    """profile.log's kernel settings timed against each other (its dense backward op lines), a
+    line per setting and case: each value's graphed time in the order the profile ran them --
+    the first the default where the setting has one value for all (`cuda`'s finish group) --
+    and the fastest, as a ratio to the first's. What a GPU run settles: which variant a
+    default should become (`cuda`'s finish_segments forms, PYEMBED_CUDA_FINISH_GROUP;
+    `triton`'s sum stages)."""
     lines = []
-    for (backend, setting, table, dtype, tokens, dist), times in cases.items():
-        if len(times) < 2:
-            continue
+    for (backend, setting, table, dtype, tokens, dist), times in _setting_times(profile).items():
         default, (fastest, best) = next(iter(times.values())), min(times.items(), key=lambda item: item[1])
         listed = ", ".join(f"{value} {us:.1f}" for value, us in times.items())
         lines.append(f"`{backend}` {setting}, {table} {dtype} {tokens}, {dist} ids: {listed} us graphed; "
@@ -231,7 +235,29 @@ def setting_comparisons(profile: str) -> list[str]:
     return lines
 
 
-def markdown(found: list[tuple], host: list[str] = (), settings: list[str] = ()) -> str:
+def setting_verdicts(profile: str, margin: float = 0.02) -> list[str]:
+    """A line per setting of setting_comparisons: the values faster than the first by more than
+    ``margin`` in every case it was timed in (their ratios to the first), or none -- the rule
+    by which a GPU run settles a variant (one that wins everywhere becomes the default, one
+    that never does goes)."""
+    runs: dict = {}
+    for (backend, setting, *_), times in _setting_times(profile).items():
+        runs.setdefault((backend, setting), []).append(times)
+    lines = []
+    for (backend, setting), cases in runs.items():
+        first = next(iter(cases[0]))
+        ratios = {value: [times[value] / times[first] for times in cases] for value in cases[0]
+                  if value != first and all(value in times for times in cases)}
+        winners = {value: r for value, r in ratios.items() if max(r) < 1 - margin}
+        said = ", ".join(f"{value} ({min(r):.2f}x-{max(r):.2f}x)"
+                         for value, r in sorted(winners.items(), key=lambda item: max(item[1])))
+        lines.append(f"`{backend}` {setting}, {len(cases)} case{'s' * (len(cases) > 1)}: "
+                     + (f"faster than {first} by more than {margin:.0%} in every case: {said}" if winners else
+                        f"no value faster than {first} by more than {margin:.0%} in every case"))
+    return lines
+
+
+def markdown(found: list[tuple], host: list[str] = (), settings: list[str] = (), settled: list[str] = ()) -> str:
     verdicts = [f[4] for f in found if f[4] is not None]
     beyond = verdicts.count("below the floor")
     lines = [f"Of {len(verdicts)} (target, case) pairs measured: {verdicts.count('met')} met, "
@@ -248,6 +274,9 @@ def markdown(found: list[tuple], host: list[str] = (), settings: list[str] = ())
         lines += ["", "Kernel settings timed against each other (profile.log, graphed; ratios to the first listed):",
                   ""]
         lines += [f"- {line}" for line in settings]
+    if settled:
+        lines += ["", "Each setting over its cases: the values faster than the first listed in every case (the "
+                      "rule a GPU run settles a variant by):", ""] + [f"- {line}" for line in settled]
     return "\n".join(lines) + "\n"
 
 
@@ -259,7 +288,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     profile = args.profile.read_text() if args.profile else ""
     print(markdown(targets([row for path in args.csv for row in load_csv(path)]), host_targets(profile),
-                   setting_comparisons(profile)), end="")
+                   setting_comparisons(profile), setting_verdicts(profile)), end="")
 
 
 if __name__ == "__main__":

@@ -523,3 +523,15 @@ def test_targets_compare_a_profiles_kernel_settings_case_by_case():
         "`cuda` finish group, 128256x4096 bfloat16 8x2048, zipf ids: off 455.8, 8 470.1, 8-last 455.8 us graphed; "
         "fastest off (1.00x the first)"]  # a tie: the first listed
     assert targets.markdown([], settings=found).endswith("\n".join(f"- {line}" for line in found) + "\n")
+    # Over its cases: 8 is faster than off at uniform ids and slower at Zipf ones, so no value
+    # wins everywhere; with 8 faster at Zipf ids too (by more than 2%), it does, 8-last not.
+    assert targets.setting_verdicts("\n".join(lines)) == [
+        "`cuda` sort, 1 case: no value faster than tile sort by more than 2% in every case",
+        "`cuda` finish group, 2 cases: no value faster than off by more than 2% in every case"]
+    graphed[("8", "zipf")] = 440.0
+    faster = [backward_op_line(f"tile sort, {value} finish group", "cuda", llama, torch.bfloat16, 8, 2048, dist,
+                               us * 1.01e-3, us * 1e-3, 40.0, 4) for (value, dist), us in graphed.items()]
+    settled = targets.setting_verdicts("\n".join(faster))
+    assert settled == ["`cuda` finish group, 2 cases: faster than off by more than 2% in every case: "
+                       f"8 ({388.0 / 431.4:.2f}x-{440.0 / 455.8:.2f}x)"]
+    assert targets.markdown([], settled=settled).endswith(f"- {settled[0]}\n")
