@@ -140,8 +140,9 @@ test-gpu-stack:
 # (10 minutes). A venv of the GPU machine's stack is made if there is none.
 GPU_PREPARED := build/gpu-prepared
 # The launches recorded: tests/triton_specs.py's DEFAULT_TESTS, the sanitizer workload's and
-# the GPU benchmark's.
-SPEC_SOURCES := $(wildcard kernels/*.py pyembed/*.py bench/*.py) tests/triton_specs.py tests/conftest.py \
+# the GPU benchmark's (its cases and providers: bench/'s other tools launch none of them).
+SPEC_SOURCES := $(wildcard kernels/*.py pyembed/*.py) $(addprefix bench/,__init__.py cases.py providers.py run.py \
+	report.py) tests/triton_specs.py tests/conftest.py \
 	tests/helpers.py $(addprefix tests/test_,parity.py dropout.py optim.py host_sync.py modules.py dropin.py) \
 	tests/gpu/sanitizer_workload.py
 build/triton_specs.json: $(SPEC_SOURCES) | $(INSTALL_STAMP)
