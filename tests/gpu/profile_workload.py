@@ -870,8 +870,8 @@ def main():
     ap.add_argument("--timeline", action="store_true", help="only eager and compiled pyembed's forward + backward, "
                                                             "and training steps, on the GPU's timeline "
                                                             "(compiled_timeline, step_timeline)")
-    ap.add_argument("--sort", action="store_true", help="only the dense backward ops' times with each sort "
-                                                        "(sort_comparison)")
+    ap.add_argument("--sort", action="store_true", help="only the dense backward ops' times, then at each "
+                                                        "setting's values (sort_comparison)")
     args = ap.parse_args()
     backends = [b for b in dispatch.backends_for("cuda") if b != "reference"]
     if args.ncu:
