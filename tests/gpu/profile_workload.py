@@ -490,11 +490,11 @@ def ncu_kernels(backends):
     if "triton" in backends:  # and triton's with one tile a program (ROW_TILES): the zero branch alone
         from pyembed import _triton
 
-        os.environ[ROW_TILES[0]] = "1"
+        os.environ[ROW_TILES] = "1"
         _triton.clear_plans(forward=False)
         dispatch.get("triton").backward(dout, ids, None, 0, LLAMA3[0], pos_weight.shape[0], 64.0, None, False, True,
                                         True)
-        del os.environ[ROW_TILES[0]]
+        del os.environ[ROW_TILES]
         _triton.clear_plans(forward=False)
     # The optimizer inside the backward: AdamW over every row of a Llama-2 bf16 table (p, m
     # and v each read and written once), 2048 rows with a gradient.
@@ -598,10 +598,12 @@ def sparse_step_profile(backends, batch=8, seq_len=2048):
 
 # `triton`'s finish_segments: tiles of rows a program (kernels' finish_row_tiles; by
 # default 4 for a 2-byte table of 2^16 rows or more, else 1), by the variable that
-# overrides it when a call is planned. A program with nothing to sum stores its rows'
-# zeros after one bounds load: at Llama-3 bf16 (1b594a4, one tile, before the zero
-# branch) the kernel ran at 48% of DRAM, 32 bytes a thread per load.
-ROW_TILES = ("PYEMBED_TRITON_ROW_TILES", ("1", "2", "4"))
+# overrides it when a call is planned; the zero-fill case sets it to 1 (one tile, the zero
+# branch alone). A program with nothing to sum stores its rows' zeros after one bounds
+# load: at Llama-3 bf16 (1b594a4, one tile, before the zero branch) the kernel ran at 48%
+# of DRAM, 32 bytes a thread per load. (Its values 1, 2 and 4 were timed until 82eabd8:
+# the default within noise.)
+ROW_TILES = "PYEMBED_TRITON_ROW_TILES"
 # `triton`'s finish_segments: the loop summing a segment's rows as written (1) or pipelined
 # (kernels' finish_sum_stages: by default 3 in a 2-byte table's four-tile programs, else 1).
 # Row by row it is two dependent loads a row, and a tile takes as long as its longest
