@@ -226,10 +226,18 @@ static c10::OptionalDeviceGuard on_device_of(const at::Tensor& t) {
 // which holds no GIL; a Python exception propagates as it was raised.
 struct PythonKernels final : pyembed::LookupKernels {
   py::object forward_fn, backward_fn, sparse_backward_fn;
+  // The two backwards' ops (torch.library; None: the functions above), for an output gradient
+  // without storage: a batched one (torch.autograd.grad's is_grads_batched=True, torch.func.vmap
+  // over a backward), whose elements the kernels, called directly or replayed, cannot read.
+  // Through the dispatcher, vmap's fallback runs them once per sample, as it runs the C++
+  // backends' ops.
+  py::object backward_op, sparse_backward_op;
 
-  PythonKernels(py::object forward, py::object backward, py::object sparse_backward)
+  PythonKernels(py::object forward, py::object backward, py::object sparse_backward, py::object backward_op,
+                py::object sparse_backward_op)
       : forward_fn(std::move(forward)), backward_fn(std::move(backward)),
-        sparse_backward_fn(std::move(sparse_backward)) {}
+        sparse_backward_fn(std::move(sparse_backward)), backward_op(std::move(backward_op)),
+        sparse_backward_op(std::move(sparse_backward_op)) {}
 
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& weight, const std::optional<at::Tensor>& pos_weight,
                      const std::optional<at::Tensor>& position_ids, std::string_view pos_encoding, double scale,
@@ -274,7 +282,8 @@ struct PythonKernels final : pyembed::LookupKernels {
                                               const std::optional<at::Tensor>& dropout_key,
                                               double dropout_p) const override {
     py::gil_scoped_acquire gil;
-    if (!backward_replays->empty()) {
+    const bool stored = grad_out.has_storage();  // a batched one has none: backward_op
+    if (stored && !backward_replays->empty()) {
       const py::object replay = find_replay(
           *backward_replays, backward_replay_key(grad_out, ids, position_ids, offset, num_embeddings, num_positions,
                                                  scale, padding_idx, scale_grad_by_freq, need_weight_grad,
@@ -288,8 +297,9 @@ struct PythonKernels final : pyembed::LookupKernels {
         if (!grads.is_none()) return grads.cast<std::tuple<at::Tensor, at::Tensor>>();
       }
     }
-    return backward_fn(grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
-                       scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p)
+    return (stored || backward_op.is_none() ? backward_fn : backward_op)(
+               grad_out, ids, position_ids, offset, num_embeddings, num_positions, scale, padding_idx,
+               scale_grad_by_freq, need_weight_grad, need_pos_grad, dropout_key, dropout_p)
         .cast<std::tuple<at::Tensor, at::Tensor>>();
   }
 
@@ -299,8 +309,8 @@ struct PythonKernels final : pyembed::LookupKernels {
                                                      const std::optional<at::Tensor>& dropout_key,
                                                      double dropout_p) const override {
     py::gil_scoped_acquire gil;
-    return sparse_backward_fn(grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key,
-                              dropout_p)
+    return (grad_out.has_storage() || sparse_backward_op.is_none() ? sparse_backward_fn : sparse_backward_op)(
+               grad_out, ids, num_embeddings, scale, padding_idx, scale_grad_by_freq, dropout_key, dropout_p)
         .cast<std::tuple<at::Tensor, at::Tensor>>();
   }
 };
@@ -427,13 +437,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                      py::call_guard<py::gil_scoped_release>());
   m.def(
       "set_python_kernels",
-      [](py::object forward, py::object backward, py::object sparse_backward) {
-        pyembed::set_python_kernels(
-            std::make_unique<PythonKernels>(std::move(forward), std::move(backward), std::move(sparse_backward)));
+      [](py::object forward, py::object backward, py::object sparse_backward, py::object backward_op,
+         py::object sparse_backward_op) {
+        pyembed::set_python_kernels(std::make_unique<PythonKernels>(std::move(forward), std::move(backward),
+                                                                    std::move(sparse_backward), std::move(backward_op),
+                                                                    std::move(sparse_backward_op)));
       },
       "the forward (into the output the node allocates, then pyembed/reference.py's schema: "
-      "pyembed._triton.node_forward), dense and sparse backward (reference.py's schemas) embedding_python_kernels runs",
-      py::arg("forward"), py::arg("backward"), py::arg("sparse_backward"));
+      "pyembed._triton.node_forward), dense and sparse backward (reference.py's schemas) embedding_python_kernels runs, "
+      "and the two backwards' ops, for batched output gradients",
+      py::arg("forward"), py::arg("backward"), py::arg("sparse_backward"), py::arg("backward_op") = py::none(),
+      py::arg("sparse_backward_op") = py::none());
   m.def(
       "set_forward_replay",
       [](const at::Tensor& ids, const at::Tensor& weight, const std::optional<at::Tensor>& pos_weight,

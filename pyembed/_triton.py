@@ -524,7 +524,7 @@ def _lookup_ops() -> dict:
     Python. None (the general route, a Python Function) without the compiled extension."""
     if _C is None or not hasattr(_C, "embedding_python_kernels"):
         return {}
-    _C.set_python_kernels(node_forward, backward, sparse_backward)
+    _C.set_python_kernels(node_forward, backward, sparse_backward, triton_backward, triton_sparse_backward)
     return dict(autograd_op=_C.embedding_python_kernels, fused_autograd_op=functools.partial(_C.embedding_fused, True))
 
 

@@ -292,7 +292,8 @@ def _restore_python_kernels():
     if "triton" in dispatch._registry:
         from pyembed import _extension, _triton
 
-        _extension._C.set_python_kernels(_triton.node_forward, _triton.backward, _triton.sparse_backward)
+        _extension._C.set_python_kernels(_triton.node_forward, _triton.backward, _triton.sparse_backward,
+                                         _triton.triton_backward, _triton.triton_sparse_backward)
 
 
 class _Raised(Exception):

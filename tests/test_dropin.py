@@ -213,6 +213,38 @@ def test_per_sample_gradients_of_the_layer(backend, pos_encoding):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("layer", ["learned", "sinusoidal", "padding and freq"])
+@pytest.mark.parametrize("batching", ["is_grads_batched", "vmap of autograd.grad"])
+def test_batched_output_gradients_equal_nn_ops(backend, layer, batching):
+    """Several output gradients through one eager graph at once -- torch.autograd.grad(...,
+    is_grads_batched=True) (rows of a Jacobian) and torch.func.vmap over autograd.grad --:
+    the eager call's node gets a batched output gradient, which has no storage for
+    `triton`'s kernels to read (they raised "Cannot access storage of BatchedTensorImpl"),
+    and gives each the gradients of the same layer written with nn ops."""
+    if layer == "padding and freq":
+        ours, theirs = _pair(backend, padding_idx=3, scale_grad_by_freq=True)
+        params = {"weight": ours.weight.detach()}
+        layers = (lambda p, x: functional_call(ours, p, (x,)), lambda p, x: functional_call(theirs, p, (x,)))
+    else:
+        module, params = _layer(backend, layer, seed=6)
+        layers = (lambda p, x: functional_call(module, p, (x,)), _eager_layer(module))
+    ids = torch.tensor([[0, 3, 3, 5], [7, 3, 1, 1], [2, 2, 2, 11]])
+    douts = torch.randn(5, 3, 4, 6, dtype=torch.float64)
+    results = []
+    for run in layers:
+        tables = {k: v.clone().requires_grad_() for k, v in params.items()}
+        out = run(tables, ids)
+        if batching == "is_grads_batched":
+            grads = torch.autograd.grad(out, tuple(tables.values()), douts, is_grads_batched=True)
+        else:
+            grads = vmap(lambda d: torch.autograd.grad(out, tuple(tables.values()), d, retain_graph=True))(douts)
+        results.append(grads)
+    for got, want in zip(*results, strict=True):
+        assert got.shape == (5, *want.shape[1:])
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.int64], ids=str)
 def test_integer_tables_are_looked_up_like_nn_embedding(backend, dtype):
     table = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]], dtype=dtype)
