@@ -290,22 +290,42 @@ class FusedEmbeddingFunctionWithJvp(FusedEmbeddingFunction):
     jvp = staticmethod(_fused_jvp)
 
 
+class _Leaf:
+    """A FusedConfig as one leaf of torch.func's pytrees. The generated vmap rule of a jvp
+    pairs the inputs' tangents, one an input, with the inputs' batch dims flattened as a
+    pytree, where the NamedTuple is twelve leaves: jacfwd(jacrev(f)) -- torch.func.hessian --
+    failed there ("leaves has length 8 but the spec refers to a pytree that holds 19 items")."""
+
+    __slots__ = ("config",)
+
+    def __init__(self, config):
+        self.config = config
+
+
+def _unwrapped(inputs) -> tuple:
+    return tuple(x.config if type(x) is _Leaf else x for x in inputs)
+
+
 def _functorch_form(name: str, forward, save, backward, jvp=None, save_takes_rows=False):
     """The same bodies as the setup_context + generate_vmap_rule Function that torch.func
-    transforms (vmap, grad, jvp) require. save_takes_rows: ``save`` also gets the first
-    output (the sparse gradient's rows)."""
+    transforms (vmap, grad, jvp) require, the config given to apply passed as one leaf
+    (_Leaf). save_takes_rows: ``save`` also gets the first output (the sparse gradient's rows)."""
     def setup_context(ctx, inputs, output):
-        save(ctx, *inputs, *((output[0],) if save_takes_rows else ()))
+        save(ctx, *_unwrapped(inputs), *((output[0],) if save_takes_rows else ()))
 
     def forward_of_given(*inputs):  # apply binds forward's signature: defaulted parameters would be inputs too
-        return forward(*inputs)
+        return forward(*_unwrapped(inputs))
+
+    def apply(cls, *inputs):
+        return super(function, cls).apply(*(_Leaf(x) if isinstance(x, FusedConfig) else x for x in inputs))
 
     body = {"__doc__": f"{name}: the form torch.func transforms require.", "generate_vmap_rule": True,
             "forward": staticmethod(forward_of_given), "setup_context": staticmethod(setup_context),
-            "backward": staticmethod(backward)}
+            "backward": staticmethod(backward), "apply": classmethod(apply)}
     if jvp is not None:
         body["jvp"] = staticmethod(jvp)
-    return type(name, (torch.autograd.Function,), body)
+    function = type(name, (torch.autograd.Function,), body)  # apply's super() names it
+    return function
 
 
 FusedEmbeddingFunctorch = _functorch_form("FusedEmbeddingFunctorch", _fused_forward, fused_save, fused_backward,
@@ -322,10 +342,22 @@ def _dense_grad_forward(grad_out, ids, position_ids, config: FusedConfig, num_em
         config.dropout_p)
 
 
-def _dense_grad_save(ctx, grad_out, ids, position_ids, config: FusedConfig, num_embeddings: int, *_):
+def _dense_grad_save(ctx, grad_out, ids, position_ids, config: FusedConfig, num_embeddings: int,
+                     num_positions: int, need_weight_grad: bool, need_pos_grad: bool):
     ctx.save_for_backward(ids, position_ids)
+    if forward_ad._current_level >= 0 or functorch_active():  # only a jvp reads them
+        ctx.save_for_forward(ids, position_ids)
     ctx.config, ctx.table_shape = config, (num_embeddings, grad_out.shape[-1])
+    ctx.jvp_arguments = (num_positions, need_weight_grad, need_pos_grad)  # the same gradients, of the tangent
     ctx.set_materialize_grads(False)
+
+
+def _dense_grad_jvp(ctx, grad_out_t, *_):
+    """(dW, dP) are linear in dout: their tangents are the same sums of dout's tangent
+    (forward-over-reverse: torch.func.hessian, jvp of a gradient)."""
+    ids, position_ids = ctx.saved_tensors
+    return _dense_grad_forward(grad_out_t.contiguous(), ids, position_ids, ctx.config, ctx.table_shape[0],
+                               *ctx.jvp_arguments)
 
 
 def _dense_grad_backward(ctx, grad_weight_grad, grad_pos_grad):
@@ -344,20 +376,23 @@ class DenseGradFunction(torch.autograd.Function):
     """The dense gradients (dW, dP) as a function of the output gradient, so that they can
     be differentiated again (``create_graph=True``): dW[v] = scale * sum of dout over the
     tokens of v is linear in dout, and its derivative is a lookup of the incoming
-    gradient's rows (``lookup(..., of="backward")``)."""
+    gradient's rows (``lookup(..., of="backward")``); in forward mode, the same sums of
+    dout's tangent."""
 
     @staticmethod
     def forward(ctx, grad_out, ids, position_ids, config, num_embeddings, num_positions, need_weight_grad,
                 need_pos_grad):
-        _dense_grad_save(ctx, grad_out, ids, position_ids, config, num_embeddings)
+        _dense_grad_save(ctx, grad_out, ids, position_ids, config, num_embeddings, num_positions, need_weight_grad,
+                         need_pos_grad)
         return _dense_grad_forward(grad_out, ids, position_ids, config, num_embeddings, num_positions,
                                    need_weight_grad, need_pos_grad)
 
     backward = staticmethod(_dense_grad_backward)
+    jvp = staticmethod(_dense_grad_jvp)
 
 
 DenseGradFunctorch = _functorch_form("DenseGradFunctorch", _dense_grad_forward, _dense_grad_save,
-                                     _dense_grad_backward)
+                                     _dense_grad_backward, _dense_grad_jvp)
 
 
 def _sparse_values_forward(grad_out, ids, config: FusedConfig, num_embeddings: int, dropout_key=None):
@@ -416,7 +451,15 @@ def _dropout_mask_forward(grad, dropout_key, config: FusedConfig):
 
 def _dropout_mask_save(ctx, grad, dropout_key, config: FusedConfig):
     ctx.save_for_backward(dropout_key)
+    if forward_ad._current_level >= 0 or functorch_active():  # only a jvp reads it
+        ctx.save_for_forward(dropout_key)
     ctx.config = config
+
+
+def _dropout_mask_jvp(ctx, grad_t, *_):
+    """The mask is linear: the tangent is the tangent masked."""
+    (dropout_key,) = ctx.saved_tensors
+    return _dropout_mask_forward(grad_t, dropout_key, ctx.config)
 
 
 def _dropout_mask_backward(ctx, grad):
@@ -435,10 +478,11 @@ class DropoutMaskFunction(torch.autograd.Function):
         return _dropout_mask_forward(grad, dropout_key, config)
 
     backward = staticmethod(_dropout_mask_backward)
+    jvp = staticmethod(_dropout_mask_jvp)
 
 
 DropoutMaskFunctorch = _functorch_form("DropoutMaskFunctorch", _dropout_mask_forward, _dropout_mask_save,
-                                       _dropout_mask_backward)
+                                       _dropout_mask_backward, _dropout_mask_jvp)
 
 
 def register_lookup_autograd(op, backend: str) -> None:

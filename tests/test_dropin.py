@@ -245,6 +245,63 @@ def test_batched_output_gradients_equal_nn_ops(backend, layer, batching):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("layer", ["learned", "padding and freq"])
+@pytest.mark.parametrize("hessian", ["torch.func.hessian", "autograd.functional forward-mode"])
+def test_forward_over_reverse_hessians_equal_nn_ops(backend, layer, hessian):
+    """Hessians as torch.func computes them -- jacfwd(jacrev(f)), forward mode over the
+    backward: the gradient's own jvp -- and as torch.autograd.functional.hessian does with
+    outer_jacobian_strategy="forward-mode" (legacy vmap's batched tangents), equal to the
+    same layer's in nn ops. Both failed: the gradient had no jvp, torch.func's generated
+    vmap rule split the config (a NamedTuple) into leaves, and `triton`'s kernels were
+    handed batched tangents, which have no storage."""
+    if layer == "padding and freq":
+        ours, theirs = _pair(backend, padding_idx=3, scale_grad_by_freq=True)
+        params = {"weight": ours.weight.detach()}
+        layers = (lambda p, x: functional_call(ours, p, (x,)), lambda p, x: functional_call(theirs, p, (x,)))
+    else:
+        module, params = _layer(backend, layer, seed=7)
+        layers = (lambda p, x: functional_call(module, p, (x,)), _eager_layer(module))
+    ids = torch.tensor([[0, 3, 3, 5], [7, 3, 1, 1]])
+    names = tuple(params)
+    results = []
+    for run in layers:
+        def loss(*tables):
+            return run(dict(zip(names, tables)), ids).pow(3).sum()
+        tables = tuple(params.values())
+        if hessian == "torch.func.hessian":
+            results.append(torch.func.hessian(loss, argnums=tuple(range(len(tables))))(*tables))
+        else:
+            results.append(torch.autograd.functional.hessian(loss, tables, vectorize=True,
+                                                             outer_jacobian_strategy="forward-mode"))
+    got, want = (torch.cat([h.reshape(-1) for row in r for h in row]) for r in results)
+    assert got.abs().max() > 0
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_forward_over_reverse_through_dropout_equals_reverse_over_reverse(backend):
+    """A Hessian-vector product through the fused dropout's mask, in forward mode over the
+    backward (the mask's own jvp) and in reverse mode twice: the same product (the Hessian
+    is symmetric), the same mask (one generator state)."""
+    torch.manual_seed(8)
+    weight, tangent = torch.randn(12, 6, dtype=torch.float64), torch.randn(12, 6, dtype=torch.float64)
+    ids = torch.tensor([[0, 3, 3, 5], [7, 3, 1, 1]])
+
+    def gradient(table, create_graph):
+        out = pyembed.fused_embedding(ids, table, scale=2.0, dropout_p=0.4, backend=backend,
+                                      generator=torch.Generator().manual_seed(0))
+        return torch.autograd.grad(out.pow(3).sum(), table, create_graph=create_graph)[0]
+
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(weight, tangent).requires_grad_()
+        forward_over_reverse = fwAD.unpack_dual(gradient(dual, True)).tangent
+    table = weight.clone().requires_grad_()
+    (reverse_over_reverse,) = torch.autograd.grad(gradient(table, True), table, tangent)
+    assert forward_over_reverse.abs().max() > 0
+    torch.testing.assert_close(forward_over_reverse, reverse_over_reverse, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.int64], ids=str)
 def test_integer_tables_are_looked_up_like_nn_embedding(backend, dtype):
     table = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]], dtype=dtype)
