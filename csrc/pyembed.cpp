@@ -444,8 +444,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                                     std::move(sparse_backward_op)));
       },
       "the forward (into the output the node allocates, then pyembed/reference.py's schema: "
-      "pyembed._triton.node_forward), dense and sparse backward (reference.py's schemas) embedding_python_kernels runs, "
-      "and the two backwards' ops, for batched output gradients",
+      "pyembed._triton.node_forward), dense and sparse backward (reference.py's schemas) embedding_python_kernels "
+      "runs, and the two backwards' ops, for batched output gradients",
       py::arg("forward"), py::arg("backward"), py::arg("sparse_backward"), py::arg("backward_op") = py::none(),
       py::arg("sparse_backward_op") = py::none());
   m.def(
