@@ -80,12 +80,18 @@ def python_minor(info: dict) -> str:
     return ".".join(info["python"].split(".")[:2])
 
 
-def stage_package(stage: Path) -> None:
-    """pyembed/ + kernels/ as pyembed.kernels, as setup.py installs them (_C is built into it)."""
+def stage_package(stage: Path, extension: Path | None = None) -> None:
+    """pyembed/ + kernels/ as pyembed.kernels, as setup.py installs them, and ``extension``
+    (a _C) beside them, if given; gpu_check builds or copies its own there. A stage without
+    one imports another copy's -- an editable install's finder gives its _C to a package
+    with none --, and gpu-prepare's warm-up failed on one older than this tree's Python
+    (set_python_kernels' arguments)."""
     shutil.rmtree(stage, ignore_errors=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.so")
     shutil.copytree(ROOT / "pyembed", stage / "pyembed", ignore=ignore)
     shutil.copytree(ROOT / "kernels", stage / "pyembed" / "kernels", ignore=ignore)
+    if extension is not None:
+        shutil.copy2(extension, stage / "pyembed" / extension.name)
 
 
 def prepare(out: Path, jobs: int) -> int:
@@ -117,7 +123,7 @@ def prepare(out: Path, jobs: int) -> int:
     used = work / "used-folders.json"
     used.unlink(missing_ok=True)
     # The kernels of this tree, whatever copy of pyembed this python has installed.
-    stage_package(work / "stage")
+    stage_package(work / "stage", so)
     print(f"gpu-prepare: compiling the Triton specialisations for sm_90 into {cache} ({jobs} processes) ...",
           flush=True)
     warm = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_specs.py"), "warm",
