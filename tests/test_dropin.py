@@ -50,6 +50,18 @@ def _eager_layer(layer: pyembed.EmbeddingLayer):
     return run
 
 
+def _ours_and_nn_ops(backend, layer: str, seed: int):
+    """(params, (ours, theirs)): a float64 pyembed layer and the same in nn ops, each called
+    as fn(params, ids). layer: a positional encoding of _layer's, or "padding and freq"
+    (_pair's FusedEmbedding with padding_idx=3 and scale_grad_by_freq)."""
+    if layer == "padding and freq":
+        ours, theirs = _pair(backend, padding_idx=3, scale_grad_by_freq=True)
+        return ({"weight": ours.weight.detach()},
+                (lambda p, x: functional_call(ours, p, (x,)), lambda p, x: functional_call(theirs, p, (x,))))
+    module, params = _layer(backend, layer, seed)
+    return params, (lambda p, x: functional_call(module, p, (x,)), _eager_layer(module))
+
+
 def _gradient_of_gradient(weight, ids, embed):
     """(g, gg): g = d/dW sum(out^3) built differentiably, gg = d/dW sum(g * g)."""
     w = weight.detach().clone().requires_grad_()
@@ -221,13 +233,7 @@ def test_batched_output_gradients_equal_nn_ops(backend, layer, batching):
     the eager call's node gets a batched output gradient, which has no storage for
     `triton`'s kernels to read (they raised "Cannot access storage of BatchedTensorImpl"),
     and gives each the gradients of the same layer written with nn ops."""
-    if layer == "padding and freq":
-        ours, theirs = _pair(backend, padding_idx=3, scale_grad_by_freq=True)
-        params = {"weight": ours.weight.detach()}
-        layers = (lambda p, x: functional_call(ours, p, (x,)), lambda p, x: functional_call(theirs, p, (x,)))
-    else:
-        module, params = _layer(backend, layer, seed=6)
-        layers = (lambda p, x: functional_call(module, p, (x,)), _eager_layer(module))
+    params, layers = _ours_and_nn_ops(backend, layer, seed=6)
     ids = torch.tensor([[0, 3, 3, 5], [7, 3, 1, 1], [2, 2, 2, 11]])
     douts = torch.randn(5, 3, 4, 6, dtype=torch.float64)
     results = []
@@ -254,13 +260,7 @@ def test_forward_over_reverse_hessians_equal_nn_ops(backend, layer, hessian):
     same layer's in nn ops. Both failed: the gradient had no jvp, torch.func's generated
     vmap rule split the config (a NamedTuple) into leaves, and `triton`'s kernels were
     handed batched tangents, which have no storage."""
-    if layer == "padding and freq":
-        ours, theirs = _pair(backend, padding_idx=3, scale_grad_by_freq=True)
-        params = {"weight": ours.weight.detach()}
-        layers = (lambda p, x: functional_call(ours, p, (x,)), lambda p, x: functional_call(theirs, p, (x,)))
-    else:
-        module, params = _layer(backend, layer, seed=7)
-        layers = (lambda p, x: functional_call(module, p, (x,)), _eager_layer(module))
+    params, layers = _ours_and_nn_ops(backend, layer, seed=7)
     ids = torch.tensor([[0, 3, 3, 5], [7, 3, 1, 1]])
     names = tuple(params)
     results = []
