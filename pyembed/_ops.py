@@ -94,10 +94,13 @@ class Backend:
 
 def _eager(tensor: torch.Tensor) -> bool:
     """A real tensor (not fake, functional or wrapped; with storage: the batched tensors of
-    torch.autograd.functional's vectorized jacobians have none) and neither torch.compile
-    nor a torch.func transform active: an op's body may run on it directly."""
+    torch.autograd.functional's vectorized jacobians have none) and neither torch.compile,
+    a torch.func transform nor a dispatch mode active (make_fx's proxy tensors record the
+    dispatcher's ops, and a kernel launched around it would be missing from their graph):
+    an op's body may run on it directly."""
     return (type(tensor) in (torch.Tensor, torch.nn.Parameter) and not torch.compiler.is_compiling()
-            and not torch._C._are_functorch_transforms_active() and torch._C._has_storage(tensor))
+            and not torch._C._are_functorch_transforms_active() and torch._C._has_storage(tensor)
+            and not torch._C._len_torch_dispatch_stack())
 
 
 # --------------------------------------------------------------------------- fakes

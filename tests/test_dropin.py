@@ -302,6 +302,46 @@ def test_forward_over_reverse_through_dropout_equals_reverse_over_reverse(backen
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("tracing_mode", ["real", "symbolic", "fake"])
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
+def test_make_fx_graphs_hold_the_range_check(backend, tracing_mode, trainable):
+    """make_fx outside torch.compile records the dispatcher's ops alone: the graph of a
+    lookup holds the check op and the backend's forward op, gives the eager output, and
+    raises for an out-of-range id when it runs. Before, `cpu`'s C++ node checked at trace
+    time only (its graph gave a zero row), and every other case failed to trace (a check
+    reading values from tracing tensors, triton launching around the dispatcher)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(9)
+    ids, weight, pos = torch.tensor([[1, 3, 3, 0], [2, 5, 1, 1]]), torch.randn(6, 8), torch.randn(5, 8)
+    weight.requires_grad_(trainable)  # a table that wants a gradient takes an autograd node's route
+
+    def lookup(i, w, p):
+        return pyembed.fused_embedding(i, w, p, scale=2.0, backend=backend)
+
+    graph = make_fx(lookup, tracing_mode=tracing_mode)(ids, weight, pos)
+    ops = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    assert "pyembed.check_ranges.default" in ops
+    torch.testing.assert_close(graph(ids, weight, pos), nn.functional.embedding(ids, weight.detach()) * 2.0 + pos[:4],
+                               rtol=1e-6, atol=1e-6)
+    with pytest.raises(IndexError, match="max id 9"):
+        graph(torch.tensor([[1, 9, 3, 0], [2, 5, 1, 1]]), weight, pos)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_func_linearize_equals_nn_ops(backend):
+    """torch.func.linearize (a jvp traced by make_fx, replayed for new tangents): the
+    tangents of the same layer in nn ops."""
+    layer, params = _layer(backend, "learned", seed=10)
+    ids = torch.tensor([[0, 3, 3, 5], [7, 3, 1, 1]])
+    tangents = {k: torch.randn_like(v) for k, v in params.items()}
+    got, want = (torch.func.linearize(lambda p: run(p, ids), params)[1](tangents)
+                 for run in (lambda p, x: functional_call(layer, p, (x,)), _eager_layer(layer)))
+    assert got.abs().max() > 0
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.int64], ids=str)
 def test_integer_tables_are_looked_up_like_nn_embedding(backend, dtype):
     table = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]], dtype=dtype)
