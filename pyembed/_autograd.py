@@ -347,7 +347,7 @@ def _dense_grad_forward(grad_out, ids, position_ids, config: FusedConfig, num_em
 def _dense_grad_save(ctx, grad_out, ids, position_ids, config: FusedConfig, num_embeddings: int,
                      num_positions: int, need_weight_grad: bool, need_pos_grad: bool):
     ctx.save_for_backward(ids, position_ids)
-    if forward_ad._current_level >= 0 or functorch_active():  # only a jvp reads them
+    if not no_transform():  # only a jvp reads them
         ctx.save_for_forward(ids, position_ids)
     ctx.config, ctx.table_shape = config, (num_embeddings, grad_out.shape[-1])
     ctx.jvp_arguments = (num_positions, need_weight_grad, need_pos_grad)  # the same gradients, of the tangent
@@ -453,7 +453,7 @@ def _dropout_mask_forward(grad, dropout_key, config: FusedConfig):
 
 def _dropout_mask_save(ctx, grad, dropout_key, config: FusedConfig):
     ctx.save_for_backward(dropout_key)
-    if forward_ad._current_level >= 0 or functorch_active():  # only a jvp reads it
+    if not no_transform():  # only a jvp reads it
         ctx.save_for_forward(dropout_key)
     ctx.config = config
 
