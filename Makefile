@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 # Python edits need no reinstall; C++/CUDA edits rebuild incrementally (ninja).
 DEPS_STAMP    := $(VENV)/.deps-installed
 INSTALL_STAMP := $(VENV)/.pyembed-installed
-BUILD_INPUTS  := setup.py pyproject.toml pyembed/_cuda_home.py pyembed/_libstdcxx.py \
+BUILD_INPUTS  := setup.py pyproject.toml pyembed/_cuda_home.py pyembed/_libstdcxx.py pyembed/_sources.py \
 	$(shell find csrc -type f 2>/dev/null)
 
 .PHONY: test bench install clean gpu-check gpu-prepare test-compat test-gpu-stack

@@ -90,6 +90,20 @@ def want_cuda(torch, cuda_home):
     return True
 
 
+def source_digest_file() -> str:
+    """build/generated/source_digest.cpp: the digest of csrc/ as _C.source_digest, which
+    import compares with a checkout's csrc/ (pyembed/_sources.py). Rewritten only when it
+    changes, so a rebuild of an unchanged tree compiles nothing."""
+    digest = load_helper("_sources").csrc_digest(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join("build", "generated", "source_digest.cpp")
+    text = f'extern const char pyembed_source_digest[] = "{digest}";\n'
+    if not os.path.exists(path) or open(path).read() != text:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+    return path
+
+
 def extension_kwargs():
     cuda_home = find_cuda_home()
     if cuda_home:
@@ -105,8 +119,8 @@ def extension_kwargs():
     link = ["-fopenmp"] + load_helper("_libstdcxx").link_args()
     # Link order matters: the AVX2 and AVX-512 objects come last so inline functions shared
     # with the portable objects resolve to the portable copies (csrc/cpu/kernels_avx2.cpp).
-    sources = ["csrc/pyembed.cpp", "csrc/autograd.cpp", "csrc/cpu/embedding_cpu.cpp", "csrc/cpu/kernels_base.cpp",
-               "csrc/cpu/kernels_avx2.cpp", "csrc/cpu/kernels_avx512.cpp"]
+    sources = [source_digest_file(), "csrc/pyembed.cpp", "csrc/autograd.cpp", "csrc/cpu/embedding_cpu.cpp",
+               "csrc/cpu/kernels_base.cpp", "csrc/cpu/kernels_avx2.cpp", "csrc/cpu/kernels_avx512.cpp"]
     if not with_cuda:
         print(f"pyembed-kernels: building pyembed._C: {len(sources)} C++ files (CPU kernels: portable, AVX2, "
               "AVX-512); about 2 minutes on 2 cores", file=sys.stderr)

@@ -25,6 +25,9 @@
 #ifndef PYEMBED_TORCH_VERSION
 #define PYEMBED_TORCH_VERSION ""
 #endif
+// The digest of csrc/ this was built from, in a file setup.py writes (a define would change
+// every object's flags, so any edit would recompile them all): pyembed/_sources.py.
+extern const char pyembed_source_digest[];
 
 // The sparse backward's output size depends on the data (a device->host sync on a GPU):
 // the tag keeps it out of CUDA graphs (torch >= 2.8 knows the tag). The forward and the
@@ -430,6 +433,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("cuda_version") = PYEMBED_CUDA_VERSION;
   m.attr("torch_version") = PYEMBED_TORCH_VERSION;  // the torch whose headers and ABI this was built against
   m.attr("cuda_arch_list") = PYEMBED_CUDA_ARCH_LIST;
+  m.attr("source_digest") = py::str(pyembed_source_digest);  // compared with a checkout's csrc/ at import
   m.def("cpu_isa", [] { return pyembed::cpu::row_kernels().isa; },
         "the instruction set of the CPU row kernels in use: 'avx512', 'avx2' or 'base'");
   def_embedding_call(m, "embedding", typed_call<EmbeddingOp>("pyembed::embedding"),

@@ -12,19 +12,30 @@ import warnings
 
 import torch
 
-from . import _autograd, _ops, dispatch
+from . import _autograd, _ops, _sources, dispatch
 
 # pyembed is installed from a checkout of its sources (it is not on PyPI).
 REBUILD = "in the pyembed checkout: pip install --no-build-isolation --no-deps --force-reinstall ."
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 
 
-def _source_checkout_without_build() -> bool:
-    """This pyembed is the source folder of a checkout (setup.py and csrc/ beside it) whose
-    extension was never built in place -- typically Python started inside the clone after a
-    non-editable install, so the folder shadows the installed copy."""
+def _checkout_root():
+    """The checkout this pyembed is the source folder of (setup.py and csrc/ beside it), or
+    None for an installed copy."""
     root = _PACKAGE_DIR.parent
-    return (root / "setup.py").is_file() and (root / "csrc").is_dir() and not any(_PACKAGE_DIR.glob("_C*.so"))
+    return root if (root / "setup.py").is_file() and (root / "csrc").is_dir() else None
+
+
+def _stale_build(extension):
+    """Why ``extension`` is not what the checkout's csrc/ builds now, or None: an extension
+    built in place (pip install -e .) goes stale when a git pull or checkout changes the C++
+    sources and nothing rebuilds it, and then its functions and ops may take other arguments
+    than this Python passes -- an import that failed with a TypeError, or worse, a call
+    that misread one. An installed copy was built from the sources it shipped with."""
+    root = _checkout_root()
+    if root is None or getattr(extension, "source_digest", None) == _sources.csrc_digest(root):
+        return None
+    return f"it was built from other C++ sources than {root / 'csrc'} holds now"
 
 
 try:
@@ -32,7 +43,9 @@ try:
 except Exception as exc:  # noqa: BLE001 - any load failure (missing .so, ABI, symbols)
     _C = None
     _load_error = f"{type(exc).__name__}: {exc}"
-    if _source_checkout_without_build():
+    if _checkout_root() is not None and not any(_PACKAGE_DIR.glob("_C*.so")):
+        # Typically Python started inside the clone after a non-editable install, so the
+        # folder shadows the installed copy.
         _load_error = f"{_PACKAGE_DIR} is the source folder of a checkout, with no extension built in it"
         warnings.warn(
             f"pyembed: imported from the source checkout {_PACKAGE_DIR} (Python looks in the current directory "
@@ -50,6 +63,20 @@ except Exception as exc:  # noqa: BLE001 - any load failure (missing .so, ABI, s
             RuntimeWarning,
             stacklevel=2,
         )
+else:
+    _load_error = _stale_build(_C)
+    if _load_error is not None:
+        # Its ops stay registered (loading did that), but no backend calls them; only
+        # pyembed::check_ranges, defined in Python, keeps its C++ kernel.
+        _C = None
+        warnings.warn(
+            f"pyembed: pyembed._C is out of date ({_load_error}: a git pull or checkout since the build?), so it is "
+            "not used: the cpu and cuda backends are unavailable (the reference backend serves) until it is "
+            "rebuilt in place, in the checkout: pip install --no-build-isolation --no-deps -e .",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+if _C is None:
     dispatch.mark_missing("cpu", f"pyembed._C could not be loaded ({_load_error})")
     dispatch.mark_missing("cuda", f"pyembed._C could not be loaded ({_load_error})")
 

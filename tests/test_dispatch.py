@@ -2,9 +2,11 @@
 property-based sweep of shapes against eager PyTorch."""
 
 import dataclasses
+import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -635,6 +637,54 @@ def test_import_without_the_extension_warns_once_and_serves_reference():
     assert cpu_built == "False" and "'reference'" in backends and "'cpu'" not in backends
     assert out[2] == "[[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]]"
     assert out[3].startswith("RuntimeError pyembed: backend 'cpu' cannot run on cpu: pyembed._C could not be loaded")
+
+
+@pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")
+def test_an_extension_built_from_other_sources_warns_once_and_is_not_used(tmp_path):
+    # An extension built in place (pip install -e .) goes stale when a git pull or checkout
+    # changes csrc/ and nothing rebuilds it: its functions may then take other arguments than
+    # the Python passes (an import crashed on set_python_kernels' new ones). A checkout's copy
+    # with this extension: as built, it serves; with a C++ file edited, import warns once and
+    # the reference backend serves, as without an extension.
+    package = pathlib.Path(pyembed.__file__).resolve().parent
+    (extension,) = package.glob("_C*.so")
+    checkout = tmp_path / "checkout"
+    ignore = shutil.ignore_patterns("__pycache__", "*.so")
+    shutil.copytree(package, checkout / "pyembed", ignore=ignore)
+    shutil.copytree(package.parent / "kernels", checkout / "pyembed" / "kernels", ignore=ignore)
+    shutil.copytree(package.parent / "csrc", checkout / "csrc")
+    shutil.copy(package.parent / "setup.py", checkout)
+    (checkout / "pyembed" / extension.name).symlink_to(extension)
+    code = (
+        "import json, warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import pyembed, torch\n"
+        "try:\n"
+        "    pyembed.fused_embedding(torch.tensor([[1]]), torch.eye(3), backend='cpu')\n"
+        "    error = None\n"
+        "except RuntimeError as e:\n"
+        "    error = str(e)\n"
+        "print(json.dumps(dict(file=pyembed.__file__, backends=pyembed.available_backends(), error=error,\n"
+        "                      warnings=[str(w.message) for w in caught if 'pyembed' in str(w.message)],\n"
+        "                      out=pyembed.fused_embedding(torch.tensor([[1, 2]]), torch.eye(3)).tolist())))\n"
+    )
+
+    def imported() -> dict:
+        proc = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True, text=True, check=True)
+        return json.loads(proc.stdout.splitlines()[-1])
+
+    as_built = imported()
+    assert as_built["file"].startswith(str(checkout)), as_built["file"]
+    assert as_built["warnings"] == [] and "cpu" in as_built["backends"] and as_built["error"] is None, as_built
+    header = checkout / "csrc" / "common.h"
+    header.write_text(header.read_text() + "// an edit since the build\n")
+    stale = imported()
+    assert len(stale["warnings"]) == 1 and "out of date" in stale["warnings"][0], stale["warnings"]
+    assert "pip install --no-build-isolation --no-deps -e ." in stale["warnings"][0]
+    assert "cpu" not in stale["backends"] and "reference" in stale["backends"], stale["backends"]
+    assert "other C++ sources" in stale["error"], stale["error"]
+    assert stale["out"] == as_built["out"] == torch.eye(3)[torch.tensor([[1, 2]])].tolist()
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

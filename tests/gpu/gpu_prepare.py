@@ -22,7 +22,7 @@ cache key); summary.md says what was used, and how many kernels were still compi
 
 from __future__ import annotations
 
-import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -38,17 +38,23 @@ ARCH = "9.0"  # the H100 / H200 machines'
 CACHE_TARBALL = "triton-cache.tar.xz"
 
 
+def _load_sources_module():
+    """This tree's pyembed/_sources.py, loaded by path as setup.py loads it: the python
+    running this script may import another copy of pyembed (an editable install's), or none."""
+    spec = importlib.util.spec_from_file_location("_pyembed_sources", ROOT / "pyembed" / "_sources.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def sources_digest(paths: list[Path], root: Path = ROOT) -> str:
     """sha256 over each file's path (from ``root``) and bytes, in path order."""
-    h = hashlib.sha256()
-    for path in sorted(paths):
-        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
+    return _load_sources_module().digest(paths, root)
 
 
 def extension_sources() -> list[Path]:
     """What pyembed._C is built from: setup.py, the helpers it loads, csrc/."""
-    return [ROOT / "setup.py", ROOT / "pyembed" / "_cuda_home.py", ROOT / "pyembed" / "_libstdcxx.py",
+    return [ROOT / "setup.py", *(ROOT / "pyembed" / f"{name}.py" for name in ("_cuda_home", "_libstdcxx", "_sources")),
             *(p for p in (ROOT / "csrc").rglob("*") if p.is_file())]
 
 
