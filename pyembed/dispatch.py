@@ -80,6 +80,16 @@ def available_backends() -> list[str]:
     return [n for n in _registry if any(_why_unavailable(n, d) is None for d in devices)]
 
 
+def why_unavailable(name: str) -> Optional[str]:
+    """Why backend ``name`` runs on no device of this machine (None: it runs on one),
+    asked on the device types it is meant for (its auto_rank's), where "it takes CUDA
+    tensors, not cpu" would say nothing: `python -m pyembed.info` prints it."""
+    if name in available_backends():
+        return None
+    device_types = [t for t in (_registry[name].auto_rank if name in _registry else ()) if t != "*"] or ["cpu"]
+    return "; ".join(_why_unavailable(name, torch.device(t)) for t in device_types)
+
+
 # os.environ's own mapping and its encoding of our key: os.environ.get encodes the key and
 # decodes the value on every call, 0.5 us of a ~3 us one-token CPU lookup; a lookup in
 # the mapping that os.environ updates on every assignment sees the same value for ~0.03 us.

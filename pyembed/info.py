@@ -1,8 +1,9 @@
-"""``python -m pyembed.info``: what this installation can run."""
+"""``python -m pyembed.info``: what this installation can run, and why a backend cannot."""
 
 import torch
 
 import pyembed
+from pyembed import dispatch
 
 
 def main() -> None:
@@ -13,6 +14,10 @@ def main() -> None:
         print(f"  {key}: {value}")
     print(f"GPU visible: {torch.cuda.is_available()}")
     print(f"available backends: {pyembed.available_backends()}")
+    for name in dispatch.BACKEND_NAMES:
+        reason = dispatch.why_unavailable(name)
+        if reason is not None:
+            print(f"  {name}: unavailable: {reason}")
 
 
 if __name__ == "__main__":

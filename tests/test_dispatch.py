@@ -639,6 +639,21 @@ def test_import_without_the_extension_warns_once_and_serves_reference():
     assert out[3].startswith("RuntimeError pyembed: backend 'cpu' cannot run on cpu: pyembed._C could not be loaded")
 
 
+def test_info_says_why_each_backend_is_unavailable():
+    # `python -m pyembed.info` (as xformers.info): every backend either listed as available
+    # or with its reason, asked on the device it is for ("no CUDA device is visible", not
+    # "the cuda backend takes CUDA tensors, not cpu").
+    out = subprocess.run([sys.executable, "-m", "pyembed.info"], capture_output=True, text=True,
+                         check=True).stdout
+    available = pyembed.available_backends()
+    assert f"available backends: {available}" in out
+    for name in dispatch.BACKEND_NAMES:
+        assert (name in available) != (f"  {name}: unavailable: " in out), out
+    if not torch.cuda.is_available():
+        why = "no CUDA device is visible" if pyembed.build_info()["cuda_built"] else "built without CUDA kernels"
+        assert f"  cuda: unavailable: {why}" in out, out
+
+
 @pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")
 def test_an_extension_built_from_other_sources_warns_once_and_is_not_used(tmp_path):
     # An extension built in place (pip install -e .) goes stale when a git pull or checkout
