@@ -139,4 +139,5 @@ if _C is not None:
                                                    position_update=_C.position_update,
                                                    auto_rank={"cuda": 0}))
     else:
-        dispatch.mark_missing("cuda", "pyembed._C was built without CUDA kernels (no CUDA toolkit at build time)")
+        dispatch.mark_missing("cuda", "pyembed._C was built without CUDA kernels (at build time a CPU-only torch, no "
+                                      "CUDA toolkit of torch's CUDA major version, or PYEMBED_BUILD_CUDA=0)")
