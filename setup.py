@@ -97,10 +97,13 @@ def source_digest_file() -> str:
     digest = load_helper("_sources").csrc_digest(os.path.dirname(os.path.abspath(__file__)))
     path = os.path.join("build", "generated", "source_digest.cpp")
     text = f'extern const char pyembed_source_digest[] = "{digest}";\n'
-    if not os.path.exists(path) or open(path).read() != text:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(text)
+    if os.path.exists(path):
+        with open(path) as f:
+            if f.read() == text:
+                return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
     return path
 
 
