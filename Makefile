@@ -134,8 +134,9 @@ test-gpu-stack:
 # machine's stack beforehand (tests/gpu/gpu_prepare.py): _C built for sm_90 against its torch,
 # and every Triton specialisation the tests launch compiled for sm_90 by its Triton, packed
 # into build/gpu-prepared (32 MiB) for the device tool's `carry`; gpu-check uses each where
-# it fits that machine. On 2 cores: 16 minutes of compiles the first time (1614
-# specialisations), 3 minutes in all where no kernel's own source changed (the cache is
+# it fits that machine. On 2 cores: 16 minutes of compiles the first time (~1610
+# specialisations, a few more or fewer from one recording to the next),
+# 3 minutes in all where no kernel's own source changed (the cache is
 # kept; it packs only this tree's kernels), after recording the launches where their
 # sources changed (10 minutes). A venv of the GPU machine's stack is made if there is none.
 GPU_PREPARED := build/gpu-prepared
