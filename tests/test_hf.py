@@ -55,3 +55,34 @@ def test_replace_embeddings_in_hf_models(name, backend, tmp_path):
     reloaded = pyembed.replace_embeddings(type(model).from_pretrained(tmp_path).eval(), backend=backend)
     assert type(reloaded.get_input_embeddings()) is pyembed.FusedEmbedding
     torch.testing.assert_close(reloaded(input_ids=ids).logits, logits, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_generate_and_resize_token_embeddings_as_the_unswapped_model(name, backend):
+    # What users do next with a swapped model: greedy generate() (the prompt, then a token at a
+    # time through the KV cache: GPT-2's positions come from its step's offset), and
+    # resize_token_embeddings for new tokens, which must keep pyembed's module and the tie;
+    # the unswapped model, resized and given the same tables, is the expectation.
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    swapped = pyembed.replace_embeddings(copy.deepcopy(model), backend=backend)
+    prompt = torch.randint(0, 128, (2, 5))
+    greedy = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(swapped.generate(prompt, **greedy), model.generate(prompt, **greedy))
+
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    for m in (swapped, model):
+        m.resize_token_embeddings(140, mean_resizing=False)
+    assert type(swapped.get_input_embeddings()) is pyembed.FusedEmbedding
+    assert swapped.get_input_embeddings().weight.shape == (140, 32)
+    assert (swapped.get_output_embeddings().weight is swapped.get_input_embeddings().weight) == tied
+    model.load_state_dict(swapped.state_dict())  # the new rows were drawn apart
+    ids = torch.randint(0, 140, (2, 16))
+    ids[0, :4] = torch.arange(136, 140)  # new tokens among them
+    logits, grads = _loss_and_grads(model, ids)
+    swapped_logits, swapped_grads = _loss_and_grads(swapped, ids)
+    torch.testing.assert_close(swapped_logits, logits, rtol=1e-6, atol=1e-6)
+    assert swapped_grads.keys() == grads.keys()
+    for key in grads:
+        torch.testing.assert_close(swapped_grads[key], grads[key], rtol=1e-5, atol=1e-6, msg=key)
