@@ -661,10 +661,9 @@ def test_an_extension_built_from_other_sources_warns_once_and_is_not_used(tmp_pa
     # An extension built in place (pip install -e .) goes stale when a git pull or checkout
     # changes csrc/ and nothing rebuilds it: its functions may then take other arguments than
     # the Python passes (an import crashed on set_python_kernels' new ones). A checkout's copy
-    # with this extension: as built, it serves; with a C++ file edited, import warns once and
-    # the reference backend serves, as without an extension.
-    # The sources from this repository, the extension from the pyembed under test (an
-    # editable install's, or a staged copy's without sources beside it: make gpu-check's).
+    # -- this repository's sources, the extension of the pyembed under test (an editable
+    # install's, or a staged one's without sources beside it: make gpu-check's) --: as built,
+    # it serves; with a C++ file edited, import warns once and the reference backend serves.
     root, package = pathlib.Path(__file__).resolve().parents[1], pathlib.Path(pyembed.__file__).resolve().parent
     (extension,) = package.glob("_C*.so")
     checkout = tmp_path / "checkout"
