@@ -434,6 +434,27 @@ def test_torch_compile_fullgraph_traces_the_layer(backend):
     torch.testing.assert_close(grad, layer.token_embedding.weight.grad, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("options", [{"freezing": True}, {"freezing": True, "cpp_wrapper": True}],
+                         ids=["freezing", "freezing+cpp_wrapper"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_inductor_inference_options_keep_the_lookup_and_its_check(backend, options):
+    # How a CPU model is served compiled: under no_grad with Inductor's freezing (parameters
+    # folded in as constants) and often its C++ wrapper (the graph's Python replaced by C++,
+    # custom ops called through the dispatcher's C shim). The eager outputs bit for bit, and a
+    # bad id still raises -- a RuntimeError through the shim, whose error carries no class (as
+    # compiled nn ops' own bounds assert is one); IndexError where Python calls the op.
+    torch.manual_seed(0)
+    layer = pyembed.EmbeddingLayer(100, 16, 64, scale_embeddings=True, backend=backend).eval()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(layer, fullgraph=True, options=options)
+        for seed in (1, 2):
+            ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(seed))
+            torch.testing.assert_close(compiled(ids), layer(ids), rtol=0, atol=0)
+        with pytest.raises(RuntimeError if options.get("cpp_wrapper") else IndexError):
+            compiled(torch.full((2, 9), 100))
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_compiled_autograd_runs_the_eager_forwards_backward(backend):
     # An eager forward (the C++ backends' autograd node, triton's Function) whose backward
