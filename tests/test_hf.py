@@ -31,6 +31,17 @@ def _loss_and_grads(model, ids):
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _assert_same_logits_and_grads(swapped, model, ids):
+    """The swapped model's logits and every parameter's gradient equal the model's; its logits."""
+    logits, grads = _loss_and_grads(model, ids)
+    swapped_logits, swapped_grads = _loss_and_grads(swapped, ids)
+    torch.testing.assert_close(swapped_logits, logits, rtol=1e-6, atol=1e-6)
+    assert swapped_grads.keys() == grads.keys()
+    for key in grads:
+        torch.testing.assert_close(swapped_grads[key], grads[key], rtol=1e-5, atol=1e-6, msg=key)
+    return logits
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_replace_embeddings_in_hf_models(name, backend, tmp_path):
@@ -44,12 +55,7 @@ def test_replace_embeddings_in_hf_models(name, backend, tmp_path):
         assert swapped.get_output_embeddings().weight is swapped.get_input_embeddings().weight  # still tied
 
     ids = torch.randint(0, 128, (2, 16))
-    logits, grads = _loss_and_grads(model, ids)
-    swapped_logits, swapped_grads = _loss_and_grads(swapped, ids)
-    torch.testing.assert_close(swapped_logits, logits, rtol=1e-6, atol=1e-6)
-    assert swapped_grads.keys() == grads.keys()
-    for key in grads:
-        torch.testing.assert_close(swapped_grads[key], grads[key], rtol=1e-5, atol=1e-6, msg=key)
+    logits = _assert_same_logits_and_grads(swapped, model, ids)
 
     swapped.save_pretrained(tmp_path)
     reloaded = pyembed.replace_embeddings(type(model).from_pretrained(tmp_path).eval(), backend=backend)
@@ -80,9 +86,4 @@ def test_generate_and_resize_token_embeddings_as_the_unswapped_model(name, backe
     model.load_state_dict(swapped.state_dict())  # the new rows were drawn apart
     ids = torch.randint(0, 140, (2, 16))
     ids[0, :4] = torch.arange(136, 140)  # new tokens among them
-    logits, grads = _loss_and_grads(model, ids)
-    swapped_logits, swapped_grads = _loss_and_grads(swapped, ids)
-    torch.testing.assert_close(swapped_logits, logits, rtol=1e-6, atol=1e-6)
-    assert swapped_grads.keys() == grads.keys()
-    for key in grads:
-        torch.testing.assert_close(swapped_grads[key], grads[key], rtol=1e-5, atol=1e-6, msg=key)
+    _assert_same_logits_and_grads(swapped, model, ids)
