@@ -192,7 +192,8 @@ def dropout_keep(dropout_key: torch.Tensor, num_tokens: int, dim: int, p: float)
     groups = offset + torch.arange((dim + 3) // 4, device=dropout_key.device)[None, :]  # (1, G)
     tokens = torch.arange(num_tokens, device=dropout_key.device)[:, None]  # (N, 1)
     words = philox4x32(key, groups & _LOW32, groups >> 32, tokens & _LOW32, tokens >> 32)
-    words = torch.stack(torch.broadcast_tensors(*words), dim=-1).reshape(num_tokens, -1)[:, :dim]  # word j % 4 of group j // 4
+    # word j % 4 of group j // 4 (the width named: -1 is ambiguous for zero tokens)
+    words = torch.stack(torch.broadcast_tensors(*words), dim=-1).reshape(num_tokens, 4 * groups.shape[1])[:, :dim]
     return words >= dropout_threshold(p)
 
 

@@ -325,11 +325,12 @@ def test_rows_at_the_sort_keys_width_edges_sum_exactly(backend, vocab, sparse):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pos_encoding", POS_ENCODINGS)
-def test_empty_input_gives_empty_output_and_zero_grads(backend, pos_encoding):
+@pytest.mark.parametrize("dropout_p", [0.0, 0.5])
+def test_empty_input_gives_empty_output_and_zero_grads(backend, pos_encoding, dropout_p):
     ids = torch.empty(2, 0, dtype=torch.long)
     weight = torch.randn(5, 8, requires_grad=True)
     pos_weight = torch.randn(4, 8, requires_grad=True) if pos_encoding == "learned" else None
-    out = fused(backend)(ids, weight, pos_weight, pos_encoding=pos_encoding)
+    out = fused(backend)(ids, weight, pos_weight, pos_encoding=pos_encoding, dropout_p=dropout_p)
     assert out.shape == (2, 0, 8)
     out.sum().backward()
     assert torch.equal(weight.grad, torch.zeros(5, 8))
