@@ -180,7 +180,7 @@ def _forward_rule(op):
             position_ids = _batch_first(position_ids, position_ids_dim, n)
             sample_shape = ids.shape[1:]
             if pos_encoding != "none":  # (N, T) or (N, B, T) -> (N * B, T): positions follow t
-                ids = ids.reshape(-1, ids.shape[-1])
+                ids = ids.flatten(0, -2)  # not reshape(-1, T): ambiguous for zero tokens
                 position_ids = None if position_ids is None else position_ids.reshape(ids.shape)
             out = op(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, None, dropout_p, *columns)
             return out.reshape(n, *sample_shape, out.shape[-1]), 0
