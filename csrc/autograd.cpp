@@ -158,7 +158,7 @@ std::tuple<at::Tensor, at::Tensor> differentiable_backward(
     bool scale_grad_by_freq, bool need_weight_grad, bool need_pos_grad) {
   const int64_t dim = grad_out.size(-1);
   const auto acc = grad_out.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor grad = grad_out.reshape({-1, dim}).to(acc);
+  const at::Tensor grad = grad_out.reshape({ids.numel(), dim}).to(acc);  // not -1: ambiguous for a 0-wide table
   const at::Tensor flat = ids.reshape(-1).to(at::kLong);
   at::Tensor grad_weight, grad_pos;
   if (need_weight_grad) {

@@ -17,7 +17,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import pyembed
-from helpers import CPU_BACKENDS, assert_within, sinusoid_atol
+from helpers import CPU_BACKENDS, assert_within, fused, sinusoid_atol
 
 
 def _pair(backend, vocab=12, dim=6, **kwargs):
@@ -45,7 +45,8 @@ def _eager_layer(layer: pyembed.EmbeddingLayer):
         positions = position_ids if position_ids is not None else torch.arange(ids.shape[-1])
         if layer.pos_encoding == "learned":
             return out + nn.functional.embedding(positions, params["pos_embedding"])
-        table = pyembed.sinusoidal_table(int(positions.max()) + 1, layer.embed_dim, dtype=out.dtype)
+        rows = int(positions.max()) + 1 if positions.numel() else 0
+        table = pyembed.sinusoidal_table(rows, layer.embed_dim, dtype=out.dtype)
         return out + table[positions]
     return run
 
@@ -105,6 +106,24 @@ def test_double_backward_equals_nn_embedding(backend, options, sparse):
         want = _gradient_of_gradient(theirs.weight, ids, lambda w: functional_call(theirs, {"weight": w}, (ids,)))
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b.to_dense(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_double_backward_of_a_zero_wide_table_equals_nn_embedding(backend):
+    """A (V, 0) table (nn.Embedding takes one): the gradient's own backward gives the empty
+    tensors nn.Embedding's does (the C++ form reshaped the output gradient to (-1, 0), which
+    is ambiguous)."""
+    ids = torch.tensor([[0, 3], [2, 2]])
+    results = []
+    for embed in (fused(backend), nn.functional.embedding):
+        weight = torch.randn(5, 0, dtype=torch.float64, requires_grad=True)
+        out = embed(ids, weight)
+        dout = torch.randn_like(out, requires_grad=True)
+        (weight_grad,) = torch.autograd.grad(out, weight, dout, create_graph=True)
+        results.append((out, weight_grad, torch.autograd.grad(weight_grad.sum(), dout, allow_unused=True,
+                                                              materialize_grads=True)[0]))
+    for a, b in zip(*results):
+        assert a.shape == b.shape and a.dtype == b.dtype
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -206,10 +225,11 @@ def test_func_grad_of_grad_equals_nn_embedding(backend):
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal"])
-def test_per_sample_gradients_of_the_layer(backend, pos_encoding):
+@pytest.mark.parametrize("seq_len", [5, 0])  # 0: samples of no token (the batching rule's reshape failed)
+def test_per_sample_gradients_of_the_layer(backend, pos_encoding, seq_len):
     layer, params = _layer(backend, pos_encoding, seed=4)
-    ids = torch.randint(0, 12, (4, 5))
-    target = torch.randn(4, 5, 6, dtype=torch.float64)
+    ids = torch.randint(0, 12, (4, seq_len))
+    target = torch.randn(4, seq_len, 6, dtype=torch.float64)
 
     def ours(p, x, y):
         return (functional_call(layer, p, (x,)) - y).pow(2).sum()
