@@ -3,6 +3,7 @@ property-based sweep of shapes against eager PyTorch."""
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import re
@@ -15,7 +16,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import pyembed
-from pyembed import _ops, dispatch
+from pyembed import _ops, dispatch, reference
 from helpers import CPU_BACKENDS, NODE_OPTIONS, eager_embedding, lookup_results, make_inputs, run_with_grads
 import test_errors
 
@@ -598,25 +599,66 @@ def test_compiled_call_is_one_op_per_direction(backend):
             assert dynamo_ops == [str(lookup_op).removesuffix(".default")], dynamo_ops
 
 
+@st.composite
+def _calls(draw):
+    """A call of fused_embedding drawn over its options: (ids, vocab, dim, pos_weight rows,
+    options). Tiny vocabularies force duplicates; sequences and tables may be empty."""
+    pos = draw(st.sampled_from([None, "learned", "sinusoidal"]))
+    vocab, dim = draw(st.integers(1, 40)), draw(st.integers(0, 40))
+    if pos == "sinusoidal":
+        dim += dim % 2
+    seq_len = draw(st.integers(0, 40))
+    shape = draw(st.sampled_from([(seq_len,), (draw(st.integers(1, 4)), seq_len)] if pos else
+                                 [(), (seq_len,), (draw(st.integers(1, 4)), seq_len), (2, 3, seq_len)]))
+    ids = torch.tensor(draw(st.lists(st.integers(0, vocab - 1), min_size=math.prod(shape),
+                                     max_size=math.prod(shape))), dtype=torch.int64).reshape(shape)
+    ids = ids.to(draw(st.sampled_from([torch.int32, torch.int64])))
+    if ids.dim() == 2 and draw(st.booleans()):
+        ids = ids.t().contiguous().t()  # column-major: strided ids
+    options = dict(pos_encoding=pos, scale=draw(st.floats(0.1, 10.0)), scale_grad_by_freq=draw(st.booleans()),
+                   sparse=draw(st.booleans()), padding_idx=draw(st.none() | st.integers(-vocab, vocab - 1)))
+    pos_rows = None
+    if pos and draw(st.booleans()):  # given positions, the full shape or broadcast over the batch as HF passes
+        position_shape = draw(st.sampled_from([shape, shape[-1:], (1, *shape[-1:])][:3 if len(shape) == 2 else 1]))
+        options["position_ids"] = torch.randint(0, 50, position_shape)
+        pos_rows = 50
+    elif pos:
+        options["offset"] = draw(st.integers(0, 5))
+        pos_rows = seq_len + options["offset"] + draw(st.integers(0, 2))
+    options["dropout_p"] = draw(st.sampled_from([0.0, 0.5]))
+    return ids, vocab, dim, pos_rows if pos == "learned" else None, options
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@settings(max_examples=int(os.environ.get("PYEMBED_HYPOTHESIS_EXAMPLES", 30)), deadline=None)
-@given(
-    batch=st.integers(1, 4), seq_len=st.integers(0, 40), vocab=st.integers(1, 40), dim=st.integers(1, 40),
-    pos=st.sampled_from(["none", "learned", "sinusoidal"]), scale=st.floats(0.1, 10.0), seed=st.integers(0, 99),
-)
-def test_random_shapes_match_eager(backend, batch, seq_len, vocab, dim, pos, scale, seed):
-    if pos == "sinusoidal" and dim % 2:
-        dim += 1
-    dtype, tol = torch.float64, 1e-12  # every backend takes float64 tables: an exact comparison
-    ids, weight, pos_weight, dout = make_inputs(batch, seq_len, vocab, dim, dtype,
-                                                pos_rows=seq_len + 1 if pos == "learned" else None, seed=seed)
-    kwargs = dict(pos_encoding=pos, scale=scale)
-    run = lambda i, w, p, **kw: pyembed.fused_embedding(i, w, p, backend=backend, **kw)  # noqa: E731
-    got = run_with_grads(run, ids, weight, pos_weight, dout, **kwargs)
-    want = run_with_grads(eager_embedding, ids, weight, pos_weight, dout, **kwargs)
+@settings(max_examples=int(os.environ.get("PYEMBED_HYPOTHESIS_EXAMPLES", 60)), deadline=None)
+@given(call=_calls(), seed=st.integers(0, 99))
+def test_random_calls_match_eager(backend, call, seed):
+    """Any drawn call -- shapes (empty, 0-wide tables), id dtypes and strides, positions given
+    or offset, padding, scale_grad_by_freq, sparse, dropout -- against nn ops in float64 (every
+    backend takes float64 tables: an exact comparison), times the reference's dropout mask
+    for the call's key. A sparse gradient is compared dense (nn.Embedding refuses sparse with
+    scale_grad_by_freq)."""
+    ids, vocab, dim, pos_rows, options = call
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, dim, generator=g, dtype=torch.float64)
+    pos_weight = None if pos_rows is None else torch.randn(pos_rows, dim, generator=g, dtype=torch.float64)
+    dout = torch.randn(*ids.shape, dim, generator=g, dtype=torch.float64)
+    run = lambda i, w, p, **kw: pyembed.fused_embedding(i, w, p, backend=backend,  # noqa: E731
+                                                        generator=torch.Generator().manual_seed(seed), **kw)
+    got = run_with_grads(run, ids, weight, pos_weight, dout, **options)
+    p = options["dropout_p"]
+    key = reference.draw_dropout_key(torch.device("cpu"), torch.Generator().manual_seed(seed))
+    kept = reference.dropout_keep(key, ids.numel(), dim, p).reshape(dout.shape) / (1 - p)
+    eager_options = dict(options, sparse=False)
+    del eager_options["dropout_p"]
+    if "position_ids" in options:
+        eager_options["position_ids"] = options["position_ids"].expand(ids.shape)
+    eager = lambda *args, **kw: eager_embedding(*args, **kw) * kept  # noqa: E731
+    want = run_with_grads(eager, ids.long(), weight, pos_weight, dout, **eager_options)
+    assert got[1].is_sparse == options["sparse"]
     for g, w in zip(got, want):
         if w is not None:
-            torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+            torch.testing.assert_close(g.to_dense(), w, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C++ extension is not built")
