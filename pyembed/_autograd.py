@@ -364,9 +364,10 @@ def _dense_grad_jvp(ctx, grad_out_t, *_):
 
 def _dense_grad_backward(ctx, grad_weight_grad, grad_pos_grad):
     ids, position_ids = ctx.saved_tensors
-    if grad_weight_grad is not None and grad_weight_grad.numel() == 0:
-        grad_weight_grad = None  # the weight gradient was not computed
-    if grad_pos_grad is not None and grad_pos_grad.numel() == 0:
+    _, need_weight_grad, need_pos_grad = ctx.jvp_arguments
+    if not need_weight_grad:
+        grad_weight_grad = None  # the weight gradient was not computed (an empty placeholder)
+    if not need_pos_grad:
         grad_pos_grad = None
     if grad_weight_grad is None and grad_pos_grad is None:
         return (None,) * 8
