@@ -2,16 +2,21 @@
 by g++ with the host emulation header and run on CPU tensors, against independent
 results: eager PyTorch in float64 and the accumulation bound (DESIGN §6)."""
 
+import contextlib
 import itertools
 import math
+import os
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
+
+from pyembed import reference
 
 from helpers import (
     BOUNDARY_VOCAB, ID_DTYPES, KEY_WIDTH_VOCABS, WEIGHT_DTYPES, accumulation_bound, assert_within,
     boundary_ids_and_grad, eager_embedding, exact_row_sums, key_width_ids_and_grad, long_segment_ids_and_grad,
-    make_inputs, max_abs_err, sinusoid_atol, token_order_ids_and_grad,
+    UNIT_ROUNDOFF, make_inputs, max_abs_err, sinusoid_atol, token_order_ids_and_grad,
 )
 
 
@@ -398,3 +403,106 @@ def test_ops_refuse_an_output_gradient_of_another_token_count(emulated, num_toke
             op(short, ids, 50, 1.0, None, False)
     dw, _ = backward(emulated, torch.ones(2, num_tokens // 2, 8), ids, num_embeddings=50)  # the right shape passes
     assert torch.equal(dw[:, 0], torch.bincount(ids.reshape(-1), minlength=50).float())
+
+
+# The CUDA backend's launch-shape settings, read by every call (embedding_kernels.cuh):
+# each drawn call runs under one of their combinations.
+_KERNEL_SETTINGS = {"PYEMBED_CUDA_FINISH_GROUP": ["4", "8", "16", "8-last"], "PYEMBED_CUDA_FINISH_ROWS": ["spread"],
+                    "PYEMBED_CUDA_SORT": ["cub"]}
+
+
+@st.composite
+def _op_calls(draw):
+    """Arguments of the three ops, drawn: tables at the sort keys' width edges, rows from
+    0 to GPT-2's wide, hot ids (segments past a chunk), unchecked out-of-range ids and
+    positions (zero rows, no gradient), dropout, and the kernels' settings."""
+    pos = draw(st.sampled_from(["none", "learned", "sinusoidal"]))
+    vocab = draw(st.sampled_from([1, 3, 40, 300, *KEY_WIDTH_VOCABS]))
+    dim = draw(st.sampled_from([0, 1, 2, 3, 4, 8, 12, 60, 64, 97, 128, 768]))
+    dim += dim % 2 if pos == "sinusoidal" else 0
+    batch, seq_len = draw(st.integers(1, 4)), draw(st.sampled_from([0, 1, 7, 45, 300]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=g)
+    hot = draw(st.sampled_from([0.0, 0.5, 1.0]))  # the share of tokens on one row
+    ids = torch.where(torch.rand(ids.shape, generator=g) < hot, draw(st.integers(0, vocab - 1)), ids)
+    if draw(st.booleans()):
+        bad = draw(st.sampled_from([-1, vocab, -2**31, 2**31 - 1]))
+        ids = torch.where(torch.rand(ids.shape, generator=g) < 0.2, bad, ids)
+    ids = ids.to(draw(st.sampled_from(ID_DTYPES)))
+    position_ids, offset = None, draw(st.integers(0, 4))
+    if pos != "none" and draw(st.booleans()):
+        position_ids, offset = torch.randint(0, 80, ids.shape, generator=g), 0  # past the 64 + T rows at times
+    dtype = draw(st.sampled_from([torch.float64, torch.float32, torch.bfloat16]))
+    weight = torch.randn(vocab, dim, generator=g).to(dtype)
+    pos_rows = 64 + seq_len
+    pos_weight = torch.randn(pos_rows, dim, generator=g).to(dtype) if pos == "learned" else None
+    dout = torch.randn(batch, seq_len, dim, generator=g).to(dtype)
+    dropout_p = draw(st.sampled_from([0.0, 0.3]))
+    key = reference.draw_dropout_key(torch.device("cpu"), g) if dropout_p else None
+    kernel_settings = {name: draw(st.sampled_from([None, *values])) for name, values in _KERNEL_SETTINGS.items()}
+    forward_args = (ids, weight, pos_weight, position_ids, pos, draw(st.sampled_from([1.0, 27.7])), offset, key,
+                    dropout_p)
+    backward_args = dict(padding_idx=draw(st.none() | st.integers(0, vocab - 1)),
+                         scale_grad_by_freq=draw(st.booleans()),
+                         num_positions=pos_rows if pos == "learned" else 0)
+    return forward_args, dout, backward_args, kernel_settings
+
+
+@settings(max_examples=int(os.environ.get("PYEMBED_HYPOTHESIS_EXAMPLES", 40)), deadline=None)
+@given(call=_op_calls())
+def test_emulated_ops_match_the_reference_on_drawn_calls(emulated, call):
+    """Forward, dense and sparse backward of any drawn call give the reference ops' results:
+    the forward to its one rounding (the sinusoid to DESIGN §7's bound), the gradients
+    within both sides' accumulation bound (Higham's, as accumulation_bound: they sum in
+    other orders), the sparse rows exactly."""
+    (ids, weight, pos_weight, position_ids, pos, scale, offset, key, dropout_p), dout, options, kernel_settings = call
+    dtype, num_tokens = weight.dtype, ids.numel()
+    with _environment(kernel_settings):
+        forward_args = (ids, weight, pos_weight, position_ids, pos, scale, offset, key, dropout_p)
+        got, want = emulated.embedding_forward(*forward_args), reference.embedding_forward(*forward_args)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        atol = 0
+        if pos == "sinusoidal":  # DESIGN §7's float32 bound; float64's the same in its epsilon
+            atol = sinusoid_atol(ids, position_ids, offset) * (2.0**-29 if dtype == torch.float64 else 1)
+            atol = atol * 2 / (1 - dropout_p)
+        assert_within(got, want, atol, 2 * UNIT_ROUNDOFF[dtype], what="forward")
+
+        def backward_args(grad, table_scale):
+            return (grad, ids, position_ids, offset, weight.shape[0], options["num_positions"], table_scale,
+                    options["padding_idx"], options["scale_grad_by_freq"], True, pos == "learned", key, dropout_p)
+        # Each term's magnitude summed as the gradient sums the terms (mask, 1/count and all).
+        abs_sums = reference.embedding_backward(*backward_args(dout.double().abs(), abs(scale)))
+        acc_eps = UNIT_ROUNDOFF[torch.float64 if dtype == torch.float64 else torch.float32]
+
+        def bound(want, abs_sum):  # both sides' rounding and summation error
+            return 2 * (UNIT_ROUNDOFF[dtype] * want.double().abs() + acc_eps * (num_tokens + 2) * abs_sum)
+
+        got, want = emulated.embedding_backward(*backward_args(dout, scale)), \
+            reference.embedding_backward(*backward_args(dout, scale))
+        for name, g, w, a in zip(("dW", "dP"), got, want, abs_sums):
+            if name == "dW" or pos == "learned":
+                assert g.shape == w.shape and g.dtype == w.dtype, name
+                assert_within(g, w, bound(w, a), what=name)
+        sparse_args = (dout, ids, weight.shape[0], scale, options["padding_idx"], options["scale_grad_by_freq"], key,
+                       dropout_p)
+        got, want = emulated.embedding_sparse_backward(*sparse_args), reference.embedding_sparse_backward(*sparse_args)
+        assert torch.equal(got[0], want[0])
+        assert got[1].dtype == want[1].dtype
+        assert_within(got[1], want[1], bound(want[1], abs_sums[0][want[0]]), what="sparse values")
+
+
+@contextlib.contextmanager
+def _environment(values):
+    """os.environ with `values` set (None: unset) for the block, restored after."""
+    def put(items):
+        for name, value in items:
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    saved = [(name, os.environ.get(name)) for name in values]
+    put(values.items())
+    try:
+        yield
+    finally:
+        put(saved)
