@@ -1,11 +1,12 @@
 """The CUDA backend's kernels and host code (csrc/cuda/embedding_kernels.cuh), compiled
 by g++ with the host emulation header and run on CPU tensors, against independent
-results: eager PyTorch in float64 and the accumulation bound (DESIGN §6)."""
+results: eager PyTorch in float64 and the accumulation bound (DESIGN §6), and for drawn
+calls the reference ops (pyembed/reference.py, the spec in code)."""
 
-import contextlib
 import itertools
 import math
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -457,7 +458,12 @@ def test_emulated_ops_match_the_reference_on_drawn_calls(emulated, call):
     other orders), the sparse rows exactly."""
     (ids, weight, pos_weight, position_ids, pos, scale, offset, key, dropout_p), dout, options, kernel_settings = call
     dtype, num_tokens = weight.dtype, ids.numel()
-    with _environment(kernel_settings):
+    with mock.patch.dict(os.environ):  # restored after
+        for name, value in kernel_settings.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         forward_args = (ids, weight, pos_weight, position_ids, pos, scale, offset, key, dropout_p)
         got, want = emulated.embedding_forward(*forward_args), reference.embedding_forward(*forward_args)
         assert got.shape == want.shape and got.dtype == want.dtype
@@ -490,19 +496,3 @@ def test_emulated_ops_match_the_reference_on_drawn_calls(emulated, call):
         assert got[1].dtype == want[1].dtype
         assert_within(got[1], want[1], bound(want[1], abs_sums[0][want[0]]), what="sparse values")
 
-
-@contextlib.contextmanager
-def _environment(values):
-    """os.environ with `values` set (None: unset) for the block, restored after."""
-    def put(items):
-        for name, value in items:
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-    saved = [(name, os.environ.get(name)) for name in values]
-    put(values.items())
-    try:
-        yield
-    finally:
-        put(saved)
