@@ -298,5 +298,7 @@ def sinusoidal_table(max_seq_len: int, embed_dim: int, *, dtype=torch.float32, d
     The fused op never reads this table; it is for inspection and for plain-PyTorch code."""
     if embed_dim % 2:
         raise ValueError(f"pyembed: sinusoidal encoding requires an even embedding dim, got d={embed_dim}")
+    if max_seq_len < 0 or embed_dim < 0:
+        raise ValueError(f"pyembed: a sinusoidal table of {max_seq_len} positions and d={embed_dim}: both must be >= 0")
     positions = torch.arange(max_seq_len, device=device)
     return sinusoid(positions, embed_dim).to(dtype)

@@ -167,8 +167,12 @@ def test_sinusoidal_table_is_the_closed_form():
     torch.testing.assert_close(table, _closed_form(range(5001), 64), rtol=0, atol=1e-12)
     assert torch.equal(table[0], torch.tensor([0.0, 1.0] * 32, dtype=torch.float64))
     assert pyembed.sinusoidal_table(3, 10).dtype == torch.float32
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="even"):
         pyembed.sinusoidal_table(3, 9)
+    assert pyembed.sinusoidal_table(0, 4).shape == (0, 4) and pyembed.sinusoidal_table(3, 0).shape == (3, 0)
+    for length, dim in ((-1, 4), (3, -2)):
+        with pytest.raises(ValueError, match=">= 0"):  # not torch.arange's message
+            pyembed.sinusoidal_table(length, dim)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
