@@ -39,6 +39,8 @@ def eager_embedding(ids, weight, pos_weight=None, *, pos_encoding=None, scale=1.
         pos_encoding = "learned"
     if pos_encoding in (None, "none"):
         return out
+    if position_ids is not None:  # (T,) or (1, T) broadcast over the batch, as fused_embedding takes them
+        position_ids = position_ids.expand(ids.shape)
     positions = token_positions(ids, position_ids, offset).reshape(ids.shape)
     if pos_encoding == "learned":
         return out + F.embedding(positions, pos_weight)

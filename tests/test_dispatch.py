@@ -652,8 +652,6 @@ def test_random_calls_match_eager(backend, call, seed):
     kept = reference.dropout_keep(key, ids.numel(), dim, p).reshape(dout.shape) / (1 - p)
     eager_options = dict(options, sparse=False)
     del eager_options["dropout_p"]
-    if "position_ids" in options:
-        eager_options["position_ids"] = options["position_ids"].expand(ids.shape)
     eager = lambda *args, **kw: eager_embedding(*args, **kw) * kept  # noqa: E731
     want = run_with_grads(eager, ids.long(), weight, pos_weight, dout, **eager_options)
     assert got[1].is_sparse == options["sparse"]
