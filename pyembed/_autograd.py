@@ -59,8 +59,8 @@ def apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config: Fuse
     backend = dispatch.get(config.backend)
     no_transform = forward_ad._current_level < 0 and not functorch_active()  # nothing needs the Function's jvp/vmap
     # autograd_may_be_cpp(), its parts asked once; and no make_fx graph recording this call
-    # (checks.proxy_tracing: the C++ node's kernels and checks would not be in it)
-    plain_eager = no_transform and not torch.compiler.is_compiling() and not checks.proxy_tracing()
+    # or FakeTensorMode (checks.traced_or_fake: the C++ node would read values; its kernels miss a graph)
+    plain_eager = no_transform and not torch.compiler.is_compiling() and not checks.traced_or_fake()
     if no_transform and not wants_gradient(weight, pos_weight):
         # Nothing will ask this call for a gradient (inference, torch.no_grad, frozen
         # tables): the forward op alone. An autograd.Function's apply and saved context

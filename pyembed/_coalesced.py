@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 # tables with the hooks registered (once per table, however many calls)
@@ -34,8 +35,10 @@ _hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def keep_flag(weight: torch.Tensor) -> None:
     """Register (once per table) the hooks that keep the coalesced flag of ``weight.grad``.
     Only leaves get a ``.grad``; hooks are registered by code that runs eagerly: the call
-    (eager routes) or the op a compiled call runs (pyembed::sparse_grad_embedding)."""
-    if _transformed() or not (weight.is_leaf and weight.requires_grad) or weight in _hooked:
+    (eager routes) or the op a compiled call runs (pyembed::sparse_grad_embedding). Not on a
+    fake table (FakeTensorMode): its gradient has no addresses to compare, perhaps no size."""
+    if (_transformed() or isinstance(weight, FakeTensor) or not (weight.is_leaf and weight.requires_grad)
+            or weight in _hooked):
         return
     arrived: list = []  # (values address, indices address, nnz) of the coalesced gradient arriving now
 

@@ -165,23 +165,26 @@ def _(ids, extremes, num_embeddings, max_seq_len):
     return torch.empty_like(ids)
 
 
-def proxy_tracing() -> bool:
-    """Whether make_fx's proxy tensors record this call into a graph outside torch.compile
-    (torch.func.linearize traces so, as do direct make_fx users). Such a graph holds the
-    dispatcher's ops alone: a check run in Python or in a C++ autograd node happens at trace
-    time only (or reads values fake tensors lack), and a kernel launched around the
-    dispatcher is not in it. ~0.06 us where no dispatch mode is active."""
-    return (torch._C._len_torch_dispatch_stack() > 0
-            and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None)
+def traced_or_fake() -> bool:
+    """Whether this call runs on tensors without values outside torch.compile: make_fx's
+    proxy tensors recording a graph (torch.func.linearize traces so, as do direct make_fx
+    users), or FakeTensorMode propagating shapes (memory and runtime estimators, as
+    torch.distributed._tools' MemTracker; nn.Embedding's calls work there). The
+    dispatcher's ops alone see such a call: a check run in Python or in a C++ autograd node
+    reads values fake tensors lack (or happens at trace time only), and a kernel launched
+    around the dispatcher is missing from a graph. ~0.06 us where no dispatch mode is active."""
+    return torch._C._len_torch_dispatch_stack() > 0 and (
+        torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+        or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None)
 
 
 def checked_ids(ids: torch.Tensor, num_embeddings: int, position_ids: Optional[torch.Tensor],
                 max_seq_len: Optional[int]) -> torch.Tensor:
     """ids, after the range checks. Eagerly the checks run in place (no copy); under
-    torch.compile, torch.jit.trace and make_fx (proxy_tracing), and on torch.func's wrapped
-    tensors (vmap cannot read values back), through the op, which the graph or trace holds
-    and which has a vmap rule."""
-    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or proxy_tracing()
+    torch.compile, torch.jit.trace, make_fx and FakeTensorMode (traced_or_fake), and on
+    torch.func's wrapped tensors (vmap cannot read values back), through the op, which the
+    graph or trace holds and which has a vmap rule and a fake implementation."""
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or traced_or_fake()
             or torch._C._functorch.is_functorch_wrapped_tensor(ids)):
         return torch.ops.pyembed.check_ranges(ids, num_embeddings, position_ids,
                                               -1 if max_seq_len is None else max_seq_len)

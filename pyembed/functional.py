@@ -20,6 +20,7 @@ import warnings
 from typing import Optional, Union
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import _autograd, _coalesced, _dtensor, checks, dispatch, optim, reference
 
@@ -100,9 +101,9 @@ def fused_embedding(
         # The common call -- plain tensors, a float table, with or without dropout (GPT-2's
         # embedding dropout), a dense or sparse gradient, a table with or without its
         # optimizer in the backward.
-        # (under make_fx, checks.proxy_tracing, the general route: the length of the dispatch
-        # modes' stack is asked first, a C call, ~0.05 us where none is active)
-        if _autograd.autograd_may_be_cpp() and not (_dispatch_modes() and checks.proxy_tracing()):
+        # (under make_fx or FakeTensorMode, checks.traced_or_fake, the general route: the length
+        # of the dispatch modes' stack is asked first, a C call, ~0.05 us where none is active)
+        if _autograd.autograd_may_be_cpp() and not (_dispatch_modes() and checks.traced_or_fake()):
             # Eager, no forward-mode AD, no torch.func transform: its backend's lookup op,
             # which checks its arguments and holds its autograd node (the C++ backends'
             # pyembed::embedding; triton's: the same, with Python kernels). Nothing else
@@ -203,6 +204,12 @@ def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_
     optimizer needs the Python backward, where the update runs)."""
     pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, sparse, validate, dropout_p, generator, backend = \
         options
+    if isinstance(weight, FakeTensor) and not checks.traced_or_fake():
+        # Fake tensors out of their FakeTensorMode: an aten op enters the mode itself
+        # (FakeTensor.__torch_dispatch__), so nn.Embedding's calls run on them; this call enters
+        # it too, and then takes the mode's route (no value is read, the dropout key is fake).
+        with weight.fake_mode:
+            return _fused_embedding(ids, weight, pos_weight, position_ids, options, cpp_autograd)
     if isinstance(weight, torch.Tensor) and not (weight.is_floating_point() or weight.is_complex()):
         return _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx, validate)
     pos_encoding, position_ids = checks.check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)

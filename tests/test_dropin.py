@@ -17,7 +17,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import pyembed
-from helpers import CPU_BACKENDS, assert_within, fused, sinusoid_atol
+from helpers import CPU_BACKENDS, assert_within, eager_embedding, fused, sinusoid_atol
 
 
 def _pair(backend, vocab=12, dim=6, **kwargs):
@@ -345,6 +345,98 @@ def test_make_fx_graphs_hold_the_range_check(backend, tracing_mode, trainable):
                                rtol=1e-6, atol=1e-6)
     with pytest.raises(IndexError, match="max id 9"):
         graph(torch.tensor([[1, 9, 3, 0], [2, 5, 1, 1]]), weight, pos)
+
+
+# Calls under FakeTensorMode: fused_embedding's options (position_ids=True: given, 0..T-1).
+_FAKE_CALLS = {
+    "plain": dict(scale=2.0),
+    "sync check, learned positions given": dict(validate="sync", position_ids=True),
+    "sinusoid, offset, padding, freq": dict(pos_encoding="sinusoidal", offset=3, padding_idx=0,
+                                            scale_grad_by_freq=True),
+    "dropout": dict(dropout_p=0.25),
+    "sparse": dict(sparse=True),
+}
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("call", list(_FAKE_CALLS))
+@pytest.mark.parametrize("where", ["in the mode", "fake tensors out of it"])
+def test_fake_tensor_mode_runs_as_nn_ops(backend, call, where):
+    """FakeTensorMode (shapes without values: torch's memory tracker and runtime estimator
+    run models so): forward and backward give the shapes, dtypes and layouts of the same
+    layer in nn ops on the same fake tensors -- inside the mode, and on fake tensors used
+    after it, which aten ops accept. Before, every validated call read the ids' values
+    (DataDependentOutputException) and a sparse table's gradient hook read addresses. A
+    sparse gradient's row count depends on the ids: the mode needs a ShapeEnv for it, as
+    for torch.unique."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    options = dict(_FAKE_CALLS[call])
+    mode = FakeTensorMode(shape_env=ShapeEnv()) if options.get("sparse") else FakeTensorMode()
+    given_positions = options.pop("position_ids", False)
+    nn_options = {k: v for k, v in options.items() if k not in ("validate", "dropout_p")}  # values, not shapes
+    results = []
+    def ours(*args, **kwargs):
+        return pyembed.fused_embedding(*args, **kwargs, **options, backend=backend)
+
+    for run in (ours, lambda *args, **kwargs: eager_embedding(*args, **kwargs, **nn_options)):
+        with mode:
+            ids = torch.randint(1, 12, (3, 5))
+            weight = torch.randn(12, 6, dtype=torch.float64, requires_grad=True)
+            pos = torch.randn(8, 6, dtype=torch.float64, requires_grad=True)
+            position_ids = torch.arange(5).repeat(3, 1) if given_positions else None
+        pos_weight = None if options.get("pos_encoding") == "sinusoidal" else pos
+        # (nn ops in the mode: the positions eager_embedding makes with torch.arange would be real)
+        with mode if where == "in the mode" or run is not ours else contextlib.nullcontext():
+            out = run(ids, weight, pos_weight, position_ids=position_ids)
+            out.sum().backward()
+        assert type(out) is FakeTensor and type(weight.grad) is FakeTensor
+        results.append((out.shape, out.dtype, out.stride(), weight.grad.shape, weight.grad.layout,
+                        None if pos_weight is None else pos.grad.shape))
+    assert results[0] == results[1]
+
+
+def test_memory_tracker_under_fake_tensor_mode_counts_as_nn_embedding():
+    """torch's MemTracker over fake tensors (no memory allocated; torchtitan estimates a
+    model's memory so): a training step's peak with FusedEmbedding and with EmbeddingLayer
+    equals nn.Embedding's, and the learned positions' table and gradient add their bytes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker", reason="torch without MemTracker")
+
+    def peak(make_embedding):
+        with FakeTensorMode():
+            model = nn.Sequential(make_embedding(), nn.Linear(64, 1000))
+            optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+            ids = torch.randint(0, 1000, (4, 128))
+            tracker = mem_tracker.MemTracker()
+            tracker.track_external(model, optimizer)
+            with tracker:
+                for step in range(2):
+                    if step:
+                        tracker.reset_mod_stats()
+                    model(ids).logsumexp(-1).mean().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            return sum(tracker.get_tracker_snapshot("peak")[torch.device("cpu")].values())
+
+    backends = [b for b in CPU_BACKENDS if b != "triton"]  # triton: a forward is ~10 s in its interpreter
+    baseline = peak(lambda: nn.Embedding(1000, 64))
+    assert [peak(lambda: pyembed.FusedEmbedding(1000, 64, backend=b)) for b in backends] == [baseline] * len(backends)
+    with_positions = [peak(lambda: pyembed.EmbeddingLayer(1000, 64, 128, backend=b)) for b in backends]
+    assert with_positions == [peak(lambda: _NnLayer(1000, 64, 128))] * len(backends)
+
+
+class _NnLayer(nn.Module):
+    """EmbeddingLayer's learned-positions layer in nn ops."""
+
+    def __init__(self, vocab, dim, max_seq_len):
+        super().__init__()
+        self.token_embedding, self.pos_embedding = nn.Embedding(vocab, dim), nn.Embedding(max_seq_len, dim)
+
+    def forward(self, ids):
+        return self.token_embedding(ids) + self.pos_embedding.weight[:ids.shape[-1]]
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
