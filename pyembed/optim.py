@@ -25,6 +25,7 @@ import weakref
 from typing import Iterable, NamedTuple, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.optim import _functional as _sparse_functional, adagrad as _adagrad, adam as _adam, sgd as _sgd
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -191,6 +192,15 @@ def step_tables(backend, config, grad_out: torch.Tensor, ids: torch.Tensor, posi
     what still does."""
     weight, pos_weight = tables
     need_weight_grad, need_pos_grad = needs
+    if isinstance(grad_out, FakeTensor):
+        # FakeTensorMode (a memory estimator's step, as torch's MemTracker runs one): the
+        # update changes values, which fake tables lack, so only its state is made, as in a
+        # real step (the estimate counts it); the touched rows, whose count depends on the
+        # ids' values, are not computed.
+        for table, need in zip(tables, needs):
+            if table is not None and need:
+                prepare(table)
+        return need_weight_grad and weight is None, need_pos_grad and pos_weight is None
     if weight is not None and need_weight_grad:
         if backend.optimizer_backward is not None and not config.sparse and grad_out.dtype == weight.dtype:
             _, state, update = prepare(weight)

@@ -379,6 +379,39 @@ def test_fused_embedding_module_with_scale_grad_by_freq_and_no_positions():
     assert_close_relative(fused.weight, plain.weight)
 
 
+@pytest.mark.parametrize("config", ["SGD-momentum-wd", "AdamW", "Adagrad", "SparseAdam"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_fused_step_under_fake_tensor_mode_makes_torchs_optimizer_state(config, backend):
+    """FakeTensorMode (torch's memory tracker runs a training step so): the fused step
+    makes the optimizer state torch's optimizer makes in the same step of the nn-ops layer
+    -- the same tensors, shapes and dtypes -- and leaves no .grad, as a real fused step.
+    Before, it computed the touched rows, whose count depends on the ids' values
+    (DynamicOutputShapeException; no fake kernel for the cpu op; triton's kernels on fake
+    tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    optimizer_class, kwargs, sparse = CONFIGS[config]
+    with FakeTensorMode(shape_env=ShapeEnv()):  # (a sparse gradient's row count is a symbol)
+        ids = torch.randint(0, V, (BATCH, SEQ))
+        layer = pyembed.EmbeddingLayer(V, D, MAX_LEN, sparse=sparse, backend=backend)
+        optimizers = pyembed.apply_optimizer_in_backward(optimizer_class, [layer.token_embedding.weight], kwargs)
+        plain = nn.Embedding(V, D, sparse=sparse)
+        plain_optimizer = optimizer_class(plain.parameters(), **kwargs)
+        for _ in range(2):
+            layer(ids).sum().backward()
+            plain(ids).sum().backward()
+            plain_optimizer.step()
+            plain_optimizer.zero_grad()
+
+    def described(state):
+        return {k: (type(v), tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v)
+                for k, v in state.items()}
+
+    assert layer.token_embedding.weight.grad is None and layer.pos_embedding.grad is not None
+    assert described(optimizers[0].state[layer.token_embedding.weight]) == described(plain_optimizer.state[plain.weight])
+
+
 def test_torch_finds_the_fused_optimizers_where_its_own_live():
     from torch.distributed.optim import _get_in_backward_optimizers
 
