@@ -1,7 +1,8 @@
 """What each rank runs in tests/test_dtensor.py (a plain module, so the spawned processes
 import it without pytest): FusedEmbedding under torch.distributed's own parallel styles,
 EmbeddingLayer under pyembed's, FSDP2 over an EmbeddingLayer, and a distributed checkpoint
-of a sharded table, against single-process modules built from the same seed on every rank."""
+of a sharded table, against single-process modules built from the same seed on every rank;
+and memory estimates under a fake process group, against nn.Embedding's."""
 
 from __future__ import annotations
 
@@ -312,3 +313,49 @@ def run_fsdp_with_tp(rank: int, world_size: int, store_dir: str, backends: list[
                     full_grad = dict(single.named_parameters())[name].grad
                     _compare(f"{backend} FSDP2 + {style}: {name} gradient", param.grad.full_tensor(), full_grad,
                              1e-12 * full_grad.abs().max().item())
+
+
+def run_memory_estimates(rank: int, world_size: int, store_dir: str, backends: list[str]) -> None:
+    """torchtitan's memory estimation, in one process: a fake process group of 4 ranks and
+    every tensor fake (FakeTensorMode: nothing is allocated or computed). The peak memory
+    torch's trackers count for a training step -- FSDPMemTracker over FSDP2's fully_shard,
+    MemTracker under torchtitan's RowwiseParallel plan for the table -- is the same with a
+    FusedEmbedding as with an nn.Embedding."""
+    import pyembed
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    mesh = init_device_mesh("cpu", (4,))
+
+    def peak(embedding, plan: str) -> dict:
+        with FakeTensorMode():
+            model = nn.Sequential(embedding(), nn.Linear(LAYER_DIM, VOCAB))
+            if plan == "FSDP2":
+                for module in (model[0], model[1], model):
+                    fully_shard(module, mesh=mesh)
+            else:
+                parallelize_module(model, mesh, {"0": RowwiseParallel()})
+            optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
+            tracker = FSDPMemTracker(model, optimizer) if plan == "FSDP2" else MemTracker()
+            if plan != "FSDP2":
+                tracker.track_external(model, optimizer)
+            with tracker:
+                model(torch.randint(0, VOCAB, (4, 64))).logsumexp(-1).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            return {str(device): stats["Total"] for device, stats in tracker.get_tracker_snapshot("peak").items()}
+
+    try:
+        for plan in ("FSDP2", "RowwiseParallel"):
+            expected = peak(lambda: nn.Embedding(VOCAB, LAYER_DIM), plan)
+            for backend in backends:
+                got = peak(lambda: pyembed.FusedEmbedding(VOCAB, LAYER_DIM, backend=backend), plan)
+                assert got == expected and expected["cpu"] > 0, f"{backend} under {plan}: {got} against {expected}"
+    finally:
+        dist.destroy_process_group()
