@@ -48,7 +48,9 @@ def fused_embedding(
 
     Args:
         ids: (B, T) or (T,) int32/int64 token ids; any shape when there is no positional
-            encoding (as ``nn.Embedding``).
+            encoding (as ``nn.Embedding``). Or a jagged ``torch.nested`` tensor (B, j) of
+            sequences of different lengths: a jagged (B, j, d) output over its offsets,
+            positions counted from each sequence's start (``position_ids`` jagged too).
         weight: (V, d) float32/float16/bfloat16/float64 table. An integer table (no
             gradient) is looked up as ``nn.Embedding`` does, without positions or scale.
         pos_weight: (max_seq_len, d) learned positional table, same dtype as ``weight``.
@@ -210,6 +212,8 @@ def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_
         # it too, and then takes the mode's route (no value is read, the dropout key is fake).
         with weight.fake_mode:
             return _fused_embedding(ids, weight, pos_weight, position_ids, options, cpp_autograd)
+    if ids.is_nested:
+        return _jagged_lookup(ids, weight, pos_weight, position_ids, options, cpp_autograd)
     if isinstance(weight, torch.Tensor) and not (weight.is_floating_point() or weight.is_complex()):
         return _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx, validate)
     pos_encoding, position_ids = checks.check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
@@ -239,6 +243,44 @@ def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_
     config = _autograd.FusedConfig(pos_encoding, float(scale), offset, padding_idx, bool(scale_grad_by_freq),
                                    bool(sparse), sync_check, chosen.name, float(dropout_p), error_record)
     return _autograd.apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config, cpp_autograd=cpp_autograd)
+
+
+def _jagged_lookup(ids, weight, pos_weight, position_ids, options: tuple, cpp_autograd: bool):
+    """ids a jagged NestedTensor ``(B, j)`` (sequences of different lengths packed end to end,
+    ``torch.nested.nested_tensor(..., layout=torch.jagged)``): the lookup of its packed
+    values, as a ``(B, j, d)`` jagged tensor over the same offsets -- what nn.Embedding gives
+    it. A positional encoding counts each sequence's tokens from its start (plus offset), no
+    padding to the longest sequence; position_ids, if given, has the ids' structure. The
+    positions come from the offsets on the device (a search, no host sync)."""
+    pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, sparse, validate, dropout_p, generator, backend = \
+        options
+    tokens, offsets = _jagged_values(ids), ids.offsets()
+    if position_ids is not None:
+        if not (position_ids.is_nested and position_ids.layout == torch.jagged
+                and position_ids.shape == ids.shape):
+            raise checks.InputValueError(
+                f"pyembed: position_ids must be a jagged tensor of the ids' structure {tuple(ids.shape)}, got "
+                f"{type(position_ids).__name__} of shape {tuple(position_ids.shape)}")
+        position_ids = position_ids.values()
+    elif pos_weight is not None or pos_encoding not in (None, "none"):
+        token = torch.arange(tokens.shape[0], device=tokens.device)
+        sequence_start = offsets[torch.searchsorted(offsets, token, right=True) - 1]
+        position_ids = token - sequence_start + offset
+    options = (pos_encoding, scale, 0, padding_idx, scale_grad_by_freq, sparse, validate, dropout_p, generator, backend)
+    looked_up = _fused_embedding(tokens, weight, pos_weight, position_ids, options, cpp_autograd)
+    return torch.nested.nested_tensor_from_jagged(looked_up, offsets=offsets)
+
+
+def _jagged_values(ids: torch.Tensor) -> torch.Tensor:
+    """The packed ids of a nested ``ids``, which must be a contiguous jagged ``(B, j)`` tensor,
+    as nn.Embedding takes them (a jagged tensor with holes -- ``lengths`` -- packs ids that
+    belong to no sequence)."""
+    if ids.layout != torch.jagged or ids.dim() != 2 or ids._lengths is not None:
+        holes = " with holes (lengths)" if ids.layout == torch.jagged and ids._lengths is not None else ""
+        raise checks.InputValueError(
+            f"pyembed: nested ids must be a contiguous jagged tensor (B, j), as nn.Embedding takes them; got "
+            f"{ids.layout} of shape {tuple(ids.shape)}{holes}")
+    return ids.values()
 
 
 def _compiled_lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset, padding_idx,
@@ -369,6 +411,8 @@ def embedding_renorm_(weight: torch.Tensor, ids: torch.Tensor, max_norm: float, 
     The ids are checked first, since the renorm itself would index with them: in place
     eagerly, by the check_ranges op under torch.compile (reading the ids' values while
     Dynamo traces failed the compile: a data-dependent guard)."""
+    if ids.is_nested:  # (nn.Embedding's max_norm does not take nested ids)
+        ids = _jagged_values(ids)
     checks.check_integer_tensor("ids", ids)
     ids = checks.checked_ids(ids, weight.shape[0], None, None)
     with torch.no_grad():  # on weight.detach(), as F.embedding: no autograd, no forward-AD tangent

@@ -541,6 +541,83 @@ def test_position_ids_broadcast_over_the_batch(backend, shape):
                                    atol=1e-12)
 
 
+_SEQUENCES = [[1, 2, 3, 7, 7], [4, 0], [5], [6, 6, 0]]  # different lengths; 0 is the padding id below
+
+
+def _jagged(rows) -> torch.Tensor:
+    return torch.nested.nested_tensor([torch.tensor(r) for r in rows], layout=torch.jagged)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("options", [dict(), dict(padding_idx=0, scale_grad_by_freq=True), dict(sparse=True)],
+                         ids=["plain", "padding and freq", "sparse"])
+def test_jagged_ids_are_looked_up_as_nn_embedding_looks_them_up(backend, options):
+    """A jagged NestedTensor of ids (sequences of different lengths, packed): a jagged
+    output over the ids' own offsets -- the same ragged size, so it adds to other tensors
+    of that structure, as nn.Embedding's output of it --, the values and gradients
+    nn.Embedding gives the packed ids (its own backward of jagged ids fails when sparse)."""
+    ours, theirs = _pair(backend, vocab=10, dim=6, **options)
+    ids = _jagged(_SEQUENCES)
+    got, want = ours(ids), theirs(ids.values())
+    assert got.is_nested and got.shape[1] == ids.shape[1] and got.offsets() is ids.offsets()
+    with torch.no_grad():  # jagged tensors of other ragged sizes do not add: this one is the ids' (nn's output's)
+        torch.testing.assert_close((got + theirs(ids)).values(), 2 * want, rtol=0, atol=0)
+    torch.testing.assert_close(got.values(), want, rtol=0, atol=0)
+    dout = torch.randn_like(want)
+    got.values().backward(dout)
+    want.backward(dout)
+    torch.testing.assert_close(ours.weight.grad.to_dense(), theirs.weight.grad.to_dense(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("pos_encoding", ["learned", "sinusoidal"])
+@pytest.mark.parametrize("positions", ["from each start", "offset", "given"])
+def test_jagged_ids_count_positions_from_each_sequence_start(backend, pos_encoding, positions):
+    """EmbeddingLayer over jagged ids: each sequence's tokens at positions offset, offset +
+    1, ... (or the jagged position_ids given), no padding to the longest -- the same layer
+    in nn ops run on each sequence alone, concatenated: values and gradients."""
+    layer = pyembed.EmbeddingLayer(10, 6, 12, pos_encoding=pos_encoding, scale_embeddings=True, backend=backend,
+                                   dtype=torch.float64)
+    params = {k: v.detach().requires_grad_() for k, v in layer.named_parameters()}
+    ids = _jagged(_SEQUENCES)
+    offset = 4 if positions == "offset" else 0
+    starts = {"given": [[7, 1, 1, 0, 11], [2, 3], [9], [0, 0, 5]]}.get(positions)
+    given = None if starts is None else torch.nested.nested_tensor_from_jagged(
+        torch.tensor(sum(starts, [])), offsets=ids.offsets())
+    got = layer(ids, position_ids=given, offset=offset)
+    want = torch.cat([
+        _eager_layer(layer)(params, torch.tensor(row),
+                            torch.tensor(starts[i]) if starts else torch.arange(len(row)) + offset)
+        for i, row in enumerate(_SEQUENCES)])
+    assert got.is_nested and got.shape[1] == ids.shape[1]
+    torch.testing.assert_close(got.values(), want, rtol=1e-12, atol=1e-12)
+    dout = torch.randn_like(want)
+    got.values().backward(dout)
+    want.backward(dout)
+    for name, param in layer.named_parameters():
+        torch.testing.assert_close(param.grad, params[name].grad, rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()  # (each case compiles EmbeddingLayer.forward anew: no recompile limit across cases)
+    compiled = torch.compile(layer, fullgraph=True)(ids, position_ids=given, offset=offset)
+    torch.testing.assert_close(compiled.values(), got.values(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_jagged_ids_refuse_holes_other_structures_and_positions_past_the_table(backend):
+    layer = pyembed.EmbeddingLayer(10, 6, 4, backend=backend)
+    with_holes = torch.nested.narrow(torch.randint(0, 10, (2, 6)), 1, torch.tensor([0, 1]), torch.tensor([3, 2]),
+                                     layout=torch.jagged)
+    with pytest.raises(ValueError, match="contiguous jagged tensor .* with holes"):
+        layer(with_holes)
+    ids = _jagged([[1, 2], [3]])
+    with pytest.raises(ValueError, match="position_ids must be a jagged tensor of the ids' structure"):
+        layer(ids, position_ids=_jagged([[0, 1], [0]]))  # its own offsets: another ragged size, as torch.nested sees it
+    with pytest.raises(ValueError, match="position 4 is out of range"):
+        layer(_jagged([[1, 2, 3, 4, 5], [3]]))
+    fused = pyembed.FusedEmbedding(10, 6, max_norm=1.0, backend=backend)  # nn.Embedding's max_norm takes no jagged ids
+    rows = fused(ids).values()
+    assert rows.norm(dim=1).max() <= 1.0 + 1e-6
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_inductor_compiles_sparse_and_dense_layers_fullgraph(backend):
     # nn.Embedding(sparse=True) compiles with fullgraph=True; so must ours, under Inductor

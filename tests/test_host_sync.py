@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import pyembed
 from helpers import SOLO_VOCAB, accumulation_bound, assert_within, exact_row_sums, make_inputs, solo_rows_ids_and_grad
 
 _SYNCING = {"aten::_local_scalar_dense", "aten::item", "aten::unique_consecutive", "aten::_unique", "aten::_unique2",
@@ -96,6 +97,26 @@ def test_triton_forward_and_dense_backward_never_sync():
     with HostSyncRecorder() as rec:
         triton_sparse_backward._init_fn(dout, ids, 50, 1.0, 5, False)  # the op's Python body
     assert rec.syncs == ["aten::_local_scalar_dense"]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_jagged_ids_positions_come_from_the_offsets_without_a_sync(backend):
+    """Jagged ids with a positional encoding: each token's position (its index in the
+    packed values less its sequence's start) is found on the device -- a search of the
+    offsets --, not from lengths read back (the default range check, inside the kernel on a
+    GPU, is left out here: on the CPU it reads the extremes by design)."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton interpreter (no GPU here)")
+    ids = torch.nested.nested_tensor([torch.tensor([1, 2, 3]), torch.tensor([4, 0]), torch.tensor([9])],
+                                     layout=torch.jagged)
+    layer = pyembed.EmbeddingLayer(10, 8, 16, backend=backend)
+    with HostSyncRecorder() as rec:
+        out = pyembed.fused_embedding(ids, layer.token_embedding.weight, layer.pos_embedding, offset=2,
+                                      validate=False, backend=backend)
+        out.values().sum().backward()
+    assert rec.syncs == [] and "aten::searchsorted" in rec.names
+    expected = layer.pos_embedding.detach()[[2, 3, 4, 2, 3, 2]] + layer.token_embedding.weight.detach()[ids.values()]
+    torch.testing.assert_close(out.values(), expected, rtol=1e-6, atol=1e-6)
 
 
 # A GPU backward is a few microseconds of arithmetic behind one host-side launch per op:
