@@ -61,7 +61,7 @@ def apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config: Fuse
     # autograd_may_be_cpp(), its parts asked once; and no make_fx graph recording this call
     # or FakeTensorMode (checks.traced_or_fake: the C++ node would read values; its kernels miss a graph)
     plain_eager = no_transform and not torch.compiler.is_compiling() and not checks.traced_or_fake()
-    if no_transform and not wants_gradient(weight, pos_weight):
+    if (no_transform or only_functionalize()) and not wants_gradient(weight, pos_weight):
         # Nothing will ask this call for a gradient (inference, torch.no_grad, frozen
         # tables): the forward op alone. An autograd.Function's apply and saved context
         # were half the host time of a one-token triton lookup (launch stubbed: 17.6 -> 9.6 us);
@@ -588,6 +588,15 @@ def lookup(ids, position_ids, table, pos_table, config: FusedConfig, table_shape
 def no_transform() -> bool:
     """No forward-mode AD and no torch.func transform: nothing needs a Function's jvp or vmap."""
     return forward_ad._current_level < 0 and not functorch_active()
+
+
+def only_functionalize() -> bool:
+    """torch.func.functionalize is the only torch.func transform active (and no forward-mode
+    AD): it has no rule for an autograd.Function ("NYI: Functionalize rule for
+    custom_function_call"), so a call takes the dispatcher's ops there, as under torch.compile."""
+    stack = torch._C._functorch.get_interpreter_stack()
+    return (bool(stack) and forward_ad._current_level < 0
+            and all(layer.key() == torch._C._functorch.TransformType.Functionalize for layer in stack))
 
 
 def autograd_may_be_cpp() -> bool:

@@ -152,8 +152,10 @@ def fused_embedding(
                                                  dropout_p)
                 if looked_up is not None:
                     return looked_up
-        elif (not fused_table and not sparse and generator is None and torch.compiler.is_compiling()
-              and _autograd.no_transform()):
+        elif (not fused_table and not sparse and generator is None
+              and (torch.compiler.is_compiling() and _autograd.no_transform() or _autograd.only_functionalize())):
+            # (under torch.func.functionalize, which has no rule for an autograd.Function, the
+            # lookup op, whose autograd the dispatcher holds, as for torch.jit.trace)
             looked_up = _compiled_lookup(ids, weight, pos_weight, position_ids, pos_encoding, scale, offset,
                                          padding_idx, scale_grad_by_freq, validate, backend, dropout_p)
             if looked_up is not None:

@@ -440,6 +440,56 @@ class _NnLayer(nn.Module):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("layer", ["learned", "sinusoidal", "padding and freq"])
+def test_func_functionalize_equals_nn_ops(backend, layer):
+    """torch.func.functionalize (eagerly, and traced by make_fx as the pre-export recipe
+    does): the values and gradients of the same layer in nn ops, and a graph of the
+    dispatcher's ops holding the range check. Before, every call raised "NYI: Functionalize
+    rule for custom_function_call" (the autograd.Function torch.func transforms get)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    params, (ours, theirs) = _ours_and_nn_ops(backend, layer, seed=12)
+    ids = torch.tensor([[0, 3, 3, 5], [7, 3, 1, 1]])
+    trainable = {k: v.clone().requires_grad_() for k, v in params.items()}
+    got, want = torch.func.functionalize(ours)(trainable, ids), theirs(params, ids)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    dout = torch.randn_like(got)
+    got.backward(dout)
+    nn_params = {k: v.clone().requires_grad_() for k, v in params.items()}
+    theirs(nn_params, ids).backward(dout)
+    for name, param in trainable.items():
+        torch.testing.assert_close(param.grad, nn_params[name].grad, rtol=1e-12, atol=1e-12)
+    graph = make_fx(torch.func.functionalize(ours))(params, ids)
+    ops = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    assert "pyembed.check_ranges.default" in ops
+    torch.testing.assert_close(graph(params, ids), want, rtol=1e-12, atol=1e-12)
+
+
+# (a trainable layer's dropout on the cpu backend only: see the docstring)
+@pytest.mark.parametrize("backend, trainable", [(b, False) for b in CPU_BACKENDS]
+                         + ([("cpu", True)] if "cpu" in CPU_BACKENDS else []))
+def test_func_functionalize_with_dropout_draws_the_eager_mask(backend, trainable):
+    """functionalize over the layer with dropout: the eager call's output (and gradients)
+    from the same generator state. A frozen layer takes the forward op alone; a trainable one
+    the `cpu` backend's lookup op, which draws the key itself. (On `reference` and `triton`
+    the gradient of dropout is an autograd.Function's, which functionalize cannot run.)"""
+    layer = pyembed.EmbeddingLayer(12, 6, 8, dropout=0.4, backend=backend, dtype=torch.float64)
+    layer.requires_grad_(trainable)
+    ids = torch.tensor([[0, 3, 3, 5], [7, 3, 1, 1]])
+    results = []
+    for run in (layer, torch.func.functionalize(layer)):
+        layer.zero_grad()
+        torch.manual_seed(3)
+        out = run(ids)
+        if trainable:
+            out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape))
+        results.append([out.detach(), *(p.grad.clone() for p in layer.parameters() if trainable)])
+    assert (results[0][0] == 0).any()
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_func_linearize_equals_nn_ops(backend):
     """torch.func.linearize (a jvp traced by make_fx, replayed for new tangents): the
     tangents of the same layer in nn ops."""
