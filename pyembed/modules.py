@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Optional
 
@@ -200,20 +201,80 @@ def replace_embeddings(model: nn.Module, *, backend: str = "auto") -> nn.Module:
     swapped: dict[int, FusedEmbedding] = {}  # a module reached by two paths is swapped once
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not nn.Embedding:
+            scaled = _scaled_word_embedding(child)
+            if type(child) is not nn.Embedding and scaled is None:
                 continue
             if id(child) not in swapped:
-                swapped[id(child)] = _fused_from(child, backend)
+                swapped[id(child)] = _fused_from(child, backend, scaled)
             setattr(parent, name, swapped[id(child)])
     return model
 
 
-def _fused_from(old: nn.Embedding, backend: str) -> FusedEmbedding:
+# Hugging Face's scaled word embeddings (Gemma 1-4's, Bart's, mBART's, BioGPT's, Pegasus-X's,
+# Blenderbot's ...: ~15 model families): an nn.Embedding whose forward is one of these lines, the
+# very lookup * sqrt(d) pyembed fuses. A class whose forward does anything more (T5Gemma2's
+# also writes an end-of-image row) is left as it is.
+_SCALED_FORWARDS = {
+    "return super().forward(input_ids) * self.embed_scale": "as given",
+    "return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)": "in the table's dtype",
+}
+
+
+def _scaled_word_embedding(module: nn.Module) -> Optional[str]:
+    """How ``module`` scales its rows, if it is such a scaled word embedding (its forward's
+    source is one of _SCALED_FORWARDS, its base nn.Embedding), else None."""
+    cls = type(module)
+    if cls is nn.Embedding or not isinstance(module, nn.Embedding) or cls.__mro__[1] is not nn.Embedding:
+        return None
+    try:
+        lines = inspect.getsource(cls.forward).strip().splitlines()
+    except (OSError, TypeError):
+        return None
+    body = [line.strip() for line in lines[1:] if line.strip() and not line.strip().startswith("#")]
+    return _SCALED_FORWARDS.get(body[0]) if len(body) == 1 else None
+
+
+class ScaledWordEmbedding(FusedEmbedding):
+    """The fused form of a Hugging Face scaled word embedding whose forward multiplies by
+    ``embed_scale.to(self.weight.dtype)`` (Gemma's): the scale is ``scalar_embed_scale``
+    rounded to the table's dtype as that cast rounds it (sqrt(3072) is 55.4256 in float32,
+    55.5 in bfloat16), for whatever dtype the table has at the call -- read on the host, no
+    device sync. (Hugging Face's buffer is cast along with the model, so a model cast to
+    bfloat16 and back keeps the bfloat16 rounding there until its weights are initialised
+    again; here the scale stays the one the model was built with.) The ``embed_scale``
+    buffer and ``scalar_embed_scale`` are kept, as the model's code may read them."""
+
+    def __init__(self, *args, scalar_embed_scale: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scalar_embed_scale = scalar_embed_scale
+        # per floating dtype: a dict lookup per call, which torch.compile folds (a guard on the dtype)
+        self._scales = {dtype: torch.tensor(scalar_embed_scale).to(dtype).item()
+                        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+
+    @property
+    def scale(self) -> float:
+        return self._scales[self.weight.dtype]
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        if "_scales" in self.__dict__:  # (FusedEmbedding.__init__ sets its default first)
+            raise AttributeError("pyembed: a ScaledWordEmbedding's scale is its scalar_embed_scale's")
+
+
+def _fused_from(old: nn.Embedding, backend: str, scaled: Optional[str] = None) -> FusedEmbedding:
     # Built on the meta device so no (V, d) table is allocated, then given old's Parameter.
-    new = FusedEmbedding(
-        old.num_embeddings, old.embedding_dim, old.padding_idx, old.max_norm, old.norm_type,
-        old.scale_grad_by_freq, old.sparse, device="meta", dtype=old.weight.dtype, backend=backend,
-    )
+    args = (old.num_embeddings, old.embedding_dim, old.padding_idx, old.max_norm, old.norm_type,
+            old.scale_grad_by_freq, old.sparse)
+    if scaled == "in the table's dtype":
+        scalar = getattr(old, "scalar_embed_scale", None)  # (Gemma's keep it beside the buffer)
+        new = ScaledWordEmbedding(*args, device="meta", dtype=old.weight.dtype, backend=backend,
+                                  scalar_embed_scale=float(old.embed_scale if scalar is None else scalar))
+        new.register_buffer("embed_scale", old.embed_scale, persistent=False)
+    else:
+        new = FusedEmbedding(*args, device="meta", dtype=old.weight.dtype, backend=backend,
+                             scale=1.0 if scaled is None else float(old.embed_scale))
+        if scaled is not None:
+            new.embed_scale = old.embed_scale
     new.weight = old.weight
     new.train(old.training)
     return new

@@ -87,3 +87,59 @@ def test_generate_and_resize_token_embeddings_as_the_unswapped_model(name, backe
     ids = torch.randint(0, 140, (2, 16))
     ids[0, :4] = torch.arange(136, 140)  # new tokens among them
     _assert_same_logits_and_grads(swapped, model, ids)
+
+
+def _scaled_models():
+    """Small Hugging Face models whose token embedding is a scaled word embedding: Gemma 3's
+    (the scale cast to the table's dtype), Bart's (a float scale); those this transformers has."""
+    import transformers
+
+    models = {}
+    if hasattr(transformers, "Gemma3ForCausalLM"):
+        models["gemma3"] = lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=24, max_position_embeddings=64, sliding_window=16))
+    models["bart"] = lambda: transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=128, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        scale_embedding=True))
+    return models
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("name", sorted(_scaled_models()))
+def test_replace_embeddings_fuses_hf_scaled_word_embeddings(name, backend):
+    """The lookup * sqrt(d) of Gemma's and Bart's scaled word embeddings, fused: the swapped
+    model's embeddings are bit for bit the model's, in float32 and in bfloat16 (a model cast
+    after the swap too: Gemma's scale is rounded to the table's dtype at each call, as its
+    cast rounds it), logits equal; the token table's bfloat16 gradient, summed in float32 and
+    rounded once, is within the unswapped model's error of the exact one. A subclass whose
+    forward does more (Bart's learned positions) is left alone."""
+    torch.manual_seed(0)
+    model = _scaled_models()[name]().eval()
+    swapped = pyembed.replace_embeddings(copy.deepcopy(model), backend=backend)
+    assert type(swapped.get_input_embeddings()).__name__ == ("ScaledWordEmbedding" if name == "gemma3"
+                                                              else "FusedEmbedding")
+    assert {type(m).__name__ for m in swapped.modules() if "Positional" in type(m).__name__} == \
+        {type(m).__name__ for m in model.modules() if "Positional" in type(m).__name__}
+    ids = torch.randint(0, 128, (2, 12))
+    extra = dict(decoder_input_ids=ids) if name == "bart" else {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model.to(dtype), swapped.to(dtype)
+        embeddings = [m.get_input_embeddings()(ids) for m in (model, swapped)]
+        torch.testing.assert_close(embeddings[1], embeddings[0], rtol=0, atol=0)
+        logits = [m(input_ids=ids, **extra).logits for m in (model, swapped)]
+        torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+
+    dout = torch.randn(2, 12, model.get_input_embeddings().embedding_dim, dtype=torch.bfloat16)
+    scale = swapped.get_input_embeddings().scale  # the bfloat16 scale (Gemma's rounded, Bart's as given)
+    exact = torch.zeros(128, dout.shape[-1], dtype=torch.float64).index_add_(
+        0, ids.reshape(-1), dout.reshape(-1, dout.shape[-1]).double()) * scale
+    exact[model.get_input_embeddings().padding_idx] = 0
+    errors = []
+    for m in (model, swapped):
+        table = m.get_input_embeddings()
+        table.weight.grad = None
+        table(ids).backward(dout)
+        errors.append((table.weight.grad.double() - exact).abs().max().item())
+    assert errors[1] <= errors[0], errors
