@@ -225,6 +225,55 @@ def test_replace_embeddings_gives_identical_outputs_and_gradients(backend):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
+class _Scaled(nn.Embedding):  # Hugging Face's form (Bart's)
+    def __init__(self, vocab, dim, embed_scale):
+        super().__init__(vocab, dim, padding_idx=1)
+        self.embed_scale = embed_scale
+
+    def forward(self, input_ids):
+        return super().forward(input_ids) * self.embed_scale
+
+
+class _ScaledInDtype(nn.Embedding):  # Gemma's: the scale a buffer, cast to the table's dtype
+    def __init__(self, vocab, dim, embed_scale):
+        super().__init__(vocab, dim, padding_idx=1)
+        self.scalar_embed_scale = embed_scale
+        self.embed_scale = nn.Buffer(torch.tensor(embed_scale), persistent=False)
+
+    def forward(self, input_ids):
+        return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)
+
+
+class _ScaledAndMore(nn.Embedding):  # a forward that does more than scale (T5Gemma2's writes a row)
+    def __init__(self, vocab, dim, embed_scale):
+        super().__init__(vocab, dim, padding_idx=1)
+        self.embed_scale = embed_scale
+
+    def forward(self, input_ids):
+        out = super().forward(input_ids) * self.embed_scale
+        return out + 1
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_replace_embeddings_fuses_scaled_word_embeddings_and_leaves_other_subclasses(backend, dtype):
+    """An nn.Embedding subclass whose forward is exactly `super().forward(input_ids) *
+    self.embed_scale` (with or without `.to(self.weight.dtype)`) is swapped, its scale in the
+    fused op: the same output bit for bit, the same Parameter; one whose forward does more is
+    not (its class, base and source are all the rule reads)."""
+    torch.manual_seed(8)
+    model = nn.ModuleDict({"bart": _Scaled(40, 16, 32 ** 0.5), "gemma": _ScaledInDtype(40, 16, 48 ** 0.5),
+                           "other": _ScaledAndMore(40, 16, 4.0)}).to(dtype)
+    ids = torch.randint(0, 40, (3, 7))
+    want = {name: m(ids) for name, m in model.items()}
+    weights = {name: m.weight for name, m in model.items()}
+    pyembed.replace_embeddings(model, backend=backend)
+    assert [type(m).__name__ for m in model.values()] == ["FusedEmbedding", "ScaledWordEmbedding", "_ScaledAndMore"]
+    for name, m in model.items():
+        assert m.weight is weights[name] and m.padding_idx == 1
+        torch.testing.assert_close(m(ids), want[name], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_from_modules_fuses_a_models_own_tables(backend):
     torch.manual_seed(7)
