@@ -254,8 +254,7 @@ def _jagged_lookup(ids, weight, pos_weight, position_ids, options: tuple, cpp_au
     it. A positional encoding counts each sequence's tokens from its start (plus offset), no
     padding to the longest sequence; position_ids, if given, has the ids' structure. The
     positions come from the offsets on the device (a search, no host sync)."""
-    pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, sparse, validate, dropout_p, generator, backend = \
-        options
+    pos_encoding, offset = options[0], options[2]
     tokens, offsets = _jagged_values(ids), ids.offsets()
     if position_ids is not None:
         if not (position_ids.is_nested and position_ids.layout == torch.jagged
@@ -268,7 +267,7 @@ def _jagged_lookup(ids, weight, pos_weight, position_ids, options: tuple, cpp_au
         token = torch.arange(tokens.shape[0], device=tokens.device)
         sequence_start = offsets[torch.searchsorted(offsets, token, right=True) - 1]
         position_ids = token - sequence_start + offset
-    options = (pos_encoding, scale, 0, padding_idx, scale_grad_by_freq, sparse, validate, dropout_p, generator, backend)
+    options = (*options[:2], 0, *options[3:])  # (the offset is in the positions now)
     looked_up = _fused_embedding(tokens, weight, pos_weight, position_ids, options, cpp_autograd)
     return torch.nested.nested_tensor_from_jagged(looked_up, offsets=offsets)
 
