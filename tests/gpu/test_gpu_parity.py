@@ -534,3 +534,31 @@ def test_cuda_dense_gradient_with_zipf_ids_is_the_same_with_each_sort(positions,
     CUB's) -- each a stable order, so each segment is summed in token order."""
     _zipf_gradient_is_the_same_at_each("cuda", "PYEMBED_CUDA_SORT", ("tile", "cub"), dtype, positions,
                                        monkeypatch, seed=4)
+
+
+@pytest.mark.parametrize("backend", _kernel_backends())
+def test_jagged_ids_count_positions_on_the_gpu_without_a_host_sync(backend):
+    """Jagged ids (torch.nested) on CUDA tensors, learned positions, the default check: the
+    packed lookup with each sequence's positions found on the device from the offsets --
+    torch's sync debug mode, set to raise, sees no host sync -- equals the layer run on each
+    sequence alone, and so does the table's gradient."""
+    _kernel_ops(backend)
+    torch.manual_seed(0)
+    layer = pyembed.EmbeddingLayer(1000, 64, 256, scale_embeddings=True, backend=backend).cuda()
+    sequences = [torch.randint(0, 1000, (n,), device="cuda") for n in (7, 130, 1, 64)]
+    ids = torch.nested.nested_tensor(sequences, layout=torch.jagged)  # (made from lengths on the host)
+    layer(ids)  # the first call: kernels compiled, the error record allocated
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = layer(ids)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    dout = torch.randn_like(out.values())
+    out.values().backward(dout)
+    jagged_grad = layer.token_embedding.weight.grad.clone()
+    layer.zero_grad()
+    want = torch.cat([layer(s) for s in sequences])
+    want.backward(dout)
+    torch.testing.assert_close(out.values(), want, rtol=0, atol=0)
+    torch.testing.assert_close(jagged_grad, layer.token_embedding.weight.grad, rtol=1e-5, atol=1e-5)
