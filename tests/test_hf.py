@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import transformers
 from torch import nn
 from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
                           LlamaForCausalLM)
@@ -64,15 +65,20 @@ def test_replace_embeddings_in_hf_models(name, backend, tmp_path):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma3"])
 def test_generate_and_resize_token_embeddings_as_the_unswapped_model(name, backend):
     # What users do next with a swapped model: greedy generate() (the prompt, then a token at a
     # time through the KV cache: GPT-2's positions come from its step's offset), and
     # resize_token_embeddings for new tokens, which must keep pyembed's module and the tie;
-    # the unswapped model, resized and given the same tables, is the expectation.
+    # the unswapped model, resized and given the same tables, is the expectation. (Gemma 3:
+    # its scaled word embedding swapped for a ScaledWordEmbedding.)
+    if name not in {**MODELS, **_scaled_models()}:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
     torch.manual_seed(0)
-    model = MODELS[name]().eval()
+    model = {**MODELS, **_scaled_models(dim=32)}[name]().eval()
     swapped = pyembed.replace_embeddings(copy.deepcopy(model), backend=backend)
+    swapped_type = type(swapped.get_input_embeddings())
+    assert issubclass(swapped_type, pyembed.FusedEmbedding)
     prompt = torch.randint(0, 128, (2, 5))
     greedy = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(swapped.generate(prompt, **greedy), model.generate(prompt, **greedy))
@@ -80,7 +86,7 @@ def test_generate_and_resize_token_embeddings_as_the_unswapped_model(name, backe
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     for m in (swapped, model):
         m.resize_token_embeddings(140, mean_resizing=False)
-    assert type(swapped.get_input_embeddings()) is pyembed.FusedEmbedding
+    assert type(swapped.get_input_embeddings()) is swapped_type
     assert swapped.get_input_embeddings().weight.shape == (140, 32)
     assert (swapped.get_output_embeddings().weight is swapped.get_input_embeddings().weight) == tied
     model.load_state_dict(swapped.state_dict())  # the new rows were drawn apart
@@ -89,16 +95,15 @@ def test_generate_and_resize_token_embeddings_as_the_unswapped_model(name, backe
     _assert_same_logits_and_grads(swapped, model, ids)
 
 
-def _scaled_models():
+def _scaled_models(dim: int = 48):
     """Small Hugging Face models whose token embedding is a scaled word embedding: Gemma 3's
-    (the scale cast to the table's dtype), Bart's (a float scale); those this transformers has."""
-    import transformers
-
+    (the scale cast to the table's dtype; d=48: sqrt(d) rounds apart in bfloat16), Bart's (a
+    float scale); those this transformers has."""
     models = {}
     if hasattr(transformers, "Gemma3ForCausalLM"):
         models["gemma3"] = lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
-            vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=24, max_position_embeddings=64, sliding_window=16))
+            vocab_size=128, hidden_size=dim, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=dim // 2, max_position_embeddings=64, sliding_window=16))
     models["bart"] = lambda: transformers.BartForConditionalGeneration(transformers.BartConfig(
         vocab_size=128, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
         decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
