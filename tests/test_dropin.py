@@ -426,6 +426,7 @@ def test_memory_tracker_under_fake_tensor_mode_counts_as_nn_embedding():
     assert [peak(lambda: pyembed.FusedEmbedding(1000, 64, backend=b)) for b in backends] == [baseline] * len(backends)
     with_positions = [peak(lambda: pyembed.EmbeddingLayer(1000, 64, 128, backend=b)) for b in backends]
     assert with_positions == [peak(lambda: _NnLayer(1000, 64, 128))] * len(backends)
+    assert with_positions[0] > baseline  # the positions' table, its gradient and its AdamW state
 
 
 class _NnLayer(nn.Module):

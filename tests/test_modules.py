@@ -244,7 +244,9 @@ class _ScaledInDtype(nn.Embedding):  # Gemma's: the scale a buffer, cast to the 
         return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)
 
 
-class _ScaledAndMore(nn.Embedding):  # a forward that does more than scale (T5Gemma2's writes a row)
+# A forward that does more than scale (T5Gemma2's writes a row). A class of nn.Embedding's own,
+# not _Scaled's: the rule then reads its forward's source, not only its base.
+class _ScaledAndMore(nn.Embedding):
     def __init__(self, vocab, dim, embed_scale):
         super().__init__(vocab, dim, padding_idx=1)
         self.embed_scale = embed_scale
