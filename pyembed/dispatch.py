@@ -108,16 +108,31 @@ def _requested_by_env() -> str:
 def resolve(requested: str, device: torch.device) -> Backend:
     """The backend to run for tensors on ``device``. ``requested`` is "auto" or a name;
     under "auto", a set PYEMBED_BACKEND counts as an explicit request (read every call)."""
+    if torch.compiler.is_compiling():
+        return _registry[_compiled_choice(requested, device)]
     if requested == "auto":
         requested = _requested_by_env() or "auto"
-    if torch.compiler.is_compiling():  # traced once per graph: no cache for Dynamo to guard on
-        return _resolve(requested, device)
     known = _resolved.get((requested, device))
     if known is not None and _registry.get(known.name) is known:
         return known
     chosen = _resolve(requested, device)
     _resolved[(requested, device)] = chosen
     return chosen
+
+
+def _compiled_choice(requested: str, device: torch.device) -> str:
+    """resolve()'s answer under torch.compile, by name: Dynamo calls this once while tracing
+    and keeps the name as a constant of the graph (torch.compiler.assume_constant_result's
+    mark), guarding only on the registry entry it names. Traced, the environment read and
+    the registry walk were ~40 of a compiled call's guards, one of them on os.environ's
+    length: setting any environment variable recompiled every graph holding a pyembed call.
+    PYEMBED_BACKEND is read when a graph is traced, as Dynamo reads os.environ itself."""
+    if requested == "auto":
+        requested = _requested_by_env() or "auto"
+    return _resolve(requested, device).name
+
+
+_compiled_choice._dynamo_marked_constant = True
 
 
 def _resolve(requested: str, device: torch.device) -> Backend:

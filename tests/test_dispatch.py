@@ -72,6 +72,42 @@ def test_environment_variable_overrides_auto(monkeypatch):
     assert dispatch.resolve("auto", torch.device("cpu")).name == expected
 
 
+@pytest.mark.parametrize("backend", ["auto"] + [b for b in CPU_BACKENDS if b == "cpu"])
+def test_compiled_graphs_choose_their_backend_when_traced_and_survive_the_environment_changing(backend,
+                                                                                               monkeypatch):
+    # A compiled model keeps its graphs while a program sets environment variables (loggers,
+    # launchers, tokenizers do): resolve()'s environment read, traced, had Dynamo guard on
+    # os.environ's length, and every variable set recompiled each graph holding a pyembed
+    # call -- past the recompile limit, eagerly. PYEMBED_BACKEND counts where a graph is
+    # traced, as Dynamo reads os.environ (no guard on it): the next traced graph takes it; a
+    # backend asked for by name stays.
+    import torch._dynamo.testing
+
+    layer = pyembed.FusedEmbedding(10, 8, backend=backend)
+    ids = torch.tensor([[1, 2, 3]])
+    counter = torch._dynamo.testing.CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    expected = torch.nn.functional.embedding(ids, layer.weight)
+    for name in ("PYEMBED_TEST_UNRELATED_A", "PYEMBED_TEST_UNRELATED_B"):
+        torch.testing.assert_close(compiled(ids), expected, rtol=0, atol=0)
+        monkeypatch.setenv(name, "1")
+    torch.testing.assert_close(compiled(ids), expected, rtol=0, atol=0)
+    assert counter.frame_count == 1
+
+    def graph_ops():
+        return [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+
+    graphs = []
+    monkeypatch.setenv("PYEMBED_BACKEND", "reference")
+    torch._dynamo.reset()
+    keep = torch.compile(layer, fullgraph=True, backend=lambda gm, _: graphs.append(gm) or gm.forward)
+    torch.testing.assert_close(keep(ids), expected, rtol=0, atol=0)
+    expected_op = str(dispatch.get("reference" if backend == "auto" else backend).compiled_op).removesuffix(".default")
+    assert any(op.startswith(expected_op) for op in graph_ops()), graph_ops()
+    torch._dynamo.reset()
+
+
 # (forward, dense backward, sparse backward) ops of each backend that runs on CPU tensors here.
 _OPS = {"reference": ("reference_forward", "reference_backward", "reference_sparse_backward"),
         "cpu": ("embedding_forward", "embedding_backward", "embedding_sparse_backward"),
