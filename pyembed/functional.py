@@ -52,7 +52,9 @@ def fused_embedding(
             sequences of different lengths: a jagged (B, j, d) output over its offsets,
             positions counted from each sequence's start (``position_ids`` jagged too).
         weight: (V, d) float32/float16/bfloat16/float64 table. An integer table (no
-            gradient) is looked up as ``nn.Embedding`` does, without positions or scale.
+            gradient) is looked up as ``nn.Embedding`` does, without positions or scale; a
+            tensor subclass of its own dispatch (torchao's quantized tables) through its own
+            ``F.embedding``, the rest in torch ops (validate=True on a GPU: its checks).
         pos_weight: (max_seq_len, d) learned positional table, same dtype as ``weight``.
         pos_encoding: None (inferred: "learned" if ``pos_weight`` is given, else none),
             "learned" or "sinusoidal" (computed on the fly, even d, any position).
@@ -216,6 +218,8 @@ def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_
             return _fused_embedding(ids, weight, pos_weight, position_ids, options, cpp_autograd)
     if ids.is_nested:
         return _jagged_lookup(ids, weight, pos_weight, position_ids, options, cpp_autograd)
+    if _foreign_subclass(weight) or _foreign_subclass(pos_weight):
+        return _foreign_table_lookup(ids, weight, pos_weight, position_ids, options)
     if isinstance(weight, torch.Tensor) and not (weight.is_floating_point() or weight.is_complex()):
         return _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx, validate)
     pos_encoding, position_ids = checks.check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
@@ -245,6 +249,56 @@ def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_
     config = _autograd.FusedConfig(pos_encoding, float(scale), offset, padding_idx, bool(scale_grad_by_freq),
                                    bool(sparse), sync_check, chosen.name, float(dropout_p), error_record)
     return _autograd.apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config, cpp_autograd=cpp_autograd)
+
+
+def _foreign_subclass(table: Optional[torch.Tensor]) -> bool:
+    """A table that is a tensor subclass with a dispatch of its own which pyembed's ops do not
+    know: torchao's quantized tensors (``quantize_`` swaps a FusedEmbedding's weight as it
+    does nn.Embedding's, both being nn.Embeddings), or any wrapper that implements ATen's
+    embedding. DTensor has pyembed's sharding rules, and the fake and functional tensors of
+    torch's tracers run every op registered with a fake."""
+    if table is None or type(table) in _PLAIN_TENSORS:
+        return False
+    if getattr(type(table), "__torch_dispatch__", None) is torch.Tensor.__torch_dispatch__:
+        return False  # a subclass that dispatches as a plain tensor (a Parameter's subclass)
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return not (checks.is_dtensor(table) or isinstance(table, (FakeTensor, FunctionalTensor)))
+
+
+def _foreign_table_lookup(ids, weight, pos_weight, position_ids, options: tuple) -> torch.Tensor:
+    """The lookup of a table _foreign_subclass names, as nn.Embedding's: the subclass's own
+    embedding (F.embedding: its padding_idx, scale_grad_by_freq and sparse gradients), then
+    the scale, the positional term and dropout (the fused backends' Philox mask) in torch
+    ops, in float32, rounded once into the table's dtype. Ranges are checked in the call on
+    the CPU ("sync": everywhere); validate=True on a GPU leaves them to the subclass's lookup
+    (a device-side assert, as nn.Embedding's): pyembed's in-kernel check has no kernel here."""
+    pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, sparse, validate, dropout_p, generator, _ = options
+    pos_encoding, position_ids = checks.check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
+    if validate not in _VALIDATE_VALUES:
+        raise checks.InputValueError(f"pyembed: validate must be True, False or 'sync', got {validate!r}")
+    if dropout_p:
+        checks.check_dropout_p(dropout_p)
+    if padding_idx is not None:
+        padding_idx = checks.normalize_padding_idx(padding_idx, weight.shape[0])
+    if validate == "sync" or (validate is True and _device_type(weight.device) not in checks.KERNEL_CHECKED_DEVICES):
+        ids = _autograd.checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
+    acc = reference.compute_dtype(weight.dtype)
+    out = torch.nn.functional.embedding(ids, weight, padding_idx, None, 2.0, scale_grad_by_freq, sparse).to(acc)
+    if scale != 1.0:
+        out = out * scale
+    if pos_encoding != "none":
+        positions = reference.token_positions(ids, position_ids, offset)
+        if pos_encoding == "learned":
+            term = torch.nn.functional.embedding(positions, pos_weight).to(acc)  # (its backward sums in float32)
+        else:
+            term = reference.sinusoid(positions, weight.shape[1]).to(acc)
+        out = out + term.reshape(out.shape)
+    if dropout_p:
+        keep = reference.dropout_keep(reference.draw_dropout_key(weight.device, generator), ids.numel(),
+                                      weight.shape[1], dropout_p)
+        out = torch.where(keep.reshape(out.shape), out * reference.dropout_scale(dropout_p), 0)
+    return out.to(weight.dtype)
 
 
 def _jagged_lookup(ids, weight, pos_weight, position_ids, options: tuple, cpp_autograd: bool):

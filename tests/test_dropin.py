@@ -1120,3 +1120,80 @@ def test_under_autocast_the_lookup_keeps_its_dtype_and_gradients_as_nn_embedding
     layer = pyembed.EmbeddingLayer(50, 16, 8, backend=backend)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert layer(ids).dtype == torch.float32
+
+
+class _RowQuantized(torch.Tensor):
+    """An int8 table with a float scale per row, as torchao's weight-only quantized tables
+    (``quantize_(model, IntxWeightOnlyConfig(...), filter_fn=<nn.Embedding>)`` puts them in
+    a FusedEmbedding as in an nn.Embedding): a wrapper subclass that implements ATen's
+    embedding -- dequantizing the rows it gathers -- and no pyembed op."""
+
+    @staticmethod
+    def __new__(cls, codes, row_scales, dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=dtype, device=codes.device)
+
+    def __init__(self, codes, row_scales, dtype):
+        self.codes, self.row_scales = codes, row_scales
+
+    @classmethod
+    def quantize(cls, table: torch.Tensor) -> "_RowQuantized":
+        row_scales = table.abs().amax(dim=1).clamp_min(1e-8) / 127
+        return cls(torch.round(table / row_scales[:, None]).to(torch.int8), row_scales, table.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return (self.codes.float() * self.row_scales[:, None]).to(self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.embedding.default:
+            return torch.ops.aten.embedding.default(args[0].dequantized(), *args[1:])
+        if func is torch.ops.aten.detach.default:
+            return cls(args[0].codes, args[0].row_scales, args[0].dtype)
+        raise NotImplementedError(f"_RowQuantized has no {func}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_quantized_table_is_looked_up_through_its_own_embedding_as_nn_embeddings_is(backend, dtype):
+    # The table's own lookup (F.embedding: the subclass dequantizes the rows it gathers), then
+    # the scale, positions and dropout as the contract says, rounded once: the output of the
+    # same call on the dequantized table (every backend computes in float32 and rounds once;
+    # the dropout mask is the same Philox draw), nn.Embedding's without them, bit for bit.
+    # Before, every call failed: the subclass has no pyembed op (NotImplementedError).
+    torch.manual_seed(0)
+    table = _RowQuantized.quantize(torch.randn(30, 16, dtype=dtype))
+    plain = table.dequantized()
+    ids = torch.randint(0, 30, (256, 7))  # 256 terms in each position's gradient
+    embedding, theirs = pyembed.FusedEmbedding(30, 16, padding_idx=2, backend=backend), nn.Embedding(30, 16)
+    for module in (embedding, theirs):  # as torchao's quantize_ swaps a weight
+        module.weight = nn.Parameter(table, requires_grad=False)
+    with torch.no_grad():
+        assert torch.equal(embedding(ids), theirs(ids))
+    for pos_encoding in ("learned", "sinusoidal"):
+        layer = pyembed.EmbeddingLayer(30, 16, 8, pos_encoding, scale_embeddings=True, dropout=0.25,
+                                       backend=backend, dtype=dtype)
+        layer.token_embedding.weight = nn.Parameter(table, requires_grad=False)
+        pos_weight = layer.pos_embedding
+        plain_pos = None if pos_weight is None else pos_weight.detach().clone().requires_grad_()
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            out = layer(ids, offset=1)
+            torch.manual_seed(seed)
+            expected = pyembed.fused_embedding(ids, plain, plain_pos, pos_encoding=pos_encoding, scale=16**0.5,
+                                               offset=1, dropout_p=0.25, backend=backend)
+            assert torch.equal(out == 0, expected == 0)  # the same elements dropped
+            # (DESIGN §7: a backend's fused multiply-add may round the sum otherwise)
+            atol = (1e-6 if dtype == torch.float32 else 0) + (sinusoid_atol(ids, offset=1) if pos_weight is None else 0)
+            assert_within(out, expected, atol=atol, rtol=1e-6 if dtype == torch.float32 else 2**-7)
+            if pos_weight is not None:  # the positions train beside the frozen quantized table
+                dout = torch.randn_like(out)
+                got, = torch.autograd.grad(out, pos_weight, dout)
+                # summed in float32, rounded once (DESIGN §1): within one rounding of the exact
+                # sum of the kept elements' gradients (dropped ones are the output's zeros)
+                terms = (dout.double() * (out != 0) / 0.75).reshape(-1, 16)
+                positions = (torch.arange(7) + 1).repeat(256)
+                exact = torch.zeros(8, 16, dtype=torch.float64).index_add_(0, positions, terms)
+                bound = torch.zeros(8, 16, dtype=torch.float64).index_add_(0, positions, terms.abs())
+                assert_within(got, exact, atol=bound * torch.finfo(dtype).eps)
+    with pytest.raises(IndexError, match="30"):
+        embedding(torch.tensor([[1, 30]]))
