@@ -277,4 +277,22 @@ def _fused_from(old: nn.Embedding, backend: str, scaled: Optional[str] = None) -
             new.embed_scale = old.embed_scale
     new.weight = old.weight
     new.train(old.training)
+    for name in _HOOK_REGISTRIES:
+        setattr(new, name, getattr(old, name))
+    accelerate_hook = getattr(old, "_hf_hook", None)
+    if accelerate_hook is not None:
+        # accelerate's (a model it dispatched over devices or offloaded: the hook moves the
+        # weight in for the forward, and the ids to its device), which wraps the module's
+        # forward rather than registering a torch hook: added to the swapped module by
+        # accelerate itself (installed, since old holds its hook).
+        from accelerate.hooks import add_hook_to_module
+
+        add_hook_to_module(new, accelerate_hook)
     return new
+
+
+# nn.Module's own hook registries (forward, backward, state_dict), as its __init__ names them.
+# A swapped module takes old's registries themselves: the hooks run on it (Hugging Face's
+# enable_input_require_grads registers one on the input embeddings; torch.ao's swap_module
+# keeps a module's forward hooks too), and a handle the caller holds removes from them.
+_HOOK_REGISTRIES = tuple(name for name in vars(nn.Module()) if "hook" in name)

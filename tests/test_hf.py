@@ -148,3 +148,34 @@ def test_replace_embeddings_fuses_hf_scaled_word_embeddings(name, backend):
         table(ids).backward(dout)
         errors.append((table.weight.grad.double() - exact).abs().max().item())
     assert errors[1] <= errors[0], errors
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("name", ["gpt2"] + sorted(_scaled_models()))
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_a_model_offloaded_by_accelerate_then_swapped_runs_as_before(name, backend, offload, tmp_path):
+    """A model too big for the device is offloaded by accelerate (``cpu_offload`` /
+    ``disk_offload``, what ``from_pretrained(device_map=...)`` does past its memory): each
+    module's weights wait on the meta device and a hook of accelerate's, wrapping its forward,
+    brings them in for the call. Swapped after that, the FusedEmbedding carries the hook: the
+    logits of the offloaded unswapped model, bit for bit (before, its weight stayed on the
+    meta device: "ids is on cpu but weight is on meta"). GPT-2's table is tied to its head."""
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    model = (MODELS if name == "gpt2" else _scaled_models())[name]().eval()
+    ids = torch.randint(0, 128, (2, 12))
+    extra = dict(decoder_input_ids=ids) if name == "bart" else {}
+    logits = []
+    for swap in (False, True):
+        offloaded = copy.deepcopy(model)
+        if offload == "cpu":
+            offloaded = accelerate.cpu_offload(offloaded, execution_device=torch.device("cpu"))
+        else:
+            offloaded = accelerate.disk_offload(offloaded, tmp_path / f"swap{swap}", execution_device=torch.device("cpu"))
+        assert offloaded.get_input_embeddings().weight.device.type == "meta"
+        if swap:
+            pyembed.replace_embeddings(offloaded, backend=backend)
+            assert isinstance(offloaded.get_input_embeddings(), pyembed.FusedEmbedding)
+        with torch.no_grad():
+            logits.append(offloaded(input_ids=ids, **extra).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)

@@ -225,6 +225,46 @@ def test_replace_embeddings_gives_identical_outputs_and_gradients(backend):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # (ids need no gradient: as nn.Embedding's)
+def test_replace_embeddings_keeps_the_hooks_registered_on_a_swapped_module(backend):
+    """Hooks registered on an nn.Embedding before the swap (Hugging Face's
+    enable_input_require_grads puts a forward hook on the input embeddings) run on its
+    FusedEmbedding as on the unswapped model -- what they see and return, in their order --
+    and the caller's handles remove them from it. Before, the swap dropped them."""
+    torch.manual_seed(9)
+    models = [TinyLM(), TinyLM()]
+    models[1].load_state_dict(models[0].state_dict())
+    ids = torch.randint(0, 64, (2, 16))
+    seen = [[], []]
+
+    def register(model, log):
+        def doubled(module, args, kwargs, out):
+            log.append(("fwd", kwargs))
+            return out * 2
+
+        return [model.tok.register_forward_pre_hook(lambda m, args: log.append(("pre", args[0].sum().item()))),
+                model.tok.register_forward_hook(doubled, with_kwargs=True),
+                model.tok.register_full_backward_hook(lambda m, gin, gout: log.append(("bwd", gout[0].sum().item()))),
+                model.pos.register_forward_hook(lambda m, args, out: log.append(("pos", out.sum().item()))),
+                model.tok.register_state_dict_post_hook(lambda m, state, prefix, meta: log.append(("state", prefix)))]
+
+    handles = [register(model, log) for model, log in zip(models, seen)]
+    pyembed.replace_embeddings(models[1], backend=backend)
+    assert type(models[1].tok) is pyembed.FusedEmbedding
+    for model in models:
+        model(ids).sum().backward()
+        model.state_dict()
+    assert seen[1] == seen[0] and [entry[0] for entry in seen[0]] == ["pre", "fwd", "pos", "bwd", "state"]
+    torch.testing.assert_close(models[1].tok.weight.grad, models[0].tok.weight.grad)  # the hook's x2 in both
+    for k, model in enumerate(models):
+        for handle in handles[k]:
+            handle.remove()
+        seen[k].clear()
+        model(ids).sum().backward()
+    assert seen == [[], []]
+
+
 class _Scaled(nn.Embedding):  # Hugging Face's form (Bart's)
     def __init__(self, vocab, dim, embed_scale):
         super().__init__(vocab, dim, padding_idx=1)
