@@ -275,7 +275,18 @@ def _fused_from(old: nn.Embedding, backend: str, scaled: Optional[str] = None) -
                              scale=1.0 if scaled is None else float(old.embed_scale))
         if scaled is not None:
             new.embed_scale = old.embed_scale
-    new.weight = old.weight
+    if "weight" in old._parameters:
+        new.weight = old.weight
+    else:
+        # A weight computed before each call from parameters and buffers of other names, by a
+        # forward pre-hook (torch.nn.utils.prune's weight_orig * weight_mask, the older
+        # weight_norm's and spectral_norm's): those move over, the hook with the rest below.
+        del new.weight
+        for name, param in old._parameters.items():
+            new.register_parameter(name, param)
+        for name, buffer in old._buffers.items():
+            new.register_buffer(name, buffer, persistent=name not in old._non_persistent_buffers_set)
+        new.weight = old.weight  # (a plain attribute, as on old, until the hook sets it again)
     new.train(old.training)
     for name in _HOOK_REGISTRIES:
         setattr(new, name, getattr(old, name))

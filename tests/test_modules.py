@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 import pyembed
 from helpers import CPU_BACKENDS, assert_within, eager_embedding, run_with_grads, sinusoid_atol
@@ -263,6 +264,42 @@ def test_replace_embeddings_keeps_the_hooks_registered_on_a_swapped_module(backe
         seen[k].clear()
         model(ids).sum().backward()
     assert seen == [[], []]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("method", ["prune", "spectral_norm"])
+def test_replace_embeddings_swaps_a_table_computed_by_a_pre_hook(backend, method):
+    """torch.nn.utils.prune (and the hook-based spectral_norm) turn `weight` into a plain
+    attribute that a forward pre-hook computes from parameters and buffers of other names
+    (weight_orig, weight_mask / weight_u ...). Swapped, the module keeps them and the hook:
+    state_dict keys, outputs and gradients as the unswapped model's, over two training calls
+    (spectral_norm updates its buffers in each); `prune.remove` works on it. Before, the swap
+    raised TypeError (the computed weight is no Parameter)."""
+    def build():
+        torch.manual_seed(10)
+        model = nn.Sequential(nn.Embedding(20, 8, padding_idx=0))
+        if method == "prune":
+            prune.l1_unstructured(model[0], "weight", amount=0.5)
+        else:
+            nn.utils.spectral_norm(model[0], "weight")
+        return model
+
+    model, swapped = build(), build()
+    pyembed.replace_embeddings(swapped, backend=backend)
+    assert type(swapped[0]) is pyembed.FusedEmbedding and list(swapped.state_dict()) == list(model.state_dict())
+    ids = torch.randint(0, 20, (3, 6))
+    for _ in range(2):
+        outs = [m(ids) for m in (model, swapped)]
+        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+        for out in outs:
+            out.pow(2).sum().backward()
+        for a, b in zip(model.parameters(), swapped.parameters(), strict=True):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-6)
+    if method == "prune":
+        for m in (model, swapped):
+            prune.remove(m[0], "weight")
+        assert isinstance(swapped[0].weight, nn.Parameter) and list(swapped.state_dict()) == ["0.weight"]
+        torch.testing.assert_close(swapped(ids), model(ids), rtol=0, atol=0)
 
 
 class _Scaled(nn.Embedding):  # Hugging Face's form (Bart's)
