@@ -109,7 +109,11 @@ def resolve(requested: str, device: torch.device) -> Backend:
     """The backend to run for tensors on ``device``. ``requested`` is "auto" or a name;
     under "auto", a set PYEMBED_BACKEND counts as an explicit request (read every call)."""
     if torch.compiler.is_compiling():
-        return _registry[_compiled_choice(requested, device)]
+        chosen = _compiled_choice(requested, device)
+        if chosen is not None:
+            return _registry[chosen]
+        # (a request that cannot run: raised from traced code below, Dynamo breaks the graph
+        # there and the call raises it eagerly, as it did before this choice was a constant)
     if requested == "auto":
         requested = _requested_by_env() or "auto"
     known = _resolved.get((requested, device))
@@ -120,7 +124,7 @@ def resolve(requested: str, device: torch.device) -> Backend:
     return chosen
 
 
-def _compiled_choice(requested: str, device: torch.device) -> str:
+def _compiled_choice(requested: str, device: torch.device) -> Optional[str]:
     """resolve()'s answer under torch.compile, by name: Dynamo calls this once while tracing
     and keeps the name as a constant of the graph (torch.compiler.assume_constant_result's
     mark), guarding only on the registry entry it names. Traced, the environment read and
@@ -129,7 +133,10 @@ def _compiled_choice(requested: str, device: torch.device) -> str:
     PYEMBED_BACKEND is read when a graph is traced, as Dynamo reads os.environ itself."""
     if requested == "auto":
         requested = _requested_by_env() or "auto"
-    return _resolve(requested, device).name
+    try:
+        return _resolve(requested, device).name
+    except (RuntimeError, ValueError):
+        return None
 
 
 _compiled_choice._dynamo_marked_constant = True

@@ -108,6 +108,17 @@ def test_compiled_graphs_choose_their_backend_when_traced_and_survive_the_enviro
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("backend, error", [("cuda", RuntimeError), ("fastest", ValueError)])
+def test_a_compiled_call_of_a_backend_that_cannot_run_raises_what_the_eager_call_raises(backend, error):
+    # (the choice a graph keeps is made outside Dynamo's trace; a refusal is raised in traced
+    # code, so the call raises pyembed's own error eagerly, not Dynamo's internal-error wrapper)
+    layer = pyembed.FusedEmbedding(10, 4, backend=backend)  # (on CPU tensors: cuda cannot run)
+    torch._dynamo.reset()
+    with pytest.raises(error, match=f"'{backend}'") as raised:
+        torch.compile(layer, backend="aot_eager")(torch.tensor([[1, 2]]))
+    assert not isinstance(raised.value, torch._dynamo.exc.TorchDynamoException), type(raised.value)
+
+
 # (forward, dense backward, sparse backward) ops of each backend that runs on CPU tensors here.
 _OPS = {"reference": ("reference_forward", "reference_backward", "reference_sparse_backward"),
         "cpu": ("embedding_forward", "embedding_backward", "embedding_sparse_backward"),
