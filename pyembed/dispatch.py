@@ -107,7 +107,8 @@ def _requested_by_env() -> str:
 
 def resolve(requested: str, device: torch.device) -> Backend:
     """The backend to run for tensors on ``device``. ``requested`` is "auto" or a name;
-    under "auto", a set PYEMBED_BACKEND counts as an explicit request (read every call)."""
+    under "auto", a set PYEMBED_BACKEND counts as an explicit request (read every eager call;
+    under torch.compile where the graph is traced: _compiled_choice)."""
     if torch.compiler.is_compiling():
         chosen = _compiled_choice(requested, device)
         if chosen is not None:
