@@ -305,6 +305,23 @@ def check_errors(device=None, *, wait: bool = True) -> None:
         raise_pending_error(each)
 
 
+def is_foreign_subclass(table) -> bool:
+    """A table that is a tensor subclass with a dispatch of its own which pyembed's ops do not
+    know: torchao's quantized tensors (``quantize_`` swaps a FusedEmbedding's weight as it
+    does nn.Embedding's, both being nn.Embeddings), or any wrapper that implements ATen's
+    embedding (pyembed.functional._foreign_table_lookup). DTensor has pyembed's sharding
+    rules, and the fake and functional tensors of torch's tracers run every op registered
+    with a fake."""
+    if table is None or type(table) in (torch.Tensor, torch.nn.Parameter):
+        return False
+    if getattr(type(table), "__torch_dispatch__", None) is torch.Tensor.__torch_dispatch__:
+        return False  # a subclass that dispatches as a plain tensor (a Parameter's subclass)
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return not (is_dtensor(table) or isinstance(table, (FakeTensor, FunctionalTensor)))
+
+
 def is_dtensor(t) -> bool:
     """True for a DTensor (cheap: a plain tensor or Parameter is answered without importing
     torch.distributed.tensor; no DTensor exists before that module is imported)."""

@@ -218,7 +218,7 @@ def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_
             return _fused_embedding(ids, weight, pos_weight, position_ids, options, cpp_autograd)
     if ids.is_nested:
         return _jagged_lookup(ids, weight, pos_weight, position_ids, options, cpp_autograd)
-    if _foreign_subclass(weight) or _foreign_subclass(pos_weight):
+    if checks.is_foreign_subclass(weight) or checks.is_foreign_subclass(pos_weight):
         return _foreign_table_lookup(ids, weight, pos_weight, position_ids, options)
     if isinstance(weight, torch.Tensor) and not (weight.is_floating_point() or weight.is_complex()):
         return _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx, validate)
@@ -251,23 +251,8 @@ def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_
     return _autograd.apply_fused(ids, weight, pos_weight, position_ids, dropout_key, config, cpp_autograd=cpp_autograd)
 
 
-def _foreign_subclass(table: Optional[torch.Tensor]) -> bool:
-    """A table that is a tensor subclass with a dispatch of its own which pyembed's ops do not
-    know: torchao's quantized tensors (``quantize_`` swaps a FusedEmbedding's weight as it
-    does nn.Embedding's, both being nn.Embeddings), or any wrapper that implements ATen's
-    embedding. DTensor has pyembed's sharding rules, and the fake and functional tensors of
-    torch's tracers run every op registered with a fake."""
-    if table is None or type(table) in _PLAIN_TENSORS:
-        return False
-    if getattr(type(table), "__torch_dispatch__", None) is torch.Tensor.__torch_dispatch__:
-        return False  # a subclass that dispatches as a plain tensor (a Parameter's subclass)
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    return not (checks.is_dtensor(table) or isinstance(table, (FakeTensor, FunctionalTensor)))
-
-
 def _foreign_table_lookup(ids, weight, pos_weight, position_ids, options: tuple) -> torch.Tensor:
-    """The lookup of a table _foreign_subclass names, as nn.Embedding's: the subclass's own
+    """The lookup of a table checks.is_foreign_subclass names, as nn.Embedding's: the subclass's own
     embedding (F.embedding: its padding_idx, scale_grad_by_freq and sparse gradients), then
     the scale, the positional term and dropout (the fused backends' Philox mask) in torch
     ops, in float32, rounded once into the table's dtype. Ranges are checked in the call on

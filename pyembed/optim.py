@@ -66,9 +66,11 @@ def apply_optimizer_in_backward(optimizer_class, params: Iterable[torch.nn.Param
     params = list(params)
     kwargs = dict(optimizer_kwargs or {})
     for p in params:
-        if not isinstance(p, torch.nn.Parameter) or checks.is_dtensor(p):
+        if not isinstance(p, torch.nn.Parameter) or checks.is_dtensor(p) or checks.is_foreign_subclass(p):
+            # (a quantized table is looked up through its own F.embedding, with no fused update)
             raise checks.InputTypeError(f"pyembed: apply_optimizer_in_backward takes the Parameters of pyembed tables "
-                                        f"(not sharded DTensor tables); got {type(p).__name__}")
+                                        f"(not sharded DTensor tables, nor tensor subclasses such as quantized "
+                                        f"tables); got {type(p).__name__}")
         if not p.is_floating_point() or p.dim() != 2:
             raise checks.InputValueError(f"pyembed: a fused optimizer needs a 2-D float table, got {p.dtype} "
                                          f"of shape {tuple(p.shape)}")

@@ -365,3 +365,33 @@ def lookup_results(lookup, ids, weight, pos_weight, **options):
 NODE_OPTIONS = [{}, {"dropout_p": 0.25}, {"sparse": True}, {"sparse": True, "dropout_p": 0.25},
                 {"padding_idx": 2, "scale_grad_by_freq": True}, {"position_ids": torch.tensor([[3, 1, 0]])},
                 {"validate": False}]
+
+
+class RowQuantized(torch.Tensor):
+    """An int8 table with a float scale per row, as torchao's weight-only quantized tables
+    (``quantize_(model, IntxWeightOnlyConfig(...), filter_fn=<nn.Embedding>)`` puts them in
+    a FusedEmbedding as in an nn.Embedding): a wrapper subclass that implements ATen's
+    embedding -- dequantizing the rows it gathers -- and no pyembed op."""
+
+    @staticmethod
+    def __new__(cls, codes, row_scales, dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=dtype, device=codes.device)
+
+    def __init__(self, codes, row_scales, dtype):
+        self.codes, self.row_scales = codes, row_scales
+
+    @classmethod
+    def quantize(cls, table: torch.Tensor) -> "RowQuantized":
+        row_scales = table.abs().amax(dim=1).clamp_min(1e-8) / 127
+        return cls(torch.round(table / row_scales[:, None]).to(torch.int8), row_scales, table.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return (self.codes.float() * self.row_scales[:, None]).to(self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.embedding.default:
+            return torch.ops.aten.embedding.default(args[0].dequantized(), *args[1:])
+        if func is torch.ops.aten.detach.default:
+            return cls(args[0].codes, args[0].row_scales, args[0].dtype)
+        raise NotImplementedError(f"RowQuantized has no {func}")

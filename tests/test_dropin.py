@@ -17,7 +17,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import pyembed
-from helpers import CPU_BACKENDS, assert_within, eager_embedding, fused, sinusoid_atol
+from helpers import CPU_BACKENDS, RowQuantized, assert_within, eager_embedding, fused, sinusoid_atol
 
 
 def _pair(backend, vocab=12, dim=6, **kwargs):
@@ -1122,36 +1122,6 @@ def test_under_autocast_the_lookup_keeps_its_dtype_and_gradients_as_nn_embedding
         assert layer(ids).dtype == torch.float32
 
 
-class _RowQuantized(torch.Tensor):
-    """An int8 table with a float scale per row, as torchao's weight-only quantized tables
-    (``quantize_(model, IntxWeightOnlyConfig(...), filter_fn=<nn.Embedding>)`` puts them in
-    a FusedEmbedding as in an nn.Embedding): a wrapper subclass that implements ATen's
-    embedding -- dequantizing the rows it gathers -- and no pyembed op."""
-
-    @staticmethod
-    def __new__(cls, codes, row_scales, dtype):
-        return torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=dtype, device=codes.device)
-
-    def __init__(self, codes, row_scales, dtype):
-        self.codes, self.row_scales = codes, row_scales
-
-    @classmethod
-    def quantize(cls, table: torch.Tensor) -> "_RowQuantized":
-        row_scales = table.abs().amax(dim=1).clamp_min(1e-8) / 127
-        return cls(torch.round(table / row_scales[:, None]).to(torch.int8), row_scales, table.dtype)
-
-    def dequantized(self) -> torch.Tensor:
-        return (self.codes.float() * self.row_scales[:, None]).to(self.dtype)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.embedding.default:
-            return torch.ops.aten.embedding.default(args[0].dequantized(), *args[1:])
-        if func is torch.ops.aten.detach.default:
-            return cls(args[0].codes, args[0].row_scales, args[0].dtype)
-        raise NotImplementedError(f"_RowQuantized has no {func}")
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_a_quantized_table_is_looked_up_through_its_own_embedding_as_nn_embeddings_is(backend, dtype):
@@ -1161,7 +1131,7 @@ def test_a_quantized_table_is_looked_up_through_its_own_embedding_as_nn_embeddin
     # the dropout mask is the same Philox draw), nn.Embedding's without them, bit for bit.
     # Before, every call failed: the subclass has no pyembed op (NotImplementedError).
     torch.manual_seed(0)
-    table = _RowQuantized.quantize(torch.randn(30, 16, dtype=dtype))
+    table = RowQuantized.quantize(torch.randn(30, 16, dtype=dtype))
     plain = table.dequantized()
     ids = torch.randint(0, 30, (256, 7))  # 256 terms in each position's gradient
     embedding, theirs = pyembed.FusedEmbedding(30, 16, padding_idx=2, backend=backend), nn.Embedding(30, 16)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 import pyembed
-from helpers import CPU_BACKENDS
+from helpers import CPU_BACKENDS, RowQuantized
 from pyembed import dispatch, optim
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -763,6 +763,9 @@ def test_what_cannot_be_fused_raises_clearly():
         pyembed.apply_optimizer_in_backward(torch.optim.RMSprop, [weight], {"lr": 0.1})
     with pytest.raises(TypeError, match="Parameters of pyembed tables"):
         pyembed.apply_optimizer_in_backward(torch.optim.SGD, [weight.detach()], {"lr": 0.1})
+    quantized = torch.nn.Parameter(RowQuantized.quantize(weight.detach()))  # (its own lookup: no fused update)
+    with pytest.raises(TypeError, match="tensor subclasses such as quantized tables"):
+        pyembed.apply_optimizer_in_backward(torch.optim.SGD, [quantized], {"lr": 0.1})
     with pytest.raises(ValueError, match="amsgrad"):
         pyembed.apply_optimizer_in_backward(torch.optim.Adam, [weight], {"lr": 0.1, "amsgrad": True})
     pyembed.apply_optimizer_in_backward(torch.optim.SGD, [weight], {"lr": 0.1})

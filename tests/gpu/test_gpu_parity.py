@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pyembed
-from helpers import NODE_OPTIONS, lookup_results, token_order_ids_and_grad
+from helpers import NODE_OPTIONS, RowQuantized, lookup_results, token_order_ids_and_grad
 from pyembed import dispatch
 
 
@@ -562,3 +562,38 @@ def test_jagged_ids_count_positions_on_the_gpu_without_a_host_sync(backend):
     want.backward(dout)
     torch.testing.assert_close(out.values(), want, rtol=0, atol=0)
     torch.testing.assert_close(jagged_grad, layer.token_embedding.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", _kernel_backends())
+def test_a_quantized_table_on_the_gpu_is_looked_up_as_nn_embeddings_without_a_host_sync(backend):
+    """A quantized CUDA table (torchao's kind: its own embedding dequantizes the rows it
+    gathers) under the default check: the subclass's lookup checks the ranges as
+    nn.Embedding's does, so torch's sync debug mode, set to raise, sees no host sync; the
+    output is nn.Embedding's with the same table, bit for bit, and the layer's (learned
+    positions, scaled, dropout) the same call's on the dequantized table."""
+    _kernel_ops(backend)
+    torch.manual_seed(0)
+    table = RowQuantized.quantize(torch.randn(1000, 64, device="cuda"))
+    embedding, theirs = pyembed.FusedEmbedding(1000, 64, backend=backend).cuda(), torch.nn.Embedding(1000, 64).cuda()
+    for module in (embedding, theirs):
+        module.weight = torch.nn.Parameter(table, requires_grad=False)
+    layer = pyembed.EmbeddingLayer(1000, 64, 256, scale_embeddings=True, dropout=0.1, backend=backend).cuda()
+    layer.token_embedding.weight = torch.nn.Parameter(table, requires_grad=False)
+    ids = torch.randint(0, 1000, (4, 200), device="cuda")
+    embedding(ids), layer(ids)  # first calls: the dropout generator's state made
+    torch.cuda.synchronize()
+    torch.manual_seed(1)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            out = embedding(ids)
+        layer_out = layer(ids)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    with torch.no_grad():
+        torch.testing.assert_close(out, theirs(ids), rtol=0, atol=0)
+    torch.manual_seed(1)
+    want = pyembed.fused_embedding(ids, table.dequantized(), layer.pos_embedding, scale=8.0, dropout_p=0.1,
+                                   backend=backend)
+    assert torch.equal(layer_out == 0, want == 0)
+    torch.testing.assert_close(layer_out, want, rtol=1e-6, atol=1e-6)
