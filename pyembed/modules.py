@@ -205,7 +205,7 @@ def replace_embeddings(model: nn.Module, *, backend: str = "auto") -> nn.Module:
             if type(child) is not nn.Embedding and scaled is None:
                 continue
             if id(child) not in swapped:
-                swapped[id(child)] = _fused_from(child, backend, scaled)
+                swapped[id(child)] = _fused_from(child, backend, scaled, takes_its_place=True)
             setattr(parent, name, swapped[id(child)])
     return model
 
@@ -261,8 +261,13 @@ class ScaledWordEmbedding(FusedEmbedding):
             raise AttributeError("pyembed: a ScaledWordEmbedding's scale is its scalar_embed_scale's")
 
 
-def _fused_from(old: nn.Embedding, backend: str, scaled: Optional[str] = None) -> FusedEmbedding:
-    # Built on the meta device so no (V, d) table is allocated, then given old's Parameter.
+def _fused_from(old: nn.Embedding, backend: str, scaled: Optional[str] = None,
+                takes_its_place: bool = False) -> FusedEmbedding:
+    """A FusedEmbedding on ``old``'s Parameter (built on the meta device, so no (V, d) table
+    is allocated). ``takes_its_place`` (replace_embeddings, where old leaves the model): what
+    is registered on old moves to it too -- a weight its pre-hook computes, its hooks,
+    accelerate's hook. (EmbeddingLayer.from_modules leaves its modules in the model: a table
+    computed by a hook raises there, as it did, rather than being read once.)"""
     args = (old.num_embeddings, old.embedding_dim, old.padding_idx, old.max_norm, old.norm_type,
             old.scale_grad_by_freq, old.sparse)
     if scaled == "in the table's dtype":
@@ -275,7 +280,7 @@ def _fused_from(old: nn.Embedding, backend: str, scaled: Optional[str] = None) -
                              scale=1.0 if scaled is None else float(old.embed_scale))
         if scaled is not None:
             new.embed_scale = old.embed_scale
-    if "weight" in old._parameters:
+    if "weight" in old._parameters or not takes_its_place:
         new.weight = old.weight
     else:
         # A weight computed before each call from parameters and buffers of other names, by a
@@ -288,6 +293,8 @@ def _fused_from(old: nn.Embedding, backend: str, scaled: Optional[str] = None) -
             new.register_buffer(name, buffer, persistent=name not in old._non_persistent_buffers_set)
         new.weight = old.weight  # (a plain attribute, as on old, until the hook sets it again)
     new.train(old.training)
+    if not takes_its_place:
+        return new
     for name in _HOOK_REGISTRIES:
         setattr(new, name, getattr(old, name))
     accelerate_hook = getattr(old, "_hf_hook", None)

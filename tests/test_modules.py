@@ -375,6 +375,16 @@ def test_from_modules_fuses_a_models_own_tables(backend):
     torch.testing.assert_close(token_only(ids), wte(ids), rtol=0, atol=0)
     with pytest.raises(ValueError, match="dimension mismatch"):
         pyembed.EmbeddingLayer.from_modules(wte, nn.Embedding(8, 16))
+    # The modules stay in their model (unlike replace_embeddings' swap): their hooks stay
+    # theirs alone, and a table a pre-hook computes (pruning) is refused, not read once.
+    calls = []
+    wte.register_forward_hook(lambda m, args, out: calls.append("wte"))
+    layer = pyembed.EmbeddingLayer.from_modules(wte, wpe, backend=backend)
+    layer(ids), wte(ids)
+    assert calls == ["wte"] and not layer.token_embedding._forward_hooks
+    prune.l1_unstructured(wte, "weight", amount=0.5)
+    with pytest.raises(TypeError, match="parameter 'weight'"):
+        pyembed.EmbeddingLayer.from_modules(wte, wpe, backend=backend)
 
 
 @pytest.mark.parametrize("pos_encoding", [None, "learned", "sinusoidal"])
