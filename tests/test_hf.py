@@ -12,7 +12,7 @@ from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadMod
                           LlamaForCausalLM)
 
 import pyembed
-from helpers import CPU_BACKENDS
+from helpers import CPU_BACKENDS, RowQuantized
 
 MODELS = {
     "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2)),
@@ -178,4 +178,33 @@ def test_a_model_offloaded_by_accelerate_then_swapped_runs_as_before(name, backe
             assert isinstance(offloaded.get_input_embeddings(), pyembed.FusedEmbedding)
         with torch.no_grad():
             logits.append(offloaded(input_ids=ids, **extra).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("name", ["gpt2"] + sorted(_scaled_models()))
+def test_a_model_whose_embedding_is_quantized_then_swapped_runs_as_before(name, backend):
+    """A model whose input embedding was quantized (torchao's quantize_ with an embedding
+    filter gives it a weight-only quantized tensor subclass; here tests/helpers.py's
+    RowQuantized), then swapped -- into a FusedEmbedding, or Gemma's into a
+    ScaledWordEmbedding, its scale in the call --: the quantized model's logits, bit for bit
+    (with torchao 0.18 by hand too: Gemma 3, int8 group-32, either order)."""
+    torch.manual_seed(0)
+    model = (MODELS if name == "gpt2" else _scaled_models())[name]().eval()
+    ids = torch.randint(0, 128, (2, 12))
+    extra = dict(decoder_input_ids=ids) if name == "bart" else {}
+    logits = []
+    for swap in (False, True):
+        quantized = copy.deepcopy(model)
+        table = quantized.get_input_embeddings().weight
+        weight = nn.Parameter(RowQuantized.quantize(table.detach()), requires_grad=False)
+        for module in quantized.modules():  # every module on that table (Bart's encoder and decoder)
+            if isinstance(module, nn.Embedding) and module.weight is table:
+                module.weight = weight
+        if swap:
+            pyembed.replace_embeddings(quantized, backend=backend)
+            assert isinstance(quantized.get_input_embeddings(), pyembed.FusedEmbedding)
+            assert type(quantized.get_input_embeddings().weight) is RowQuantized
+        with torch.no_grad():
+            logits.append(quantized(input_ids=ids, **extra).logits)
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
