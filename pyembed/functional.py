@@ -260,13 +260,14 @@ def _foreign_table_lookup(ids, weight, pos_weight, position_ids, options: tuple)
     (a device-side assert, as nn.Embedding's): pyembed's in-kernel check has no kernel here."""
     pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, sparse, validate, dropout_p, generator, _ = options
     pos_encoding, position_ids = checks.check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
-    if validate not in _VALIDATE_VALUES:
-        raise checks.InputValueError(f"pyembed: validate must be True, False or 'sync', got {validate!r}")
     if dropout_p:
         checks.check_dropout_p(dropout_p)
     if padding_idx is not None:
         padding_idx = checks.normalize_padding_idx(padding_idx, weight.shape[0])
-    if validate == "sync" or (validate is True and _device_type(weight.device) not in checks.KERNEL_CHECKED_DEVICES):
+    # (validate read as for the reference backend, which has no in-kernel check, but for True
+    # on a GPU: the subclass's lookup checks there)
+    if not (validate is True and _device_type(weight.device) in checks.KERNEL_CHECKED_DEVICES) \
+            and range_checks(validate, dispatch.get("reference"), weight.device)[0]:
         ids = _autograd.checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
     acc = reference.compute_dtype(weight.dtype)
     out = torch.nn.functional.embedding(ids, weight, padding_idx, None, 2.0, scale_grad_by_freq, sparse).to(acc)
@@ -379,7 +380,6 @@ def _exported_fakes(weight, ids) -> bool:
     return type(weight) is FakeTensor and type(ids) is FakeTensor
 
 
-_VALIDATE_VALUES = (True, False, "sync")
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 # Bound once: an eager GPU call asks both (two attribute lookups each cost it ~0.1 us).
 _is_tracing = torch.jit.is_tracing
