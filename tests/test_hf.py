@@ -150,6 +150,25 @@ def test_replace_embeddings_fuses_hf_scaled_word_embeddings(name, backend):
     assert errors[1] <= errors[0], errors
 
 
+def _logits_unswapped_and_swapped(name: str, backend: str, prepare):
+    """The logits of a small model (GPT-2, or one of _scaled_models) made ready by
+    ``prepare(copy_of_the_model, swap)`` -> the model to run, unswapped and then swapped by
+    replace_embeddings after prepare; and the swapped model."""
+    torch.manual_seed(0)
+    model = (MODELS if name == "gpt2" else _scaled_models())[name]().eval()
+    ids = torch.randint(0, 128, (2, 12))
+    extra = dict(decoder_input_ids=ids) if name == "bart" else {}
+    logits = []
+    for swap in (False, True):
+        ready = prepare(copy.deepcopy(model), swap)
+        if swap:
+            pyembed.replace_embeddings(ready, backend=backend)
+            assert isinstance(ready.get_input_embeddings(), pyembed.FusedEmbedding)
+        with torch.no_grad():
+            logits.append(ready(input_ids=ids, **extra).logits)
+    return logits, ready
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("name", ["gpt2"] + sorted(_scaled_models()))
 @pytest.mark.parametrize("offload", ["cpu", "disk"])
@@ -161,23 +180,16 @@ def test_a_model_offloaded_by_accelerate_then_swapped_runs_as_before(name, backe
     logits of the offloaded unswapped model, bit for bit (before, its weight stayed on the
     meta device: "ids is on cpu but weight is on meta"). GPT-2's table is tied to its head."""
     accelerate = pytest.importorskip("accelerate")
-    torch.manual_seed(0)
-    model = (MODELS if name == "gpt2" else _scaled_models())[name]().eval()
-    ids = torch.randint(0, 128, (2, 12))
-    extra = dict(decoder_input_ids=ids) if name == "bart" else {}
-    logits = []
-    for swap in (False, True):
-        offloaded = copy.deepcopy(model)
+
+    def offloaded(model, swap):
         if offload == "cpu":
-            offloaded = accelerate.cpu_offload(offloaded, execution_device=torch.device("cpu"))
+            model = accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
         else:
-            offloaded = accelerate.disk_offload(offloaded, tmp_path / f"swap{swap}", execution_device=torch.device("cpu"))
-        assert offloaded.get_input_embeddings().weight.device.type == "meta"
-        if swap:
-            pyembed.replace_embeddings(offloaded, backend=backend)
-            assert isinstance(offloaded.get_input_embeddings(), pyembed.FusedEmbedding)
-        with torch.no_grad():
-            logits.append(offloaded(input_ids=ids, **extra).logits)
+            model = accelerate.disk_offload(model, tmp_path / f"swap{swap}", execution_device=torch.device("cpu"))
+        assert model.get_input_embeddings().weight.device.type == "meta"
+        return model
+
+    logits, _ = _logits_unswapped_and_swapped(name, backend, offloaded)
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
 
 
@@ -189,22 +201,14 @@ def test_a_model_whose_embedding_is_quantized_then_swapped_runs_as_before(name, 
     RowQuantized), then swapped -- into a FusedEmbedding, or Gemma's into a
     ScaledWordEmbedding, its scale in the call --: the quantized model's logits, bit for bit
     (with torchao 0.18 by hand too: Gemma 3, int8 group-32, either order)."""
-    torch.manual_seed(0)
-    model = (MODELS if name == "gpt2" else _scaled_models())[name]().eval()
-    ids = torch.randint(0, 128, (2, 12))
-    extra = dict(decoder_input_ids=ids) if name == "bart" else {}
-    logits = []
-    for swap in (False, True):
-        quantized = copy.deepcopy(model)
-        table = quantized.get_input_embeddings().weight
+    def quantized(model, swap):
+        table = model.get_input_embeddings().weight
         weight = nn.Parameter(RowQuantized.quantize(table.detach()), requires_grad=False)
-        for module in quantized.modules():  # every module on that table (Bart's encoder and decoder)
+        for module in model.modules():  # every module on that table (Bart's encoder and decoder)
             if isinstance(module, nn.Embedding) and module.weight is table:
                 module.weight = weight
-        if swap:
-            pyembed.replace_embeddings(quantized, backend=backend)
-            assert isinstance(quantized.get_input_embeddings(), pyembed.FusedEmbedding)
-            assert type(quantized.get_input_embeddings().weight) is RowQuantized
-        with torch.no_grad():
-            logits.append(quantized(input_ids=ids, **extra).logits)
+        return model
+
+    logits, swapped = _logits_unswapped_and_swapped(name, backend, quantized)
+    assert type(swapped.get_input_embeddings().weight) is RowQuantized
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
