@@ -110,7 +110,12 @@ def _guard_check(layer, args):
         raise RuntimeError(f"the guards of {layer.__name__}'s compiled frame fail on its own arguments")
 
     def count(node) -> int:
-        return len(node.get_leaf_guards()) + sum(count(child) for child in node.get_child_managers())
+        if node is None:
+            return 0
+        children = list(node.get_child_managers())
+        if hasattr(node, "get_key_value_managers"):  # a dict's managers hang off its entries
+            children += [m for pair in node.get_key_value_managers().values() for m in pair]
+        return len(node.get_leaf_guards()) + sum(count(child) for child in children)
     return (lambda _=None: manager.check(f_locals)), count(manager.root)
 
 

@@ -375,8 +375,6 @@ def _exported_fakes(weight, ids) -> bool:
     a program trained through it gave its tables no gradient)."""
     if not _is_exporting():
         return False
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return type(weight) is FakeTensor and type(ids) is FakeTensor
 
 
