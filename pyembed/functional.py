@@ -219,6 +219,12 @@ def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_
     if ids.is_nested:
         return _jagged_lookup(ids, weight, pos_weight, position_ids, options, cpp_autograd)
     if checks.is_foreign_subclass(weight) or checks.is_foreign_subclass(pos_weight):
+        if not cpp_autograd:  # the other table's fused optimizer (apply_optimizer_in_backward refuses these)
+            raise checks.InputTypeError(
+                "pyembed: a table with a fused optimizer (apply_optimizer_in_backward) cannot be looked up beside a "
+                f"tensor subclass ({type(weight if checks.is_foreign_subclass(weight) else pos_weight).__name__}, "
+                "e.g. a quantized table): that call runs through the subclass's own lookup, which has no fused "
+                "update; keep the table on a torch optimizer")
         return _foreign_table_lookup(ids, weight, pos_weight, position_ids, options)
     if isinstance(weight, torch.Tensor) and not (weight.is_floating_point() or weight.is_complex()):
         return _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx, validate)

@@ -768,6 +768,16 @@ def test_what_cannot_be_fused_raises_clearly():
         pyembed.apply_optimizer_in_backward(torch.optim.SGD, [quantized], {"lr": 0.1})
     with pytest.raises(ValueError, match="amsgrad"):
         pyembed.apply_optimizer_in_backward(torch.optim.Adam, [weight], {"lr": 0.1, "amsgrad": True})
+    # A fused positional table beside a quantized token table: that call's lookup is the
+    # subclass's own (no fused update), so the forward refuses it, nothing updated, where
+    # the backward had blamed "a gradient from outside pyembed's op".
+    frozen = pyembed.EmbeddingLayer(V, D, MAX_LEN)
+    frozen.token_embedding.weight = torch.nn.Parameter(RowQuantized.quantize(weight.detach()), requires_grad=False)
+    pyembed.apply_optimizer_in_backward(torch.optim.SGD, [frozen.pos_embedding], {"lr": 0.1})
+    before = frozen.pos_embedding.detach().clone()
+    with pytest.raises(TypeError, match=r"fused optimizer .* beside a tensor subclass \(RowQuantized"):
+        frozen(torch.randint(0, V, (2, 5)))
+    assert torch.equal(frozen.pos_embedding.detach(), before) and frozen.pos_embedding.grad is None
     pyembed.apply_optimizer_in_backward(torch.optim.SGD, [weight], {"lr": 0.1})
     with pytest.raises(ValueError, match="already has an optimizer"):
         pyembed.apply_optimizer_in_backward(torch.optim.SGD, [weight], {"lr": 0.1})
