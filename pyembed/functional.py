@@ -263,7 +263,10 @@ def _foreign_table_lookup(ids, weight, pos_weight, position_ids, options: tuple)
     the scale, the positional term and dropout (the fused backends' Philox mask) in torch
     ops, in float32, rounded once into the table's dtype. Ranges are checked in the call on
     the CPU ("sync": everywhere); validate=True on a GPU leaves them to the subclass's lookup
-    (a device-side assert, as nn.Embedding's): pyembed's in-kernel check has no kernel here."""
+    (a device-side assert, as nn.Embedding's): pyembed's in-kernel check has no kernel here.
+    validate=False: the contract's zero rows (reference.embedding_forward), never the subclass's
+    error or assert -- an out-of-range id's row, positional term included, and an
+    out-of-range learned position's term are zeros."""
     pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, sparse, validate, dropout_p, generator, _ = options
     pos_encoding, position_ids = checks.check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
     if dropout_p:
@@ -276,16 +279,31 @@ def _foreign_table_lookup(ids, weight, pos_weight, position_ids, options: tuple)
             and range_checks(validate, dispatch.get("reference"), weight.device)[0]:
         ids = _autograd.checked_ids(ids, weight, pos_weight, position_ids, pos_encoding)
     acc = reference.compute_dtype(weight.dtype)
+    unchecked = validate is False
+    if unchecked:
+        # An out-of-range id reads a row that exists -- the padding row, whose gradient is
+        # zero, else row 0 -- and its output row is zeroed below. (Row 0 then counts it for
+        # scale_grad_by_freq: a difference only where such a table takes gradients, which
+        # quantized ones do not.)
+        id_ok = (ids >= 0) & (ids < weight.shape[0])
+        ids = torch.where(id_ok, ids, 0 if padding_idx is None else padding_idx)
     out = torch.nn.functional.embedding(ids, weight, padding_idx, None, 2.0, scale_grad_by_freq, sparse).to(acc)
     if scale != 1.0:
         out = out * scale
     if pos_encoding != "none":
         positions = reference.token_positions(ids, position_ids, offset)
         if pos_encoding == "learned":
+            if unchecked:
+                position_ok = (positions >= 0) & (positions < pos_weight.shape[0])
+                positions = torch.where(position_ok, positions, 0)
             term = torch.nn.functional.embedding(positions, pos_weight).to(acc)  # (its backward sums in float32)
+            if unchecked:
+                term = torch.where(position_ok[:, None], term, 0)
         else:
             term = reference.sinusoid(positions, weight.shape[1]).to(acc)
         out = out + term.reshape(out.shape)
+    if unchecked:
+        out = torch.where(id_ok[..., None], out, 0)
     if dropout_p:
         keep = reference.dropout_keep(reference.draw_dropout_key(weight.device, generator), ids.numel(),
                                       weight.shape[1], dropout_p)

@@ -1167,3 +1167,30 @@ def test_a_quantized_table_is_looked_up_through_its_own_embedding_as_nn_embeddin
                 assert_within(got, exact, atol=bound * torch.finfo(dtype).eps)
     with pytest.raises(IndexError, match="30"):
         embedding(torch.tensor([[1, 30]]))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_an_unchecked_quantized_lookup_gives_out_of_range_ids_and_positions_zero_rows(backend):
+    # validate=False: the contract's zero rows (an out-of-range id's whole row, an
+    # out-of-range learned position's term), as the same call on the dequantized table
+    # gives them -- not the subclass's own IndexError (on a GPU, a device-side assert).
+    torch.manual_seed(0)
+    table = RowQuantized.quantize(torch.randn(30, 16))
+    pos_weight = torch.randn(6, 16, requires_grad=True)
+    ids = torch.tensor([[1, 30, 5, -1], [29, 0, 31, 2]])
+    position_ids = torch.tensor([[0, 1, 6, 5], [9, 3, 2, 1]])
+    for padding_idx in (None, 2):
+        for kwargs in (dict(), dict(pos_weight=pos_weight, position_ids=position_ids),
+                       dict(pos_encoding="sinusoidal")):
+            options = dict(scale=2.0, padding_idx=padding_idx, validate=False, backend=backend, **kwargs)
+            out = pyembed.fused_embedding(ids, table, **options)
+            expected = pyembed.fused_embedding(ids, table.dequantized(), **options)
+            assert_within(out, expected, atol=1e-6, rtol=1e-6)
+            assert not out[ids.ge(30) | ids.lt(0)].any()
+    dout = torch.randn(2, 4, 16)
+    out = pyembed.fused_embedding(ids, table, pos_weight, position_ids=position_ids, validate=False, backend=backend)
+    got, = torch.autograd.grad(out, pos_weight, dout)
+    # the positions' gradient: the in-range tokens' at in-range positions, nothing else
+    used = ids.ge(0) & ids.lt(30) & position_ids.lt(6)
+    exact = torch.zeros(6, 16).index_add_(0, position_ids[used], dout[used])
+    assert_within(got, exact, atol=1e-6, rtol=1e-6)
