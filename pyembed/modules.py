@@ -297,6 +297,13 @@ def _fused_from(old: nn.Embedding, backend: str, scaled: Optional[str] = None,
         return new
     for name in _HOOK_REGISTRIES:
         setattr(new, name, getattr(old, name))
+    for name, value in vars(old).items():
+        # What other code marked on old, as plain values: Hugging Face's _is_hf_initialized
+        # (its init_weights -- post_init, a composite model built around this one -- skips a
+        # module so marked: without it the swapped table was drawn afresh), a user's tags.
+        # (Objects and functions stay: accelerate's forward wrapper is added by accelerate.)
+        if name not in vars(new) and isinstance(value, (bool, int, float, str)):
+            setattr(new, name, value)
     accelerate_hook = getattr(old, "_hf_hook", None)
     if accelerate_hook is not None:
         # accelerate's (a model it dispatched over devices or offloaded: the hook moves the

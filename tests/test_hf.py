@@ -55,6 +55,13 @@ def test_replace_embeddings_in_hf_models(name, backend, tmp_path):
     if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
         assert swapped.get_output_embeddings().weight is swapped.get_input_embeddings().weight  # still tied
 
+    # Hugging Face's init_weights (what post_init runs, and a composite model's built around
+    # this one) skips each module it has initialised, by a mark on the module: the swapped
+    # modules keep the mark, so their tables too (they were drawn afresh).
+    tables = {name: p.detach().clone() for name, p in swapped.named_parameters()}
+    swapped.init_weights()
+    assert all(torch.equal(p, tables[name]) for name, p in swapped.named_parameters())
+
     ids = torch.randint(0, 128, (2, 16))
     logits = _assert_same_logits_and_grads(swapped, model, ids)
 
