@@ -197,7 +197,9 @@ def check_layer_pos_encoding(pos_encoding: Optional[str], embed_dim: int) -> Non
 def replace_embeddings(model: nn.Module, *, backend: str = "auto") -> nn.Module:
     """Swap every ``nn.Embedding`` in ``model`` (in place) for a ``FusedEmbedding`` that
     shares the *same* Parameter object, so tied weights stay tied, optimizers already
-    holding the Parameter keep working, and state_dict keys do not change. Returns model."""
+    holding the Parameter keep working, and state_dict keys do not change. Returns model.
+    A module that is already a FusedEmbedding stays as it is, its backend too (a second call
+    changes nothing; set ``module.backend`` to change one)."""
     swapped: dict[int, FusedEmbedding] = {}  # a module reached by two paths is swapped once
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
