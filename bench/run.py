@@ -591,7 +591,17 @@ def main(argv=None) -> list[dict]:
              and (not args.dtype or c.dtype in args.dtype)
              and (not args.label or args.label in c.label())
              and not (device.type == "cpu" and c.shape == "llama3")]  # 2 GB tables: GPU only
-    provs = [p for p in providers(device, args.reference) if not args.provider or p.name in args.provider]
+    named = set(args.provider or ())
+    available = providers(device, include_reference=True)  # (asking for the reference by name times it too)
+    unknown = sorted(named - {p.name for p in available})
+    if unknown:
+        raise SystemExit(f"python -m bench: no provider {', '.join(map(repr, unknown))} on {device.type}; "
+                         f"this device's: {', '.join(p.name for p in available)}")
+    provs = [p for p in available if p.name in named or not named and (args.reference or "reference" not in p.name)]
+    if not cases:
+        raise SystemExit(f"python -m bench: no case of the {name} suite matches the filters given"
+                         + ("; llama3 runs on a GPU only" if device.type == "cpu" and "llama3" in (args.shape or ())
+                            else "") + " (--full: this device's whole suite; --suite all: every case)")
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else (platform.processor() or platform.machine())
     meta = {
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -65,6 +65,19 @@ def test_a_time_limit_leaves_out_the_cases_that_would_pass_it_and_names_them(tmp
     assert (tmp_path / "bench_fwd.png").exists()
 
 
+def test_filters_that_select_nothing_say_so_and_run_nothing(tmp_path):
+    # A misspelt provider, or filters no case of the suite meets, stop the run with what
+    # this device has, before anything is timed or written (they ran every case with no
+    # provider, or none, and wrote empty tables).
+    with pytest.raises(SystemExit, match=r"no provider 'pyembed-cdua' on cpu; this device's: eager, compile, .*"):
+        run.main(["--quick", "--provider", "pyembed-cdua", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no case of the main suite matches the filters given; llama3 runs on a GPU"):
+        run.main(["--shape", "llama3", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no case of the quick suite matches"):
+        run.main(["--quick", "--label", "no such case", "--out", str(tmp_path)])
+    assert not (tmp_path / "results.csv").exists()
+
+
 def test_the_gpu_suite_runs_the_issues_targets_first():
     # What a time-limited GPU call measures first: the 8x2048 forward and forward + backward
     # at GPT-2 and Llama-3 (fp32, bf16, learned positions), then those tables' one-token calls.
