@@ -9,6 +9,7 @@ as one fused op, forward and backward, with a backward that touches only used ro
 
 __version__ = "0.1.0"
 
+import importlib as _importlib
 import importlib.util as _importlib_util
 
 from ._decompositions import decompositions
@@ -27,7 +28,15 @@ else:
 
     _mark_missing("triton", "the triton package is not installed")
 
-from . import analysis, parallel  # noqa: E402  (pyembed.analysis.*, pyembed.parallel.*; matplotlib is imported by a plot)
+from . import parallel  # noqa: E402  (pyembed.parallel.*)
+
+
+def __getattr__(name: str):
+    # pyembed.analysis, imported when first used: imported here, `python -m pyembed.analysis`
+    # found it in sys.modules before running it and warned (RuntimeWarning) at every command.
+    if name == "analysis":
+        return _importlib.import_module(f"{__name__}.analysis")
+    raise AttributeError(f"module 'pyembed' has no attribute {name!r}")
 
 __all__ = [
     "EmbeddingLayer",

@@ -101,8 +101,11 @@ def test_plots_write_pngs(tmp_path):
 
 
 def test_cli_memory_heatmap_and_neighbors(tmp_path):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "pyembed.analysis", *a], capture_output=True,  # noqa: E731
-                                    text=True, check=True).stdout
+    def run(*args):
+        done = subprocess.run([sys.executable, "-m", "pyembed.analysis", *args], capture_output=True, text=True,
+                              check=True)
+        assert "RuntimeWarning" not in done.stderr, done.stderr  # (runpy's, when the package imported it first)
+        return done.stdout
     # 50257 * 768 * 2 B = 77194752 B = 73.62 MiB
     assert "50257 x 768 bf16: table 73.62 MiB" in run("memory", "--vocab", "50257", "--dim", "768", "--dtype", "bf16")
     run("pe-heatmap", "--len", "100", "--dim", "64", "--out", str(tmp_path / "pe.png"))
