@@ -320,6 +320,9 @@ def prepare(table: torch.Tensor) -> tuple[torch.optim.Optimizer, dict, Update]:
             "Make one pyembed call per table per step (or use the torch optimizer for it)")
     table._pyembed_graph_task = task  # the backward pass that last updated it
     optimizer = getattr(table, ATTR)
+    # This backward is the optimizer's step: what an LR scheduler's wrapper of step() marks,
+    # so a scheduler stepped without calling the no-op step() does not warn that it was.
+    optimizer._opt_called = True
     group = _group_of(optimizer, table)
     rule = _FUSED[type(optimizer)]
     lr = float(group["lr"])

@@ -755,6 +755,31 @@ def test_rows_outside_the_table_or_unsorted_are_refused_by_the_cpu_op():
     assert torch.equal(table.detach(), before)
 
 
+def test_a_scheduler_stepped_without_the_no_op_step_neither_warns_nor_skips_a_value(backend):
+    # The update is the backward's, so a loop may leave out step() (it does nothing): an LR
+    # scheduler then warned that step() was never called before it ("skipping the first
+    # value"), which was false -- the lrs it sets are the schedule's, as over a torch optimizer.
+    torch.manual_seed(0)
+    layer = pyembed.EmbeddingLayer(V, D, MAX_LEN, backend=backend)
+    [optimizer] = pyembed.apply_optimizer_in_backward(torch.optim.SGD, [layer.token_embedding.weight], {"lr": 1.0})
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    plain = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    plain_scheduler = torch.optim.lr_scheduler.StepLR(plain, step_size=1, gamma=0.5)
+    lrs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            before = layer.token_embedding.weight.detach().clone()
+            layer(torch.tensor([[1, 2]])).sum().backward()
+            moved = (before - layer.token_embedding.weight.detach())[1]
+            lrs.append(moved[0].item())  # lr * d(sum)/dw = lr (one use, positions aside)
+            scheduler.step()
+            plain.step()
+            plain_scheduler.step()
+    assert lrs == pytest.approx([1.0, 0.5, 0.25], rel=1e-6)  # (within the table's fp32 rounding)
+    assert optimizer.param_groups[0]["lr"] == plain.param_groups[0]["lr"] == 0.125
+
+
 # --------------------------------------------------------------------------- errors
 def test_what_cannot_be_fused_raises_clearly():
     layer = pyembed.EmbeddingLayer(V, D, MAX_LEN)
