@@ -94,6 +94,7 @@ def apply_optimizer_in_backward(optimizer_class, params: Iterable[torch.nn.Param
                                              "optimizer for these tables")
     # A bound method, as LR schedulers expect to wrap it; the update already happened in the backward.
     optimizer.step = types.MethodType(_step_is_done, optimizer)
+    optimizer.add_param_group = types.MethodType(_takes_no_more_params, optimizer)
     _guard_other_optimizers()
     global tables_are_fused
     tables_are_fused = True
@@ -108,6 +109,15 @@ def apply_optimizer_in_backward(optimizer_class, params: Iterable[torch.nn.Param
 def _step_is_done(self, closure=None):
     """A fused optimizer's step: the backward already applied it."""
     return closure() if closure is not None else None
+
+
+def _takes_no_more_params(self, param_group) -> None:
+    """A fused optimizer's add_param_group: a parameter added later would never be updated
+    (step() does nothing, and no backward of pyembed's knows it)."""
+    raise checks.InputValueError(
+        "pyembed: an optimizer made by apply_optimizer_in_backward takes no more parameters: its step() does "
+        "nothing, so they would never be updated. Fuse another pyembed table with its own "
+        "apply_optimizer_in_backward call, and put other parameters in a torch optimizer")
 
 
 def _no_outside_gradient(param: torch.Tensor) -> None:

@@ -803,9 +803,14 @@ def test_what_cannot_be_fused_raises_clearly():
     with pytest.raises(TypeError, match=r"fused optimizer .* beside a tensor subclass \(RowQuantized"):
         frozen(torch.randint(0, V, (2, 5)))
     assert torch.equal(frozen.pos_embedding.detach(), before) and frozen.pos_embedding.grad is None
-    pyembed.apply_optimizer_in_backward(torch.optim.SGD, [weight], {"lr": 0.1})
+    [fused] = pyembed.apply_optimizer_in_backward(torch.optim.SGD, [weight], {"lr": 0.1})
     with pytest.raises(ValueError, match="already has an optimizer"):
         pyembed.apply_optimizer_in_backward(torch.optim.SGD, [weight], {"lr": 0.1})
+    # A parameter added to it later would never be updated (its step() does nothing): refused.
+    head = nn.Linear(D, 1)
+    with pytest.raises(ValueError, match="takes no more parameters"):
+        fused.add_param_group({"params": [head.weight]})
+    assert len(fused.param_groups) == 1
 
 
 def test_a_torch_optimizer_stepping_a_fused_table_raises():
