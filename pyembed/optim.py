@@ -58,8 +58,8 @@ def apply_optimizer_in_backward(optimizer_class, params: Iterable[torch.nn.Param
     backwards and gradient-norm clipping cannot include these tables; a table used twice
     in one backward, a gradient from outside pyembed (a tied output layer), a torch
     optimizer stepping the same parameter, add_param_group on the returned optimizer,
-    torch.compile(fullgraph=True) (the call runs
-    outside the graph), torch.func transforms and create_graph=True raise.
+    torch.compile(fullgraph=True) (the call runs outside the graph), torch.func transforms
+    and create_graph=True raise.
     """
     if optimizer_class not in _FUSED:
         name = getattr(optimizer_class, "__name__", optimizer_class)
