@@ -57,7 +57,9 @@ def apply_optimizer_in_backward(optimizer_class, params: Iterable[torch.nn.Param
     every backward that reaches a table updates it, so gradient accumulation over several
     backwards and gradient-norm clipping cannot include these tables; a table used twice
     in one backward, a gradient from outside pyembed (a tied output layer), a torch
-    optimizer stepping the same parameter, add_param_group on the returned optimizer,
+    optimizer stepping the same parameter, add_param_group on the returned optimizer, a
+    GradScaler's step of it (the update used the scaled gradient: fp16 loss scaling does not
+    mix with in-backward updates),
     torch.compile(fullgraph=True) (the call runs outside the graph), torch.func transforms
     and create_graph=True raise.
     """
@@ -96,6 +98,10 @@ def apply_optimizer_in_backward(optimizer_class, params: Iterable[torch.nn.Param
     # A bound method, as LR schedulers expect to wrap it; the update already happened in the backward.
     optimizer.step = types.MethodType(_step_is_done, optimizer)
     optimizer.add_param_group = types.MethodType(_takes_no_more_params, optimizer)
+    # What torch's fused optimizers declare: a GradScaler then calls step() itself, with its
+    # scale and inf flag set on the optimizer -- so step() can say what went wrong (without
+    # it the scaler failed with "No inf checks were recorded for this optimizer").
+    optimizer._step_supports_amp_scaling = True
     _guard_other_optimizers()
     global tables_are_fused
     tables_are_fused = True
@@ -109,6 +115,13 @@ def apply_optimizer_in_backward(optimizer_class, params: Iterable[torch.nn.Param
 
 def _step_is_done(self, closure=None):
     """A fused optimizer's step: the backward already applied it."""
+    if hasattr(self, "found_inf"):  # set by a GradScaler stepping it (_step_supports_amp_scaling)
+        del self.found_inf, self.grad_scale  # (the scaler removes them after a step that returns)
+        raise checks.InputValueError(
+            "pyembed: a GradScaler stepped an optimizer of apply_optimizer_in_backward, whose tables were updated "
+            "inside the backward from the gradient as it arrived -- multiplied by the loss scale, and no step can "
+            "undo that. Loss scaling and in-backward updates do not mix: train in bfloat16 autocast (no scaler), or "
+            "keep these tables on a torch optimizer")
     return closure() if closure is not None else None
 
 

@@ -807,6 +807,18 @@ def test_what_cannot_be_fused_raises_clearly():
     [fused] = pyembed.apply_optimizer_in_backward(torch.optim.SGD, [weight], {"lr": 0.1})
     with pytest.raises(ValueError, match="already has an optimizer"):
         pyembed.apply_optimizer_in_backward(torch.optim.SGD, [weight], {"lr": 0.1})
+    # A GradScaler (fp16 loss scaling) stepping it: the backward has updated the table from
+    # the scaled gradient (x 1024 here), so its step says so -- after unscale_ too -- instead
+    # of the scaler's "No inf checks were recorded for this optimizer".
+    for unscale_first in (False, True):
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        before = weight.detach().clone()
+        scaler.scale(layer(torch.tensor([[1, 2]])).sum()).backward()
+        assert (before - weight.detach())[1, 0].item() == pytest.approx(0.1 * 1024, rel=1e-3)  # the scaled update
+        if unscale_first:
+            scaler.unscale_(fused)
+        with pytest.raises(ValueError, match="GradScaler stepped an optimizer of apply_optimizer_in_backward"):
+            scaler.step(fused)
     # A parameter added to it later would never be updated (its step() does nothing): refused.
     head = nn.Linear(D, 1)
     with pytest.raises(ValueError, match="takes no more parameters"):
