@@ -210,6 +210,7 @@ def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_
     optimizer needs the Python backward, where the update runs)."""
     pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, sparse, validate, dropout_p, generator, backend = \
         options
+    checks.check_integer_tensor("ids", ids)  # first: a list or an array is not asked for .is_nested below
     if isinstance(weight, FakeTensor) and not checks.traced_or_fake():
         # Fake tensors out of their FakeTensorMode: an aten op enters the mode itself
         # (FakeTensor.__torch_dispatch__), so nn.Embedding's calls run on them; this call enters

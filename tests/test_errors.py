@@ -4,6 +4,7 @@ change to any table."""
 import dataclasses
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,10 @@ CASES = [
     # (id, kwargs builder, exception, message fragment)
     ("float ids", lambda w, p: dict(ids=torch.zeros(2, 3), weight=w), TypeError, "torch.float32"),
     ("bool ids", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.bool), weight=w), TypeError, "torch.bool"),
+    ("list ids", lambda w, p: dict(ids=[[1, 2]], weight=w, pos_weight=p), TypeError, "tensor, got list"),
+    ("array ids", lambda w, p: dict(ids=np.zeros((2, 3), dtype=np.int64), weight=w), TypeError, "got ndarray"),
+    ("list weight", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=w.tolist()),
+     TypeError, "tensor, got list"),
     ("id too large", lambda w, p: dict(ids=torch.tensor([[1, 10, 3]]), weight=w), IndexError, "max id 10"),
     ("negative id", lambda w, p: dict(ids=torch.tensor([[-1, 2]]), weight=w), IndexError, "min id -1"),
     ("V in message", lambda w, p: dict(ids=torch.tensor([[12]]), weight=w), IndexError, "V=10"),
