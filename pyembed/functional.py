@@ -134,7 +134,10 @@ def fused_embedding(
                                      pos_encoding, scale, offset, padding_idx, scale_grad_by_freq, sync_check,
                                      error_record, float(dropout_p), generator, bool(sparse))
                 except (RuntimeError, TypeError, ValueError) as error:
-                    raise checks.from_cpp(error) from None
+                    if not _binding_refused(error):
+                        raise checks.from_cpp(error) from None
+                    # (an argument of a type the typed call cannot take -- pos_encoding=5, a list of
+                    # position_ids --, refused before anything ran: the general route names it)
             if not fused_table and not sparse and generator is None and _is_tracing():
                 # torch.jit.trace, a backend without such an op (the reference): what
                 # torch.compile records -- the check op, then the lookup op whose autograd
@@ -185,6 +188,12 @@ def fused_embedding(
         # subclasses): the Python Function, whose backward updates the tables.
         return _fused_embedding(ids, weight, pos_weight, position_ids, options, cpp_autograd=False)
     return _fused_embedding(ids, weight, pos_weight, position_ids, options)
+
+
+def _binding_refused(error: Exception) -> bool:
+    """Whether a typed C++ call refused its arguments' Python types (pybind11's message),
+    before it ran: nothing was done, so the call may go the general route."""
+    return isinstance(error, TypeError) and "incompatible function arguments" in str(error)
 
 
 def _graph_may_hold_sparse_backward() -> bool:

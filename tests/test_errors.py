@@ -26,6 +26,11 @@ CASES = [
     ("array ids", lambda w, p: dict(ids=np.zeros((2, 3), dtype=np.int64), weight=w), TypeError, "got ndarray"),
     ("list weight", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=w.tolist()),
      TypeError, "tensor, got list"),
+    # (arguments the C++ backends' typed call cannot take: pyembed's checks name them, as for the reference)
+    ("list position_ids", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=w, pos_weight=p,
+                                            position_ids=[[0, 1, 2]] * 2), TypeError, "position_ids must be"),
+    ("pos_encoding not a string", lambda w, p: dict(ids=torch.zeros(2, 3, dtype=torch.long), weight=w,
+                                                    pos_encoding=5), ValueError, "got 5"),
     ("id too large", lambda w, p: dict(ids=torch.tensor([[1, 10, 3]]), weight=w), IndexError, "max id 10"),
     ("negative id", lambda w, p: dict(ids=torch.tensor([[-1, 2]]), weight=w), IndexError, "min id -1"),
     ("V in message", lambda w, p: dict(ids=torch.tensor([[12]]), weight=w), IndexError, "V=10"),
@@ -71,6 +76,11 @@ CASES = [
                                                   position_ids=torch.zeros(2, 3, dtype=torch.long), offset=1),
      ValueError, "not both"),
 ]
+
+
+# Arguments of a Python type no op's schema holds (a list for a tensor, an int for a string):
+# refused before any op runs, by pyembed's Python checks.
+PYTHON_TYPE_CASES = ("list ids", "array ids", "list weight", "list position_ids", "pos_encoding not a string")
 
 
 def _pytorch_class(ids, weight, **_):
