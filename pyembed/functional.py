@@ -228,13 +228,13 @@ def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_
             return _fused_embedding(ids, weight, pos_weight, position_ids, options, cpp_autograd)
     if ids.is_nested:
         return _jagged_lookup(ids, weight, pos_weight, position_ids, options, cpp_autograd)
-    if checks.is_foreign_subclass(weight) or checks.is_foreign_subclass(pos_weight):
+    foreign = next((table for table in (weight, pos_weight) if checks.is_foreign_subclass(table)), None)
+    if foreign is not None:
         if not cpp_autograd:  # the other table's fused optimizer (apply_optimizer_in_backward refuses these)
             raise checks.InputTypeError(
                 "pyembed: a table with a fused optimizer (apply_optimizer_in_backward) cannot be looked up beside a "
-                f"tensor subclass ({type(weight if checks.is_foreign_subclass(weight) else pos_weight).__name__}, "
-                "e.g. a quantized table): that call runs through the subclass's own lookup, which has no fused "
-                "update; keep the table on a torch optimizer")
+                f"tensor subclass ({type(foreign).__name__}, e.g. a quantized table): that call runs through the "
+                "subclass's own lookup, which has no fused update; keep the table on a torch optimizer")
         return _foreign_table_lookup(ids, weight, pos_weight, position_ids, options)
     if isinstance(weight, torch.Tensor) and not (weight.is_floating_point() or weight.is_complex()):
         return _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx, validate)
@@ -466,7 +466,6 @@ def _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, 
         raise checks.InputTypeError(
             f"pyembed: an integer table ({weight.dtype}) takes no positional encoding or scale; "
             "only a plain lookup, as nn.Embedding")
-    checks.check_integer_tensor("ids", ids)
     if weight.dim() != 2:
         raise checks.InputValueError(f"pyembed: weight must be 2-D (V, d), got shape {tuple(weight.shape)}")
     if validate:  # in place eagerly; under torch.compile the check op (as embedding_renorm_)

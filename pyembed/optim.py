@@ -59,9 +59,8 @@ def apply_optimizer_in_backward(optimizer_class, params: Iterable[torch.nn.Param
     in one backward, a gradient from outside pyembed (a tied output layer), a torch
     optimizer stepping the same parameter, add_param_group on the returned optimizer, a
     GradScaler's step of it (the update used the scaled gradient: fp16 loss scaling does not
-    mix with in-backward updates),
-    torch.compile(fullgraph=True) (the call runs outside the graph), torch.func transforms
-    and create_graph=True raise.
+    mix with in-backward updates), torch.compile(fullgraph=True) (the call runs outside the
+    graph), torch.func transforms and create_graph=True raise.
     """
     if optimizer_class not in _FUSED:
         name = getattr(optimizer_class, "__name__", optimizer_class)
