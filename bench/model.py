@@ -26,8 +26,8 @@ one graph), one training step each:
   (eager and compiled): what a step costs without any input layer, so that a provider's
   fwd+bwd less its mode's ``the rest`` is what its input layer adds to the step;
 - ``fwd+bwd``: forward, loss, backward, the gradients set to None; ``step``: the same and
-  AdamW over every parameter in torch's fastest form (``fused=True`` on CUDA, ``foreach``
-  on CPU), then ``zero_grad(set_to_none=True)``, as the main suite's ``step``.
+  AdamW over every parameter in torch's fastest form (``fused=True``, on CPU and CUDA), then
+  ``zero_grad(set_to_none=True)``, as the main suite's ``step``.
 
 Each model's input layer output, loss and input-layer gradients are first checked against
 the eager nn-ops model run in float64 (a wrong one is reported FAILED, not timed). On a
@@ -53,7 +53,7 @@ import pyembed
 from pyembed import dispatch
 
 from .cases import DTYPES, SHAPES
-from .run import GATE_TOL, time_cpu, time_gpu
+from .run import FASTEST_ADAMW, GATE_TOL, time_cpu, time_gpu
 from .targets import format_ms
 
 
@@ -220,14 +220,13 @@ def gate(name: str, model, want: list, ids: torch.Tensor, dtype: str) -> str | N
     return None
 
 
-def step_fns(model, ids: torch.Tensor, device: torch.device) -> dict:
+def step_fns(model, ids: torch.Tensor) -> dict:
     """{"fwd+bwd": ..., "step": ...}: zero-argument callables on the model's own parameters."""
     module = _module(model)
     leaves = list(module.parameters())
     fixed = module.input_layer.x if isinstance(module.input_layer, FixedInput) else None
     params = [p for p in leaves if p is not fixed]
-    fastest = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    optimizer = torch.optim.AdamW(params, lr=1e-4, **fastest)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, **FASTEST_ADAMW)
 
     def fwd_bwd():
         for p in leaves:
@@ -260,7 +259,7 @@ def measure(vocab, dim, batch, seq_len, blocks, dtype, device, backends, budget_
             problem = f"{name}: {type(exc).__name__}: {exc}"
         results[name] = {"status": "FAILED: " + problem if problem else "ok"}
         if problem is None:
-            for kind, fn in step_fns(model, ids, device).items():
+            for kind, fn in step_fns(model, ids).items():
                 fns[(name, kind)] = fn
     del want
     precision = torch.get_float32_matmul_precision()

@@ -98,8 +98,9 @@ def summary(rows: list[dict]) -> list[str]:
                 geomean = math.exp(sum(math.log(x) for x, _ in ratios) / len(ratios))
                 worst = min(ratios)
                 against = "compiled nn ops" if compiled else "the faster of eager/compile"
-                lines.append(f"{mode:8s} {provider}: {geomean:.2f}x {against} (geometric mean of "
-                             f"{len(ratios)} cases; lowest {worst[0]:.2f}x, {worst[1]})")
+                over = (f"geometric mean of {len(ratios)} cases; lowest {worst[0]:.2f}x, {worst[1]}"
+                        if len(ratios) > 1 else f"one case, {worst[1]}")
+                lines.append(f"{mode:8s} {provider}: {geomean:.2f}x {against} ({over})")
     return lines
 
 
@@ -108,7 +109,8 @@ LEGEND = ("A cell: median time · the speed-up over eager / over compile (the to
           "bytes, timed in the same rounds (100% is the memory ceiling); on a GPU, \"graphed\": the GPU-only time of "
           "the call replayed from a CUDA graph (no host work) and its % of a graphed copy; \"peak +\": the GPU memory "
           "a training step allocates beyond the tables and optimizer state (the gradient among it); n/a: the provider "
-          "cannot run the case. On a GPU, decoding-sized cases are timed as calls back to back, host time included, "
+          "cannot run the case. A step: forward, backward, torch's fused AdamW (fused=True, its fastest form, for every "
+          "provider; SparseAdam for a sparse token table) and zero_grad. On a GPU, decoding-sized cases are timed as calls back to back, host time included, "
           "and training-sized ones by do_bench, the L2 flushed before each call (the CSV's timing column).")
 
 

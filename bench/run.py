@@ -203,13 +203,19 @@ def step_peak_bytes(step) -> int:
     return torch.cuda.max_memory_allocated() - start
 
 
+# torch's fastest AdamW, on a CPU as on CUDA: the fused kernel (one pass over p, grad, m, v).
+# On the development VM it stepped a GPT-2 table 3.8x-7x faster than foreach=True (fp32 and
+# bf16, 2026-12-01), which the step mode used on the CPU until then.
+FASTEST_ADAMW = {"fused": True}
+
+
 def make_optimizers(tables: Tables, sparse: bool, in_backward: bool = False) -> list:
     """What a user trains the layer with: AdamW, or SparseAdam for a sparse token table
     (AdamW for a learned positional table, whose gradient stays dense). AdamW in torch's
-    fastest form, the same for every provider: fused=True on CUDA, foreach on the CPU.
-    in_backward: the same optimizers run inside pyembed's backward instead."""
+    fastest form (FASTEST_ADAMW), the same for every provider. in_backward: the same
+    optimizers run inside pyembed's backward instead."""
     dense = [t for t in (tables.pos_weight,) if t is not None]
-    fastest = {} if in_backward else {"fused": True} if tables.weight.is_cuda else {"foreach": True}
+    fastest = {} if in_backward else FASTEST_ADAMW
     groups = [(torch.optim.AdamW, [tables.weight, *dense], {"lr": 1e-4, **fastest})] if not sparse else (
         [(torch.optim.SparseAdam, [tables.weight], {"lr": 1e-4})]
         + ([(torch.optim.AdamW, dense, {"lr": 1e-4, **fastest})] if dense else []))

@@ -2,6 +2,7 @@
 correctness gate, and the CSV has the documented columns."""
 
 import csv
+import math
 import os
 import pathlib
 import subprocess
@@ -49,6 +50,20 @@ def test_quick_suite_writes_csv_table_and_plots(tmp_path, capsys):
     table = (tmp_path / "results.md").read_text()
     assert table.startswith(report.markdown(rows, names))
     assert report.markdown(report.load_csv(tmp_path / "results.csv"), names) == report.markdown(rows, names)
+
+
+def test_the_summary_is_the_geometric_mean_against_the_faster_baseline():
+    # Each case counts its speed-up over the faster of eager and compile (the smaller ratio);
+    # a compiled pyembed provider counts compile only. One case is named, not "averaged".
+    def row(label, provider, eager, compile_):
+        return {"mode": "fwd", "label": label, "provider": provider, "median_ms": 1.0,
+                "speedup_vs_eager": eager, "speedup_vs_compile": compile_}
+    rows = [row("a", "pyembed-cpu", 2.0, 4.0), row("b", "pyembed-cpu", 9.0, 8.0),
+            row("a", "compile(pyembed-cpu)", None, 3.0)]
+    assert report.summary(rows) == [
+        f"fwd      pyembed-cpu: {math.sqrt(2.0 * 8.0):.2f}x the faster of eager/compile "
+        "(geometric mean of 2 cases; lowest 2.00x, a)",
+        "fwd      compile(pyembed-cpu): 3.00x compiled nn ops (one case, a)"]
 
 
 def test_a_time_limit_leaves_out_the_cases_that_would_pass_it_and_names_them(tmp_path):
@@ -475,7 +490,7 @@ def test_model_bench_gate_reports_a_wrong_output_or_gradient_and_leaves_the_fixe
     rest = bench_model.Model(bench_model.FixedInput(torch.randn(2, 8, 16)), 16, 1)
     fixed = rest.input_layer.x.detach().clone()
     norm = rest.norm.weight.detach().clone()
-    bench_model.step_fns(rest, ids, torch.device("cpu"))["step"]()
+    bench_model.step_fns(rest, ids)["step"]()
     assert torch.equal(rest.input_layer.x, fixed) and rest.input_layer.x.grad is None
     assert not torch.equal(rest.norm.weight, norm)  # the rest's own parameters are trained
 
