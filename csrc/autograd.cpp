@@ -233,10 +233,22 @@ std::tuple<at::Tensor, at::Tensor> lookup_backward(const Saved& saved, at::Tenso
       saved.position_ids.defined() ? std::optional<at::Tensor>(saved.position_ids) : std::nullopt;
   if (!need_weight_grad && !need_pos_grad) return {};
   // With dropout the gradient goes through the forward's mask: in the ops' own reads (the
-  // key passed on), else -- create_graph=True, where the mask is a node -- first.
-  const bool mask_first = saved.dropout_key.defined() && at::GradMode::is_enabled();
-  if (mask_first) {
+  // key passed on: CUDA's kernels, Triton's), else first -- create_graph=True, where the mask
+  // is a node; on the CPU, whose ops would each mask it by a pass of their own
+  // (csrc/cpu/embedding_cpu.cpp), where two or more of them read it (counted as
+  // pyembed/_autograd.py's gradient_readers counts them): once, here.
+  const bool fused_weight = saved.fused_weight.has_value() && need_weight_grad;
+  const bool fused_pos = saved.fused_pos.has_value() && need_pos_grad;
+  const bool weight_left = need_weight_grad && !fused_weight, pos_left = need_pos_grad && !fused_pos;
+  const int readers = int(fused_weight) + int(fused_pos) + int((weight_left && !saved.sparse) || pos_left) +
+                      int(weight_left && saved.sparse);
+  const bool record_mask = saved.dropout_key.defined() && at::GradMode::is_enabled();
+  const bool mask_first =
+      record_mask || (saved.dropout_key.defined() && !saved.python && grad_out.is_cpu() && readers > 1);
+  if (record_mask) {
     grad_out = DropoutMaskFunction::apply(grad_out, saved.dropout_key, saved.dropout_p, saved.python);
+  } else if (mask_first) {
+    grad_out = dropout_masked(grad_out, saved.dropout_key, saved.dropout_p);
   }
   const std::optional<at::Tensor> op_dropout_key =
       saved.dropout_key.defined() && !mask_first ? std::optional<at::Tensor>(saved.dropout_key) : std::nullopt;

@@ -153,10 +153,13 @@ def _gradients(ctx, grad_out):
     sparse as a coalesced COO tensor built by the aten op behind torch.sparse_coo_tensor.
     With dropout, the output gradient goes through the forward's mask, regenerated from its
     key: inside the backend's ops, which apply it as they read the gradient (the key passed
-    on), in a plain backward; first, as an op of its own (differentiable again, vmappable),
-    where the gradients are differentiated again (create_graph=True) or torch.func runs."""
+    on), in a plain backward on cuda / triton; first, as an op of its own (differentiable
+    again, vmappable), where the gradients are differentiated again (create_graph=True) or
+    torch.func runs; first, by the forward's kernel, where two or more ops read it on a
+    backend whose ops would each mask it by a pass of their own (cpu, reference)."""
     ids, position_ids, dropout_key = ctx.saved_tensors
     config, weight_shape = ctx.config, ctx.weight_shape
+    backend = dispatch.get(config.backend)
     need_weight_grad = ctx.needs_input_grad[1]
     need_pos_grad = ctx.needs_input_grad[2] and config.pos_encoding == "learned"
     op_dropout_key = None  # the key the ops take
@@ -164,12 +167,15 @@ def _gradients(ctx, grad_out):
         if functorch_active() or torch.is_grad_enabled():
             grad_out = (DropoutMaskFunctorch if functorch_active() else DropoutMaskFunction).apply(
                 grad_out, dropout_key, config)
+        elif not backend.masks_as_it_reads and gradient_readers(
+                ctx.fused_tables, need_weight_grad, need_pos_grad, config.sparse) > 1:
+            grad_out = _dropout_mask_forward(grad_out, dropout_key, config)
         else:
             op_dropout_key = dropout_key
     grad_out = grad_out.contiguous()
     if ctx.fused_tables is not None:  # tables with an optimizer in the backward: updated here, no gradient
         need_weight_grad, need_pos_grad = optim.step_tables(
-            dispatch.get(config.backend), config, grad_out, ids, position_ids, ctx.fused_tables,
+            backend, config, grad_out, ids, position_ids, ctx.fused_tables,
             (need_weight_grad, need_pos_grad), op_dropout_key)
     dense_weight_grad = need_weight_grad and not config.sparse
     grad_weight = pos_grad = None
@@ -185,6 +191,17 @@ def _gradients(ctx, grad_out):
             1, 1, list(weight_shape), rows[None], values, dtype=values.dtype, layout=torch.sparse_coo,
             device=values.device, is_coalesced=True)
     return grad_weight if need_weight_grad else None, pos_grad if need_pos_grad else None
+
+
+def gradient_readers(fused_tables, need_weight_grad: bool, need_pos_grad: bool, sparse: bool) -> int:
+    """How many of the backend's ops read the output gradient in a backward: one update per
+    table whose optimizer runs in it (fused_tables: (weight, pos_weight), each None unless
+    fused; or None), one dense op for the other dense gradients, one for a sparse table's.
+    csrc/autograd.cpp's lookup_backward counts them alike."""
+    fused_weight = fused_tables is not None and fused_tables[0] is not None and need_weight_grad
+    fused_pos = fused_tables is not None and fused_tables[1] is not None and need_pos_grad
+    weight_left, pos_left = need_weight_grad and not fused_weight, need_pos_grad and not fused_pos
+    return fused_weight + fused_pos + ((weight_left and not sparse) or pos_left) + (weight_left and sparse)
 
 
 def fused_step(python: bool, grad_out, ids, position_ids, dropout_key, weight, pos_weight, need_weight_grad: bool,

@@ -134,7 +134,7 @@ if _C is not None:
                                                auto_rank={"cpu": 0}))
     if _C.cuda_built:
         dispatch.register_backend(dispatch.Backend("cuda", *_backend_ops, _why_cuda_unavailable, **_lookup,
-                                                   checks_in_kernel=True, **_optimizer_ops,
+                                                   checks_in_kernel=True, masks_as_it_reads=True, **_optimizer_ops,
                                                    optimizer_backward=_C.optimizer_backward,
                                                    position_update=_C.position_update,
                                                    auto_rank={"cuda": 0}))

@@ -75,6 +75,10 @@ class Backend:
     # + t) from dout, their gradient never in memory (None: the positions' backward op,
     # then optimizer_update).
     position_update: Optional[Callable] = None
+    # Its backward ops apply the dropout mask as they read the output gradient (cuda, triton).
+    # False: each op would mask it by a pass of its own (cpu, reference), so the backward masks
+    # it once, first, however many ops then read it (pyembed._autograd._gradients).
+    masks_as_it_reads: bool = False
     # "auto"'s preference per device type, lower first ("*": any device type); a device type
     # not listed: auto never picks it there (it can still be asked for by name).
     auto_rank: Mapping[str, int] = field(default_factory=dict)

@@ -531,7 +531,7 @@ def _lookup_ops() -> dict:
 dispatch.register_backend(dispatch.Backend(
     "triton", torch.ops.pyembed.triton_forward, torch.ops.pyembed.triton_backward,
     torch.ops.pyembed.triton_sparse_backward, _why_unavailable, **_lookup_ops(),
-    compiled_op=torch.ops.pyembed.triton_lookup.default, checks_in_kernel=True,
+    compiled_op=torch.ops.pyembed.triton_lookup.default, checks_in_kernel=True, masks_as_it_reads=True,
     eager_forward=forward, eager_backward=backward, touched_rows=touched_rows, optimizer_update=optimizer_update,
     optimizer_backward=optimizer_backward, position_update=position_update,
     auto_rank={"cuda": 1}))  # after the cuda backend, where both are built
