@@ -59,8 +59,9 @@ def apply_optimizer_in_backward(optimizer_class, params: Iterable[torch.nn.Param
     in one backward, a gradient from outside pyembed (a tied output layer), a torch
     optimizer stepping the same parameter, add_param_group on the returned optimizer, a
     GradScaler's step of it (the update used the scaled gradient: fp16 loss scaling does not
-    mix with in-backward updates), torch.compile(fullgraph=True) (the call runs outside the
-    graph), torch.func transforms and create_graph=True raise.
+    mix with in-backward updates), an update in a CUDA graph capture (its host scalars would
+    be replayed), torch.compile(fullgraph=True) (the call runs outside the graph), torch.func
+    transforms and create_graph=True raise.
     """
     if optimizer_class not in _FUSED:
         name = getattr(optimizer_class, "__name__", optimizer_class)
@@ -341,6 +342,12 @@ def prepare(table: torch.Tensor) -> tuple[torch.optim.Optimizer, dict, Update]:
         raise checks.InputValueError(
             "pyembed: a table with a fused optimizer was used twice in one backward; its update would run twice. "
             "Make one pyembed call per table per step (or use the torch optimizer for it)")
+    if _captured(table):
+        raise checks.InputValueError(
+            "pyembed: a table with a fused optimizer (apply_optimizer_in_backward) cannot be updated in a CUDA graph "
+            "capture: each backward takes the update's lr and bias correction from the host, and every replay would "
+            "repeat the captured ones (torch's optimizers refuse capture unless capturable=True for the same reason). "
+            "Train such a table outside the captured graph, or capture it with a torch optimizer (capturable=True)")
     table._pyembed_graph_task = task  # the backward pass that last updated it
     optimizer = getattr(table, ATTR)
     # This backward is the optimizer's step: what an LR scheduler's wrapper of step() marks,
@@ -392,6 +399,12 @@ def prepare(table: torch.Tensor) -> tuple[torch.optim.Optimizer, dict, Update]:
         return optimizer, state, Update(rule, hyper, True)
     clr = lr / (1 + (step - 1) * float(group["lr_decay"]))
     return optimizer, state, Update(rule, (clr, wd, float(group["eps"]), maximize), wd != 0)
+
+
+def _captured(table: torch.Tensor) -> bool:
+    """Whether this backward runs in a CUDA graph capture (no capture without CUDA initialised:
+    a fake CUDA table on a machine without a GPU asks nothing of the driver)."""
+    return table.is_cuda and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 # The step of a fused or capturable group lives beside its table: on a GPU, where reading it

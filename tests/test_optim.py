@@ -874,6 +874,25 @@ def test_create_graph_through_a_fused_table_raises():
         emb(torch.tensor([1, 2])).pow(2).sum().backward(create_graph=True)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_an_update_in_a_cuda_graph_capture_raises_and_changes_nothing(backend, monkeypatch):
+    # The update's scalars (lr, bias correction) come from the host at each backward: a CUDA
+    # graph would replay the captured ones, silently not torch's AdamW. Refused, as torch's
+    # optimizers refuse capture without capturable=True. Here the capture is stood in for
+    # (optim._captured, whose CUDA query tests/gpu/test_gpu_readiness.py makes for real).
+    layer = pyembed.EmbeddingLayer(V, D, MAX_LEN, backend=backend)
+    tables = [layer.token_embedding.weight, layer.pos_embedding]
+    pyembed.apply_optimizer_in_backward(torch.optim.AdamW, tables, {"lr": 0.1})
+    before = [t.detach().clone() for t in tables]
+    monkeypatch.setattr(optim, "_captured", lambda table: True)
+    with pytest.raises(ValueError, match="CUDA graph capture"):
+        layer(torch.tensor([[1, 2, 3]])).sum().backward()
+    assert all(torch.equal(t, b) for t, b in zip(tables, before))
+    monkeypatch.undo()  # outside a capture it trains as before
+    layer(torch.tensor([[1, 2, 3]])).sum().backward()
+    assert not torch.equal(tables[0][1], before[0][1])
+
+
 def test_a_warning_under_torch_distributed_where_replicas_would_drift():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

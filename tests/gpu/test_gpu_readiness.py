@@ -308,6 +308,26 @@ def test_forward_and_dense_backward_capture_in_a_cuda_graph(backend, seq_len):
         pyembed.check_errors("cuda")
 
 
+def test_a_fused_optimizer_refuses_a_cuda_graph_capture(backend):
+    # Its update takes lr and the bias correction from the host each backward: a replay would
+    # repeat the captured ones. The capture raises pyembed's error, the table unchanged.
+    _check_backend(backend)
+    weight = torch.nn.Parameter(torch.randn(64, 128, device="cuda"))
+    pyembed.apply_optimizer_in_backward(torch.optim.AdamW, [weight], {"lr": 0.1, "fused": True})
+    ids = torch.randint(0, 64, (4, 32), device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capture (Triton compiles, the state is made)
+        pyembed.fused_embedding(ids, weight, backend=backend).sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    before = weight.detach().clone()
+    with pytest.raises(ValueError, match="CUDA graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            pyembed.fused_embedding(ids, weight, backend=backend).sum().backward()
+    torch.cuda.synchronize()
+    assert torch.equal(weight.detach(), before)
+
+
 def test_compiled_reduce_overhead_captures_forward_and_dense_backward(backend):
     _check_backend(backend)
     from torch._dynamo.utils import counters
