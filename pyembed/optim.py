@@ -95,8 +95,10 @@ def apply_optimizer_in_backward(optimizer_class, params: Iterable[torch.nn.Param
             if group.get("amsgrad") or group.get("differentiable"):
                 raise checks.InputValueError("pyembed: amsgrad and differentiable are not fused; use the torch "
                                              "optimizer for these tables")
-    # A bound method, as LR schedulers expect to wrap it; the update already happened in the backward.
-    optimizer.step = types.MethodType(_step_is_done, optimizer)
+    # A bound method, as LR schedulers expect to wrap it; the update already happened in the
+    # backward. Wrapped as torch wraps every optimizer's step, so step hooks (the optimizer's
+    # own and the global ones) run when it is called, as for a torch optimizer.
+    optimizer.step = types.MethodType(torch.optim.Optimizer.profile_hook_step(_step_is_done), optimizer)
     optimizer.add_param_group = types.MethodType(_takes_no_more_params, optimizer)
     # What torch's fused optimizers declare: a GradScaler then calls step() itself, with its
     # scale and inf flag set on the optimizer -- so step() can say what went wrong (without
@@ -159,7 +161,8 @@ def _guard_other_optimizers() -> None:
 def _refuse_fused_params(optimizer, args, kwargs) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if getattr(p, ATTR, None) is not None:
+            fused = getattr(p, ATTR, None)
+            if fused is not None and fused is not optimizer:  # (its own no-op step() may be called)
                 raise checks.InputValueError(
                     f"pyembed: {type(optimizer).__name__}.step() over a table whose optimizer runs in pyembed's "
                     "backward (apply_optimizer_in_backward); leave that table out of this optimizer")

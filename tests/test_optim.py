@@ -826,6 +826,27 @@ def test_what_cannot_be_fused_raises_clearly():
     assert len(fused.param_groups) == 1
 
 
+def test_step_hooks_run_when_the_fused_optimizers_step_is_called():
+    # Its step() does nothing, but hooks on it (an EMA, a logger) run as on torch's SGD's.
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    calls = []
+    emb, plain = pyembed.FusedEmbedding(V, D), nn.Embedding(V, D)
+    [fused] = pyembed.apply_optimizer_in_backward(torch.optim.SGD, [emb.weight], {"lr": 0.1})
+    sgd = torch.optim.SGD(plain.parameters(), lr=0.1)
+    handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: calls.append(("global", opt)))
+    try:
+        for opt in (fused, sgd):
+            opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o)))
+            opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", o)))
+        for model, opt in ((emb, fused), (plain, sgd)):
+            model(torch.tensor([1, 2])).sum().backward()
+            opt.step()
+    finally:
+        handle.remove()
+    assert calls == [("pre", fused), ("post", fused), ("global", fused), ("pre", sgd), ("post", sgd), ("global", sgd)]
+
+
 def test_a_torch_optimizer_stepping_a_fused_table_raises():
     emb = pyembed.FusedEmbedding(V, D)
     pyembed.apply_optimizer_in_backward(torch.optim.SGD, [emb.weight], {"lr": 0.1})
