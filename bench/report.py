@@ -109,9 +109,10 @@ LEGEND = ("A cell: median time · the speed-up over eager / over compile (the to
           "bytes, timed in the same rounds (100% is the memory ceiling); on a GPU, \"graphed\": the GPU-only time of "
           "the call replayed from a CUDA graph (no host work) and its % of a graphed copy; \"peak +\": the GPU memory "
           "a training step allocates beyond the tables and optimizer state (the gradient among it); n/a: the provider "
-          "cannot run the case. A step: forward, backward, torch's fused AdamW (fused=True, its fastest form, for every "
-          "provider; SparseAdam for a sparse token table) and zero_grad. On a GPU, decoding-sized cases are timed as calls back to back, host time included, "
-          "and training-sized ones by do_bench, the L2 flushed before each call (the CSV's timing column).")
+          "cannot run the case. A step: forward, backward, torch's fused AdamW (fused=True, its fastest form, for "
+          "every provider; SparseAdam for a sparse token table) and zero_grad. On a GPU, decoding-sized cases are "
+          "timed as calls back to back, host time included, and training-sized ones by do_bench, the L2 flushed "
+          "before each call (the CSV's timing column).")
 
 
 def table(rows: list[dict], providers: list[str]) -> str:

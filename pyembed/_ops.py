@@ -76,8 +76,8 @@ class Backend:
     # then optimizer_update).
     position_update: Optional[Callable] = None
     # Its backward ops apply the dropout mask as they read the output gradient (cuda, triton).
-    # False: each op would mask it by a pass of its own (cpu, reference), so the backward masks
-    # it once, first, however many ops then read it (pyembed._autograd._gradients).
+    # False: each op would mask it by a pass of its own (cpu, reference), so a backward whose
+    # gradient two or more ops read masks it once, first (pyembed._autograd._gradients).
     masks_as_it_reads: bool = False
     # "auto"'s preference per device type, lower first ("*": any device type); a device type
     # not listed: auto never picks it there (it can still be asked for by name).
