@@ -4,6 +4,7 @@ gradients, over dtypes, id dtypes, positional encodings and awkward shapes."""
 
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -516,6 +517,35 @@ def test_untouched_rows_are_positive_zeros_under_a_negative_scale(request, backe
     keep = ids != 4
     exact, bound = accumulation_bound(ids[keep], dout[keep], 30, -1.5, torch.float32)
     assert_within(dw, exact, bound, what=f"{backend} dW")
+
+
+def _linux_status(field: str) -> int:
+    """A kB figure of /proc/self/status (VmSize: the address space mapped)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the address space from Linux's /proc")
+def test_a_large_dense_cpu_gradient_is_exact_and_unmapped_when_freed():
+    """The cpu backend's dense gradient of a table over 1 MiB is fresh memory of its own whose
+    never-written rows read as the kernel's zero pages: its values are nn.Embedding's, bit for
+    bit, and freeing it returns it (30 gradients of 64 MiB leave the address space as they
+    found it)."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, dim = 16384, 1024  # 64 MiB of fp32
+    ids = torch.randint(0, vocab, (2, 40), generator=gen)
+    dout = torch.randn(2, 40, dim, generator=gen)
+    weight = torch.randn(vocab, dim, generator=gen).requires_grad_()
+    table = torch.nn.Embedding(vocab, dim, _weight=weight.detach().clone())
+    table(ids).backward(dout)
+    pyembed.fused_embedding(ids, weight, backend="cpu").backward(dout)
+    assert torch.equal(weight.grad, table.weight.grad)
+    weight.grad = None
+    before = _linux_status("VmSize")
+    for _ in range(30):
+        pyembed.fused_embedding(ids, weight, backend="cpu").backward(dout)
+        weight.grad = None
+    assert _linux_status("VmSize") - before < 2 * 64 * 1024  # a leak would be 30 x 64 MiB
 
 
 @pytest.mark.parametrize("backend", BACKENDS + ["cuda-emulated"])
