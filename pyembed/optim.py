@@ -358,6 +358,8 @@ def prepare(table: torch.Tensor) -> tuple[torch.optim.Optimizer, dict, Update]:
     optimizer._opt_called = True
     group = _group_of(optimizer, table)
     rule = _FUSED[type(optimizer)]
+    # A kernel argument: a CUDA tensor lr (torch's fused / capturable optimizers take one) is
+    # read back here, a sync per backward; the kernels would need it from device memory.
     lr = float(group["lr"])
     maximize = float(bool(group.get("maximize", False)))
     if rule == SGD:
