@@ -51,10 +51,10 @@ def fused_embedding(
             encoding (as ``nn.Embedding``). Or a jagged ``torch.nested`` tensor (B, j) of
             sequences of different lengths: a jagged (B, j, d) output over its offsets,
             positions counted from each sequence's start (``position_ids`` jagged too).
-        weight: (V, d) float32/float16/bfloat16/float64 table. An integer table (no
-            gradient) is looked up as ``nn.Embedding`` does, without positions or scale; a
-            tensor subclass of its own dispatch (torchao's quantized tables) through its own
-            ``F.embedding``, the rest in torch ops (validate=True on a GPU: its checks).
+        weight: (V, d) float32/float16/bfloat16/float64 table. A table of another dtype
+            (integer, complex, float8) is looked up as ``nn.Embedding`` does, without positions
+            or scale; a tensor subclass of its own dispatch (torchao's quantized tables) through
+            its own ``F.embedding``, the rest in torch ops (validate=True on a GPU: its checks).
         pos_weight: (max_seq_len, d) learned positional table, same dtype as ``weight``.
         pos_encoding: None (inferred: "learned" if ``pos_weight`` is given, else none),
             "learned" or "sinusoidal" (computed on the fly, even d, any position).
@@ -101,7 +101,7 @@ def fused_embedding(
     fused_table = fused[0] or fused[1]
     if (type(dropout_p) in (float, int) and type(offset) is int
             and (type(weight) in _PLAIN_TENSORS and type(ids) is torch.Tensor or _exported_fakes(weight, ids))
-            and weight.is_floating_point()):
+            and weight.dtype in checks.WEIGHT_DTYPES):
         # The common call -- plain tensors, a float table, with or without dropout (GPT-2's
         # embedding dropout), a dense or sparse gradient, a table with or without its
         # optimizer in the backward.
@@ -236,8 +236,9 @@ def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_
                 f"tensor subclass ({type(foreign).__name__}, e.g. a quantized table): that call runs through the "
                 "subclass's own lookup, which has no fused update; keep the table on a torch optimizer")
         return _foreign_table_lookup(ids, weight, pos_weight, position_ids, options)
-    if isinstance(weight, torch.Tensor) and not (weight.is_floating_point() or weight.is_complex()):
-        return _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx, validate)
+    if isinstance(weight, torch.Tensor) and weight.dtype not in checks.WEIGHT_DTYPES:
+        return _plain_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx,
+                             scale_grad_by_freq, sparse, validate)
     pos_encoding, position_ids = checks.check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
     if type(dropout_p) is not float or dropout_p != 0.0:  # the default needs no check
         checks.check_dropout_p(dropout_p)
@@ -459,13 +460,16 @@ def range_checks(validate, backend: dispatch.Backend, device: torch.device) -> t
     raise checks.InputValueError(f"pyembed: validate must be True, False or 'sync', got {validate!r}")
 
 
-def _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx, validate):
-    """An integer table (``from_pretrained`` of ints) is looked up as ``nn.Embedding``
-    does: no gradient, so nothing to fuse; positions and scaling need a float table."""
+def _plain_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx, scale_grad_by_freq,
+                  sparse, validate):
+    """A table of a dtype the kernels do not take -- integer (``from_pretrained`` of ints),
+    complex, float8 -- is looked up as ``nn.Embedding`` looks it up, by torch's op, its
+    gradient too where torch gives one (none of these: nothing to fuse); positions and
+    scaling are the kernels' part, for float32/float16/bfloat16/float64 tables."""
     if pos_weight is not None or pos_encoding not in (None, "none") or position_ids is not None or scale != 1.0:
         raise checks.InputTypeError(
-            f"pyembed: an integer table ({weight.dtype}) takes no positional encoding or scale; "
-            "only a plain lookup, as nn.Embedding")
+            f"pyembed: a {weight.dtype} table takes no positional encoding or scale, only a plain lookup "
+            "as nn.Embedding's (the fused op takes float32/float16/bfloat16/float64 tables)")
     if weight.dim() != 2:
         raise checks.InputValueError(f"pyembed: weight must be 2-D (V, d), got shape {tuple(weight.shape)}")
     if validate:  # in place eagerly; under torch.compile the check op (as embedding_renorm_)
@@ -473,7 +477,7 @@ def _integer_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, 
     # The aten op, not F.embedding: a program that routes F.embedding to pyembed (test
     # harnesses, profilers patching it) would otherwise recurse here forever.
     padding_idx = checks.normalize_padding_idx(padding_idx, weight.shape[0])
-    return torch.embedding(weight, ids, -1 if padding_idx is None else padding_idx)
+    return torch.embedding(weight, ids, -1 if padding_idx is None else padding_idx, scale_grad_by_freq, sparse)
 
 
 def embedding_renorm_(weight: torch.Tensor, ids: torch.Tensor, max_norm: float, norm_type: float) -> None:

@@ -199,23 +199,17 @@ def replace_embeddings(model: nn.Module, *, backend: str = "auto") -> nn.Module:
     shares the *same* Parameter object, so tied weights stay tied, optimizers already
     holding the Parameter keep working, and state_dict keys do not change. Returns model.
     A module that is already a FusedEmbedding stays as it is, its backend too (a second call
-    changes nothing; set ``module.backend`` to change one). A complex table, which the kernels
-    do not take (nn.Embedding looks one up, frozen), stays an nn.Embedding."""
+    changes nothing; set ``module.backend`` to change one)."""
     swapped: dict[int, FusedEmbedding] = {}  # a module reached by two paths is swapped once
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             scaled = _scaled_word_embedding(child)
-            if (type(child) is not nn.Embedding and scaled is None) or _is_complex_table(child):
+            if type(child) is not nn.Embedding and scaled is None:
                 continue
             if id(child) not in swapped:
                 swapped[id(child)] = _fused_from(child, backend, scaled, takes_its_place=True)
             setattr(parent, name, swapped[id(child)])
     return model
-
-
-def _is_complex_table(module: nn.Module) -> bool:
-    weight = getattr(module, "weight", None)  # (a pre-hook may compute it: then read at the swap)
-    return isinstance(weight, torch.Tensor) and weight.is_complex()
 
 
 # Hugging Face's scaled word embeddings (Gemma 1-4's, Bart's, mBART's, BioGPT's, Pegasus-X's,

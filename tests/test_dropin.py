@@ -515,6 +515,26 @@ def test_integer_tables_are_looked_up_like_nn_embedding(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=str)
+def test_tables_the_kernels_do_not_take_are_looked_up_like_nn_embedding(backend, dtype):
+    # nn.Embedding looks up complex and float8 tables (frozen: torch's autograd gives them no
+    # gradient); a swapped model's such a table raised at its first call.
+    table = torch.randn(6, 4, dtype=torch.complex128).to(dtype) if dtype.is_complex else torch.randn(6, 4).to(dtype)
+    ids = torch.tensor([[2, 0, 5], [1, 1, 4]])
+    ours = pyembed.FusedEmbedding.from_pretrained(table, padding_idx=1, backend=backend)
+    theirs = nn.Embedding.from_pretrained(table, padding_idx=1)
+    assert ours(ids).dtype == dtype and torch.equal(ours(ids).view(torch.uint8), theirs(ids).view(torch.uint8))
+    model = pyembed.replace_embeddings(nn.Sequential(nn.Embedding.from_pretrained(table)), backend=backend)
+    assert type(model[0]) is pyembed.FusedEmbedding
+    assert torch.equal(model(ids).view(torch.uint8), table[ids].view(torch.uint8))
+    with pytest.raises(TypeError, match="no positional encoding or scale"):
+        pyembed.fused_embedding(ids, table, pos_encoding="sinusoidal", backend=backend)
+    with pytest.raises(IndexError):
+        ours(torch.tensor([6]))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("sparse", [False, True])
 def test_zero_width_tables(backend, sparse):
     for vocab, ids in ((10, torch.tensor([[0, 2, 4, 5], [4, 3, 0, 9]])), (0, torch.tensor([], dtype=torch.long))):

@@ -353,21 +353,6 @@ def test_replace_embeddings_fuses_scaled_word_embeddings_and_leaves_other_subcla
         torch.testing.assert_close(m(ids), want[name], rtol=0, atol=0)
 
 
-def test_replace_embeddings_leaves_a_complex_table_to_nn_embedding():
-    """The kernels take float tables; nn.Embedding also looks up a complex one (frozen: its
-    autograd refuses complex outputs): such a module is not swapped, so the model keeps
-    working, and the float table beside it is."""
-    torch.manual_seed(9)
-    frozen = nn.Embedding.from_pretrained(torch.randn(30, 8, dtype=torch.complex64))
-    model = nn.ModuleDict({"complex": frozen, "real": nn.Embedding(30, 8)})
-    ids = torch.randint(0, 30, (2, 5))
-    want = {name: m(ids) for name, m in model.items()}
-    pyembed.replace_embeddings(model)
-    assert type(model["complex"]) is nn.Embedding and type(model["real"]) is pyembed.FusedEmbedding
-    for name, m in model.items():
-        torch.testing.assert_close(m(ids), want[name], rtol=0, atol=0)
-
-
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_from_modules_fuses_a_models_own_tables(backend):
     torch.manual_seed(7)
