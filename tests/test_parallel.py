@@ -7,7 +7,6 @@ themselves are in vocab_parallel_worker.py; each world size is one launch of pro
 (bounded in time, always cleaned up)."""
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import ddp_worker
