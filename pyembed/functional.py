@@ -101,10 +101,10 @@ def fused_embedding(
     fused_table = fused[0] or fused[1]
     if (type(dropout_p) in (float, int) and type(offset) is int
             and (type(weight) in _PLAIN_TENSORS and type(ids) is torch.Tensor or _exported_fakes(weight, ids))
-            and weight.dtype in checks.WEIGHT_DTYPES):
-        # The common call -- plain tensors, a float table, with or without dropout (GPT-2's
-        # embedding dropout), a dense or sparse gradient, a table with or without its
-        # optimizer in the backward.
+            and weight.is_floating_point() and weight.itemsize > 1):
+        # The common call -- plain tensors, a float table of the kernels (not float8), with or
+        # without dropout (GPT-2's embedding dropout), a dense or sparse gradient, a table with
+        # or without its optimizer in the backward.
         # (under make_fx or FakeTensorMode, checks.traced_or_fake, the general route: the length
         # of the dispatch modes' stack is asked first, a C call, ~0.05 us where none is active)
         if _autograd.autograd_may_be_cpp() and not (_dispatch_modes() and checks.traced_or_fake()):
@@ -236,7 +236,9 @@ def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_
                 f"tensor subclass ({type(foreign).__name__}, e.g. a quantized table): that call runs through the "
                 "subclass's own lookup, which has no fused update; keep the table on a torch optimizer")
         return _foreign_table_lookup(ids, weight, pos_weight, position_ids, options)
-    if isinstance(weight, torch.Tensor) and weight.dtype not in checks.WEIGHT_DTYPES:
+    # (the kernels' dtypes, checks.WEIGHT_DTYPES, told by the tensor's own metadata: torch.compile
+    # folds it into the tensor's guard; a set's membership is two guards more)
+    if isinstance(weight, torch.Tensor) and not (weight.is_floating_point() and weight.itemsize > 1):
         return _plain_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx,
                              scale_grad_by_freq, sparse, validate)
     pos_encoding, position_ids = checks.check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)
