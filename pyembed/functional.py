@@ -101,7 +101,7 @@ def fused_embedding(
     fused_table = fused[0] or fused[1]
     if (type(dropout_p) in (float, int) and type(offset) is int
             and (type(weight) in _PLAIN_TENSORS and type(ids) is torch.Tensor or _exported_fakes(weight, ids))
-            and weight.is_floating_point() and weight.itemsize > 1):
+            and weight.dtype in checks.WEIGHT_DTYPES):
         # The common call -- plain tensors, a float table of the kernels (not float8), with or
         # without dropout (GPT-2's embedding dropout), a dense or sparse gradient, a table with
         # or without its optimizer in the backward.
@@ -236,9 +236,7 @@ def _fused_embedding(ids, weight, pos_weight, position_ids, options: tuple, cpp_
                 f"tensor subclass ({type(foreign).__name__}, e.g. a quantized table): that call runs through the "
                 "subclass's own lookup, which has no fused update; keep the table on a torch optimizer")
         return _foreign_table_lookup(ids, weight, pos_weight, position_ids, options)
-    # (the kernels' dtypes, checks.WEIGHT_DTYPES, told by the tensor's own metadata: torch.compile
-    # folds it into the tensor's guard; a set's membership is two guards more)
-    if isinstance(weight, torch.Tensor) and not (weight.is_floating_point() and weight.itemsize > 1):
+    if isinstance(weight, torch.Tensor) and weight.dtype not in checks.WEIGHT_DTYPES:
         return _plain_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, padding_idx,
                              scale_grad_by_freq, sparse, validate)
     pos_encoding, position_ids = checks.check_inputs(ids, weight, pos_weight, pos_encoding, position_ids, offset)

@@ -534,15 +534,6 @@ def test_tables_the_kernels_do_not_take_are_looked_up_like_nn_embedding(backend,
         ours(torch.tensor([6]))
 
 
-def test_the_kernels_dtypes_are_the_floats_wider_than_a_byte():
-    # pyembed.functional tells a kernel table by its metadata (no guard beyond the tensor's
-    # under torch.compile); checks.WEIGHT_DTYPES names them: the two must agree on every dtype.
-    dtypes = {value for value in vars(torch).values() if isinstance(value, torch.dtype)}
-    assert len(dtypes) > 20
-    wider_floats = {dtype for dtype in dtypes if dtype.is_floating_point and dtype.itemsize > 1}
-    assert wider_floats == pyembed.checks.WEIGHT_DTYPES
-
-
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("sparse", [False, True])
 def test_zero_width_tables(backend, sparse):
