@@ -610,7 +610,12 @@ def no_transform() -> bool:
 def only_functionalize() -> bool:
     """torch.func.functionalize is the only torch.func transform active (and no forward-mode
     AD): it has no rule for an autograd.Function ("NYI: Functionalize rule for
-    custom_function_call"), so a call takes the dispatcher's ops there, as under torch.compile."""
+    custom_function_call"), so a call takes the dispatcher's ops there, as under torch.compile.
+    Whether any transform is active is asked first: Dynamo cannot trace the stack's read (a
+    graph break and a warning naming it, seen when a compiled call raised one of pyembed's
+    errors and Dynamo ran its frame again eagerly, compiling these helpers one by one)."""
+    if not functorch_active():
+        return False
     stack = torch._C._functorch.get_interpreter_stack()
     return (bool(stack) and forward_ad._current_level < 0
             and all(layer.key() == torch._C._functorch.TransformType.Functionalize for layer in stack))

@@ -136,6 +136,33 @@ def test_compiled_range_checks_raise_the_eager_errors(case):
         assert torch.equal(kwargs[k], v), f"{k} changed"
 
 
+# Refused while Dynamo traces (types and shapes; the ranges are the op's, above).
+TRACED_CASES = [c for c in CASES if c[0] in ("float ids", "learned position past max", "offset past max",
+                                             "position_ids shape", "negative offset", "rank 3 with PE")]
+
+
+@pytest.mark.parametrize("case", TRACED_CASES, ids=[c[0] for c in TRACED_CASES])
+def test_compiled_call_refused_while_traced_raises_the_eager_error_and_warns_nothing(case):
+    """A compiled call that pyembed refuses while Dynamo traces it raises the eager call's
+    error and nothing else: Dynamo runs the refused frame again eagerly, compiling each
+    function it calls on its own, and one of those once read torch.func's interpreter
+    stack, which Dynamo cannot trace -- a warning asking the user to report a PyTorch bug,
+    printed before pyembed's error (a learned table's too-long sequence did that)."""
+    _, build, exc, fragment = case
+    weight, pos_weight = _tables()
+    kwargs = build(weight, pos_weight)
+    torch._dynamo.reset()
+    compiled = torch.compile(pyembed.fused_embedding, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(exc) as info:
+            compiled(**kwargs)
+    with pytest.raises(exc) as eager:
+        pyembed.fused_embedding(**kwargs)
+    assert str(info.value) == str(eager.value) and fragment in str(info.value)
+    assert not caught, [str(w.message)[:200] for w in caught]
+
+
 @pytest.mark.parametrize("ids, positions, max_seq_len", [
     ([[1, 10, 3]], None, -1), ([[-1, 2]], None, -1), ([[3]], None, -1), ([[12]], None, -1),
     ([[0, 1, 2]], [[0, 6, 1]], 6), ([[0, 1, 2]], [[0, -2, 1]], -1), ([[0, 1, 2]], [[0, 5, 1]], 6),
