@@ -136,6 +136,30 @@ def test_compiled_range_checks_raise_the_eager_errors(case):
         assert torch.equal(kwargs[k], v), f"{k} changed"
 
 
+def test_compiled_range_check_raises_where_torchs_compiled_lookup_aborts():
+    """Inductor's C++ kernels check an index with a throw inside the loop; once a batch is
+    large enough for the loop to run in parallel (OpenMP), the throw escapes the parallel
+    region and the process aborts (SIGABRT; pytorch/pytorch#195402, open on torch 2.14.1:
+    a compiled nn.Embedding, 64x512 ids, one bad). pyembed's check is an op of its own
+    before the lookup: the compiled layer, an Inductor kernel after it, raises the eager
+    IndexError at that size, and with validate=False gives the bad id its zero row."""
+    weight = torch.randn(V, D)
+    ids = torch.randint(0, V, (64, 512), generator=torch.Generator().manual_seed(0))
+    ids[37, 300] = V
+    torch._dynamo.reset()
+    for validate in (True, False):
+        compiled = torch.compile(lambda ids: pyembed.fused_embedding(ids, weight, validate=validate) * 2.0 + 1.0)
+        compiled(ids.clamp(max=V - 1))
+        if validate:
+            with pytest.raises(IndexError, match=f"max id {V}, but the embedding table has V={V} rows"):
+                compiled(ids)
+        else:
+            out = compiled(ids)
+            assert torch.equal(out[37, 300], torch.ones(D))
+            good = ids != V
+            assert torch.equal(out[good], torch.nn.functional.embedding(ids[good], weight) * 2.0 + 1.0)
+
+
 # Refused while Dynamo traces (types and shapes; the ranges are the op's, above).
 TRACED_CASES = [c for c in CASES if c[0] in ("float ids", "learned position past max", "offset past max",
                                              "position_ids shape", "negative offset", "rank 3 with PE")]
