@@ -152,7 +152,26 @@ class EmbeddingLayer(nn.Module):
     def from_modules(cls, token: nn.Embedding, position: Optional[nn.Embedding] = None, *, scale: float = 1.0,
                      backend: str = "auto") -> "EmbeddingLayer":
         """One fused layer over a model's existing tables (GPT-2's ``wte`` / ``wpe``),
-        sharing the *same* Parameters: ``token(ids) * scale + position(positions)``."""
+        sharing the *same* Parameters: ``token(ids) * scale + position(positions)``. The token
+        module keeps what it does to its rows: ``max_norm`` renormalises the ones a call looks
+        up, as ``token(ids)`` does; a FusedEmbedding's scale or a Hugging Face scaled word
+        embedding's (those ``replace_embeddings`` fuses) multiplies ``scale``, read here. The
+        positional term is a plain lookup: a position module with ``max_norm``,
+        ``padding_idx``, ``scale_grad_by_freq`` or a scale is refused, naming it, as is a
+        module whose forward is more than a lookup (OPT's positions, offset by 2); its
+        gradient is dense, whatever the module's ``sparse``."""
+        scaled = _scaled_word_embedding(token)
+        _check_lookup(token, "token", scaled)
+        if position is not None:
+            _check_lookup(position, "position", None)
+            refused = {"max_norm": position.max_norm is not None, "padding_idx": position.padding_idx is not None,
+                       "scale_grad_by_freq": position.scale_grad_by_freq, "scale": getattr(position, "scale", 1.0) != 1}
+            given = [f"{name}={getattr(position, name)}" for name, refuse in refused.items() if refuse]
+            if given:
+                raise checks.InputValueError(
+                    f"pyembed: EmbeddingLayer.from_modules: the position module has {', '.join(given)}, which the "
+                    "fused positional term has no counterpart for (it adds the rows as they are, and trains every "
+                    "one it uses)")
         if position is not None and position.embedding_dim != token.embedding_dim:
             raise checks.InputValueError(
                 f"pyembed: embedding dimension mismatch: token table has d={token.embedding_dim}, "
@@ -161,15 +180,19 @@ class EmbeddingLayer(nn.Module):
                     position.num_embeddings if position is not None else 0,
                     "learned" if position is not None else None, device="meta", dtype=token.weight.dtype,
                     backend=backend)
-        layer.token_embedding = _fused_from(token, backend)
+        layer.token_embedding = _fused_from(token, backend, scaled)
         layer.pos_embedding = position.weight if position is not None else None
-        layer.scale = scale
+        # (a FusedEmbedding's own scale is not carried over by _fused_from; a scaled word
+        # embedding's is, as the new module's)
+        layer.scale = scale * (token.scale if isinstance(token, FusedEmbedding) else layer.token_embedding.scale)
         return layer
 
     def forward(self, ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, offset: int = 0) -> torch.Tensor:
         """ids: (B, T) or (T,) int32/int64 -> (B, T, d) / (T, d). position_ids: like ids;
         offset: first position when position_ids is None (incremental decoding)."""
         token = self.token_embedding
+        if token.max_norm is not None:  # (a table from_modules took with its max_norm)
+            embedding_renorm_(token.weight, ids, token.max_norm, token.norm_type)
         return fused_embedding(
             ids, token.weight, self.pos_embedding, pos_encoding=self.pos_encoding,
             scale=self.scale, position_ids=position_ids, offset=offset,
@@ -210,6 +233,15 @@ def replace_embeddings(model: nn.Module, *, backend: str = "auto") -> nn.Module:
                 swapped[id(child)] = _fused_from(child, backend, scaled, takes_its_place=True)
             setattr(parent, name, swapped[id(child)])
     return model
+
+
+def _check_lookup(module: nn.Module, role: str, scaled: Optional[str]) -> None:
+    """Refuses a module EmbeddingLayer.from_modules cannot fuse: one whose forward is not
+    nn.Embedding's or FusedEmbedding's (or, ``scaled``, a Hugging Face scaled word embedding's)."""
+    if type(module).forward not in (nn.Embedding.forward, FusedEmbedding.forward) and scaled is None:
+        raise checks.InputTypeError(
+            f"pyembed: EmbeddingLayer.from_modules: the {role} module is a {type(module).__name__}, whose forward "
+            "is more than a table lookup; pass its table to pyembed.fused_embedding with what that forward adds")
 
 
 # Hugging Face's scaled word embeddings (Gemma 1-4's, Bart's, mBART's, BioGPT's, Pegasus-X's,

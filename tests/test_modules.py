@@ -1,5 +1,6 @@
 """The drop-in modules against nn.Embedding and against closed forms."""
 
+import copy
 import math
 
 import numpy as np
@@ -385,6 +386,61 @@ def test_from_modules_fuses_a_models_own_tables(backend):
     prune.l1_unstructured(wte, "weight", amount=0.5)
     with pytest.raises(TypeError, match="parameter 'weight'"):
         pyembed.EmbeddingLayer.from_modules(wte, wpe, backend=backend)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("token_kind", ["max_norm", "fused scale", "bart", "gemma"])
+def test_from_modules_computes_what_the_token_module_does(backend, token_kind):
+    """from_modules promises token(ids) * scale + position(positions) for the token lookups
+    pyembed knows: a max_norm renormalises the rows a call looks up (the table changes as
+    token(ids) changes it), a FusedEmbedding's or a Hugging Face scaled word embedding's
+    scale multiplies the layer's. Both were dropped (the rows unrenormalised, unscaled)."""
+    torch.manual_seed(5)
+    token = {"max_norm": lambda: nn.Embedding(30, 8, max_norm=1.0, norm_type=1.5, padding_idx=2),
+             "fused scale": lambda: pyembed.FusedEmbedding(30, 8, scale=1.5, backend=backend),
+             "bart": lambda: _Scaled(30, 8, 8 ** 0.5), "gemma": lambda: _ScaledInDtype(30, 8, 7 ** 0.5)}[token_kind]()
+    position = nn.Embedding(16, 8)
+    with torch.no_grad():
+        token.weight.mul_(3.0)  # rows past max_norm
+    twin, twin_position = copy.deepcopy(token), copy.deepcopy(position)
+    before = token.weight.detach().clone()
+    layer = pyembed.EmbeddingLayer.from_modules(token, position, scale=2.0, backend=backend)
+    ids = torch.randint(0, 30, (3, 7))
+    ids[0, :3] = 2  # the padding row, repeated
+    dout = torch.randn(3, 7, 8)
+    out = layer(ids, offset=4)
+    out.backward(dout)
+    want = twin(ids) * 2.0 + twin_position(torch.arange(4, 11))
+    want.backward(dout)
+    assert_within(out, want.detach(), 1e-6, 1e-6, what=f"from_modules forward, {token_kind} token")
+    torch.testing.assert_close(token.weight, twin.weight, rtol=1e-6, atol=1e-7)  # renormalised alike
+    assert torch.equal(token.weight, before) == (token_kind != "max_norm")  # (so the renorm was exercised)
+    for ours, theirs in ((token, twin), (position, twin_position)):
+        torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, rtol=1e-6, atol=1e-6)
+
+
+class _Offset(nn.Embedding):  # OPT's learned positions: the ids moved by 2 before the lookup
+    def forward(self, positions):
+        return super().forward(positions + 2)
+
+
+@pytest.mark.parametrize("position, refused", [
+    (lambda: nn.Embedding(16, 8, padding_idx=1), "padding_idx=1"),  # RoBERTa's position table
+    (lambda: nn.Embedding(16, 8, max_norm=1.0), "max_norm=1.0"),
+    (lambda: nn.Embedding(16, 8, scale_grad_by_freq=True), "scale_grad_by_freq=True"),
+    (lambda: pyembed.FusedEmbedding(16, 8, scale=2.0), "scale=2.0"),
+    (lambda: _Offset(18, 8), "_Offset, whose forward is more than a table lookup"),
+    (lambda: _Scaled(16, 8, 2.0), "_Scaled, whose forward"),
+], ids=["padding_idx", "max_norm", "scale_grad_by_freq", "scale", "its own forward", "a scaled form"])
+def test_from_modules_refuses_a_position_module_the_fused_term_cannot_follow(position, refused):
+    """The fused positional term adds the rows as they are and trains every one it uses: a
+    position module that does more -- a padding row without gradient, a renorm, a frequency
+    scale, a scale, a forward of its own -- is refused, naming it (each was dropped silently)."""
+    token = nn.Embedding(30, 8)
+    with pytest.raises((ValueError, TypeError), match=refused):
+        pyembed.EmbeddingLayer.from_modules(token, position())
+    with pytest.raises(TypeError, match="_ScaledAndMore, whose forward is more than a table lookup"):
+        pyembed.EmbeddingLayer.from_modules(_ScaledAndMore(30, 8, 2.0))
 
 
 @pytest.mark.parametrize("pos_encoding", [None, "learned", "sinusoidal"])
