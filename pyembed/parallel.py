@@ -141,8 +141,9 @@ class VocabParallelEmbeddingLayer(nn.Module):
             raise checks.InputValueError(
                 "pyembed: VocabParallelEmbeddingLayer has no dropout; apply it after the layer")
         token = layer.token_embedding
-        if token.scale_grad_by_freq:
-            raise checks.InputValueError("pyembed: scale_grad_by_freq is not supported by VocabParallelEmbeddingLayer")
+        for option, given in (("scale_grad_by_freq", token.scale_grad_by_freq), ("max_norm", token.max_norm is not None)):
+            if given:  # (max_norm: a token table EmbeddingLayer.from_modules took with it)
+                raise checks.InputValueError(f"pyembed: {option} is not supported by VocabParallelEmbeddingLayer")
         new = cls(layer.vocab_size, layer.embed_dim, layer.max_seq_len, layer.pos_encoding, layer.scale_embeddings,
                   padding_idx=token.padding_idx, sparse=token.sparse, process_group=process_group,
                   backend=layer.backend, device=token.weight.device, dtype=token.weight.dtype)

@@ -7,9 +7,11 @@ themselves are in vocab_parallel_worker.py; each world size is one launch of pro
 (bounded in time, always cleaned up)."""
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import ddp_worker
+import pyembed
 import vocab_parallel_worker
 from helpers import CPU_BACKENDS, launch_ranks
 from pyembed.parallel import VocabParallelEmbeddingLayer, shard_range
@@ -39,3 +41,15 @@ def test_needs_an_initialised_process_group():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         VocabParallelEmbeddingLayer(10, 4)
+
+
+@pytest.mark.parametrize("token", [
+    lambda: torch.nn.Embedding(10, 4, max_norm=1.0),  # what EmbeddingLayer.from_modules now honours
+    lambda: torch.nn.Embedding(10, 4, scale_grad_by_freq=True),
+], ids=["max_norm", "scale_grad_by_freq"])
+def test_from_full_refuses_the_token_options_a_shard_cannot_follow(token):
+    """A layer's token table with an option the vocab-parallel layer has no counterpart for
+    is refused by name (before any collective), not dropped."""
+    full = pyembed.EmbeddingLayer.from_modules(token(), torch.nn.Embedding(6, 4))
+    with pytest.raises(ValueError, match="is not supported by VocabParallelEmbeddingLayer"):
+        VocabParallelEmbeddingLayer.from_full(full)
