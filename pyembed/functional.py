@@ -480,15 +480,46 @@ def _plain_lookup(ids, weight, pos_weight, pos_encoding, scale, position_ids, pa
     return torch.embedding(weight, ids, -1 if padding_idx is None else padding_idx, scale_grad_by_freq, sparse)
 
 
-def embedding_renorm_(weight: torch.Tensor, ids: torch.Tensor, max_norm: float, norm_type: float) -> None:
+def embedding_renorm_(weight: torch.Tensor, ids: torch.Tensor, max_norm: float, norm_type: float,
+                      backend: str = "auto") -> None:
     """``nn.Embedding``'s ``max_norm``: rescale, in place and without grad, the looked-up
     rows whose ``norm_type``-norm exceeds ``max_norm`` (as ``torch.embedding_renorm_``).
-    The ids are checked first, since the renorm itself would index with them: in place
-    eagerly, by the check_ranges op under torch.compile (reading the ids' values while
-    Dynamo traces failed the compile: a data-dependent guard)."""
+    torch's renorm indexes the table with the ids unchecked, so they are checked first: in
+    place eagerly, by the check_ranges op under torch.compile (reading the ids' values while
+    Dynamo traced failed the compile: a data-dependent guard) -- except an eager call on a
+    GPU whose lookup checks inside its kernel (``backend``'s, validate=True): there the check
+    would be a device->host sync per call, which torch's CUDA renorm does not make, so the
+    rows are renormalised without reading the ids back (_renorm_in_range) and the lookup's
+    kernel reports a bad id, as for any call."""
     if ids.is_nested:  # (nn.Embedding's max_norm does not take nested ids)
         ids = _jagged_values(ids)
     checks.check_integer_tensor("ids", ids)
+    table = weight.detach()  # as F.embedding: no autograd, no forward-AD tangent
+    if (type(table) is torch.Tensor and not torch.compiler.is_compiling()
+            and not range_checks(True, dispatch.resolve(backend, weight.device), weight.device)[0]):
+        with torch.no_grad():
+            _renorm_in_range(table, ids, max_norm, norm_type)
+        return
     ids = checks.checked_ids(ids, weight.shape[0], None, None)
-    with torch.no_grad():  # on weight.detach(), as F.embedding: no autograd, no forward-AD tangent
-        torch.embedding_renorm_(weight.detach(), ids.contiguous(), max_norm, norm_type)
+    with torch.no_grad():
+        torch.embedding_renorm_(table, ids.contiguous(), max_norm, norm_type)
+
+
+def _renorm_in_range(table: torch.Tensor, ids: torch.Tensor, max_norm: float, norm_type: float) -> None:
+    """torch.embedding_renorm_'s math (its CUDA kernel's: the norm and the factor in float32
+    for float32 and narrower tables) without a host read: an id out of range is replaced by
+    an id in range from the same call, so its slot writes what that id's slots write (if no
+    id is in range, the first, clamped, is rewritten with its own rows: scale 1). Duplicates
+    all write the same row, so the write's order does not matter."""
+    flat = ids.reshape(-1)
+    if flat.numel() == 0:
+        return
+    in_range = (flat >= 0) & (flat < table.shape[0])
+    first = in_range.to(torch.uint8).argmax().reshape(1)  # of the ids in range (0 if none is), on the device
+    rows_ids = torch.where(in_range, flat, flat.gather(0, first)).clamp(0, table.shape[0] - 1)
+    acc = torch.float64 if table.dtype == torch.float64 else torch.float32
+    rows = table.index_select(0, rows_ids).to(acc)
+    norms = torch.linalg.vector_norm(rows, ord=norm_type, dim=1)
+    renorm = (norms > max_norm) & in_range.gather(0, first)  # (none: the clamped rows keep their values)
+    factor = torch.where(renorm, max_norm / (norms + 1e-7), 1.0)
+    table.index_put_((rows_ids,), (rows * factor[:, None]).to(table.dtype))

@@ -55,7 +55,7 @@ class FusedEmbedding(nn.Embedding):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.max_norm is not None:
-            embedding_renorm_(self.weight, input, self.max_norm, self.norm_type)
+            embedding_renorm_(self.weight, input, self.max_norm, self.norm_type, self.backend)
         return fused_embedding(
             input, self.weight, scale=self.scale, padding_idx=self.padding_idx,
             scale_grad_by_freq=self.scale_grad_by_freq, sparse=self.sparse, backend=self.backend,
@@ -192,7 +192,7 @@ class EmbeddingLayer(nn.Module):
         offset: first position when position_ids is None (incremental decoding)."""
         token = self.token_embedding
         if token.max_norm is not None:  # (a table from_modules took with its max_norm)
-            embedding_renorm_(token.weight, ids, token.max_norm, token.norm_type)
+            embedding_renorm_(token.weight, ids, token.max_norm, token.norm_type, self.backend)
         return fused_embedding(
             ids, token.weight, self.pos_embedding, pos_encoding=self.pos_encoding,
             scale=self.scale, position_ids=position_ids, offset=offset,

@@ -521,6 +521,46 @@ def test_triton_default_check_never_syncs_and_the_next_call_raises(monkeypatch):
     checks.check_errors("cpu")
 
 
+@pytest.mark.parametrize("ids", [[[1, 12, 4, 1], [-5, 4, 7, 0]], [[12, -5]], [[3, 3, 9]]],
+                         ids=["some out of range", "all out of range", "all in range"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_max_norm_where_the_kernel_checks_renormalises_without_a_sync(monkeypatch, ids, dtype):
+    """On a GPU, where the default check runs inside the lookup's kernel, a FusedEmbedding's
+    max_norm renormalises the rows its ids look up without reading the ids back (torch's
+    CUDA renorm does not sync either, but indexes the table with them unchecked; pyembed
+    checked them first, a sync per call): an id out of range touches no row and is
+    reported by the next call, as any bad id. Shown on CPU tensors taken as a kernel-checked
+    device, with the triton backend: the rows as nn.Embedding(max_norm) leaves them for the
+    ids in range, every other row bit for bit as it was."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from pyembed import checks
+
+    monkeypatch.setattr(checks, "KERNEL_CHECKED_DEVICES", ("cuda", "cpu"))
+    checks.check_errors("cpu")  # nothing left over
+    table = torch.randn(10, 6, dtype=dtype, generator=torch.Generator().manual_seed(4)) * 2  # rows past max_norm
+    ours = pyembed.FusedEmbedding.from_pretrained(table.clone(), freeze=False, max_norm=1.0, norm_type=1.5,
+                                                  backend="triton")
+    theirs = torch.nn.Embedding.from_pretrained(table.clone(), freeze=False, max_norm=1.0, norm_type=1.5)
+    ids = torch.tensor(ids)
+    in_range = (ids >= 0) & (ids < 10)
+    with HostSyncRecorder() as rec:
+        out = ours(ids)
+    assert rec.syncs == []
+    want = theirs(ids[in_range])  # renormalises the same rows, then looks them up
+    assert not out[~in_range].any()
+    torch.testing.assert_close(out[in_range], want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ours.weight, theirs.weight, rtol=1e-6, atol=1e-7)
+    untouched = ~torch.isin(torch.arange(10), ids[in_range])
+    assert torch.equal(ours.weight[untouched], table[untouched])
+    changed = not torch.equal(ours.weight, table)
+    assert changed == bool(in_range.any())  # (so the renorm was exercised)
+    if in_range.all():
+        checks.check_errors("cpu")  # nothing recorded
+    else:
+        with pytest.raises(IndexError, match=r"earlier call on cpu: id (12|-5), but the embedding table has V=10"):
+            ours(ids.clamp(0, 9))
+
+
 def test_emulated_cuda_kernel_records_bad_ranges_and_the_next_call_raises(emulated):
     from pyembed import checks
 
