@@ -597,3 +597,39 @@ def test_a_quantized_table_on_the_gpu_is_looked_up_as_nn_embeddings_without_a_ho
                                    backend=backend)
     assert torch.equal(layer_out == 0, want == 0)
     torch.testing.assert_close(layer_out, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", _kernel_backends())
+def test_max_norm_renormalises_without_a_host_sync_and_a_bad_id_is_reported_later(backend):
+    """A FusedEmbedding(max_norm=...) on the GPU: torch's sync debug mode, set to raise, sees
+    no host sync in a call (the renorm never reads the ids back, as torch's CUDA renorm); the
+    rows as nn.Embedding(max_norm) leaves them for the ids in range (float32 norms, each
+    its own order of sums: close, not equal), every other row bit for bit as it was; an id
+    out of range touches no row and the next call raises, the CUDA context intact."""
+    _kernel_ops(backend)
+    pyembed.check_errors()  # nothing left over
+    table = torch.randn(1000, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(6)) * 0.5
+    ours = pyembed.FusedEmbedding.from_pretrained(table.clone(), freeze=False, max_norm=3.0, backend=backend)
+    theirs = torch.nn.Embedding.from_pretrained(table.clone(), freeze=False, max_norm=3.0)
+    ids = torch.randint(0, 1000, (8, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(7))
+    ids[3, 100], ids[5, 7] = 1000, -1
+    ours(ids.clamp(0, 999)[:1])  # the first call: kernels compiled, the error record allocated
+    pyembed.check_errors()
+    ours.weight.data.copy_(table)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = ours(ids)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    in_range = (ids >= 0) & (ids < 1000)
+    want = theirs(ids[in_range])
+    assert not out[~in_range].any()
+    torch.testing.assert_close(out[in_range], want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.weight, theirs.weight, rtol=1e-5, atol=1e-6)
+    untouched = ~torch.isin(torch.arange(1000, device="cuda"), ids[in_range])
+    assert torch.equal(ours.weight[untouched], table[untouched])
+    assert not torch.equal(ours.weight, table)  # (rows past max_norm were renormalised)
+    with pytest.raises(IndexError, match=r"id (1000|-1), but the embedding table has V=1000"):
+        ours(ids.clamp(0, 999))
+    torch.cuda.synchronize()  # the context is intact
