@@ -141,8 +141,10 @@ class VocabParallelEmbeddingLayer(nn.Module):
             raise checks.InputValueError(
                 "pyembed: VocabParallelEmbeddingLayer has no dropout; apply it after the layer")
         token = layer.token_embedding
-        for option, given in (("scale_grad_by_freq", token.scale_grad_by_freq), ("max_norm", token.max_norm is not None)):
-            if given:  # (max_norm: a token table EmbeddingLayer.from_modules took with it)
+        # (max_norm: a token table EmbeddingLayer.from_modules took with it)
+        for option, given in (("scale_grad_by_freq", token.scale_grad_by_freq),
+                              ("max_norm", token.max_norm is not None)):
+            if given:
                 raise checks.InputValueError(f"pyembed: {option} is not supported by VocabParallelEmbeddingLayer")
         new = cls(layer.vocab_size, layer.embed_dim, layer.max_seq_len, layer.pos_encoding, layer.scale_embeddings,
                   padding_idx=token.padding_idx, sparse=token.sparse, process_group=process_group,
