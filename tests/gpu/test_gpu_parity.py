@@ -1,5 +1,6 @@
 """Every backend that runs on CUDA against eager PyTorch on real GPU tensors."""
 
+import contextlib
 import dataclasses
 import math
 
@@ -19,6 +20,16 @@ def _kernel_backends():
     """pyembed's own GPU kernels, whose sums have a fixed order; the reference backend's
     index_add_ adds with atomics on a GPU, so its bits vary with the layout of the ids."""
     return [b for b in _cuda_backends() if b != "reference"]
+
+
+@contextlib.contextmanager
+def _host_syncs_raise():
+    """torch's sync debug mode set to raise at any device->host sync, for the block."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 def _kernel_ops(backend):
@@ -549,11 +560,8 @@ def test_jagged_ids_count_positions_on_the_gpu_without_a_host_sync(backend):
     ids = torch.nested.nested_tensor(sequences, layout=torch.jagged)  # (made from lengths on the host)
     layer(ids)  # the first call: kernels compiled, the error record allocated
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _host_syncs_raise():
         out = layer(ids)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     dout = torch.randn_like(out.values())
     out.values().backward(dout)
     jagged_grad = layer.token_embedding.weight.grad.clone()
@@ -583,13 +591,10 @@ def test_a_quantized_table_on_the_gpu_is_looked_up_as_nn_embeddings_without_a_ho
     embedding(ids), layer(ids)  # first calls: the dropout generator's state made
     torch.cuda.synchronize()
     torch.manual_seed(1)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _host_syncs_raise():
         with torch.no_grad():
             out = embedding(ids)
         layer_out = layer(ids)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     with torch.no_grad():
         torch.testing.assert_close(out, theirs(ids), rtol=0, atol=0)
     torch.manual_seed(1)
@@ -617,11 +622,8 @@ def test_max_norm_renormalises_without_a_host_sync_and_a_bad_id_is_reported_late
     pyembed.check_errors()
     ours.weight.data.copy_(table)
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _host_syncs_raise():
         out = ours(ids)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     in_range = (ids >= 0) & (ids < 1000)
     want = theirs(ids[in_range])
     assert not out[~in_range].any()
