@@ -238,10 +238,12 @@ def replace_embeddings(model: nn.Module, *, backend: str = "auto") -> nn.Module:
 def _check_lookup(module: nn.Module, role: str, scaled: Optional[str]) -> None:
     """Refuses a module EmbeddingLayer.from_modules cannot fuse: one whose forward is not
     nn.Embedding's or FusedEmbedding's (or, ``scaled``, a Hugging Face scaled word embedding's)."""
-    if type(module).forward not in (nn.Embedding.forward, FusedEmbedding.forward) and scaled is None:
+    cls = type(module)
+    if cls.forward not in (nn.Embedding.forward, FusedEmbedding.forward) and scaled is None:
         raise checks.InputTypeError(
-            f"pyembed: EmbeddingLayer.from_modules: the {role} module is a {type(module).__name__}, whose forward "
-            "is more than a table lookup; pass its table to pyembed.fused_embedding with what that forward adds")
+            f"pyembed: EmbeddingLayer.from_modules: the {role} module is a {cls.__module__}.{cls.__qualname__}, "
+            "whose forward is not a plain table lookup; pass its table to pyembed.fused_embedding with what that "
+            "forward adds")
 
 
 # Hugging Face's scaled word embeddings (Gemma 1-4's, Bart's, mBART's, BioGPT's, Pegasus-X's,

@@ -429,7 +429,7 @@ class _Offset(nn.Embedding):  # OPT's learned positions: the ids moved by 2 befo
     (lambda: nn.Embedding(16, 8, max_norm=1.0), "max_norm=1.0"),
     (lambda: nn.Embedding(16, 8, scale_grad_by_freq=True), "scale_grad_by_freq=True"),
     (lambda: pyembed.FusedEmbedding(16, 8, scale=2.0), "scale=2.0"),
-    (lambda: _Offset(18, 8), "_Offset, whose forward is more than a table lookup"),
+    (lambda: _Offset(18, 8), "_Offset, whose forward is not a plain table lookup"),
     (lambda: _Scaled(16, 8, 2.0), "_Scaled, whose forward"),
 ], ids=["padding_idx", "max_norm", "scale_grad_by_freq", "scale", "its own forward", "a scaled form"])
 def test_from_modules_refuses_a_position_module_the_fused_term_cannot_follow(position, refused):
@@ -439,7 +439,7 @@ def test_from_modules_refuses_a_position_module_the_fused_term_cannot_follow(pos
     token = nn.Embedding(30, 8)
     with pytest.raises((ValueError, TypeError), match=refused):
         pyembed.EmbeddingLayer.from_modules(token, position())
-    with pytest.raises(TypeError, match="_ScaledAndMore, whose forward is more than a table lookup"):
+    with pytest.raises(TypeError, match="_ScaledAndMore, whose forward is not a plain table lookup"):
         pyembed.EmbeddingLayer.from_modules(_ScaledAndMore(30, 8, 2.0))
 
 
